@@ -1,0 +1,3 @@
+from evalgate.cli import main
+
+main()

@@ -1,0 +1,146 @@
+"""The ``evalgate`` command line. Exit codes: 0 pass/ok, 1 fail, 2 error or not comparable."""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import sys
+from pathlib import Path
+
+import click
+
+from evalgate.errors import UserError
+
+# command groups owned by other modules: (module, attribute)
+SUBCOMMANDS = [
+    ("evalgate.cli_kernels", "kernels_group"),
+    ("evalgate.cli_selftest", "selftest_group"),
+    ("evalgate.cli_gate", "commands"),
+]
+
+
+class EvalgateGroup(click.Group):
+    """Turns user errors into one line on stderr and exit 2, from any command."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UserError as exc:
+            click.echo(f"evalgate: error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+
+@click.group(cls=EvalgateGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="evalgate")
+def main():
+    """Gate a new low-precision MoE kernel: run GSM8K and HumanEval with it, compare every item with a
+    stored W4A8 baseline, and answer PASS or FAIL with the flips that explain it."""
+
+
+def _parse_tasks(value: str) -> list[str]:
+    tasks = [t.strip() for t in value.split(",") if t.strip()]
+    if not tasks:
+        raise UserError("--tasks is empty; name at least one task, e.g. --tasks gsm8k")
+    return tasks
+
+
+def _parse_profiles(values: tuple[str, ...], tasks: list[str]) -> dict[str, str]:
+    """``--profile NAME`` (the task is looked up) or ``--profile task=NAME``."""
+    from evalgate.tasks import get_task
+
+    chosen: dict[str, str] = {}
+    for value in values:
+        if "=" in value:
+            task, name = value.split("=", 1)
+            chosen[task] = name
+            continue
+        owners = [t for t in tasks if value in get_task(t).profiles]
+        if not owners:
+            known = ", ".join(p for t in tasks for p in get_task(t).profiles)
+            raise UserError(f"unknown profile {value!r} for tasks {', '.join(tasks)}; choose from: {known}")
+        chosen[owners[0]] = value
+    return chosen
+
+
+def default_out(kernel: str) -> Path:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("results/runs") / f"{stamp}-{kernel.replace('/', '_')}"
+
+
+def run_options(f):
+    """Options shared by ``run``, ``gate`` and ``calibrate``."""
+    decorators = [
+        click.option("--model", "model", default=None, help="Local transformers checkpoint folder (default: the built-in canary)."),
+        click.option("--tasks", default="gsm8k", show_default=True, help="Comma-separated tasks."),
+        click.option("--profile", "profiles", multiple=True, help="Scoring profile, e.g. gsm8k-cot-8shot (or task=NAME). Repeatable."),
+        click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N items of each task."),
+        click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True),
+        click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1..."),
+        click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None, help="Override the checkpoint dtype."),
+        click.option("--data-dir", type=click.Path(), default=None, envvar="EVALGATE_DATA_DIR", help="Offline data laid out like shared/data [env: EVALGATE_DATA_DIR]."),
+    ]
+    for d in reversed(decorators):
+        f = d(f)
+    return f
+
+
+def resolve_model(model: str | None) -> str:
+    if model:
+        return model
+    try:
+        from evalgate.model_adapters.canary import canary_path
+    except ImportError:
+        raise UserError("no --model given and this install has no built-in canary model; pass --model PATH") from None
+    return str(canary_path())
+
+
+@main.command()
+@run_options
+@click.option("--kernel", default="bf16", show_default=True, help="Kernel name (see `evalgate kernels list`).")
+@click.option("--out", type=click.Path(), default=None, help="Run folder (default: results/runs/<time>-<kernel>).")
+@click.option("--resume", is_flag=True, help="Continue the run in --out: finished items are kept, never redone.")
+def run(model, tasks, profiles, limit, batch_size, device, dtype, data_dir, kernel, out, resume):
+    """Run tasks with one kernel and store per-item records."""
+    from evalgate.kernels import get_kernel
+    from evalgate.runner import RunSpec, execute
+
+    if resume and out is None:
+        raise UserError("--resume needs --out: the folder of the run to continue")
+    get_kernel(kernel)  # fail on a bad name before loading anything
+    task_list = _parse_tasks(tasks)
+    spec = RunSpec(model=resolve_model(model), kernel=kernel, tasks=task_list,
+                   profiles=_parse_profiles(profiles, task_list), limit=limit, batch_size=batch_size,
+                   device=device, dtype=dtype, data_dir=data_dir)
+    path = execute(spec, out or default_out(kernel), resume=resume)
+    _print_run_summary(path)
+
+
+def _print_run_summary(path: Path) -> None:
+    from evalgate.store import load_run
+    from evalgate.tasks import get_task
+
+    run = load_run(path)
+    for task_name, records in run.records.items():
+        metric = get_task(task_name).gate_metric
+        score = sum(float(r.get(metric, 0.0)) for r in records) / max(len(records), 1)
+        click.echo(f"{task_name}: {metric} = {score:.4f} over {len(records)} items")
+    click.echo(f"run stored in {path}")
+
+
+def _add_subcommands() -> None:
+    for module_name, attr in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue  # that room has not landed in this install
+            raise
+        found = getattr(module, attr)
+        for command in found if isinstance(found, (list, tuple)) else [found]:
+            main.add_command(command)
+
+
+_add_subcommands()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Runs tasks against a model adapter and streams per-item records into the run store, resumably."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from evalgate import __version__
+from evalgate.errors import UserError
+from evalgate.progress import Progress
+from evalgate.store import MANIFEST, RecordWriter, load_run, read_records, write_json_atomic
+from evalgate.tasks import get_task, resolve_profile
+from evalgate.tasks.base import Request
+
+
+@dataclass
+class RunSpec:
+    """Everything a run is made from; stored in the manifest so a run can be reproduced."""
+
+    model: str
+    kernel: str
+    tasks: list[str]
+    profiles: dict[str, str] = field(default_factory=dict)  # task -> profile name (default profile if absent)
+    limit: int | None = None
+    batch_size: int = 8
+    device: str = "cpu"
+    dtype: str | None = None
+    data_dir: str | None = None
+    order: str = "doc"  # "doc" or "reverse": the A/A second run decodes items in another order
+
+
+def dg_environment() -> dict[str, str]:
+    """Every DG_* / SGLANG_OPT_* variable of this process: they select real kernels (kernel-numerics §6)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("DG_", "SGLANG_OPT_DEEPGEMM"))}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _prepare_out(out: Path, resume: bool) -> dict | None:
+    """The existing manifest when resuming; refuses to touch a stored run otherwise."""
+    manifest = out / MANIFEST
+    if resume:
+        if not manifest.is_file():
+            raise UserError(f"--resume: {str(out)!r} holds no run to resume (no {MANIFEST}); drop --resume to start one")
+        return load_run(out).manifest
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{str(out)!r} already holds files; pass --resume to continue that run or choose another --out")
+    return None
+
+
+def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, progress: Progress | None = None) -> Path:
+    """Run ``spec`` into ``out``; returns the run directory. ``adapter`` defaults to the in-process one."""
+    from evalgate.data import resolve_data_dir
+
+    out = Path(out)
+    previous = _prepare_out(out, resume)
+    data_dir = resolve_data_dir(spec.data_dir)
+    tasks = [get_task(name) for name in spec.tasks]
+    profiles = {t.name: resolve_profile(t, spec.profiles.get(t.name)) for t in tasks}
+    loaded = {}
+    for task in tasks:  # load and validate all data before the (slow) model
+        items, resolved = task.load(profiles[task.name], data_dir, spec.limit)
+        loaded[task.name] = (items, resolved)
+
+    if adapter is None:
+        from evalgate.model_adapters.hf import HFAdapter
+
+        adapter = HFAdapter(spec.model, spec.kernel, device=spec.device, dtype=spec.dtype, batch_size=spec.batch_size)
+    model_info = adapter.info()
+    kernel = adapter.kernel
+    manifest = {
+        "evalgate_version": __version__,
+        "run_id": out.name,
+        "created": previous["created"] if previous else _now(),
+        "status": "running",
+        "spec": asdict(spec),
+        "model": model_info,
+        "kernel": {"name": kernel.name, "version": kernel.version, "id": kernel.id,
+                   "description": kernel.description, "env": kernel.env, "recipe": kernel.recipe,
+                   "faulty": kernel.faulty},
+        "dg_env": dg_environment(),
+        "tasks": {name: {**resolved.summary(), "n_items": len(items)} for name, (items, resolved) in loaded.items()},
+        "timings": {"load_model_s": round(getattr(adapter, "load_s", 0.0), 3)},
+    }
+    if previous is not None:
+        _check_resumable(previous, manifest, out)
+        manifest["timings"] = {**previous.get("timings", {}), **manifest["timings"]}
+    write_json_atomic(out / MANIFEST, manifest)
+
+    progress = progress or Progress()
+    try:
+        with progress:
+            for task in tasks:
+                items, resolved = loaded[task.name]
+                _run_task(task, items, resolved, adapter, out, manifest, progress, spec, data_dir)
+    except BaseException:
+        manifest["status"] = "interrupted"
+        write_json_atomic(out / MANIFEST, manifest)
+        raise
+    manifest["status"] = "complete"
+    manifest["finished"] = _now()
+    write_json_atomic(out / MANIFEST, manifest)
+    return out
+
+
+def _check_resumable(previous: dict, current: dict, out: Path) -> None:
+    diffs = []
+    if previous["model"].get("fingerprint") != current["model"].get("fingerprint"):
+        diffs.append("model fingerprint")
+    if previous["kernel"].get("id") != current["kernel"]["id"]:
+        diffs.append(f"kernel ({previous['kernel'].get('id')} vs {current['kernel']['id']})")
+    for name, summary in current["tasks"].items():
+        before = previous.get("tasks", {}).get(name)
+        if before is None:
+            diffs.append(f"task {name} not in the stored run")
+        elif before.get("profile_id") != summary["profile_id"]:
+            diffs.append(f"{name} profile (items, limit or settings changed)")
+    if diffs:
+        raise UserError(f"--resume: {str(out)!r} was made with a different {', '.join(diffs)}; rerun into a new --out")
+
+
+def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progress: Progress, spec: RunSpec, data_dir) -> None:
+    entry = manifest["tasks"][task.name]
+    prepare = getattr(task, "prepare", None)
+    if prepare is not None:  # e.g. HumanEval's executor self-test: refuse to score on a broken executor
+        entry["prepare"] = prepare(resolved, data_dir)
+    path = out / f"{task.name}.jsonl"
+    existing, _ = read_records(path)
+    done = {r["doc_id"] for r in existing}
+    by_id = {item["doc_id"]: item for item in items}
+    requests = [r for r in task.requests(items, resolved) if r.doc_id not in done]
+    if spec.order == "reverse":
+        requests.reverse()
+    writer = RecordWriter(path)
+    bar = progress.task(f"{task.name} [{adapter.kernel.name}]", total=len(items), done=len(done))
+    gen_s = score_s = 0.0
+    try:
+        for start in range(0, len(requests), spec.batch_size):
+            batch: list[Request] = requests[start:start + spec.batch_size]
+            t0 = time.perf_counter()
+            generations = adapter.generate(batch)
+            t1 = time.perf_counter()
+            batch_items = [by_id[r.doc_id] for r in batch]
+            score_batch = getattr(task, "score_batch", None)
+            if score_batch is not None:
+                records = score_batch(batch_items, batch, generations, resolved)
+            else:
+                records = [task.score(i, r, g, resolved) for i, r, g in zip(batch_items, batch, generations)]
+            for record in records:
+                record["profile_id"] = resolved.profile_id
+            writer.append(records)
+            t2 = time.perf_counter()
+            gen_s += t1 - t0
+            score_s += t2 - t1
+            bar.advance(len(batch))
+    finally:
+        writer.close()
+        timings = manifest["timings"].setdefault(task.name, {})
+        timings["generate_s"] = round(timings.get("generate_s", 0.0) + gen_s, 3)
+        timings["score_s"] = round(timings.get("score_s", 0.0) + score_s, 3)
+        entry["complete"] = len(read_records(path)[0]) == len(items)

@@ -1,0 +1,246 @@
+"""GSM8K, prompted and scored as lm-evaluation-harness does (eval-conventions §2).
+
+Two profiles:
+- ``gsm8k-lmeval-v3``: lm-eval ``gsm8k`` v3.0, 5 shots sampled from train with ``random.Random(1234)``;
+- ``gsm8k-cot-8shot``: lm-eval ``gsm8k_cot`` v3.0, the 8 chain-of-thought exemplars of Wei et al. (2022).
+
+Both record strict-match and flexible-extract per item; the gate scores strict-match. The numeric verdict
+(``Decimal`` comparison) is recorded next to the string verdict and never changes the score.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+from evalgate.data import check_bytes, parse_jsonl, read_verified
+from evalgate.errors import UserError
+from evalgate.profiles import Profile, ResolvedProfile, sha256_text
+from evalgate.tasks.base import Generation, Request
+
+INVALID = "[invalid]"
+SCORER_VERSION = "gsm8k-scorer-1"
+
+# lm-eval filters: (regex, group_select). strict takes the first match, flexible the last.
+STRICT_LMEVAL = r"#### (\-?[0-9\.\,]+)"
+STRICT_COT = r"The answer is (\-?[0-9\.\,]+)."  # the final "." is an unescaped wildcard, kept on purpose
+FLEXIBLE = r"(-?[$0-9.,]{2,})|(-?[0-9]+)"
+# exact_match's regexes_to_ignore, applied in this order to prediction and reference, then lower-case
+IGNORE = [",", r"\$", r"(?s).*#### ", r"\.$"]
+
+COT_EXEMPLARS = [  # lm-eval gsm8k-cot.yaml fewshot samples, in order (sampler first_n)
+    ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, there will be 21 trees. How many trees did the grove workers plant today?",
+     "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have been 21 - 15 = 6. The answer is 6."),
+    ("If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?",
+     "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5."),
+    ("Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?",
+     "Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating 35, they had 74 - 35 = 39. The answer is 39."),
+    ("Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did Jason give to Denny?",
+     "Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he gave Denny 20 - 12 = 8. The answer is 8."),
+    ("Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have now?",
+     "Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. 5 + 4 = 9. The answer is 9."),
+    ("There were nine computers in the server room. Five more computers were installed each day, from monday to thursday. How many computers are now in the server room?",
+     "There were originally 9 computers. For each of 4 days, 5 more computers were added. So 5 * 4 = 20 computers were added. 9 + 20 is 29. The answer is 29."),
+    ("Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf balls did he have at the end of wednesday?",
+     "Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. After losing 2 more, he had 35 - 2 = 33 golf balls. The answer is 33."),
+    ("Olivia has $23. She bought five bagels for $3 each. How much money does she have left?",
+     "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars left. 23 - 15 is 8. The answer is 8."),
+]
+
+PROFILES = {
+    "gsm8k-lmeval-v3": Profile(
+        name="gsm8k-lmeval-v3", task="gsm8k", version="3.0",
+        description="lm-eval gsm8k v3.0: 5 random train shots (seed 1234), strict '#### N' first match",
+        settings={
+            "api_mode": "completion", "split": "test", "shot_split": "train",
+            "item_template": "Question: {question}\nAnswer:", "shot_target": "answer",
+            "num_shots": 5, "shot_sampler": "random.Random(1234).sample per doc in order",
+            "shot_seed": 1234, "target_delimiter": " ", "fewshot_delimiter": "\n\n",
+            "stop": ["Question:", "</s>", "<|im_end|>"], "max_new_tokens": 256,
+            "strict": {"regex": STRICT_LMEVAL, "group_select": 0},
+            "flexible": {"regex": FLEXIBLE, "group_select": -1},
+            "fallback": INVALID, "ignore": IGNORE, "ignore_case": True, "scorer": SCORER_VERSION,
+        },
+    ),
+    "gsm8k-cot-8shot": Profile(
+        name="gsm8k-cot-8shot", task="gsm8k", version="3.0",
+        description="lm-eval gsm8k_cot v3.0: 8 fixed CoT exemplars, strict 'The answer is N' first match",
+        settings={
+            "api_mode": "completion", "split": "test",
+            "item_template": "Q: {question}\nA:", "shot_target": "exemplar", "num_shots": 8,
+            "shot_sampler": "first_n", "exemplars_sha256": sha256_text(json.dumps(COT_EXEMPLARS)),
+            "target_delimiter": " ", "fewshot_delimiter": "\n\n",
+            "stop": ["Q:", "</s>", "<|im_end|>"], "max_new_tokens": 256,
+            "strict": {"regex": STRICT_COT, "group_select": 0},
+            "flexible": {"regex": FLEXIBLE, "group_select": -1},
+            "fallback": INVALID, "ignore": IGNORE, "ignore_case": True, "scorer": SCORER_VERSION,
+        },
+    ),
+}
+
+
+# ---- extraction and scoring (public: a notebook can call these) ----
+
+def _regex_filter(text: str, regex: str, group_select: int) -> str:
+    """lm-eval's RegexFilter: findall, pick a match, first non-empty group of a tuple, strip."""
+    matches = re.findall(regex, text)
+    if not matches:
+        return INVALID
+    match = matches[group_select]
+    if isinstance(match, tuple):
+        match = next((m for m in match if m), None)
+        if match is None:
+            return INVALID
+    return match.strip()
+
+
+def normalize(text: str) -> str:
+    for pattern in IGNORE:
+        text = re.sub(pattern, "", text)
+    return text.lower()
+
+
+def extract_answer(text: str, mode: str = "strict", profile: str = "gsm8k-lmeval-v3") -> str | None:
+    """The normalised answer lm-eval would score, or None when nothing matches (``[invalid]``).
+
+    ``mode`` is ``"strict"`` (first ``#### N``, or ``The answer is N.`` under the CoT profile) or
+    ``"flexible"`` (last number-like run).
+    """
+    if mode not in ("strict", "flexible"):
+        raise ValueError(f"mode must be 'strict' or 'flexible', not {mode!r}")
+    spec = PROFILES[profile].settings[mode]
+    raw = _regex_filter(text, spec["regex"], spec["group_select"])
+    return None if raw == INVALID else normalize(raw)
+
+
+def numeric_value(text: str) -> Decimal | None:
+    try:
+        return Decimal(text.replace(",", "").replace("$", "").strip())
+    except (InvalidOperation, AttributeError):
+        return None
+
+
+def gold_answer(answer: str) -> str:
+    return normalize(answer)  # the "(?s).*#### " pattern keeps only what follows the last "#### "
+
+
+# ---- data ----
+
+def load_split(split: str, data_dir: Path | None) -> list[dict]:
+    rel = f"gsm8k/{split}.jsonl"
+    if data_dir is not None:
+        return parse_jsonl(read_verified(data_dir, rel))
+    try:  # online: the Hugging Face hub copy, serialised like the vendored file so one sha256 covers both
+        import datasets
+
+        ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
+        rows = [{"question": r["question"], "answer": r["answer"]} for r in ds]
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the hub is the same user problem
+        raise UserError(f"cannot load GSM8K {split} from the Hugging Face hub ({type(exc).__name__}); "
+                        f"pass --data-dir or set EVALGATE_DATA_DIR to an offline copy") from None
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
+    check_bytes(data, rel, "the Hugging Face hub (openai/gsm8k)")
+    return rows
+
+
+# ---- the task ----
+
+class GSM8K:
+    name = "gsm8k"
+    profiles = PROFILES
+    default_profile = "gsm8k-lmeval-v3"
+    gate_metric = "exact_match,strict-match"
+    invalid_field = "invalid,strict-match"
+
+    def load(self, profile: Profile, data_dir: Path | None, limit: int | None):
+        test = load_split("test", data_dir)
+        items = [{"doc_id": i, **row} for i, row in enumerate(test)]
+        if limit is not None:
+            items = items[:limit]  # the first N: shots of the first N docs are those of a full run
+        per_item: dict = {}
+        sha = {"gsm8k/test.jsonl": _known("gsm8k/test.jsonl")}
+        if profile.settings.get("shot_split") == "train":
+            train = load_split("train", data_dir)
+            sha["gsm8k/train.jsonl"] = _known("gsm8k/train.jsonl")
+            rnd = random.Random(profile.settings["shot_seed"])
+            for item in items:
+                shot_ids = _sample_positions(rnd, len(train), profile.settings["num_shots"])
+                item["shots"] = [train[j] for j in shot_ids]
+                per_item[str(item["doc_id"])] = shot_ids
+        else:
+            for item in items:
+                item["shots"] = [{"question": q, "answer": a} for q, a in COT_EXEMPLARS]
+        resolved = ResolvedProfile(profile=profile, dataset_sha256=sha, item_ids=tuple(i["doc_id"] for i in items),
+                                   per_item=per_item, decoding={"temperature": 0.0, "do_sample": False, "n": 1})
+        return items, resolved
+
+    def prompt(self, item: dict, profile: Profile) -> str:
+        s = profile.settings
+        parts = [s["item_template"].format(question=shot["question"]) + s["target_delimiter"] + shot["answer"]
+                 for shot in item["shots"]]
+        parts.append(s["item_template"].format(question=item["question"]))
+        return s["fewshot_delimiter"].join(parts)
+
+    def requests(self, items: list[dict], resolved: ResolvedProfile) -> list[Request]:
+        s = resolved.profile.settings
+        return [Request(doc_id=item["doc_id"], prompt=self.prompt(item, resolved.profile), stop=tuple(s["stop"]),
+                        max_new_tokens=s["max_new_tokens"]) for item in items]
+
+    def score(self, item: dict, request: Request, generation: Generation, resolved: ResolvedProfile) -> dict:
+        name = resolved.profile.name
+        target = gold_answer(item["answer"])
+        record = {
+            "doc_id": item["doc_id"],
+            "doc_hash": sha256_text(item["question"]),
+            "target": target,
+            "target_hash": sha256_text(item["answer"]),
+            "question": item["question"],
+            "shot_ids": resolved.per_item.get(str(item["doc_id"])),
+            "prompt_hash": sha256_text(request.prompt),
+            "resps": generation.text,
+            "filtered_resps": {},
+            "extracted": {},
+            "exact_match": {},
+            "numeric_match": {},
+        }
+        for mode, filter_name in (("strict", "strict-match"), ("flexible", "flexible-extract")):
+            spec = resolved.profile.settings[mode]
+            raw = _regex_filter(generation.text, spec["regex"], spec["group_select"])
+            pred = normalize(raw)
+            string_ok = pred == target
+            num_pred, num_gold = numeric_value(raw) if raw != INVALID else None, numeric_value(target)
+            record["filtered_resps"][filter_name] = raw
+            record["extracted"][filter_name] = None if raw == INVALID else pred
+            record["exact_match"][filter_name] = float(string_ok)
+            record["numeric_match"][filter_name] = num_pred is not None and num_gold is not None and num_pred == num_gold
+            record[f"invalid,{filter_name}"] = raw == INVALID
+        record["numeric_disagrees"] = any(record["numeric_match"][f] != bool(record["exact_match"][f])
+                                          for f in record["exact_match"])
+        # flat copies of the gated metrics, so records read like lm-eval's "exact_match,strict-match"
+        for filter_name, value in record["exact_match"].items():
+            record[f"exact_match,{filter_name}"] = value
+        record.update(_generation_fields(generation))
+        record["profile"] = name
+        return record
+
+
+def _sample_positions(rnd: random.Random, population: int, k: int) -> list[int]:
+    """``rnd.sample(train_docs, k)`` as lm-eval calls it, returning positions instead of docs (same RNG draws)."""
+    return rnd.sample(range(population), k)
+
+
+def _known(rel: str) -> str:
+    from evalgate.data import KNOWN_FILES
+
+    return KNOWN_FILES[rel]
+
+
+def _generation_fields(g: Generation) -> dict:
+    return {"finish_reason": g.finish_reason, "stop_hit": g.stop_hit, "n_prompt_tokens": g.n_prompt_tokens,
+            "n_tokens": g.n_tokens, "latency_s": round(g.latency_s, 4)}
+
+
+TASK = GSM8K()

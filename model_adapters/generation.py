@@ -1,0 +1,99 @@
+"""Batched greedy decoding with left padding and per-sequence stop strings.
+
+A small loop of our own instead of ``model.generate``: every row gets explicit position ids from its own
+attention mask (so left padding never shifts positions), each row stops on its own stop strings or EOS,
+and the loop ends when all rows are done. What a row produces does not depend on what else is in its batch
+beyond floating-point reduction order, which ``tests/test_adapter.py`` checks on the tiny model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RawGeneration:
+    token_ids: list[int]  # generated tokens, up to and including the one that completed a stop / EOS
+    text: str  # decoded, cut before the first stop string
+    finish_reason: str  # "stop" | "length"
+    stop_hit: str | None
+    n_prompt_tokens: int
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
+    """``text`` cut before the earliest stop string, and which stop string that was."""
+    best, hit = len(text), None
+    for s in stops:
+        i = text.find(s)
+        if i != -1 and i < best:
+            best, hit = i, s
+    return text[:best], hit
+
+
+@torch.no_grad()
+def greedy_generate(model, tokenizer, prompts: list[str], stops: list[tuple[str, ...]], max_new_tokens: list[int],
+                    device: str = "cpu") -> list[RawGeneration]:
+    enc = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos_ids = set(_eos_ids(model, tokenizer))
+    batch, width = len(enc), max(len(e) for e in enc)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((batch, width), dtype=torch.long)
+    for i, ids in enumerate(enc):  # left padding: real tokens end at the right edge
+        input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        mask[i, width - len(ids):] = 1
+    input_ids, mask = input_ids.to(device), mask.to(device)
+
+    generated: list[list[int]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    texts = [""] * batch
+    reasons = ["length"] * batch
+    hits: list[str | None] = [None] * batch
+    limit = max(max_new_tokens)
+    past = None
+    step_ids, attn_mask = input_ids, mask  # attn_mask covers the cache and the current step
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    for _ in range(limit):
+        out = model(input_ids=step_ids, attention_mask=attn_mask, position_ids=positions,
+                    past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        next_ids = out.logits[:, -1, :].float().argmax(-1)
+        for i in range(batch):
+            if done[i]:
+                continue
+            tok = int(next_ids[i])
+            generated[i].append(tok)
+            if tok in eos_ids:
+                done[i], reasons[i] = True, "stop"
+                generated[i].pop()  # EOS is not part of the response text
+                texts[i] = tokenizer.decode(generated[i], skip_special_tokens=True)
+                generated[i].append(tok)
+                continue
+            text = tokenizer.decode(generated[i], skip_special_tokens=True)
+            cut, hit = cut_at_stop(text, stops[i])
+            if hit is not None:
+                done[i], reasons[i], hits[i], texts[i] = True, "stop", hit, cut
+            elif len(generated[i]) >= max_new_tokens[i]:
+                done[i], texts[i] = True, text
+        if all(done):
+            break
+        # finished rows keep decoding a pad token (masked out) so the batch stays rectangular
+        feed = torch.tensor([pad_id if done[i] else int(next_ids[i]) for i in range(batch)], device=device)
+        step_ids = feed.unsqueeze(-1)
+        attn_mask = torch.cat([attn_mask, torch.ones((batch, 1), dtype=torch.long, device=device)], -1)
+        positions = positions[:, -1:] + 1
+    for i in range(batch):
+        if not done[i]:
+            texts[i] = tokenizer.decode(generated[i], skip_special_tokens=True)
+    return [RawGeneration(generated[i], texts[i], reasons[i], hits[i], len(enc[i])) for i in range(batch)]
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return list(ids) if isinstance(ids, (list, tuple)) else [int(ids)]

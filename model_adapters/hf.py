@@ -1,0 +1,104 @@
+"""In-process transformers adapter: load a local checkpoint with the chosen kernel, generate greedily.
+
+The kernel reaches the model through transformers' experts interface (``experts_implementation=<name>``),
+never by monkeypatching: ``evalgate.kernels`` registers every kernel name on it at import.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from evalgate.errors import UserError
+from evalgate.kernels import get_kernel
+from evalgate.model_adapters.fingerprint import model_fingerprint
+from evalgate.model_adapters.generation import greedy_generate
+from evalgate.tasks.base import Generation, Request
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def check_model_dir(path: str | Path) -> Path:
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise UserError(f"model dir {str(d)!r} does not exist; pass --model a local transformers checkpoint folder")
+    cfg = d / "config.json"
+    if not cfg.is_file():
+        raise UserError(f"{str(d)!r} has no config.json; pass --model a transformers checkpoint folder")
+    try:
+        config = json.loads(cfg.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{str(cfg)!r} is not valid JSON ({exc}); the checkpoint is damaged") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise UserError(f"{str(cfg)!r} has no model_type; it is not a transformers config")
+    if not any(d.glob("*.safetensors")):
+        raise UserError(f"{str(d)!r} has no *.safetensors weights")
+    return d
+
+
+def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: str | None = None):
+    """(model, tokenizer) with ``kernel_name`` serving every MoE experts module."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = check_model_dir(path)
+    kernel = get_kernel(kernel_name)
+    kwargs = {"experts_implementation": kernel.name}
+    if dtype is not None:
+        kwargs["dtype"] = DTYPES[dtype]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(d)
+        model = AutoModelForCausalLM.from_pretrained(d, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot load model from {str(d)!r}: {first}") from None
+    prepare = getattr(kernel, "prepare_model", None)
+    if prepare is not None:  # e.g. attach the stored FP4 codes of an FP4 checkpoint
+        prepare(model, d)
+    return model.to(device).eval(), tokenizer
+
+
+class HFAdapter:
+    """Generates for evalgate's requests with a local checkpoint and one kernel."""
+
+    kind = "hf"
+
+    def __init__(self, path: str | Path, kernel_name: str, device: str = "cpu", dtype: str | None = None,
+                 batch_size: int = 8):
+        t0 = time.perf_counter()
+        self.path = check_model_dir(path)
+        self.kernel = get_kernel(kernel_name)
+        self.device = device
+        self.batch_size = batch_size
+        self.model, self.tokenizer = load_model(self.path, kernel_name, device, dtype)
+        self.load_s = time.perf_counter() - t0
+
+    def info(self) -> dict:
+        import transformers
+
+        return {
+            "adapter": self.kind,
+            "path": str(self.path),
+            **model_fingerprint(self.path),
+            "dtype": str(self.model.dtype).replace("torch.", ""),
+            "device": self.device,
+            "batch_size": self.batch_size,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+        }
+
+    def generate(self, requests: list[Request]) -> list[Generation]:
+        if any(r.messages for r in requests):
+            raise UserError("chat profiles need a chat template; use a completion profile with a local checkpoint")
+        t0 = time.perf_counter()
+        raw = greedy_generate(self.model, self.tokenizer, [r.prompt for r in requests], [r.stop for r in requests],
+                              [r.max_new_tokens for r in requests], device=self.device)
+        per_item = (time.perf_counter() - t0) / max(len(requests), 1)
+        return [Generation(text=g.text, finish_reason=g.finish_reason, stop_hit=g.stop_hit,
+                           n_prompt_tokens=g.n_prompt_tokens, n_tokens=len(g.token_ids), latency_s=per_item)
+                for g in raw]
