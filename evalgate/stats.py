@@ -336,7 +336,7 @@ def holm_adjusted(pvalues: Mapping[str, float]) -> dict[str, float]:
     for i, name in enumerate(order):
         running = max(running, min(1.0, (k - i) * pvalues[name]))
         adjusted[name] = running
-    return adjusted
+    return {name: adjusted[name] for name in pvalues}  # in the caller's order
 
 
 def holm(pvalues: Mapping[str, float], alpha: float = 0.05) -> dict[str, bool]:

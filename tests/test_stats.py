@@ -1,0 +1,383 @@
+"""Gate statistics: against scipy/statsmodels, the spec's test vectors (§4.9) and worked examples (§4.8)."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import binomtest, norm
+from statsmodels.stats.contingency_tables import mcnemar
+from statsmodels.stats.multitest import multipletests
+
+from evalgate.stats import (
+    Counts,
+    decide_overall,
+    decide_task,
+    holm,
+    holm_adjusted,
+    mcnemar_exact_one_sided,
+    mcnemar_exact_two_sided,
+    mcnemar_mid_p_one_sided,
+    min_detectable_margin,
+    newcombe_interval,
+    paired_bootstrap,
+    paired_counts,
+    tango_interval,
+    tango_lower_bound,
+    tango_upper_bound,
+    tango_z,
+    unpaired_two_proportion,
+    wald_interval,
+)
+
+# ---------------------------------------------------------------------------- counts
+
+
+def test_paired_counts_orientation():
+    base = [1, 1, 1, 0, 0, 1]
+    cand = [1, 0, 0, 1, 0, 1]
+    assert paired_counts(base, cand) == Counts(a=2, b=2, c=1, d=1, n=6)
+    counts = paired_counts([True] * 3, [False] * 3)
+    assert (counts.b, counts.delta) == (3, -1.0)
+
+
+def test_paired_counts_rejects_bad_input():
+    with pytest.raises(ValueError, match="length"):
+        paired_counts([1, 0], [1])
+    with pytest.raises(ValueError, match="binary"):
+        paired_counts([0.5, 1], [1, 1])
+
+
+# ---------------------------------------------------------------------------- McNemar
+
+
+def random_tables(count, seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        b, c = rng.integers(0, 60, size=2)
+        yield int(b), int(c)
+
+
+def test_mcnemar_matches_scipy_and_statsmodels():
+    for b, c in random_tables(200, seed=1):
+        m = b + c
+        one = mcnemar_exact_one_sided(b, c)
+        two = mcnemar_exact_two_sided(b, c)
+        if m == 0:
+            assert one == two == 1.0
+            continue
+        assert one == pytest.approx(binomtest(b, m, 0.5, alternative="greater").pvalue, rel=1e-10)
+        table = [[50, b], [c, 40]]
+        assert two == pytest.approx(mcnemar(table, exact=True).pvalue, rel=1e-10)
+        assert two == pytest.approx(binomtest(b, m, 0.5).pvalue, rel=1e-9)
+
+
+def test_mcnemar_edge_cases():
+    assert mcnemar_exact_one_sided(0, 0) == 1.0
+    assert mcnemar_exact_one_sided(0, 7) == 1.0
+    # with m <= 4 p can never fall below 0.05 (§4.2)
+    assert min(mcnemar_exact_one_sided(b, m - b) for m in range(1, 5) for b in range(m + 1)) > 0.05
+    assert mcnemar_exact_one_sided(5, 0) == pytest.approx(1 / 32)
+
+
+def test_mcnemar_rejection_table_of_spec():
+    # §4.7: the smallest b that rejects at α = 0.05 given m discordant items
+    for m, b_min in {5: 5, 10: 9, 20: 15, 40: 26, 80: 48, 130: 75}.items():
+        assert mcnemar_exact_one_sided(b_min, m - b_min) <= 0.05
+        assert mcnemar_exact_one_sided(b_min - 1, m - b_min + 1) > 0.05
+
+
+def test_mid_p_is_below_exact_and_matches_definition():
+    for b, c in random_tables(50, seed=2):
+        m = b + c
+        if m == 0:
+            continue
+        mid = mcnemar_mid_p_one_sided(b, c)
+        assert mid <= mcnemar_exact_one_sided(b, c)
+        direct = sum(math.comb(m, k) for k in range(b + 1, m + 1)) / 2**m + 0.5 * math.comb(m, b) / 2**m
+        assert mid == pytest.approx(direct, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------- §4.9 test vectors
+
+CAVO = dict(a=59, b=16, c=6, d=80)  # n = 161, Cavo et al. (2012), evalgate orientation
+
+
+def test_spec_vectors_mcnemar():
+    assert mcnemar_exact_one_sided(16, 6) == pytest.approx(0.026239, abs=5e-7)
+    assert mcnemar_exact_two_sided(16, 6) == pytest.approx(0.052479, abs=5e-7)
+
+
+def test_spec_vectors_intervals():
+    n = 161
+    assert (6 - 16) / n == pytest.approx(-0.0621, abs=5e-5)
+    assert tango_interval(16, 6, n) == pytest.approx((-0.1240, -0.0054), abs=5e-5)
+    assert newcombe_interval(**CAVO) == pytest.approx((-0.1186, -0.0046), abs=5e-5)
+    assert wald_interval(16, 6, n) == pytest.approx((-0.1184, -0.0058), abs=5e-5)
+    assert tango_lower_bound(16, 6, n) == pytest.approx(-0.1131, abs=5e-5)
+    assert tango_interval(16, 6, n, sided="lower") == (pytest.approx(-0.1131, abs=5e-5), 1.0)
+
+
+@pytest.mark.parametrize("n, expected", [(1319, -0.00205), (164, -0.01623)])
+def test_tango_bound_with_no_discordant_items(n, expected):
+    z = norm.ppf(0.95)
+    bound = tango_lower_bound(0, 0, n)
+    assert bound == pytest.approx(-(z**2) / (n + z**2), abs=1e-12)
+    assert bound == pytest.approx(expected, abs=5e-6)
+    assert tango_interval(0, 0, n, sided="upper")[1] == pytest.approx(z**2 / (n + z**2), abs=1e-12)
+
+
+def test_tango_bound_solves_the_score_equation():
+    z = norm.ppf(0.95)
+    for b, c in random_tables(30, seed=3):
+        n = b + c + 100
+        lower = tango_lower_bound(b, c, n)
+        assert -1 <= lower <= (c - b) / n
+        if lower > -1 + 1e-9:
+            assert float(tango_z(lower, b, c, n)) == pytest.approx(z, abs=1e-6)
+
+
+def test_tango_vectorised_matches_scalar():
+    b = np.array([16, 0, 30, 8, 3])
+    c = np.array([6, 0, 25, 5, 9])
+    bounds = tango_lower_bound(b, c, 500)
+    assert bounds == pytest.approx([tango_lower_bound(int(x), int(y), 500) for x, y in zip(b, c)], abs=1e-14)
+
+
+def test_newcombe_degenerate_tables_stay_in_range():
+    for table in [(10, 0, 0, 0), (0, 0, 0, 10), (0, 5, 0, 0), (0, 0, 5, 0), (3, 0, 0, 7)]:
+        lower, upper = newcombe_interval(*table)
+        assert -1 <= lower <= upper <= 1
+
+
+# ---------------------------------------------------------------------------- coverage by simulation
+
+
+@pytest.mark.parametrize("n, psi, delta", [(1319, 0.04, 0.0), (1319, 0.02, -0.01), (164, 0.06, 0.0),
+                                           (164, 0.10, -0.05)])
+def test_tango_two_sided_coverage(n, psi, delta):
+    rng = np.random.default_rng(20240601)
+    p_b, p_c = (psi - delta) / 2, (psi + delta) / 2
+    draws = rng.multinomial(n, [p_b, p_c, 1 - psi], size=4000)
+    b, c = draws[:, 0], draws[:, 1]
+    lower = tango_lower_bound(b, c, n, 0.025)
+    upper = tango_upper_bound(b, c, n, 0.025)
+    assert tango_interval(int(b[0]), int(c[0]), n) == (lower[0], upper[0])
+    assert np.mean(lower < delta) == pytest.approx(0.975, abs=0.015)  # one-sided 97.5% bound
+    assert np.mean((lower <= delta) & (delta <= upper)) == pytest.approx(0.95, abs=0.02)
+
+
+def test_tango_one_sided_bound_keeps_non_inferiority_error():
+    # At Δ = −M exactly, "L > −M" (a wrong PASS) must happen at most ~α of the time.
+    rng = np.random.default_rng(7)
+    n, psi, margin = 1319, 0.04, 0.015
+    draws = rng.multinomial(n, [(psi + margin) / 2, (psi - margin) / 2, 1 - psi], size=5000)
+    wrong_pass = np.mean(tango_lower_bound(draws[:, 0], draws[:, 1], n) > -margin)
+    assert wrong_pass <= 0.05 + 0.01
+
+
+# ---------------------------------------------------------------------------- bootstrap
+
+
+def test_paired_bootstrap_is_seeded_and_close_to_tango_for_binary():
+    rng = np.random.default_rng(11)
+    base = rng.random(1319) < 0.9
+    cand = base.copy()
+    flips = rng.choice(1319, size=50, replace=False)
+    cand[flips] = ~cand[flips]
+    first = paired_bootstrap(base, cand, seed=5)
+    assert first == paired_bootstrap(base, cand, seed=5)
+    assert first.delta == pytest.approx(cand.mean() - base.mean())
+    counts = paired_counts(base, cand)
+    tango = tango_interval(counts.b, counts.c, counts.n)
+    assert first.lower == pytest.approx(tango[0], abs=0.003)
+    assert first.upper == pytest.approx(tango[1], abs=0.003)
+    one = paired_bootstrap(base, cand, seed=5, sided="lower")
+    assert first.lower < one.lower and one.upper == math.inf
+
+
+def test_paired_bootstrap_fractional_scores():
+    rng = np.random.default_rng(12)
+    base = rng.random(164)
+    cand = np.clip(base - 0.02, 0, 1)
+    result = paired_bootstrap(base, cand, n_boot=2000, seed=1)
+    assert result.lower <= result.delta <= result.upper < 0
+
+
+# ---------------------------------------------------------------------------- Holm
+
+
+def test_holm_hand_examples():
+    # K = 3, α = 0.05: thresholds 0.0167, 0.025, 0.05
+    assert holm({"x": 0.01, "y": 0.02, "z": 0.04}) == {"x": True, "y": True, "z": True}
+    assert holm({"x": 0.01, "y": 0.03, "z": 0.04}) == {"x": True, "y": False, "z": False}
+    assert holm({"x": 0.03, "y": 0.03, "z": 0.001}) == {"x": False, "y": False, "z": True}
+    assert holm({"x": 0.02, "y": 0.02, "z": 0.001}) == {"x": True, "y": True, "z": True}
+    # first step is Bonferroni: nothing below α/K means nothing rejected
+    assert holm({"gsm8k": 0.03, "humaneval": 0.04}) == {"gsm8k": False, "humaneval": False}
+    assert holm({"gsm8k": 0.024, "humaneval": 0.04}) == {"gsm8k": True, "humaneval": True}
+    assert holm({"only": 0.05}) == {"only": True}
+
+
+def test_holm_matches_statsmodels():
+    rng = np.random.default_rng(4)
+    for _ in range(100):
+        k = int(rng.integers(1, 6))
+        pvalues = {f"t{i}": float(p) for i, p in enumerate(rng.random(k) ** 3)}
+        reject, adjusted, _, _ = multipletests(list(pvalues.values()), alpha=0.05, method="holm")
+        assert list(holm(pvalues).values()) == list(reject)
+        assert list(holm_adjusted(pvalues).values()) == pytest.approx(list(adjusted))
+
+
+# ---------------------------------------------------------------------------- unpaired fallback, power
+
+
+def test_unpaired_fallback_is_labelled_and_wider():
+    result = unpaired_two_proportion(0.962, 1319, 0.966, 1319, margin=0.015)
+    assert result.paired is False and result.to_dict()["paired"] is False
+    assert "weaker" in (unpaired_two_proportion.__doc__ or "").lower()
+    assert result.delta == pytest.approx(0.004)
+    assert result.ci[0] < result.lower_bound < result.delta < result.ci[1]
+    assert result.non_inferior and result.p_degradation > 0.5
+    worse = unpaired_two_proportion(0.90, 1319, 0.87, 1319, margin=0.015)
+    assert not worse.non_inferior and worse.p_degradation < 0.01
+
+
+def test_min_detectable_margin_matches_spec_table():
+    assert min_detectable_margin(0.04, 1319) == pytest.approx(2.486 * math.sqrt(0.04 / 1319), rel=1e-3)
+    # §4.7 paired 1-sided MDE column: ψ = 1..10% -> GSM8K / HumanEval pp
+    for psi, gsm, he in [(0.01, 0.68, 1.94), (0.02, 0.97, 2.75), (0.04, 1.37, 3.88), (0.06, 1.68, 4.76),
+                         (0.10, 2.17, 6.14)]:
+        assert 100 * min_detectable_margin(psi, 1319) == pytest.approx(gsm, abs=0.01)
+        assert 100 * min_detectable_margin(psi, 164) == pytest.approx(he, abs=0.01)
+
+
+# ---------------------------------------------------------------------------- decision rule (§4.8)
+
+
+def test_worked_example_gsm8k_pass():
+    dec = decide_task("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015)
+    assert 100 * dec.delta == pytest.approx(-0.38, abs=0.005)
+    assert dec.p_degradation == pytest.approx(0.295, abs=5e-4)
+    assert 100 * dec.tango_lower == pytest.approx(-1.33, abs=0.005)
+    assert dec.verdict == "PASS" and not dec.degraded and dec.non_inferior
+
+
+def test_worked_example_humaneval_fail():
+    dec = decide_task("humaneval", counts=Counts(a=130, b=8, c=5, d=21, n=164), margin=0.05)
+    assert 100 * dec.delta == pytest.approx(-1.83, abs=0.005)
+    assert dec.p_degradation == pytest.approx(0.291, abs=5e-4)
+    assert 100 * dec.tango_lower == pytest.approx(-5.84, abs=0.005)
+    assert dec.verdict == "FAIL" and not dec.degraded and not dec.non_inferior
+    assert any("non-inferiority not shown" in r and "-5.84 pp" in r for r in dec.reasons)
+    overall = decide_overall([
+        decide_task("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015), dec])
+    assert overall.verdict == "FAIL" and overall.exit_code == 1
+    assert overall.tasks["gsm8k"].verdict == "PASS"
+    assert overall.reasons[0].startswith("humaneval: non-inferiority not shown")
+
+
+def test_decide_task_from_vectors_equals_from_counts():
+    rng = np.random.default_rng(9)
+    base = rng.random(300) < 0.85
+    cand = base ^ (rng.random(300) < 0.03)
+    from_vectors = decide_task("t", base, cand, margin=0.05)
+    from_counts = decide_task("t", counts=paired_counts(base, cand), margin=0.05)
+    assert from_vectors == from_counts
+
+
+def test_holm_turns_a_single_task_degradation_into_a_pass():
+    # p = 0.0365 (b = 18, c = 8) rejects alone at α = 0.05 but not at Holm's first step α/2.
+    bad = Counts(a=1250, b=18, c=8, d=43, n=1319)
+    clean = Counts(a=140, b=3, c=3, d=18, n=164)
+    alone = decide_task("gsm8k", counts=bad, margin=0.03)
+    assert 0.025 < alone.p_degradation <= 0.05
+    assert alone.degraded and alone.verdict == "FAIL"
+    overall = decide_overall([alone, decide_task("humaneval", counts=clean, margin=0.10)])
+    gsm = overall.tasks["gsm8k"]
+    assert not gsm.degraded and gsm.verdict == "PASS" and overall.verdict == "PASS"
+    assert gsm.p_degradation_adjusted == pytest.approx(2 * alone.p_degradation)
+    assert gsm.n_tasks == 2 and gsm.multiple_comparisons == "holm"
+    # with no correction the same data fail, and the reason says which rule was applied
+    none = decide_overall([alone, decide_task("humaneval", counts=clean, margin=0.10)],
+                          multiple_comparisons="none")
+    assert none.verdict == "FAIL" and "McNemar" in none.reasons[0] and "K = 2" in none.reasons[0]
+
+
+def flags(n, on):
+    out = np.zeros(n, dtype=bool)
+    out[list(on)] = True
+    return out
+
+
+def test_rate_gates_limit_and_significance():
+    n = 1319
+    counts = Counts(a=1187, b=0, c=0, d=132, n=n)
+    base_invalid = flags(n, range(10))
+    # +14 items = +1.06 pp: over the 1 pp limit, and McNemar p = 2^-14
+    dec = decide_task("gsm8k", counts=counts, margin=0.015, base_invalid=base_invalid,
+                      cand_invalid=flags(n, range(24)), base_truncated=flags(n, []), cand_truncated=flags(n, []))
+    assert dec.verdict == "FAIL" and dec.invalid.over_limit and dec.invalid.significant
+    assert dec.invalid.p == pytest.approx(2.0**-14)
+    assert not dec.truncation.failed
+    # +5 items = +0.38 pp: under the limit, but significant (p = 1/32)
+    dec = decide_task("gsm8k", counts=counts, margin=0.015, base_truncated=flags(n, []),
+                      cand_truncated=flags(n, range(5)), base_invalid=base_invalid, cand_invalid=base_invalid)
+    assert dec.verdict == "FAIL" and dec.truncation.significant and not dec.truncation.over_limit
+    assert any(r.startswith("truncation rate rose significantly") for r in dec.reasons)
+    # exactly the limit (1 of 100 items) is allowed; flags that move but do not rise pass
+    dec = decide_task("t", counts=Counts(90, 0, 0, 10, 100), margin=0.05, base_invalid=flags(100, []),
+                      cand_invalid=flags(100, [0]), base_truncated=flags(100, [1, 2]),
+                      cand_truncated=flags(100, [3, 4]))
+    assert not dec.invalid.failed and not dec.truncation.failed and dec.verdict == "PASS"
+
+
+def test_rate_limit_at_humaneval_size():
+    # at n = 164 two net new invalid items (+1.22 pp) already exceed the 1 pp limit
+    dec = decide_task("humaneval", counts=Counts(140, 0, 0, 24, 164), margin=0.05,
+                      base_invalid=flags(164, []), cand_invalid=flags(164, [0, 1]),
+                      base_truncated=flags(164, []), cand_truncated=flags(164, []))
+    assert dec.invalid.over_limit and not dec.invalid.significant and dec.verdict == "FAIL"
+
+
+def test_missing_flags_warn_and_tokens_warn_but_never_fail():
+    counts = Counts(a=1170, b=30, c=25, d=94, n=1319)
+    dec = decide_task("gsm8k", counts=counts, margin=0.015, base_tokens=[100] * 10, cand_tokens=[115] * 10)
+    assert dec.verdict == "PASS"
+    assert dec.invalid is None and dec.truncation is None
+    assert any("mean generated tokens" in w and "115.0%" in w for w in dec.warnings)
+    assert any("invalid rate not checked" in w for w in dec.warnings)
+    dec = decide_task("gsm8k", counts=counts, margin=0.015, base_tokens=[100] * 10, cand_tokens=[108] * 10)
+    assert dec.tokens.ratio == pytest.approx(1.08) and not dec.tokens.warn
+    overall = decide_overall([dec])
+    assert overall.verdict == "PASS" and overall.exit_code == 0 and overall.warnings
+
+
+def test_decision_serialises():
+    dec = decide_task("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015,
+                      base_invalid=flags(1319, [1]), cand_invalid=flags(1319, [1, 2]),
+                      base_truncated=flags(1319, []), cand_truncated=flags(1319, []))
+    out = decide_overall([dec]).to_dict()
+    assert out["verdict"] == "PASS"
+    task = out["tasks"]["gsm8k"]
+    assert task["counts"] == {"a": 1170, "b": 30, "c": 25, "d": 94, "n": 1319}
+    assert task["invalid"]["rise"] == pytest.approx(1 / 1319)
+
+
+def test_newcombe_ci_method_gates_on_newcombe():
+    counts = Counts(a=1170, b=30, c=25, d=94, n=1319)
+    dec = decide_task("gsm8k", counts=counts, margin=0.015, ci_method="newcombe")
+    assert dec.gate_lower == dec.newcombe_lower == newcombe_interval(1170, 30, 25, 94, 0.10)[0]
+    assert dec.newcombe_ci == newcombe_interval(1170, 30, 25, 94, 0.05)
+
+
+def test_decide_rejects_misuse():
+    with pytest.raises(ValueError):
+        decide_task("t", margin=0.01)
+    with pytest.raises(ValueError):
+        decide_task("t", [1], [1], counts=Counts(1, 0, 0, 0, 1), margin=0.01)
+    a = decide_task("t", counts=Counts(1, 0, 0, 0, 1), margin=0.01, alpha=0.05)
+    b = decide_task("u", counts=Counts(1, 0, 0, 0, 1), margin=0.01, alpha=0.10)
+    with pytest.raises(ValueError, match="α"):
+        decide_overall([a, b])
+    with pytest.raises(ValueError, match="duplicate"):
+        decide_overall([a, a])
