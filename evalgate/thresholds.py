@@ -103,9 +103,17 @@ class _Validator:
         self.lines = lines  # dotted key -> 1-based line number, from the YAML node tree
 
     def error(self, key: str, problem: str, expected: str) -> UserError:
-        line = self.lines.get(key)
+        line = self._line(key)
         where = f"{self.path}:{line}" if line else self.path
         return UserError(_one_line(f"{where}: {key}: {problem}; expected {expected}"))
+
+    def _line(self, key: str) -> int | None:
+        # a missing key has no line of its own: point at its nearest parent that has one
+        while key:
+            if key in self.lines:
+                return self.lines[key]
+            key = key.rpartition(".")[0]
+        return None
 
     def mapping(self, value: Any, key: str, expected: str) -> dict:
         if not isinstance(value, dict):
@@ -120,7 +128,7 @@ class _Validator:
                 raise self.error(f"{prefix}{name}", "unknown key", f"one of {', '.join(allowed)}")
         for name in required:
             if name not in mapping:
-                raise self.error(f"{prefix}{name}", "missing", "this key to be set")
+                raise self.error(f"{prefix}{name}", "missing required key", f"it under {key or 'the top level'}")
 
     def number(self, value: Any, key: str, low: float, high: float, *, low_open: bool = False,
                expected: str) -> float:
