@@ -77,6 +77,7 @@ def run_options(f):
         click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1..."),
         click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None, help="Override the checkpoint dtype."),
+        click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="Override every profile's token limit (changes the profile id; for smoke runs)."),
         click.option("--data-dir", type=click.Path(), default=None, envvar="EVALGATE_DATA_DIR", help="Offline data laid out like shared/data [env: EVALGATE_DATA_DIR]."),
     ]
     for d in reversed(decorators):
@@ -99,7 +100,7 @@ def resolve_model(model: str | None) -> str:
 @click.option("--kernel", default="bf16", show_default=True, help="Kernel name (see `evalgate kernels list`).")
 @click.option("--out", type=click.Path(), default=None, help="Run folder (default: results/runs/<time>-<kernel>).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out: finished items are kept, never redone.")
-def run(model, tasks, profiles, limit, batch_size, device, dtype, data_dir, kernel, out, resume):
+def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel, out, resume):
     """Run tasks with one kernel and store per-item records."""
     from evalgate.kernels import get_kernel
     from evalgate.runner import RunSpec, execute
@@ -110,7 +111,7 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, data_dir, kern
     task_list = _parse_tasks(tasks)
     spec = RunSpec(model=resolve_model(model), kernel=kernel, tasks=task_list,
                    profiles=_parse_profiles(profiles, task_list), limit=limit, batch_size=batch_size,
-                   device=device, dtype=dtype, data_dir=data_dir)
+                   device=device, dtype=dtype, data_dir=data_dir, max_new_tokens=max_new_tokens)
     path = execute(spec, out or default_out(kernel), resume=resume)
     _print_run_summary(path)
 

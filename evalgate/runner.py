@@ -30,6 +30,7 @@ class RunSpec:
     dtype: str | None = None
     data_dir: str | None = None
     order: str = "doc"  # "doc" or "reverse": the A/A second run decodes items in another order
+    max_new_tokens: int | None = None  # override of the profile's limit; changes the profile id (smoke runs)
 
 
 def dg_environment() -> dict[str, str]:
@@ -39,6 +40,17 @@ def dg_environment() -> dict[str, str]:
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def with_overrides(profile, spec: RunSpec):
+    """The profile with the run's overrides folded into its settings, so they are hashed like the rest."""
+    if spec.max_new_tokens is None:
+        return profile
+    from dataclasses import replace
+
+    settings = {**profile.settings, "max_new_tokens": spec.max_new_tokens,
+                "overrides": {"max_new_tokens": spec.max_new_tokens}}
+    return replace(profile, settings=settings)
 
 
 def _prepare_out(out: Path, resume: bool) -> dict | None:
@@ -61,7 +73,7 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
     previous = _prepare_out(out, resume)
     data_dir = resolve_data_dir(spec.data_dir)
     tasks = [get_task(name) for name in spec.tasks]
-    profiles = {t.name: resolve_profile(t, spec.profiles.get(t.name)) for t in tasks}
+    profiles = {t.name: with_overrides(resolve_profile(t, spec.profiles.get(t.name)), spec) for t in tasks}
     loaded = {}
     for task in tasks:  # load and validate all data before the (slow) model
         items, resolved = task.load(profiles[task.name], data_dir, spec.limit)

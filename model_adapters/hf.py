@@ -42,8 +42,13 @@ def check_model_dir(path: str | Path) -> Path:
 
 def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: str | None = None):
     """(model, tokenizer) with ``kernel_name`` serving every MoE experts module."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import sys
 
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()  # keep CI logs clean
     d = check_model_dir(path)
     kernel = get_kernel(kernel_name)
     kwargs = {"experts_implementation": kernel.name}

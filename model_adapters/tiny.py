@@ -75,3 +75,27 @@ def _fill_hash_routes(model, seed: int) -> None:
             vocab, k = module.tid2eid.shape
             routes = torch.stack([torch.randperm(module.num_experts, generator=g)[:k] for _ in range(vocab)])
             module.tid2eid.copy_(routes)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m evalgate.model_adapters.tiny OUT_DIR``: a random tiny checkpoint to try evalgate on."""
+    import argparse
+    import json
+
+    from evalgate.data import parse_jsonl, read_verified, resolve_data_dir
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("out_dir")
+    parser.add_argument("--data-dir", default=None, help="tokenizer training text comes from gsm8k/train.jsonl here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    data_dir = resolve_data_dir(args.data_dir)
+    if data_dir is None:
+        raise SystemExit("evalgate: error: pass --data-dir or set EVALGATE_DATA_DIR (the tokenizer trains on GSM8K train)")
+    rows = parse_jsonl(read_verified(data_dir, "gsm8k/train.jsonl"))[:2000]
+    path = build_tiny_model(args.out_dir, [r["question"] + "\n" + r["answer"] for r in rows], seed=args.seed)
+    print(json.dumps({"model": str(path)}))
+
+
+if __name__ == "__main__":
+    main()
