@@ -9,5 +9,6 @@ inert, and without a version transformers then treats the hub package as absent.
 if __name__ == "evalgate.kernels":
     from .registry import KERNELS, Kernel, get_kernel, kernel_names, register_kernel  # noqa: F401
     from . import bf16  # noqa: F401  (registers the reference kernel)
+    from . import catalog  # noqa: F401  (registers the emulated FP4 kernels, healthy and faulty)
 
     __all__ = ["KERNELS", "Kernel", "get_kernel", "kernel_names", "register_kernel"]

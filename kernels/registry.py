@@ -22,6 +22,8 @@ class Kernel:
     env: dict[str, str] = field(default_factory=dict)  # what a server's launch environment needs to select it
     recipe: dict = field(default_factory=dict)  # the numerics, machine-readable (formats, tie modes...)
     faulty: bool = False  # fault-injected on purpose; never a default
+    twin: str | None = None  # for a faulty kernel: the healthy kernel it was derived from
+    api: dict = field(default_factory=dict)  # real-kernel API arguments (sgl-deep-gemm >= 0.1.7 picks by mma_type)
 
     @property
     def id(self) -> str:
