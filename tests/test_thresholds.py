@@ -145,3 +145,13 @@ def test_directory_and_binary_files(tmp_path):
 def test_parse_text_without_file():
     thresholds = parse_thresholds(GOOD, "inline")
     assert thresholds.path == "inline" and thresholds.task("gsm8k").margin_pp == 1.5
+
+
+def test_installed_tool_falls_back_to_packaged_copy(tmp_path, monkeypatch):
+    import evalgate.thresholds as module
+
+    # pretend the module is installed in site-packages, with no checkout around it
+    monkeypatch.setattr(module, "__file__", str(tmp_path / "site-packages" / "evalgate" / "thresholds.py"))
+    path = module.default_thresholds_path()
+    assert path.name == "thresholds_default.yaml" and path.is_file()
+    assert load_thresholds().sha256 == hashlib.sha256(PACKAGE_FILE.read_bytes()).hexdigest()
