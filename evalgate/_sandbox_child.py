@@ -55,13 +55,13 @@ def _errno_text():
     return os.strerror(ctypes.get_errno())
 
 
-def unshare_namespaces(mode, libc):
+def unshare_namespaces(mode, config, libc):
     """Enter new namespaces; returns (what we got, why not) — the network part is what the manifest needs."""
     if mode == "root":
         if libc.unshare(CLONE_NEWNET | CLONE_NEWPID) == 0:
             return {"network": "netns", "pid": "pidns"}, None
         return None, "unshare(NET|PID) failed: " + _errno_text()
-    if mode == "userns":
+    if mode == "userns":  # unprivileged harness: ns root is the harness's own uid outside (never used as root)
         uid, gid = os.getuid(), os.getgid()
         if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID) != 0:
             return None, "unshare(USER|NET|PID) failed: " + _errno_text()
@@ -91,8 +91,7 @@ def private_filesystem(config, libc, ns):
     notes = []
     if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
         return config["fallback_workdir"], ["mount --make-rprivate failed: " + _errno_text()]
-    if config.get("uid") is not None:
-        notes.extend(expose_interpreter(config, libc))
+    notes.extend(expose_interpreter(config, libc))
     size = f"size={config['tmpfs_bytes']},mode=1777".encode()
     covered = []
     for path in config["tmpfs_dirs"]:
@@ -106,7 +105,7 @@ def private_filesystem(config, libc, ns):
         return config["fallback_workdir"], notes
     workdir = "/tmp/work"
     os.mkdir(workdir, 0o700)
-    if config.get("uid") is not None:
+    if config.get("uid") is not None and config["mode"] != "userns":  # in a userns, ns root owns it already
         os.chown(workdir, config["uid"], config["gid"])
     return workdir, notes
 
@@ -170,8 +169,9 @@ def apply_limits(config):
 
 
 def drop_privileges(config, libc):
+    """To the slot uid (root mode, or the no-namespace fallback); in a user namespace we already are it."""
     uid = config.get("uid")
-    if uid is not None:
+    if uid is not None and config["mode"] != "userns":
         os.setgroups([])
         os.setresgid(config["gid"], config["gid"], config["gid"])
         os.setresuid(uid, uid, uid)
@@ -229,10 +229,10 @@ def run_in_child(config, source, report, libc, ns, notes):
         workdir, fs_notes = private_filesystem(config, libc, ns)
         notes.extend(fs_notes)
         os.chdir(workdir)
+        if ns is None or ns.get("network") != "netns":
+            disable_sockets()  # before dropping privileges: the stdlib may be unreadable to the slot uid
         apply_limits(config)
         drop_privileges(config, libc)
-        if ns is None or ns.get("network") != "netns":
-            disable_sockets()
         report("setup", namespaces=ns, notes=notes)
     except BaseException as exc:
         report("setup_error", message=f"{type(exc).__name__}: {exc}")
@@ -333,7 +333,7 @@ def main():
     del nonce
 
     libc = _libc()
-    ns, why = unshare_namespaces(config["mode"], libc)
+    ns, why = unshare_namespaces(config["mode"], config, libc)
     notes = [why] if why else []
     started = time.monotonic()
     pid = os.fork()

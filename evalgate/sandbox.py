@@ -200,7 +200,7 @@ def run_program(source: str, timeout: float = DEFAULT_TIMEOUT, **limits) -> Outc
         lim = replace(lim, cpu_seconds=int(timeout) + 2)
     mode = sandbox_mode()
     slot = _acquire_slot()
-    uid = SLOT_UID_BASE + slot if mode == "root" else None
+    uid = SLOT_UID_BASE + slot if os.geteuid() == 0 else None  # as root, every mode runs the program as the slot uid
     run_dir = Path(tempfile.mkdtemp(prefix="evalgate-sbx-"))  # 0700: the program's uid cannot enter it
     try:
         if uid is not None:
@@ -286,7 +286,7 @@ def _outcome(status: dict, events: list[dict], survivors: int, stdout: str, stde
     isolation = dict(status["isolation"])
     if setup is not None and setup.get("namespaces"):
         isolation.update(setup["namespaces"])
-    isolation["notes"] = status.get("notes", []) + (setup.get("notes", []) if setup else [])
+    isolation["notes"] = list(dict.fromkeys(status.get("notes", []) + (setup.get("notes", []) if setup else [])))
     exception = next((e for e in events if e["event"] == "exception"), None)
     done = any(e["event"] == "done" for e in events)
     code, sig = status["exit_code"], status["signal"]
