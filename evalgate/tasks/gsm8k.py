@@ -155,6 +155,10 @@ class GSM8K:
     gate_metric = "exact_match,strict-match"
     invalid_field = "invalid,strict-match"
 
+    def is_invalid(self, record: dict, metric: str = "exact_match,strict-match") -> bool:
+        """No answer under the gated filter (lm-eval's ``[invalid]``)."""
+        return bool(record.get(f"invalid,{metric.split(',', 1)[-1]}", False))
+
     def load(self, profile: Profile, data_dir: Path | None, limit: int | None):
         test = load_split("test", data_dir)
         items = [{"doc_id": i, **row} for i, row in enumerate(test)]

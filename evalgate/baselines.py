@@ -1,0 +1,189 @@
+"""Stored baselines: ``results/baselines/<model>/<profile>/<kernel>/``, committed to git, immutable.
+
+Each baseline folder is a run folder for one task (``manifest.json`` + ``<task>.jsonl``), so
+``load_run`` reads it like any run. ``record`` writes into a temporary sibling folder and renames it into
+place, so a killed ``record`` leaves no baseline (only a ``.tmp-*`` folder that lookups ignore and the next
+``record`` removes). An A/A calibration lives next to the records (``aa.json`` and ``aa/``).
+An aggregate-only baseline (a published score and an item count) has ``"aggregate_only": true`` in its
+manifest and no records; everything that shows it says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from evalgate.errors import UserError
+from evalgate.store import MANIFEST, Run, load_run, read_records, write_json_atomic
+
+DEFAULT_ROOT = Path("results/baselines")
+AA_FILE = "aa.json"
+AA_DIR = "aa"
+
+
+def _slug(text: str) -> str:
+    keep = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in str(text))
+    return keep.strip("-") or "unnamed"
+
+
+def model_slug(model: dict) -> str:
+    return _slug(f"{model.get('model_type') or 'model'}-{model.get('fingerprint', 'unknown')}")
+
+
+def profile_slug(task_summary: dict) -> str:
+    return _slug(f"{task_summary['name']}-{task_summary['profile_id'][:12]}")
+
+
+def baseline_dir(root: Path, model: dict, task_summary: dict, kernel: str) -> Path:
+    return Path(root) / model_slug(model) / profile_slug(task_summary) / _slug(kernel)
+
+
+def _check_complete(run: Run) -> None:
+    status = run.manifest.get("status")
+    if status != "complete":
+        raise UserError(f"{run.path} is not a complete run (status {status!r}); finish it with `evalgate run --resume --out {run.path}` first")
+    for task, summary in run.manifest.get("tasks", {}).items():
+        have = len({r["doc_id"] for r in run.records.get(task, [])})
+        if have != summary.get("n_items"):
+            raise UserError(f"{run.path}: {task} has {have} of {summary.get('n_items')} items; a baseline needs every item")
+
+
+def _task_manifest(manifest: dict, task: str, extra: dict) -> dict:
+    out = {k: v for k, v in manifest.items() if k != "tasks"}
+    out["tasks"] = {task: manifest["tasks"][task]}
+    out["timings"] = {k: v for k, v in manifest.get("timings", {}).items() if k in (task, "load_model_s")}
+    out["baseline"] = extra
+    return out
+
+
+def _clean_stale(parent: Path) -> None:
+    for stale in parent.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _install(tmp: Path, final: Path, force: bool) -> None:
+    """Rename ``tmp`` onto ``final``; with ``force`` an existing baseline is moved aside first, then removed."""
+    if final.exists():
+        if not force:
+            raise UserError(f"a baseline already exists at {final}; baselines are immutable — pass --force to replace it")
+        trash = final.with_name(f".tmp-old-{final.name}-{os.getpid()}")
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+
+
+def record(run_path: str | Path, root: str | Path = DEFAULT_ROOT, force: bool = False,
+           tasks: list[str] | None = None) -> list[Path]:
+    """Store a complete run as the baseline for its model, each task's profile and its kernel."""
+    run = load_run(run_path)
+    _check_complete(run)
+    tasks = tasks or run.tasks
+    root = Path(root)
+    targets = []
+    for task in tasks:
+        if task not in run.manifest["tasks"]:
+            raise UserError(f"{run.path} has no task {task!r}")
+        final = baseline_dir(root, run.manifest["model"], run.manifest["tasks"][task], run.kernel)
+        if final.exists() and not force:
+            raise UserError(f"a baseline already exists at {final}; baselines are immutable — pass --force to replace it")
+        targets.append((task, final))
+    written = []
+    for task, final in targets:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale(final.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+        extra = {"source_run": str(run.path), "task": task, "kernel": run.kernel}
+        write_json_atomic(tmp / MANIFEST, _task_manifest(run.manifest, task, extra))
+        shutil.copyfile(run.path / f"{task}.jsonl", tmp / f"{task}.jsonl")
+        for f in (tmp / f"{task}.jsonl",):
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _install(tmp, final, force)
+        written.append(final)
+    return written
+
+
+def import_aggregate(task: str, score: float, n_items: int, model_id: str, profile: str, kernel: str = "w4a8",
+                     source: str = "", root: str | Path = DEFAULT_ROOT, force: bool = False) -> Path:
+    """A published score with no per-item records, stored as an aggregate-only baseline."""
+    if not 0.0 <= score <= 1.0:
+        raise UserError(f"--score must be a fraction in [0, 1], got {score}")
+    if n_items <= 0:
+        raise UserError(f"--n must be a positive item count, got {n_items}")
+    manifest = {
+        "aggregate_only": True,
+        "status": "complete",
+        "model": {"model_id": model_id, "fingerprint": _slug(model_id)},
+        "kernel": {"name": kernel, "id": kernel},
+        "tasks": {task: {"name": profile, "profile_id": "aggregate-only", "score": score, "n_items": n_items}},
+        "baseline": {"task": task, "kernel": kernel, "source": source, "aggregate_only": True},
+    }
+    final = Path(root) / _slug(model_id) / _slug(f"{profile}-aggregate") / _slug(kernel)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(final.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    write_json_atomic(tmp / MANIFEST, manifest)
+    _install(tmp, final, force)
+    return final
+
+
+def list_baselines(root: str | Path = DEFAULT_ROOT) -> list[dict]:
+    rows = []
+    for manifest_path in sorted(Path(root).glob(f"*/*/*/{MANIFEST}")):
+        d = manifest_path.parent
+        if any(part.startswith(".tmp-") for part in d.parts):
+            continue
+        m = json.loads(manifest_path.read_text(encoding="utf-8"))
+        (task, summary), = m["tasks"].items()
+        aa = read_aa(d)
+        rows.append({"path": str(d), "task": task, "profile": summary.get("name"),
+                     "profile_id": summary.get("profile_id"), "kernel": m.get("kernel", {}).get("name"),
+                     "model": m.get("model", {}).get("fingerprint"), "n_items": summary.get("n_items"),
+                     "aggregate_only": bool(m.get("aggregate_only")),
+                     "aa_psi0": aa.get("tasks", {}).get(task, {}).get("psi0") if aa else None})
+    return rows
+
+
+def find_baseline(root: str | Path, fingerprint: str, profile_id: str, kernel: str) -> Path | None:
+    for row in list_baselines(root):
+        if row["model"] == fingerprint and row["profile_id"] == profile_id and row["kernel"] == kernel:
+            return Path(row["path"])
+    return None
+
+
+def read_aa(baseline: str | Path) -> dict | None:
+    path = Path(baseline) / AA_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def write_aa(baseline: str | Path, aa: dict, second_run: str | Path) -> None:
+    """Attach an A/A calibration: the statistics (``aa.json``) and the second run's records (``aa/``)."""
+    baseline, second = Path(baseline), Path(second_run)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-aa-", dir=baseline))
+    for f in second.iterdir():
+        if f.is_file():
+            shutil.copyfile(f, tmp / f.name)
+    old = baseline / AA_DIR
+    if old.exists():
+        shutil.rmtree(old)
+    os.rename(tmp, old)
+    write_json_atomic(baseline / AA_FILE, aa)
+
+
+def assemble(baselines: list[str | Path]) -> Run:
+    """One Run over several single-task baseline folders (or run folders), for pairing with a candidate."""
+    runs = [load_run(b) for b in baselines]
+    if len(runs) == 1:
+        return runs[0]
+    manifest = dict(runs[0].manifest)
+    manifest["tasks"] = {}
+    records = {}
+    for run in runs:
+        manifest["tasks"].update(run.manifest.get("tasks", {}))
+        records.update(run.records)
+    return Run(path=Path(runs[0].path), manifest=manifest, records=records)

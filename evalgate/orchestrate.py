@@ -1,0 +1,104 @@
+"""Gate and calibrate from a model: find the stored baselines first, run only what is missing, decide."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from evalgate.baselines import DEFAULT_ROOT, find_baseline, record, write_aa
+from evalgate.errors import UserError
+from evalgate.gate import Verdict, decide, gate_runs
+from evalgate.compare import compare
+from evalgate.runner import RunSpec, execute, with_overrides
+from evalgate.store import MANIFEST, load_run
+from evalgate.tasks import get_task, resolve_profile
+from evalgate.thresholds import load_thresholds
+
+
+def planned_profile_ids(spec: RunSpec) -> dict[str, str]:
+    """task -> the profile id a run of ``spec`` will have (loads data, not the model)."""
+    from evalgate.data import resolve_data_dir
+
+    data_dir = resolve_data_dir(spec.data_dir)
+    ids = {}
+    for name in spec.tasks:
+        task = get_task(name)
+        profile = with_overrides(resolve_profile(task, spec.profiles.get(name)), spec)
+        _, resolved = task.load(profile, data_dir, spec.limit)
+        ids[name] = resolved.profile_id
+    return ids
+
+
+def model_fingerprint_of(spec: RunSpec) -> str:
+    from evalgate.model_adapters.fingerprint import model_fingerprint
+    from evalgate.model_adapters.hf import check_model_dir
+
+    return model_fingerprint(check_model_dir(spec.model))["fingerprint"]
+
+
+def stored_baselines(spec: RunSpec, kernel: str, root: Path) -> dict[str, Path | None]:
+    fingerprint = model_fingerprint_of(spec)
+    return {task: find_baseline(root, fingerprint, pid, kernel) for task, pid in planned_profile_ids(spec).items()}
+
+
+def _stamp() -> str:
+    return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def run_or_resume(spec: RunSpec, out: Path) -> Path:
+    """A complete run in ``out`` is reused, a partial one resumed, otherwise a new one is started."""
+    if (out / MANIFEST).is_file():
+        if load_run(out).manifest.get("status") == "complete":
+            return out
+        return execute(spec, out, resume=True)
+    return execute(spec, out)
+
+
+def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path = DEFAULT_ROOT, out: Path | None = None,
+               thresholds_path: str | None = None, allow_uncalibrated: bool = False) -> tuple[Verdict, Path]:
+    load_thresholds(thresholds_path)  # a bad policy file fails before anything runs
+    baselines = stored_baselines(spec, baseline_kernel, root)
+    missing = [t for t, d in baselines.items() if d is None]
+    if missing:
+        raise UserError(f"no stored {baseline_kernel} baseline for this model and the {', '.join(missing)} profile(s) "
+                        f"under {root}; create one with `evalgate calibrate --model {spec.model} --kernel {baseline_kernel}` "
+                        "(runs it twice and records it)")
+    out = out or Path("results/runs") / f"gate-{_stamp()}-{spec.kernel.replace('/', '_')}"
+    run_dir = run_or_resume(spec, out)
+    verdict = gate_runs([baselines[t] for t in spec.tasks], run_dir, thresholds_path, allow_uncalibrated)
+    return verdict, run_dir
+
+
+def calibrate(spec: RunSpec, root: Path = DEFAULT_ROOT, runs_dir: Path = Path("results/runs"),
+              thresholds_path: str | None = None, second_batch_size: int | None = None) -> dict:
+    """A/A: the baseline kernel twice (the second time with another batch size and the items in reverse
+    order). Records the first run as the baseline if none is stored, then stores ψ0, Δ̂0, the flip set and
+    the A/A verdict next to each task's baseline."""
+    thresholds = load_thresholds(thresholds_path)
+    baselines = stored_baselines(spec, spec.kernel, root)
+    if any(d is None for d in baselines.values()):
+        first = run_or_resume(spec, runs_dir / f"calibrate-{_stamp()}-{spec.kernel}-A")
+        todo = [t for t, d in baselines.items() if d is None]
+        for path in record(first, root, tasks=todo):
+            baselines[load_run(path).tasks[0]] = path
+    from dataclasses import replace
+
+    other = second_batch_size or (spec.batch_size * 2 if spec.batch_size < 8 else max(1, spec.batch_size // 2))
+    second_spec = replace(spec, batch_size=other, order="reverse")
+    second = run_or_resume(second_spec, runs_dir / f"calibrate-{_stamp()}-{spec.kernel}-B")
+    results = {}
+    for task, base_dir in baselines.items():
+        cmp = compare(base_dir, second, tasks=[task], metrics={task: thresholds.task(task).metric})
+        verdict = decide(cmp, thresholds, require_aa=False)
+        dec = verdict.decision.tasks[task]
+        flips = [d for d, b, c in zip(cmp.pairs[task].doc_ids, cmp.pairs[task].correct("base"),
+                                      cmp.pairs[task].correct("cand")) if b != c]
+        entry = {"psi0": dec.flip_rate, "delta0": dec.delta, "n": dec.counts.n, "b": dec.counts.b,
+                 "c": dec.counts.c, "flips": flips, "verdict": dec.verdict, "reasons": list(dec.reasons),
+                 "second_run": {"path": str(second), "batch_size": other, "order": "reverse"},
+                 "first_batch_size": spec.batch_size}
+        aa = {"tasks": {task: entry}, "thresholds_sha256": thresholds.sha256,
+              "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+        write_aa(base_dir, aa, second)
+        results[task] = {**entry, "baseline": str(base_dir)}
+    return results
