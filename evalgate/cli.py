@@ -16,6 +16,8 @@ SUBCOMMANDS = [
     ("evalgate.cli_kernels", "kernels_group"),
     ("evalgate.cli_selftest", "selftest_group"),
     ("evalgate.cli_gate", "commands"),
+    ("evalgate.cli_report", "commands"),
+    ("evalgate.cli_serve", "commands"),
 ]
 
 

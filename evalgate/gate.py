@@ -14,7 +14,7 @@ from pathlib import Path
 
 from evalgate import stats
 from evalgate.baselines import read_aa
-from evalgate.compare import Comparison, compare
+from evalgate.comparison import Comparison, compare
 from evalgate.errors import NotComparable
 from evalgate.store import Run, load_run
 from evalgate.thresholds import Thresholds, load_thresholds

@@ -8,7 +8,7 @@ from pathlib import Path
 from evalgate.baselines import DEFAULT_ROOT, find_baseline, record, write_aa
 from evalgate.errors import UserError
 from evalgate.gate import Verdict, decide, gate_runs
-from evalgate.compare import compare
+from evalgate.comparison import compare
 from evalgate.runner import RunSpec, execute, with_overrides
 from evalgate.store import MANIFEST, load_run
 from evalgate.tasks import get_task, resolve_profile
