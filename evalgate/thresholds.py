@@ -1,4 +1,4 @@
-"""The gate's policy file, thresholds.yaml: alpha, multiplicity rule, CI method and per-task margins.
+"""The gate's policy file, thresholds.yaml: alpha and its split, multiplicity rule, CI method, margins.
 
 ``load_thresholds(path=None)`` reads and validates it. Any problem (missing file, bad YAML, duplicate or
 unknown key, wrong type, value out of range, missing task) raises ``UserError`` with one line naming the
@@ -41,6 +41,7 @@ class TaskThresholds:
     max_truncation_rise_pp: float = 1.0
     require_paired: bool = True
     min_aa_runs: int = 1
+    min_rise_items: int = 4  # item floor of the rate limits: FAIL needs > max(limit·n, this) net new items
 
     @property
     def margin(self) -> float:
@@ -64,6 +65,9 @@ class Thresholds:
     ci_method: str
     token_ratio_band: tuple[float, float]
     tasks: dict[str, TaskThresholds] = field(default_factory=dict)
+    alpha_split: bool = True  # one α budget for the whole gate (False: §4.8 as written, every test at α)
+    alpha_validity: float = 0.01  # the validity-rate checks' share of α (all tasks together)
+    margin_floor: bool = True  # raise M to the A/A floor k·√(ψ₀/n) when it is below it (§4.6)
 
     def task(self, name: str) -> TaskThresholds:
         """The policy for one task; a task with no section is a user error (margins are set before runs)."""
@@ -73,6 +77,12 @@ class Thresholds:
                 f"expected a section under 'tasks:' (have: {', '.join(sorted(self.tasks))})"
             )
         return self.tasks[name]
+
+    def decision_kwargs(self, name: str) -> dict:
+        """The policy keys of ``evalgate.stats.decide_task`` beyond margin, alpha and the rate limits."""
+        task = self.task(name)
+        return {"alpha_split": self.alpha_split, "alpha_validity": self.alpha_validity,
+                "margin_floor": self.margin_floor, "min_rise_items": task.min_rise_items}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -219,9 +229,11 @@ def _parse_yaml(text: str, path: str) -> tuple[Any, dict[str, int]]:
 # --------------------------------------------------------------------------------------------------------
 
 _TOP_REQUIRED = ("alpha", "tasks")
-_TOP_OPTIONAL = ("multiple_comparisons", "ci_method", "token_ratio_band")
+_TOP_OPTIONAL = ("multiple_comparisons", "ci_method", "token_ratio_band", "alpha_split", "alpha_validity",
+                 "margin_floor")
 _TASK_REQUIRED = ("profile", "metric", "margin_pp")
-_TASK_OPTIONAL = ("max_invalid_rise_pp", "max_truncation_rise_pp", "require_paired", "min_aa_runs")
+_TASK_OPTIONAL = ("max_invalid_rise_pp", "max_truncation_rise_pp", "require_paired", "min_aa_runs",
+                  "min_rise_items")
 
 
 def _task_thresholds(name: str, section: Any, check: _Validator) -> TaskThresholds:
@@ -244,6 +256,8 @@ def _task_thresholds(name: str, section: Any, check: _Validator) -> TaskThreshol
         require_paired=check.boolean(section.get("require_paired", True), f"{key}.require_paired"),
         min_aa_runs=check.integer(section.get("min_aa_runs", 1), f"{key}.min_aa_runs", 0,
                                   "a whole number >= 0"),
+        min_rise_items=check.integer(section.get("min_rise_items", 4), f"{key}.min_rise_items", 0,
+                                     "a whole number of items >= 0 (0: the limit alone, as in §4.8)"),
     )
 
 
@@ -271,6 +285,14 @@ def parse_thresholds(text: str, path: str = "<thresholds>", sha256: str | None =
                         tuple(MULTIPLE_COMPARISONS))
     ci_method = check.choice(data.get("ci_method", "tango"), "ci_method", CI_METHODS)
     band = _token_band(data.get("token_ratio_band", [0.9, 1.1]), check)
+    alpha_split = check.boolean(data.get("alpha_split", True), "alpha_split")
+    # the accuracy checks get alpha - alpha_validity, so it must stay below alpha
+    alpha_validity = check.number(data.get("alpha_validity", 0.01), "alpha_validity", 0, alpha,
+                                  expected=f"a number in [0, alpha) = [0, {alpha:g}), e.g. 0.01")
+    if alpha_validity >= alpha:
+        raise check.error("alpha_validity", f"{alpha_validity!r} is out of range",
+                          f"a number in [0, alpha) = [0, {alpha:g}), e.g. 0.01")
+    margin_floor = check.boolean(data.get("margin_floor", True), "margin_floor")
     sections = check.mapping(data["tasks"], "tasks", "a mapping of task name to its thresholds")
     for name in REQUIRED_TASKS:
         if name not in sections:
@@ -278,7 +300,7 @@ def parse_thresholds(text: str, path: str = "<thresholds>", sha256: str | None =
                               f"a section for each of {', '.join(REQUIRED_TASKS)}")
     tasks = {name: _task_thresholds(name, section, check) for name, section in sections.items()}
     digest = sha256 or hashlib.sha256(text.encode("utf-8")).hexdigest()
-    return Thresholds(path, digest, alpha, rule, ci_method, band, tasks)
+    return Thresholds(path, digest, alpha, rule, ci_method, band, tasks, alpha_split, alpha_validity, margin_floor)
 
 
 def load_thresholds(path: str | Path | None = None) -> Thresholds:

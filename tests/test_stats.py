@@ -10,8 +10,10 @@ from statsmodels.stats.multitest import multipletests
 
 from evalgate.stats import (
     Counts,
+    aa_margin_floor,
     decide_overall,
     decide_task,
+    gate_levels,
     holm,
     holm_adjusted,
     mcnemar_exact_one_sided,
@@ -309,34 +311,185 @@ def flags(n, on):
     return out
 
 
+# §4.8 as written: every check at α, the requested margin, the raw 1 pp rate limit
+SPEC_RULE = dict(alpha_split=False, margin_floor=False, min_rise_items=0)
+
+
 def test_rate_gates_limit_and_significance():
     n = 1319
     counts = Counts(a=1187, b=0, c=0, d=132, n=n)
     base_invalid = flags(n, range(10))
-    # +14 items = +1.06 pp: over the 1 pp limit, and McNemar p = 2^-14
-    dec = decide_task("gsm8k", counts=counts, margin=0.015, base_invalid=base_invalid,
-                      cand_invalid=flags(n, range(24)), base_truncated=flags(n, []), cand_truncated=flags(n, []))
-    assert dec.verdict == "FAIL" and dec.invalid.over_limit and dec.invalid.significant
-    assert dec.invalid.p == pytest.approx(2.0**-14)
-    assert not dec.truncation.failed
-    # +5 items = +0.38 pp: under the limit, but significant (p = 1/32)
-    dec = decide_task("gsm8k", counts=counts, margin=0.015, base_truncated=flags(n, []),
-                      cand_truncated=flags(n, range(5)), base_invalid=base_invalid, cand_invalid=base_invalid)
-    assert dec.verdict == "FAIL" and dec.truncation.significant and not dec.truncation.over_limit
-    assert any(r.startswith("truncation rate rose significantly") for r in dec.reasons)
+    # +14 items = +1.06 pp: over the 1 pp limit (13.19 items), and McNemar p = 2^-14
+    for policy in ({}, SPEC_RULE):
+        dec = decide_task("gsm8k", counts=counts, margin=0.015, base_invalid=base_invalid,
+                          cand_invalid=flags(n, range(24)), base_truncated=flags(n, []),
+                          cand_truncated=flags(n, []), **policy)
+        assert dec.verdict == "FAIL" and dec.invalid.over_limit and dec.invalid.significant
+        assert dec.invalid.p == pytest.approx(2.0**-14)
+        assert not dec.truncation.failed
     # exactly the limit (1 of 100 items) is allowed; flags that move but do not rise pass
     dec = decide_task("t", counts=Counts(90, 0, 0, 10, 100), margin=0.05, base_invalid=flags(100, []),
                       cand_invalid=flags(100, [0]), base_truncated=flags(100, [1, 2]),
-                      cand_truncated=flags(100, [3, 4]))
+                      cand_truncated=flags(100, [3, 4]), **SPEC_RULE)
     assert not dec.invalid.failed and not dec.truncation.failed and dec.verdict == "PASS"
 
 
+def test_rate_significance_uses_its_share_of_alpha():
+    # +5 truncations = +0.38 pp, McNemar p = 1/32: significant at α (§4.8 as written) but not at the rate
+    # checks' share of the budget, α_validity / J = 0.01 / 2 for one task, 0.01 / 4 for two.
+    n = 1319
+    counts = Counts(a=1187, b=0, c=0, d=132, n=n)
+    kwargs = dict(counts=counts, margin=0.015, base_truncated=flags(n, []), cand_truncated=flags(n, range(5)),
+                  base_invalid=flags(n, range(10)), cand_invalid=flags(n, range(10)))
+    spec = decide_task("gsm8k", **kwargs, **SPEC_RULE)
+    assert spec.verdict == "FAIL" and spec.truncation.significant and not spec.truncation.over_limit
+    assert any(r.startswith("truncation rate rose significantly") for r in spec.reasons)
+    dec = decide_task("gsm8k", **kwargs)
+    assert dec.truncation.alpha == pytest.approx(0.005) and not dec.truncation.significant
+    assert dec.verdict == "PASS"
+    # the spec check is still reported, and a warning says §4.8 as written would fail
+    assert dec.truncation.significant_at_alpha and dec.spec_verdict == "FAIL"
+    assert any("§4.8 as written" in w and "truncation McNemar p = 0.03125" in w for w in dec.warnings)
+    overall = decide_overall([dec, decide_task("humaneval", counts=Counts(140, 0, 0, 24, 164), margin=0.05,
+                                               base_invalid=flags(164, []), cand_invalid=flags(164, []),
+                                               base_truncated=flags(164, []), cand_truncated=flags(164, []))])
+    assert overall.tasks["gsm8k"].truncation.alpha == pytest.approx(0.0025)
+    assert overall.verdict == "PASS" and overall.spec_verdict == "FAIL"
+    # a large rise is significant at the share too: +12 items, p = 2^-12
+    big = decide_task("gsm8k", **{**kwargs, "cand_truncated": flags(n, range(12))})
+    assert big.truncation.significant and not big.truncation.over_limit and big.verdict == "FAIL"
+
+
 def test_rate_limit_at_humaneval_size():
-    # at n = 164 two net new invalid items (+1.22 pp) already exceed the 1 pp limit
-    dec = decide_task("humaneval", counts=Counts(140, 0, 0, 24, 164), margin=0.05,
-                      base_invalid=flags(164, []), cand_invalid=flags(164, [0, 1]),
-                      base_truncated=flags(164, []), cand_truncated=flags(164, []))
-    assert dec.invalid.over_limit and not dec.invalid.significant and dec.verdict == "FAIL"
+    # at n = 164 a 1 pp limit is 1.64 items: two net new invalid items (+1.22 pp) exceed it (§4.8 as written),
+    # which indicator noise alone does ~20% of the time; the item floor (min_rise_items = 4) needs 5
+    kwargs = dict(counts=Counts(140, 0, 0, 24, 164), margin=0.05, base_invalid=flags(164, []),
+                  base_truncated=flags(164, []), cand_truncated=flags(164, []))
+    spec = decide_task("humaneval", cand_invalid=flags(164, [0, 1]), **kwargs, **SPEC_RULE)
+    assert spec.invalid.over_limit and not spec.invalid.significant and spec.verdict == "FAIL"
+    dec = decide_task("humaneval", cand_invalid=flags(164, [0, 1]), **kwargs)
+    assert dec.invalid.limit_items == 4 and not dec.invalid.over_limit and dec.invalid.over_raw_limit
+    assert dec.verdict == "PASS" and dec.spec_verdict == "FAIL"
+    four = decide_task("humaneval", cand_invalid=flags(164, range(4)), **kwargs)
+    assert four.verdict == "PASS"
+    five = decide_task("humaneval", cand_invalid=flags(164, range(5)), **kwargs)
+    assert five.invalid.over_limit and five.verdict == "FAIL"
+    assert any("5 net new items > max(1.00 pp of n, 4 items) = 4.00" in r for r in five.reasons)
+
+
+def test_gate_levels_split_the_budget():
+    assert gate_levels(0.05, True, 0.01, 2, 4) == pytest.approx((0.04, 0.0025))
+    assert gate_levels(0.05, True, 0.01, 1, 0) == pytest.approx((0.04, 0.01))
+    assert gate_levels(0.05, False, 0.01, 2, 4) == (0.05, 0.05)
+    with pytest.raises(ValueError, match="alpha_validity"):
+        gate_levels(0.05, True, 0.05, 2, 4)
+
+
+# ---------------------------------------------------------------------------- A/A margin floor (§4.6)
+
+
+def union_false_fail(psi0, n, margin, share, alpha=0.05):
+    """P(McNemar p ≤ share or Tango L ≤ −margin) at Δ = 0, flip rate ψ₀: brute force over the trinomial."""
+    from scipy.stats import multinomial
+
+    total = 0.0
+    top = int(n * psi0) + 25  # P(b + c ≥ top) < 1e-9 for these cases
+    for b in range(top):
+        for c in range(top - b):
+            pmf = multinomial.pmf([b, c, n - b - c], n, [psi0 / 2, psi0 / 2, 1 - psi0])
+            if pmf < 1e-15:
+                continue
+            p = binomtest(b, b + c, 0.5, alternative="greater").pvalue if b + c else 1.0
+            if p <= share or tango_lower_bound(b, c, n, alpha) <= -margin:
+                total += pmf
+    return total
+
+
+@pytest.mark.parametrize("psi0, n", [(0.02, 164), (0.06, 164)])
+def test_aa_margin_floor_is_the_smallest_margin_within_the_share(psi0, n):
+    floor = aa_margin_floor(psi0, n, 0.05, 0.02)
+    assert union_false_fail(psi0, n, floor, 0.02) <= 0.02
+    assert union_false_fail(psi0, n, floor - 2e-6, 0.02) > 0.02  # minimal (to its 1e-6 rounding)
+
+
+def test_aa_margin_floor_values_and_edges():
+    # documented in thresholds.yaml
+    for psi0, n, expected in [(0.02, 1319, 1.54), (0.04, 1319, 2.12), (0.06, 1319, 2.58), (0.02, 164, 5.32),
+                              (0.04, 164, 6.65), (0.06, 164, 8.16)]:
+        assert 100 * aa_margin_floor(psi0, n, 0.05, 0.02) == pytest.approx(expected, abs=0.005)
+    # ψ₀ = 0: only b = c = 0, whose bound is −z²/(n + z²)
+    assert aa_margin_floor(0.0, 1319, 0.05, 0.02) == pytest.approx(0.00205, abs=1e-5)
+    # a larger share (fewer tasks) gives a smaller floor; more noise a larger one
+    assert aa_margin_floor(0.04, 1319, 0.05, 0.04) < aa_margin_floor(0.04, 1319, 0.05, 0.02)
+    assert aa_margin_floor(0.02, 1319) < aa_margin_floor(0.04, 1319) < aa_margin_floor(0.06, 1319)
+    with pytest.raises(ValueError):
+        aa_margin_floor(1.5, 100)
+
+
+HE_EXAMPLE = Counts(a=130, b=8, c=5, d=21, n=164)
+GSM_EXAMPLE = Counts(a=1170, b=30, c=25, d=94, n=1319)
+
+
+def test_margin_raised_by_aa_noise_is_recorded_and_changes_the_humaneval_example():
+    # §4.8 worked example (L = −5.84 pp ≤ −5 pp: FAIL) when the A/A flip rate is 4%: a good kernel would
+    # fail NI too often at M = 5 pp, so M is raised to the floor (6.36 pp for the task alone, share α_acc)
+    # and the example passes
+    dec = decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.04, aa_n=164)
+    assert dec.margin_requested == 0.05
+    assert dec.margin_effective == dec.margin == dec.margin_floor == pytest.approx(0.0636, abs=5e-5)
+    assert "ψ₀ = 4.00%" in dec.margin_raised_because and "α_acc/K = 0.04" in dec.margin_raised_because
+    assert dec.non_inferior and dec.verdict == "PASS"
+    assert "M raised from 5.00 pp to 6.36 pp" in dec.reasons[0]
+    # the spec check is still reported: NI at the requested margin is not shown
+    assert not dec.spec_non_inferior and dec.spec_verdict == "FAIL"
+    assert any("§4.8 as written" in w and "L = -5.84 pp ≤ -M = -5.00 pp" in w for w in dec.warnings)
+    # with K = 2 tasks the share halves, so the floor rises further, to 6.65 pp
+    overall = decide_overall([decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319),
+                              dec])
+    assert overall.tasks["humaneval"].margin > dec.margin
+    assert overall.tasks["humaneval"].margin == pytest.approx(aa_margin_floor(0.04, 164, 0.05, 0.02))
+    assert overall.verdict == "PASS" and overall.spec_verdict == "FAIL"
+    out = overall.to_dict()["tasks"]["humaneval"]
+    assert out["margin_requested"] == 0.05 and out["margin_raised_because"] and out["spec_verdict"] == "FAIL"
+
+
+def test_floor_off_or_low_noise_keeps_the_requested_margin():
+    # ψ₀ = 1%: the floor (4.49 pp) is below M, nothing is raised and the worked example still fails
+    dec = decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.01, aa_n=164)
+    assert dec.margin == 0.05 and dec.margin_raised_because is None and dec.margin_floor < 0.05
+    assert dec.verdict == "FAIL"
+    # floor off: the requested margin, with a warning that it is below the floor
+    dec = decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.04, aa_n=164, margin_floor=False)
+    assert dec.margin == 0.05 and dec.margin_floor is None and dec.verdict == "FAIL"
+    assert any("below the A/A floor (margin_floor off)" in w for w in dec.warnings)
+
+
+def test_without_aa_data_the_margin_is_unchecked_and_says_so():
+    dec = decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015)
+    assert dec.margin == dec.margin_requested == dec.margin_effective == 0.015
+    assert dec.margin_floor is None and dec.aa_psi0 is None
+    assert any(w.startswith("margin not checked against A/A noise") for w in dec.warnings)
+    dec = decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1000)
+    assert not any("margin not checked" in w for w in dec.warnings)
+    assert any("A/A calibration covered 1000 items" in w for w in dec.warnings)
+
+
+def test_spec_rule_reproduces_section_4_8_exactly():
+    # with the split, the floor and the item floor off, both worked examples and their numbers are §4.8's
+    gsm = decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319, **SPEC_RULE)
+    he = decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.04, aa_n=164, **SPEC_RULE)
+    assert gsm.verdict == "PASS" and gsm.alpha_accuracy == 0.05 and gsm.margin == 0.015
+    assert he.verdict == "FAIL" and he.margin == 0.05
+    overall = decide_overall([gsm, he])
+    assert overall.verdict == overall.spec_verdict == "FAIL"
+    assert overall.reasons[0].startswith("humaneval: non-inferiority not shown")
+
+
+def test_decision_policies_must_agree_across_tasks():
+    a = decide_task("t", counts=Counts(1, 0, 0, 0, 1), margin=0.01)
+    b = decide_task("u", counts=Counts(1, 0, 0, 0, 1), margin=0.01, alpha_validity=0.02)
+    with pytest.raises(ValueError, match="α budgets"):
+        decide_overall([a, b])
 
 
 def test_missing_flags_warn_and_tokens_warn_but_never_fail():
@@ -381,3 +534,6 @@ def test_decide_rejects_misuse():
         decide_overall([a, b])
     with pytest.raises(ValueError, match="duplicate"):
         decide_overall([a, a])
+    for bad in (dict(alpha_validity=0.05), dict(min_rise_items=-1), dict(aa_psi0=1.5), dict(aa_n=0)):
+        with pytest.raises(ValueError):
+            decide_task("t", counts=Counts(1, 0, 0, 0, 1), margin=0.01, **bad)
