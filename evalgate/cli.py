@@ -87,6 +87,33 @@ def run_options(f):
     return f
 
 
+def server_options(f):
+    """Options of ``run`` and ``gate`` that drive an OpenAI-compatible server instead of the in-process model."""
+    decorators = [
+        click.option("--server", default=None, metavar="URL", help="A running OpenAI-compatible server (SGLang, vLLM, evalgate serve) started with --kernel selected."),
+        click.option("--model-id", default=None, help="The served model's name; part of a server run's model identity."),
+        click.option("--launch", type=click.Choice(["sglang", "vllm"]), default=None, help="Start this server on --model with the kernel's environment, stop it after; its arguments follow `--` [command: env EVALGATE_SGLANG_COMMAND / EVALGATE_VLLM_COMMAND]."),
+        click.option("--launch-timeout", type=click.FloatRange(min=1), default=1800.0, show_default=True, help="Seconds a launched server has to become healthy."),
+        click.option("--request-timeout", type=click.FloatRange(min=0.1), default=600.0, show_default=True, help="Seconds one server request may take."),
+        click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True, help="Server requests in flight at once (at most --batch-size: the runner hands over one batch at a time)."),
+        click.option("--retries", type=click.IntRange(min=0), default=3, show_default=True, help="Retries per request on connection errors, timeouts, 5xx and malformed answers."),
+        click.argument("server_args", nargs=-1, type=click.UNPROCESSED),
+    ]
+    for d in reversed(decorators):
+        f = d(f)
+    return f
+
+
+def server_adapter(server, launch, model, kernel, out, model_id, server_args, launch_timeout, request_timeout,
+                   concurrency, retries, batch_size):
+    """Context manager yielding the server adapter, or None for the in-process model."""
+    from evalgate.model_adapters.launcher import served_adapter
+
+    return served_adapter(kernel, out, server=server, launch=launch, model=model, model_id=model_id,
+                          server_args=server_args, launch_timeout=launch_timeout, request_timeout=request_timeout,
+                          concurrency=concurrency, retries=retries, batch_size=batch_size)
+
+
 def resolve_model(model: str | None) -> str:
     if model:
         return model
@@ -97,13 +124,26 @@ def resolve_model(model: str | None) -> str:
     return str(canary_path())
 
 
+def served_model_name(model, server, launch, model_id) -> str:
+    """What ``RunSpec.model`` holds: the checkpoint, or for a server run its name (identity is the fingerprint)."""
+    if launch:
+        return model or ""
+    if server:
+        return model_id or server
+    return resolve_model(model)
+
+
 @main.command()
 @run_options
 @click.option("--kernel", default="bf16", show_default=True, help="Kernel name (see `evalgate kernels list`).")
 @click.option("--out", type=click.Path(), default=None, help="Run folder (default: results/runs/<time>-<kernel>).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out: finished items are kept, never redone.")
-def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel, out, resume):
-    """Run tasks with one kernel and store per-item records."""
+@server_options
+def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel, out, resume,
+        server, model_id, launch, launch_timeout, request_timeout, concurrency, retries, server_args):
+    """Run tasks with one kernel and store per-item records.
+
+    With --server or --launch, requests go to an OpenAI-compatible server; server arguments follow `--`."""
     from evalgate.kernels import get_kernel
     from evalgate.runner import RunSpec, execute
 
@@ -111,10 +151,17 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
         raise UserError("--resume needs --out: the folder of the run to continue")
     get_kernel(kernel)  # fail on a bad name before loading anything
     task_list = _parse_tasks(tasks)
-    spec = RunSpec(model=resolve_model(model), kernel=kernel, tasks=task_list,
+    spec = RunSpec(model=served_model_name(model, server, launch, model_id), kernel=kernel, tasks=task_list,
                    profiles=_parse_profiles(profiles, task_list), limit=limit, batch_size=batch_size,
                    device=device, dtype=dtype, data_dir=data_dir, max_new_tokens=max_new_tokens)
-    path = execute(spec, out or default_out(kernel), resume=resume)
+    out = Path(out) if out else default_out(kernel)
+    if launch:  # refuse a bad --out before a server spends minutes starting
+        from evalgate.runner import _prepare_out
+
+        _prepare_out(out, resume)
+    with server_adapter(server, launch, model, kernel, out, model_id, server_args, launch_timeout, request_timeout,
+                        concurrency, retries, batch_size) as adapter:
+        path = execute(spec, out, resume=resume, adapter=adapter)
     _print_run_summary(path)
 
 

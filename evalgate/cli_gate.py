@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from evalgate.cli import _parse_profiles, _parse_tasks, resolve_model, run_options
+from evalgate.cli import _parse_profiles, _parse_tasks, resolve_model, run_options, server_adapter, server_options
 from evalgate.errors import UserError
 
 DEFAULT_BASELINES = "results/baselines"
@@ -20,11 +20,11 @@ def _console():
     return Console(stderr=False, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
 
 
-def _spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir):
+def _spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name=None):
     from evalgate.runner import RunSpec
 
     task_list = _parse_tasks(tasks)
-    return RunSpec(model=resolve_model(model), kernel=kernel, tasks=task_list,
+    return RunSpec(model=name or resolve_model(model), kernel=kernel, tasks=task_list,
                    profiles=_parse_profiles(profiles, task_list), limit=limit, batch_size=batch_size,
                    device=device, dtype=dtype, data_dir=data_dir, max_new_tokens=max_new_tokens)
 
@@ -53,31 +53,41 @@ def _finish(verdict, report_dir: Path) -> None:
 @click.option("--out", type=click.Path(), default=None, help="Candidate run folder (default: results/runs/gate-<time>-<kernel>).")
 @click.option("--report-dir", type=click.Path(), default=None, help="Where gate.json, report.md, junit.xml go (default: <run>/gate).")
 @click.option("--allow-uncalibrated", is_flag=True, help="Decide even if the baseline has no A/A calibration (recorded).")
+@server_options
 def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel, candidate,
-         baselines, baseline_kernel, baselines_root, thresholds_path, out, report_dir, allow_uncalibrated):
-    """Compare a candidate kernel with the stored W4A8 baseline: PASS (exit 0) or FAIL (exit 1); 2 = error."""
+         baselines, baseline_kernel, baselines_root, thresholds_path, out, report_dir, allow_uncalibrated,
+         server, model_id, launch, launch_timeout, request_timeout, concurrency, retries, server_args):
+    """Compare a candidate kernel with the stored W4A8 baseline: PASS (exit 0) or FAIL (exit 1); 2 = error.
+
+    With --server or --launch, the candidate runs on an OpenAI-compatible server; server arguments follow `--`."""
     from evalgate.gate import gate_runs
-    from evalgate.orchestrate import gate_model
+    from evalgate.orchestrate import gate_model, gate_out
 
     if candidate:
         if not baselines:
             raise UserError("--candidate needs --baseline: the baseline folder(s) to compare with")
+        if server or launch:
+            raise UserError("--candidate decides from a stored run; drop --server/--launch")
         verdict = gate_runs(list(baselines), candidate, thresholds_path, allow_uncalibrated)
         run_dir = Path(candidate)
     else:
+        from evalgate.cli import default_out, served_model_name
         from evalgate.kernels import get_kernel
 
         get_kernel(kernel)
-        spec = _spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir)
-        if baselines:
-            from evalgate.orchestrate import run_or_resume
+        name = served_model_name(model, server, launch, model_id) if (server or launch) else None
+        spec = _spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name)
+        run_out = Path(out) if out else (default_out(kernel) if baselines else gate_out(kernel))
+        with server_adapter(server, launch, model, kernel, run_out, model_id, server_args, launch_timeout,
+                            request_timeout, concurrency, retries, batch_size) as adapter:
+            if baselines:
+                from evalgate.orchestrate import run_or_resume
 
-            from evalgate.cli import default_out
-            run_dir = run_or_resume(spec, Path(out) if out else default_out(kernel))
-            verdict = gate_runs(list(baselines), run_dir, thresholds_path, allow_uncalibrated)
-        else:
-            verdict, run_dir = gate_model(spec, baseline_kernel, Path(baselines_root), Path(out) if out else None,
-                                          thresholds_path, allow_uncalibrated)
+                run_dir = run_or_resume(spec, run_out, adapter=adapter)
+                verdict = gate_runs(list(baselines), run_dir, thresholds_path, allow_uncalibrated)
+            else:
+                verdict, run_dir = gate_model(spec, baseline_kernel, Path(baselines_root), run_out,
+                                              thresholds_path, allow_uncalibrated, adapter=adapter)
     _finish(verdict, Path(report_dir) if report_dir else Path(run_dir) / "gate")
 
 

@@ -29,15 +29,18 @@ def planned_profile_ids(spec: RunSpec) -> dict[str, str]:
     return ids
 
 
-def model_fingerprint_of(spec: RunSpec) -> str:
+def model_fingerprint_of(spec: RunSpec, adapter=None) -> str:
+    """The local checkpoint's fingerprint, or what a server adapter reports (a server has no local folder)."""
+    if adapter is not None:
+        return adapter.info()["fingerprint"]
     from evalgate.model_adapters.fingerprint import model_fingerprint
     from evalgate.model_adapters.hf import check_model_dir
 
     return model_fingerprint(check_model_dir(spec.model))["fingerprint"]
 
 
-def stored_baselines(spec: RunSpec, kernel: str, root: Path) -> dict[str, Path | None]:
-    fingerprint = model_fingerprint_of(spec)
+def stored_baselines(spec: RunSpec, kernel: str, root: Path, adapter=None) -> dict[str, Path | None]:
+    fingerprint = model_fingerprint_of(spec, adapter)
     return {task: find_baseline(root, fingerprint, pid, kernel) for task, pid in planned_profile_ids(spec).items()}
 
 
@@ -45,26 +48,33 @@ def _stamp() -> str:
     return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def run_or_resume(spec: RunSpec, out: Path) -> Path:
+def run_or_resume(spec: RunSpec, out: Path, adapter=None) -> Path:
     """A complete run in ``out`` is reused, a partial one resumed, otherwise a new one is started."""
     if (out / MANIFEST).is_file():
         if load_run(out).manifest.get("status") == "complete":
             return out
-        return execute(spec, out, resume=True)
-    return execute(spec, out)
+        return execute(spec, out, resume=True, adapter=adapter)
+    return execute(spec, out, adapter=adapter)
+
+
+def gate_out(kernel: str) -> Path:
+    return Path("results/runs") / f"gate-{_stamp()}-{kernel.replace('/', '_')}"
 
 
 def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path = DEFAULT_ROOT, out: Path | None = None,
-               thresholds_path: str | None = None, allow_uncalibrated: bool = False) -> tuple[Verdict, Path]:
+               thresholds_path: str | None = None, allow_uncalibrated: bool = False,
+               adapter=None) -> tuple[Verdict, Path]:
     load_thresholds(thresholds_path)  # a bad policy file fails before anything runs
-    baselines = stored_baselines(spec, baseline_kernel, root)
+    baselines = stored_baselines(spec, baseline_kernel, root, adapter)
     missing = [t for t, d in baselines.items() if d is None]
     if missing:
+        how = (f"`evalgate calibrate --model {spec.model} --kernel {baseline_kernel}` (runs it twice and records it)"
+               if adapter is None else
+               f"`evalgate run` on a server with --kernel {baseline_kernel}, then `evalgate baseline record RUN`")
         raise UserError(f"no stored {baseline_kernel} baseline for this model and the {', '.join(missing)} profile(s) "
-                        f"under {root}; create one with `evalgate calibrate --model {spec.model} --kernel {baseline_kernel}` "
-                        "(runs it twice and records it)")
-    out = out or Path("results/runs") / f"gate-{_stamp()}-{spec.kernel.replace('/', '_')}"
-    run_dir = run_or_resume(spec, out)
+                        f"under {root}; create one with {how}")
+    out = out or gate_out(spec.kernel)
+    run_dir = run_or_resume(spec, out, adapter)
     verdict = gate_runs([baselines[t] for t in spec.tasks], run_dir, thresholds_path, allow_uncalibrated)
     return verdict, run_dir
 

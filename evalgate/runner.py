@@ -53,6 +53,10 @@ def with_overrides(profile, spec: RunSpec):
     return replace(profile, settings=settings)
 
 
+# Files a run's own helpers may write before the run starts (the launched server's log).
+SIDE_FILES = frozenset({"server.log"})
+
+
 def _prepare_out(out: Path, resume: bool) -> dict | None:
     """The existing manifest when resuming; refuses to touch a stored run otherwise."""
     manifest = out / MANIFEST
@@ -60,7 +64,7 @@ def _prepare_out(out: Path, resume: bool) -> dict | None:
         if not manifest.is_file():
             raise UserError(f"--resume: {str(out)!r} holds no run to resume (no {MANIFEST}); drop --resume to start one")
         return load_run(out).manifest
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(p.name not in SIDE_FILES for p in out.iterdir()):
         raise UserError(f"{str(out)!r} already holds files; pass --resume to continue that run or choose another --out")
     return None
 
@@ -151,21 +155,34 @@ def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progres
     writer = RecordWriter(path)
     bar = progress.task(f"{task.name} [{adapter.kernel.name}]", total=len(items), done=len(done))
     gen_s = score_s = 0.0
+
+    def score_and_write(batch: list[Request], generations) -> None:
+        batch_items = [by_id[r.doc_id] for r in batch]
+        score_batch = getattr(task, "score_batch", None)
+        if score_batch is not None:
+            records = score_batch(batch_items, batch, generations, resolved)
+        else:
+            records = [task.score(i, r, g, resolved) for i, r, g in zip(batch_items, batch, generations)]
+        for record in records:
+            record["profile_id"] = resolved.profile_id
+        writer.append(records)
+
     try:
         for start in range(0, len(requests), spec.batch_size):
             batch: list[Request] = requests[start:start + spec.batch_size]
             t0 = time.perf_counter()
-            generations = adapter.generate(batch)
+            try:
+                generations = adapter.generate(batch)
+            except BaseException as exc:
+                # A server adapter hands back the items that finished before the fault ({index: Generation}):
+                # keep them, so a resume redoes only what was lost.
+                finished = getattr(exc, "finished", None) or {}
+                if finished:
+                    score_and_write([batch[i] for i in sorted(finished)], [finished[i] for i in sorted(finished)])
+                    bar.advance(len(finished))
+                raise
             t1 = time.perf_counter()
-            batch_items = [by_id[r.doc_id] for r in batch]
-            score_batch = getattr(task, "score_batch", None)
-            if score_batch is not None:
-                records = score_batch(batch_items, batch, generations, resolved)
-            else:
-                records = [task.score(i, r, g, resolved) for i, r, g in zip(batch_items, batch, generations)]
-            for record in records:
-                record["profile_id"] = resolved.profile_id
-            writer.append(records)
+            score_and_write(batch, generations)
             t2 = time.perf_counter()
             gen_s += t1 - t0
             score_s += t2 - t1

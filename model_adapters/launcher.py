@@ -1,0 +1,309 @@
+"""Start an SGLang or vLLM server with one kernel selected by its launch environment, and stop it again.
+
+The server picks the MoE kernel from ``DG_*`` variables read at start (kernel-numerics §6), so the launch
+environment *is* the kernel choice. ``plan_launch`` builds the command line and environment as plain data
+(testable without SGLang) and refuses recipes that would run other numerics than the kernel named:
+the §5 hazard (``DG_MEGA_MOE_FP4`` without ``DG_USE_FP4_ACTS``), FP8 combine (§3), and inherited variables
+that would silently select another kernel. ``ServerProcess`` runs the plan as a child process group, waits
+for health, logs to ``server.log`` and always stops the group again (error, Ctrl-C, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from evalgate.errors import UserError
+from evalgate.kernels import Kernel
+
+ENGINES = ("sglang", "vllm")
+# EVALGATE_SGLANG_COMMAND / EVALGATE_VLLM_COMMAND replace the program part (a wrapper, another python, a stand-in).
+DEFAULT_PROGRAMS = {"sglang": [sys.executable, "-m", "sglang.launch_server"], "vllm": ["vllm", "serve"]}
+
+# Variables that select the MoE kernel. The kernel's recipe owns them: an inherited value may not override it.
+SELECTING_VARS = ("DG_USE_FP4_ACTS", "DG_MEGA_MOE_FP4", "DG_USE_MXF4_KIND",
+                  "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS", "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_MXF4_KIND")
+# SGLang's own switches: its pre-dispatch packs FP4 activations only under its flag (§5, last bullet), and it
+# forwards the flag to DeepGEMM with setdefault (§6.1). Set both so SGLang and DeepGEMM agree.
+SGLANG_FLAGS = {"DG_USE_FP4_ACTS": "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS",
+                "DG_USE_MXF4_KIND": "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_MXF4_KIND"}
+# The variant of W4A4-old that uses kind::mxf4 (§1): allowed from the environment when FP4 activations are on.
+OPTIONAL_WITH_FP4_ACTS = ("DG_USE_MXF4_KIND", "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_MXF4_KIND")
+
+
+def is_on(value: str | None) -> bool:
+    """How DeepGEMM / SGLang read a flag: unset, empty, 0, false, no, off mean off."""
+    return value is not None and value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def logged_env(env: dict[str, str]) -> dict[str, str]:
+    """Every variable that can change kernel numerics, for the manifest (§5: log every DG_* variable)."""
+    return {k: v for k, v in sorted(env.items()) if k.startswith(("DG_", "SGLANG_OPT_DEEPGEMM", "VLLM_DEEPGEMM"))}
+
+
+def kernel_env(kernel: Kernel, engine: str) -> dict[str, str]:
+    """The variables that select ``kernel`` on ``engine``."""
+    if kernel.faulty:
+        raise UserError(f"kernel {kernel.name!r} is a fault-injected test double of the emulator; "
+                        "a server cannot run it (launch a real kernel, e.g. --kernel w4a4_packed)")
+    mma_type = kernel.api.get("mma_type")
+    if not kernel.env and mma_type != "fp8xfp4":
+        how = f"mma_type={mma_type!r} (sgl-deep-gemm >= 0.1.7)" if mma_type else "no DeepGEMM setting"
+        raise UserError(f"kernel {kernel.name!r} is selected by {how}, which no launch environment variable "
+                        "selects; start the server yourself and pass --server URL")
+    env = dict(kernel.env)
+    if engine == "sglang":
+        for dg, flag in SGLANG_FLAGS.items():
+            if is_on(env.get(dg)):
+                env[flag] = "1"
+    return env
+
+
+def check_environment(env: dict[str, str], engine: str) -> None:
+    """Refuse launch environments whose numerics are not any kernel evalgate knows (spec §3, §5)."""
+    if is_on(env.get("DG_MEGA_MOE_FP4")) and not is_on(env.get("DG_USE_FP4_ACTS")):
+        raise UserError("DG_MEGA_MOE_FP4=1 without DG_USE_FP4_ACTS=1 feeds FP8-sized activation slots to the packed "
+                        "FP4 kernel (kernel-numerics §5); set both, or neither")
+    if is_on(env.get("DG_USE_FP8_COMBINE")):
+        raise UserError("DG_USE_FP8_COMBINE=1 sends the L2 output as FP8 (different numerics, kernel-numerics §3); "
+                        "unset it before gating")
+    if is_on(env.get("DG_USE_MXF4_KIND")) and not is_on(env.get("DG_USE_FP4_ACTS")):
+        raise UserError("DG_USE_MXF4_KIND=1 needs DG_USE_FP4_ACTS=1 (kernel-numerics §6.1); unset it or pick a W4A4 kernel")
+    if engine == "sglang" and is_on(env.get("DG_USE_FP4_ACTS")) \
+            and not is_on(env.get("SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS")):
+        raise UserError("DG_USE_FP4_ACTS=1 without SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS=1: SGLang's pre-dispatch "
+                        "would still write FP8 activations (kernel-numerics §5); set both")
+
+
+def child_environment(kernel: Kernel, engine: str, base_env: dict[str, str]) -> dict[str, str]:
+    """``base_env`` with the kernel's variables over it, refusing inherited ones that select another kernel."""
+    wanted = kernel_env(kernel, engine)
+    fp4_acts = is_on(wanted.get("DG_USE_FP4_ACTS"))
+    for var in SELECTING_VARS:
+        inherited = base_env.get(var)
+        if is_on(inherited) and not is_on(wanted.get(var)) and not (fp4_acts and var in OPTIONAL_WITH_FP4_ACTS):
+            raise UserError(f"the environment sets {var}={inherited}, which selects another kernel than "
+                            f"{kernel.name!r}; unset it (the kernel's recipe sets what it needs)")
+    env = {**base_env, **wanted}
+    check_environment(env, engine)
+    return env
+
+
+@dataclass
+class LaunchPlan:
+    engine: str
+    argv: list[str]
+    env: dict[str, str]  # the whole child environment
+    host: str
+    port: int
+    kernel: str
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def record(self) -> dict:
+        """What the manifest keeps: the command, the kernel-selecting variables, the installed DeepGEMM."""
+        return {"engine": self.engine, "argv": self.argv, "url": self.url, "kernel_env": logged_env(self.env),
+                "sgl_deep_gemm": installed_version("sgl-deep-gemm"), "warnings": self.warnings}
+
+
+def installed_version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def plan_launch(engine: str, model: str, kernel: Kernel, port: int, host: str = "127.0.0.1",
+                extra_args: tuple[str, ...] | list[str] = (), base_env: dict[str, str] | None = None) -> LaunchPlan:
+    """The command line and environment that start ``engine`` serving ``model`` with ``kernel`` (pure)."""
+    if engine not in ENGINES:
+        raise UserError(f"unknown --launch engine {engine!r}; choose one of: {', '.join(ENGINES)}")
+    base_env = dict(os.environ if base_env is None else base_env)
+    for arg in extra_args:
+        if arg.split("=", 1)[0] in ("--port", "--host", "--model-path", "--model"):
+            raise UserError(f"{arg.split('=', 1)[0]} after `--` is chosen by evalgate; drop it from the server arguments")
+    env = child_environment(kernel, engine, base_env)
+    override = base_env.get(f"EVALGATE_{engine.upper()}_COMMAND")
+    program = shlex.split(override) if override else list(DEFAULT_PROGRAMS[engine])
+    if engine == "sglang":
+        argv = [*program, "--model-path", model, "--host", host, "--port", str(port), *extra_args]
+    else:
+        argv = [*program, model, "--host", host, "--port", str(port), *extra_args]
+    warnings = []
+    mega_moe = "megamoe" in " ".join(extra_args) or is_on(env.get("SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE"))
+    if engine == "sglang" and kernel.env and not mega_moe:
+        warnings.append("DG_* variables act only on SGLang's mega-MoE path: pass `-- --moe-a2a-backend megamoe` "
+                        "(or set SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE=1), or the kernel choice has no effect")
+    return LaunchPlan(engine=engine, argv=argv, env=env, host=host, port=port, kernel=kernel.name, warnings=warnings)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A launched server as a context manager: started, healthy inside the ``with``, stopped on the way out."""
+
+    def __init__(self, plan: LaunchPlan, log_path: str | Path, health_timeout_s: float = 1800.0,
+                 grace_s: float = 30.0):
+        self.plan = plan
+        self.log_path = Path(log_path)
+        self.health_timeout_s = health_timeout_s
+        self.grace_s = grace_s
+        self.proc: subprocess.Popen | None = None
+        self._old_sigterm = None
+        self.ready_s = 0.0
+
+    def __enter__(self) -> "ServerProcess":
+        self._catch_sigterm()
+        try:
+            self.start()
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            self._restore_sigterm()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stop()
+        finally:
+            self._restore_sigterm()
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"\n=== evalgate: {shlex.join(self.plan.argv)}\n=== kernel {self.plan.kernel}, "
+                  f"{' '.join(f'{k}={v}' for k, v in logged_env(self.plan.env).items()) or 'no DG_* variables'}\n"
+                  .encode())
+        log.flush()
+        try:
+            # its own session: Ctrl-C at the terminal reaches evalgate only, and the whole group can be stopped
+            self.proc = subprocess.Popen(self.plan.argv, env=self.plan.env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            raise UserError(f"cannot start the {self.plan.engine} server ({self.plan.argv[0]}: {exc.strerror}); "
+                            f"is {self.plan.engine} installed?") from None
+        finally:
+            log.close()
+
+    def wait_healthy(self) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.health_timeout_s:
+            code = self.proc.poll()
+            if code is not None:
+                raise UserError(f"the {self.plan.engine} server exited with code {code} before it was healthy: "
+                                f"{self._last_log_line()} (full log: {self.log_path})")
+            if self._healthy():
+                self.ready_s = time.monotonic() - t0
+                return
+            time.sleep(0.25)
+        raise UserError(f"the {self.plan.engine} server at {self.plan.url} was not healthy after "
+                        f"{self.health_timeout_s:.0f} s (raise --launch-timeout, or see {self.log_path})")
+
+    def _healthy(self) -> bool:
+        for path in ("/health", "/v1/models"):
+            try:
+                with urllib.request.urlopen(self.plan.url + path, timeout=2) as resp:
+                    if resp.status == 200:
+                        return True
+            except (OSError, urllib.error.URLError):
+                continue
+        return False
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after the grace period."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group id is the child's pid
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=self.grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(pgid, signal.SIGKILL)
+            self.proc.wait()
+        _signal_group(pgid, signal.SIGKILL)  # workers the server left behind (TP/DP ranks) go too
+
+    def _last_log_line(self) -> str:
+        try:
+            lines = [l for l in self.log_path.read_text(errors="replace").splitlines() if l.strip()]
+        except OSError:
+            return "no log"
+        return lines[-1].strip()[:300] if lines else "empty log"
+
+    def _catch_sigterm(self) -> None:
+        # a cancelled CI job sends SIGTERM: unwind like Ctrl-C so the server is stopped and the manifest written
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+
+    def _restore_sigterm(self) -> None:
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@contextlib.contextmanager
+def served_adapter(kernel: str, out: Path, server: str | None = None, launch: str | None = None,
+                   model: str | None = None, model_id: str | None = None, server_args: tuple[str, ...] = (),
+                   launch_timeout: float = 1800.0, **client_options):
+    """The adapter of a server run: the server at ``server``, or one launched here for the run's lifetime.
+
+    Yields None when neither is asked for (the runner's in-process default). A server failure names the run
+    folder to resume.
+    """
+    from evalgate.model_adapters.openai_client import OpenAIAdapter, ServerError
+
+    if server and launch:
+        raise UserError("--server and --launch exclude each other: use a running server, or let evalgate start one")
+    if server_args and not launch:
+        raise UserError("server arguments after `--` need --launch (evalgate passes them to the server it starts)")
+    if not server and not launch:
+        yield None
+        return
+    try:
+        if server:
+            yield OpenAIAdapter(server, kernel, model_id=model_id, **client_options)
+            return
+        if not model:
+            raise UserError(f"--launch {launch} needs --model: the checkpoint path the server loads")
+        from evalgate.kernels import get_kernel
+
+        plan = plan_launch(launch, model, get_kernel(kernel), free_port(), extra_args=tuple(server_args))
+        for warning in plan.warnings:
+            print(f"evalgate: warning: {warning}", file=sys.stderr)
+        with ServerProcess(plan, Path(out) / "server.log", health_timeout_s=launch_timeout) as proc:
+            record = {**plan.record(), "log": str(Path(out) / "server.log"), "ready_s": round(proc.ready_s, 1)}
+            yield OpenAIAdapter(plan.url, kernel, model_id=model_id, launch=record, **client_options)
+    except ServerError as exc:
+        raise ServerError(f"{exc} --out {out}", exc.finished) from None

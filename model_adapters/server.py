@@ -1,0 +1,266 @@
+"""The in-process model with one kernel behind an OpenAI-compatible HTTP API (``evalgate serve``).
+
+A minimal ASGI app on uvicorn: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``
+and ``/get_server_info`` (SGLang's name; it also says which evalgate kernel and model fingerprint serve).
+Greedy only. Concurrent requests are collected for a few milliseconds into one ``greedy_generate`` call
+(bounded by the batch size) on a single generation thread, so concurrency helps and the model is never
+entered twice at once; decoding is batch-invariant (``tests/test_adapter.py``), so batching does not
+change any answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from evalgate import __version__
+
+MAX_BODY = 8 * 1024 * 1024
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Job:
+    prompt: str
+    stop: tuple[str, ...]
+    max_tokens: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future = field(repr=False)
+
+
+class BatchingGenerator:
+    """One thread owns the model; jobs arriving within ``window_s`` of each other share a batch."""
+
+    def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 8, window_s: float = 0.005):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.batch_size, self.window_s = batch_size, window_s
+        self.batches = 0  # how many greedy_generate calls ran (tests check that concurrency batches)
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="evalgate-generate")
+        self._thread.start()
+
+    async def submit(self, prompt: str, stop: tuple[str, ...], max_tokens: int):
+        loop = asyncio.get_running_loop()
+        job = _Job(prompt, stop, max_tokens, loop, loop.create_future())
+        self._jobs.put(job)
+        return await job.future
+
+    def _loop(self) -> None:
+        from evalgate.model_adapters.generation import greedy_generate
+
+        while True:
+            batch = [self._jobs.get()]
+            deadline = time.monotonic() + self.window_s
+            while len(batch) < self.batch_size:
+                try:
+                    batch.append(self._jobs.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            try:
+                outs = greedy_generate(self.model, self.tokenizer, [j.prompt for j in batch], [j.stop for j in batch],
+                                       [j.max_tokens for j in batch], device=self.device)
+                self.batches += 1
+                for job, out in zip(batch, outs):
+                    job.loop.call_soon_threadsafe(_settle, job.future, out, None)
+            except Exception as exc:  # a bug or OOM: every request of the batch gets a 500
+                for job in batch:
+                    job.loop.call_soon_threadsafe(_settle, job.future, None, exc)
+
+
+def _settle(future: asyncio.Future, result, exc) -> None:
+    if future.done():  # the client went away
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+class OpenAIApp:
+    """ASGI application: routes, validation (OpenAI error bodies), responses."""
+
+    def __init__(self, generator: BatchingGenerator, tokenizer, served_model: str, server_info: dict):
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.served_model = served_model
+        self.server_info = server_info
+        self.routes = {
+            ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/chat/completions"): self.chat_completions,
+            ("GET", "/v1/models"): self.models,
+            ("GET", "/health"): self.health,
+            ("GET", "/get_server_info"): self.info,
+            ("GET", "/server_info"): self.info,
+        }
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        handler = self.routes.get((scope["method"], scope["path"].rstrip("/") or "/"))
+        try:
+            if handler is None:
+                known = any(path == scope["path"] for _, path in self.routes)
+                raise BadRequest(f"{scope['method']} {scope['path']} is not served", 405 if known else 404)
+            body = await _read_body(receive) if scope["method"] == "POST" else b""
+            status, payload = await handler(body)
+        except BadRequest as exc:
+            status, payload = exc.status, _error(str(exc), exc.status)
+        except Exception as exc:  # a bug in generation: the client may retry, the server keeps running
+            status, payload = 500, _error(f"{type(exc).__name__}: {exc}", 500)
+        await _send_json(send, status, payload)
+
+    async def health(self, body):
+        return 200, {"status": "ok"}
+
+    async def models(self, body):
+        return 200, {"object": "list", "data": [{"id": self.served_model, "object": "model", "created": 0,
+                                                 "owned_by": "evalgate", "root": self.server_info["model_path"]}]}
+
+    async def info(self, body):
+        return 200, self.server_info
+
+    async def completions(self, body):
+        req = self._parse(body)
+        prompts = req.get("prompt")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise BadRequest("prompt must be a string or a list of strings (token ids are not supported)")
+        stop, max_tokens = _decoding(req)
+        outs = await asyncio.gather(*(self.generator.submit(p, stop, max_tokens) for p in prompts))
+        choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason,
+                    "matched_stop": o.stop_hit} for i, o in enumerate(outs)]
+        return 200, self._envelope("text_completion", "cmpl", choices, outs)
+
+    async def chat_completions(self, body):
+        req = self._parse(body)
+        messages = req.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise BadRequest("messages must be a non-empty list of {role, content} with string content")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest("this model has no chat template; use /v1/completions with a completion profile")
+        prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        stop, max_tokens = _decoding(req)
+        out = await self.generator.submit(prompt, stop, max_tokens)
+        choices = [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                    "finish_reason": out.finish_reason, "matched_stop": out.stop_hit}]
+        return 200, self._envelope("chat.completion", "chatcmpl", choices, [out])
+
+    def _parse(self, body: bytes) -> dict:
+        try:
+            req = json.loads(body)
+        except ValueError as exc:
+            raise BadRequest(f"body is not JSON ({exc})") from None
+        if not isinstance(req, dict):
+            raise BadRequest("body must be a JSON object")
+        model = req.get("model")
+        if model not in (None, self.served_model):
+            raise BadRequest(f"model {model!r} is not served here; this server serves {self.served_model!r}", 404)
+        return req
+
+    def _envelope(self, kind: str, prefix: str, choices: list, outs: list) -> dict:
+        prompt_tokens = sum(o.n_prompt_tokens for o in outs)
+        completion_tokens = sum(len(o.token_ids) for o in outs)
+        return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()),
+                "model": self.served_model, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def _decoding(req: dict) -> tuple[tuple[str, ...], int]:
+    """Stops and token limit of a greedy request; anything that is not greedy decoding is refused."""
+    temperature = req.get("temperature", 0)
+    if not isinstance(temperature, (int, float)) or temperature > 0:
+        raise BadRequest(f"temperature {temperature!r}: this server decodes greedily only; send temperature 0")
+    if req.get("top_p", 1) != 1 or req.get("n", 1) != 1 or req.get("best_of", 1) != 1:
+        raise BadRequest("top_p, n and best_of must be 1: this server decodes greedily only")
+    if req.get("stream"):
+        raise BadRequest("stream is not supported; send stream false")
+    if req.get("logprobs") or req.get("echo"):
+        raise BadRequest("logprobs and echo are not supported")
+    stop = req.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop must be a string or a list of non-empty strings")
+    max_tokens = req.get("max_tokens", req.get("max_completion_tokens", 16))
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 32768:
+        raise BadRequest(f"max_tokens must be an integer from 1 to 32768, not {max_tokens!r}")
+    return tuple(stop), max_tokens
+
+
+def _error(message: str, status: int) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+async def _read_body(receive) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise BadRequest("client disconnected")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise BadRequest("request body too large", 413)
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _send_json(send, status: int, payload: dict) -> None:
+    body = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def build_app(model_path: str, kernel_name: str, device: str = "cpu", dtype: str | None = None,
+              batch_size: int = 8, served_model: str | None = None, window_s: float = 0.005) -> OpenAIApp:
+    """Load the model with ``kernel_name`` and wrap it; the info endpoint names kernel and model fingerprint."""
+    from evalgate.model_adapters.hf import HFAdapter
+    from evalgate.runner import dg_environment
+
+    adapter = HFAdapter(model_path, kernel_name, device=device, dtype=dtype, batch_size=batch_size)
+    generator = BatchingGenerator(adapter.model, adapter.tokenizer, device, batch_size, window_s)
+    served = served_model or adapter.path.name
+    kernel = adapter.kernel
+    info = {
+        "model_path": str(adapter.path),
+        "served_model_name": served,
+        "dtype": str(adapter.model.dtype).replace("torch.", ""),
+        "model_type": adapter.model.config.model_type,
+        "version": f"evalgate {__version__}",
+        "max_batch_size": batch_size,
+        "evalgate": {"kernel": {"name": kernel.name, "id": kernel.id}, "model": adapter.info(),
+                     "dg_env": dg_environment()},
+    }
+    return OpenAIApp(generator, adapter.tokenizer, served, info)
+
+
+def serve(app: OpenAIApp, host: str, port: int) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                            timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run()
