@@ -138,47 +138,63 @@ def combine(slot_out: torch.Tensor, skip_last_slot: bool = False) -> torch.Tenso
 # --- one layer's routed experts ---------------------------------------------------------------------
 
 
-class MoEEmulation:
-    """One emulated routed-experts forward, run in expert ranges. See the module docstring."""
+class ExpertRows:
+    """The (token, slot) rows of one layer call, sorted by expert, and the stages a chunk of experts goes
+    through: `l1_input` -> L1 GEMM -> `l2_input` -> L2 GEMM -> `store`. Subclasses define the stages."""
 
-    def __init__(self, x, top_k_index, top_k_weights, recipe: Recipe, num_experts: int, limit, routed_scaling_factor=1.0):
-        self.recipe = recipe
-        self.limit = limit
-        self.rsf = float(routed_scaling_factor)
+    def __init__(self, x, top_k_index, top_k_weights, num_experts):
         t, k = top_k_index.shape
         self.shape = (t, k, x.shape[-1])
-        w = top_k_weights.to(torch.float32)
-        if recipe.routed_scaling == "unfused":  # SGLang: the kernel sees unscaled weights (§11.5)
-            w = w / self.rsf
-        xq = quantize_input(bf16_round(x.to(torch.float32)), recipe)  # the kernel's input is BF16
         flat_e = top_k_index.reshape(-1).long()
         valid = (flat_e >= 0) & (flat_e < num_experts)  # index E (HF) or -1 (DeepGEMM) = empty slot
         rows = torch.nonzero(valid).flatten()
-        order = torch.argsort(flat_e[rows], stable=True)
-        self.rows = rows[order]  # flat (token, slot) positions sorted by expert
+        self.rows = rows[torch.argsort(flat_e[rows], stable=True)]  # flat (token, slot), by expert
         self.expert = flat_e[self.rows]
+        self.token = self.rows // k
         self.counts = torch.bincount(self.expert, minlength=num_experts)
         self.starts = torch.cumsum(self.counts, 0) - self.counts
-        self.a = xq[self.rows // k]  # L1 input rows, FP32
-        self.w = w.reshape(-1)[self.rows]
-        self.slot_out = x.new_zeros(t * k, x.shape[-1], dtype=torch.float32)
+        self.w = top_k_weights.reshape(-1)[self.rows].to(torch.float32)
 
     @property
     def hit(self) -> torch.Tensor:
         return self.counts > 0
 
+    def span(self, lo: int, hi: int) -> tuple[int, int]:
+        """Rows [begin, end) of experts lo..hi-1."""
+        return int(self.starts[lo]), int(self.starts[hi - 1] + self.counts[hi - 1])
+
     def run_chunk(self, lo: int, hi: int, w1: torch.Tensor, w2: torch.Tensor) -> None:
         """Rows routed to experts lo..hi-1, with their FP32 weights w1 [n, 2I, H], w2 [n, H, I]."""
-        begin = int(self.starts[lo])
-        end = int(self.starts[hi - 1] + self.counts[hi - 1])
+        begin, end = self.span(lo, hi)
         if end == begin:
             return
         offsets = torch.cumsum(self.counts[lo:hi], 0).to(torch.int32)
         with exact_fp32_matmul():
-            acc = grouped_matmul(self.a[begin:end], w1, offsets)  # §3 step 3
-            v = intermediate(acc, self.w[begin:end], self.limit, self.recipe)  # steps 4-6
-            o = bf16_round(grouped_matmul(v, w2, offsets))  # step 7
-        self.slot_out[self.rows[begin:end]] = o
+            acc = grouped_matmul(self.l1_input(begin, end), w1, offsets)
+            self.store(begin, end, grouped_matmul(self.l2_input(begin, end, acc), w2, offsets))
+
+
+class MoEEmulation(ExpertRows):
+    """One emulated routed-experts forward, run in expert ranges. See the module docstring."""
+
+    def __init__(self, x, top_k_index, top_k_weights, recipe: Recipe, num_experts: int, limit, routed_scaling_factor=1.0):
+        super().__init__(x, top_k_index, top_k_weights, num_experts)
+        self.recipe = recipe
+        self.limit = limit
+        self.rsf = float(routed_scaling_factor)
+        if recipe.routed_scaling == "unfused":  # SGLang: the kernel sees unscaled weights (§11.5)
+            self.w = self.w / self.rsf
+        self.xq = quantize_input(bf16_round(x.to(torch.float32)), recipe)  # the kernel's input is BF16
+        self.slot_out = torch.zeros(self.shape[0] * self.shape[1], self.shape[2], device=x.device)
+
+    def l1_input(self, begin: int, end: int) -> torch.Tensor:
+        return self.xq[self.token[begin:end]]  # §3 step 2 happened once per token, in __init__
+
+    def l2_input(self, begin: int, end: int, acc: torch.Tensor) -> torch.Tensor:
+        return intermediate(acc, self.w[begin:end], self.limit, self.recipe)  # steps 4-6
+
+    def store(self, begin: int, end: int, out: torch.Tensor) -> None:
+        self.slot_out[self.rows[begin:end]] = bf16_round(out)  # step 7
 
     def finish(self) -> torch.Tensor:
         t, k, h = self.shape
@@ -186,6 +202,34 @@ class MoEEmulation:
         if self.recipe.routed_scaling == "unfused":  # SGLang's y.mul_(1.5) on the BF16 output
             y = bf16_round(y * self.rsf)
         return y
+
+
+def run_chunk_together(runners: list[ExpertRows], lo: int, hi: int, w1: torch.Tensor, w2: torch.Tensor) -> None:
+    """`run_chunk` for several runners that share weights, with one L1 and one L2 grouped matmul: each
+    expert's rows from every runner sit together, so each weight is read once (skinny GEMMs are
+    memory-bound). Row results are identical to separate `run_chunk` calls up to FP32 summation order."""
+    spans = [(r, *r.span(lo, hi)) for r in runners]
+    spans = [(r, b, e) for r, b, e in spans if e > b]
+    if not spans:
+        return
+    sizes = [e - b for _, b, e in spans]
+    runner = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor(sizes))
+    expert = torch.cat([r.expert[b:e] for r, b, e in spans]) - lo
+    order = torch.argsort(expert * len(spans) + runner.to(expert.device), stable=True)
+    counts = sum(r.counts[lo:hi] for r, _, _ in spans)
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+
+    def together(parts, w):
+        out = grouped_matmul(torch.cat(parts)[order], w, offsets)
+        back = torch.empty_like(out)
+        back[order] = out
+        return back.split(sizes)
+
+    with exact_fp32_matmul():
+        acc = together([r.l1_input(b, e) for r, b, e in spans], w1)
+        v = [r.l2_input(b, e, a) for (r, b, e), a in zip(spans, acc)]
+        for (r, b, e), o in zip(spans, together(v, w2)):
+            r.store(b, e, o)
 
 
 def experts_limit(module) -> float | None:

@@ -70,12 +70,18 @@ class Fp4ExpertWeights:
         s1, s2 = self.w1_scale[lo:hi], self.w2_scale[lo:hi]
         if fault == "weight_scale_exponent_plus_one":
             s1, s2 = scale_exponent_plus_one(s1), scale_exponent_plus_one(s2)
-        w1 = formats.dequantize(formats.unpack_e2m1(self.w1[lo:hi]), s1, "e2m1")
-        w2 = formats.dequantize(formats.unpack_e2m1(self.w2[lo:hi]), s2, "e2m1")
-        return w1, w2
+        w1 = formats.dequantize_packed_e2m1(self.w1[lo:hi], s1)
+        w2 = formats.dequantize_packed_e2m1(self.w2[lo:hi], s2)
+        return in_major(w1), in_major(w2)
 
     def to(self, device) -> "Fp4ExpertWeights":
         return replace(self, **{n: getattr(self, n).to(device) for n in ("w1", "w1_scale", "w2", "w2_scale")})
+
+
+def in_major(w: torch.Tensor) -> torch.Tensor:
+    """Same [n, out, in] tensor, stored with `in` outermost: grouped_mm reads W^T contiguously and is
+    ~3x faster on CPU than with the row-major layout (it would copy per call)."""
+    return w.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
 def scale_exponent_plus_one(scale_bytes: torch.Tensor) -> torch.Tensor:

@@ -243,3 +243,41 @@ def test_t8_combine_fp32_then_bf16():
     for v in (2.0**-8, 2.0**-8):
         running = running + torch.tensor(v, dtype=torch.bfloat16)
     assert running.item() == 1.0  # what a BF16 running sum would give instead
+
+
+# --- an independent scalar reference (pure Python floats and fractions) ------------------------------
+
+from fractions import Fraction  # noqa: E402
+
+
+def _scalar_quantize(group, fmax, ties, floor=0.0):
+    """RCEIL + nearest-grid rounding, one Python number at a time, straight from §2.3 and §2.5."""
+    amax = max(max(abs(v) for v in group), floor)
+    q = Fraction(amax) / Fraction(fmax)
+    e = -127 if q == 0 else math.ceil(math.log2(q))
+    while Fraction(2) ** e < q:  # log2 of a float may round; fix up exactly
+        e += 1
+    while e > -127 and Fraction(2) ** (e - 1) >= q:
+        e -= 1
+    grid = [Fraction(m) for m in formats.E2M1_MAGNITUDES]
+    out = []
+    for v in group:
+        y = min(abs(Fraction(v)) / Fraction(2) ** e, Fraction(6))
+        best = min(range(8), key=lambda i: (abs(grid[i] - y), i if ties == "zero" else (i % 2, i)))
+        out.append(best + (8 if v < 0 and best else 0))
+    return out, e + 127
+
+
+@pytest.mark.parametrize("ties", ["zero", "even"])
+def test_matches_scalar_reference_on_random_groups(ties):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(40, 64, generator=g) * torch.exp2(torch.randint(-6, 6, (40, 1), generator=g).float()))
+    x = x.to(torch.bfloat16).float()
+    x[0, 3] = x[0, :32].abs().max() * 0.75 / 6 * 6  # exact midpoints appear in BF16 data
+    codes, scale = formats.quantize(x, "e2m1", formats.WEIGHTS, ties=ties)
+    for r in range(x.shape[0]):
+        for gi in range(2):
+            group = x[r, 32 * gi : 32 * gi + 32].tolist()
+            want_codes, want_byte = _scalar_quantize(group, 6.0, ties)
+            assert scale[r, gi].item() == want_byte
+            assert codes[r, 32 * gi : 32 * gi + 32].tolist() == want_codes

@@ -1,0 +1,265 @@
+"""Numerics checks: how far each kernel is from a reference, layer by layer and through a whole model.
+
+- `layer_check(shape, tokens, seed)`: one synthetic MoE layer (§8 DSV4-Flash shapes, FP4 weights with a
+  realistic scale spread, tokens routed by a sqrt-softplus router); every kernel vs the FP32 reference
+  (`reference.Fp32Reference`). Weights stay as FP4 codes (3.2 GB at dsv4-flash) and are dequantized a few
+  experts at a time, only where tokens were routed, and shared by all kernels.
+- `model_check(model, tokenizer, pairs)`: a model teacher-forced on (prompt, answer) pairs; each kernel's
+  next-token distributions over the answer tokens vs the `bf16` kernel's: mean KL and top-1 agreement.
+
+Both return lists of plain dicts, one per kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from evalgate.errors import UserError
+
+from . import formats
+from .emulator import MoEEmulation, run_chunk_together, weight_fault
+from .reference import Bf16GroupedMM, Fp32Reference
+from .registry import get_kernel, kernel_names
+from .weights import Fp4ExpertWeights
+
+SHAPES = {
+    # spec §8 defaults
+    "dsv4-flash": dict(hidden=4096, intermediate=2048, experts=256, top_k=6, routed_scaling=1.5, swiglu_limit=10.0),
+    "tiny": dict(hidden=256, intermediate=128, experts=16, top_k=4, routed_scaling=1.5, swiglu_limit=10.0),
+}
+CHUNK_WEIGHT_BYTES = 768 << 20  # FP32 weights dequantized at once
+
+
+@dataclass
+class LayerCase:
+    x: torch.Tensor  # BF16 [T, H]
+    top_k_index: torch.Tensor  # [T, K]
+    top_k_weights: torch.Tensor  # FP32 [T, K], normalised and x routed_scaling (HF convention)
+    weights: Fp4ExpertWeights
+    limit: float
+    routed_scaling: float
+
+
+def shape_params(shape: str) -> dict:
+    if shape not in SHAPES:
+        raise UserError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
+    return SHAPES[shape]
+
+
+# --- a synthetic layer ------------------------------------------------------------------------------
+
+
+def _code_pool(g: torch.Generator, groups: int = 8192):
+    """Packed E2M1 codes and scale bytes of Gaussian N(0, 1) groups: what quantizing a trained weight
+    row's groups looks like. Weight groups are drawn from this pool."""
+    w = torch.randn(groups, formats.GROUP, generator=g)
+    codes, byte = formats.quantize(w, "e2m1", formats.WEIGHTS, ties="even")
+    return formats.pack_e2m1(codes), byte[:, 0].to(torch.int32)
+
+
+def _fp4_matrix(pool, g, n: int, rows: int, k: int, log2_std: float):
+    """[n, rows, k] FP4 weights: Gaussian groups with std 2^log2_std, each row's scale jittered by
+    -1, 0 or +1 binade (rows of trained weights differ in scale)."""
+    packed, byte = pool
+    pick = torch.randint(0, packed.shape[0], (n, rows, k // formats.GROUP), generator=g)
+    row_shift = torch.randint(-1, 2, (n, rows, 1), generator=g, dtype=torch.int32)
+    scale = (byte[pick] + round(log2_std) + row_shift).clamp(1, 254).to(torch.uint8)
+    return packed[pick].reshape(n, rows, k // 2), scale
+
+
+def synthetic_weights(experts: int, hidden: int, intermediate: int, seed: int) -> Fp4ExpertWeights:
+    g = torch.Generator().manual_seed(seed)
+    pool = _code_pool(g)
+    w1, s1, w2, s2 = [], [], [], []
+    step = 16
+    for lo in range(0, experts, step):  # bounded temporaries at dsv4-flash size
+        n = min(step, experts - lo)
+        a, b = _fp4_matrix(pool, g, n, 2 * intermediate, hidden, -0.5 * math.log2(hidden))
+        c, d = _fp4_matrix(pool, g, n, hidden, intermediate, -0.5 * math.log2(intermediate))
+        w1.append(a), s1.append(b), w2.append(c), s2.append(d)
+    return Fp4ExpertWeights(torch.cat(w1), torch.cat(s1), torch.cat(w2), torch.cat(s2), source="synthetic")
+
+
+def sqrt_softplus_route(x: torch.Tensor, experts: int, top_k: int, routed_scaling: float, g: torch.Generator):
+    """DeepseekV4TopKRouter (spec §8): scores = sqrt(softplus(x W^T)); top-k of scores + bias (bias only
+    selects, unsorted); weights = scores / sum * routed_scaling."""
+    h = x.shape[-1]
+    gate = torch.randn(experts, h, generator=g) / math.sqrt(h)
+    bias = 0.1 * torch.randn(experts, generator=g)
+    scores = torch.sqrt(torch.nn.functional.softplus(x.to(torch.float32) @ gate.T))
+    idx = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
+    w = scores.gather(1, idx)
+    return idx, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * routed_scaling
+
+
+def synthetic_layer(shape: str, tokens: int, seed: int = 0) -> LayerCase:
+    p = shape_params(shape)
+    if tokens < 1:
+        raise UserError(f"--tokens must be at least 1 (got {tokens})")
+    g = torch.Generator().manual_seed(seed + 1)
+    h = p["hidden"]
+    # post-RMSNorm hidden states: unit scale with a few outlier channels
+    channel = torch.exp(0.5 * torch.randn(h, generator=g))
+    channel[torch.randperm(h, generator=g)[: max(1, h // 256)]] *= 8.0
+    x = (torch.randn(tokens, h, generator=g) * channel).to(torch.bfloat16)
+    idx, w = sqrt_softplus_route(x, p["experts"], p["top_k"], p["routed_scaling"], g)
+    weights = synthetic_weights(p["experts"], h, p["intermediate"], seed)
+    return LayerCase(x, idx, w, weights, p["swiglu_limit"], p["routed_scaling"])
+
+
+# --- metrics ----------------------------------------------------------------------------------------
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's calc_diff (spec §9): 1 - 2<x,y> / (|x|^2 + |y|^2), in float64."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
+
+
+def error_metrics(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    out, ref = out.double(), ref.double()
+    diff = out - ref
+    return {
+        "rel_rmse": float(diff.norm() / ref.norm()),
+        "cosine": float(torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)),
+        "max_abs_err": float(diff.abs().max()),
+        "calc_diff": calc_diff(out, ref),
+        "bf16_identical": float((out.to(torch.bfloat16) == ref.to(torch.bfloat16)).double().mean()),
+    }
+
+
+# --- layer-level check ------------------------------------------------------------------------------
+
+
+def _runner(name: str, case: LayerCase):
+    args = (case.x, case.top_k_index, case.top_k_weights, case.weights.num_experts, case.limit)
+    if name == "bf16":
+        return Bf16GroupedMM(*args)
+    recipe = getattr(get_kernel(name).experts_forward, "recipe", None)
+    if recipe is None:
+        raise UserError(f"kernel {name!r} is not an emulated kernel; the layer check cannot run it")
+    x, idx, w, experts, limit = args
+    return MoEEmulation(x, idx, w, recipe, experts, limit, routed_scaling_factor=case.routed_scaling)
+
+
+def layer_check(shape: str = "tiny", tokens: int = 64, seed: int = 0, kernels: list[str] | None = None,
+                case: LayerCase | None = None) -> list[dict]:
+    """Every kernel (default: all registered) on one synthetic MoE layer vs the FP32 reference."""
+    case = case or synthetic_layer(shape, tokens, seed)
+    names = kernels or kernel_names()
+    runners = {n: _runner(n, case) for n in names}
+    reference = Fp32Reference(case.x, case.top_k_index, case.top_k_weights, case.weights.num_experts, case.limit)
+    # Runners that share FP32 weights run together (one grouped matmul per GEMM); bf16 runs on its own.
+    groups: dict = {None: [reference]}
+    for r in runners.values():
+        if isinstance(r, MoEEmulation):
+            groups.setdefault(weight_fault(r.recipe), []).append(r)
+    hit = torch.bincount(case.top_k_index.flatten(), minlength=case.weights.num_experts) > 0
+    per_expert = 3 * case.weights.hidden * case.weights.intermediate * 4
+    step = max(1, CHUNK_WEIGHT_BYTES // per_expert)
+    t0 = time.perf_counter()
+    for lo in range(0, case.weights.num_experts, step):
+        hi = min(lo + step, case.weights.num_experts)
+        if not bool(hit[lo:hi].any()):
+            continue  # nobody routed here: never dequantized
+        for fault, members in groups.items():
+            w1, w2 = case.weights.dequantize(lo, hi, fault=fault)
+            run_chunk_together(members, lo, hi, w1, w2)
+            if fault is None and "bf16" in runners:
+                runners["bf16"].run_chunk(lo, hi, w1, w2)
+            del w1, w2
+    seconds = time.perf_counter() - t0
+    ref = reference.finish()
+    outs = {n: r.finish() for n, r in runners.items()}
+    rows = []
+    for n in names:
+        k = get_kernel(n)
+        row = {"kernel": n, "faulty": k.faulty, "twin": k.twin, "shape": shape, "tokens": case.x.shape[0],
+               **error_metrics(outs[n], ref)}
+        if k.twin in outs:  # how a faulty kernel looks when held against its healthy twin's emulation (§9)
+            row["calc_diff_vs_twin"] = calc_diff(outs[n], outs[k.twin])
+        rows.append(row)
+    for row in rows:
+        row["layer_seconds_all_kernels"] = round(seconds, 2)
+    return rows
+
+
+# --- model-level check ------------------------------------------------------------------------------
+
+
+def _answer_logprobs(model, tokenizer, prompt: str, answer: str) -> torch.Tensor:
+    """Log-probabilities [n_answer, V] of the model's next-token distribution at each answer position,
+    teacher-forced on prompt + answer."""
+    p_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    full = tokenizer(prompt + answer, add_special_tokens=True)["input_ids"]
+    n_prompt = len(p_ids) if full[: len(p_ids)] == p_ids else len(p_ids) - 1  # merge at the seam
+    n_prompt = max(1, n_prompt)
+    ids = torch.tensor([full])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    return torch.log_softmax(logits[n_prompt - 1 : len(full) - 1], dim=-1)
+
+
+def model_check(model, tokenizer, pairs: list[tuple[str, str]], kernels: list[str] | None = None,
+                baseline: str = "bf16") -> list[dict]:
+    """Teacher-forced KL(baseline || kernel) and top-1 agreement over the answer tokens of `pairs`.
+    Switches kernels with `model.set_experts_implementation`; restores the original one at the end."""
+    if not pairs:
+        raise UserError("the model-level check got no (prompt, answer) pairs; check --tasks and --limit")
+    names = kernels or [n for n in kernel_names()]
+    names = [baseline] + [n for n in names if n != baseline]
+    for n in names:
+        get_kernel(n)
+    original = getattr(model.config, "_experts_implementation", None)
+    ref: list[torch.Tensor] = []
+    rows = []
+    try:
+        for n in names:
+            model.set_experts_implementation(n)
+            t0 = time.perf_counter()
+            lps = [_answer_logprobs(model, tokenizer, p, a) for p, a in pairs]
+            secs = time.perf_counter() - t0
+            if n == baseline:
+                ref = lps
+            kl, agree, count = 0.0, 0, 0
+            for lp, rp in zip(lps, ref):
+                kl += float(torch.nn.functional.kl_div(lp, rp, log_target=True, reduction="sum"))
+                agree += int((lp.argmax(-1) == rp.argmax(-1)).sum())
+                count += lp.shape[0]
+            k = get_kernel(n)
+            rows.append({"kernel": n, "faulty": k.faulty, "twin": k.twin, "items": len(pairs), "tokens": count,
+                         "mean_kl": kl / max(count, 1), "top1_agreement": agree / max(count, 1),
+                         "seconds": round(secs, 2)})
+    finally:
+        if original:
+            model.set_experts_implementation(original)
+    return rows
+
+
+def load_model_for_check(path: str, kernel: str = "bf16"):
+    """(model, tokenizer) for `kernels check --model PATH`: the hf adapter when it exists, else a direct
+    transformers load (FP4 checkpoints via `checkpoint.load_fp4_checkpoint`)."""
+    from pathlib import Path
+
+    if not Path(path).is_dir():
+        raise UserError(f"model path {path!r} is not a directory; pass a local checkpoint directory")
+    try:
+        from evalgate.model_adapters.hf import load_model
+    except ImportError:
+        load_model = None
+    if load_model is not None:
+        return load_model(path, kernel, device="cpu")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .checkpoint import is_fp4_checkpoint, load_fp4_checkpoint
+
+    if is_fp4_checkpoint(path):
+        model = load_fp4_checkpoint(path, experts_implementation=kernel)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=kernel, dtype=torch.bfloat16).eval()
+    return model, AutoTokenizer.from_pretrained(path)
