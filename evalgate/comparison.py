@@ -2,7 +2,9 @@
 
 ``compare(baseline, candidate)`` works on stored runs only — no model — so any two runs can be compared
 again later. The gate (``evalgate.gate``) turns a Comparison into a verdict with the policy in
-thresholds.yaml; notebooks use ``Comparison.summary`` and ``Comparison.flips(task)`` directly.
+thresholds.yaml; notebooks use ``Comparison.summary``, ``Comparison.flips(task)`` and
+``Comparison.show(task, doc_id)`` directly (statistics are computed on first use with the default policy
+when no gate has decided). HTML rendering lives in ``evalgate.html``.
 """
 
 from __future__ import annotations
@@ -129,6 +131,17 @@ class Comparison:
     pairs: dict[str, TaskPairs]
     aa_flips: dict[str, set] = field(default_factory=dict)  # items that flip between two baseline runs
     decision: object = None  # evalgate.stats.OverallDecision once the gate has decided
+    thresholds: object = None  # policy for statistics computed on demand: a path, a Thresholds, None = default
+    notes: list[str] = field(default_factory=list)  # how on-demand statistics were decided
+    stats_problem: str | None = None  # why on-demand statistics could not be decided (not retried)
+
+    def ensure_decision(self):
+        """The per-task statistics; decided here (lazily, default policy, A/A if on record) if no gate did."""
+        if self.decision is None and self.stats_problem is None:
+            from evalgate.comparison_stats import decide_on_demand
+
+            decide_on_demand(self)
+        return self.decision
 
     @property
     def tasks(self) -> list[str]:
@@ -136,8 +149,10 @@ class Comparison:
 
     @property
     def summary(self):
+        """One row per task: task, n, baseline, candidate, delta, ci_low, ci_high, b, c, p, verdict, ..."""
         import pandas as pd
 
+        self.ensure_decision()
         rows = []
         for task, p in self.pairs.items():
             base, cand = p.correct("base"), p.correct("cand")
@@ -152,12 +167,21 @@ class Comparison:
                            p=dec.p_degradation, p_adjusted=dec.p_degradation_adjusted, margin=dec.margin,
                            verdict=dec.verdict)
             rows.append(row)
-        return pd.DataFrame(rows)
+        return pd.DataFrame(rows, columns=SUMMARY_COLUMNS + [k for k in rows[0] if k not in SUMMARY_COLUMNS] if rows
+                            else SUMMARY_COLUMNS)
 
-    def flips(self, task: str, direction: str | None = None, failure_class: str | None = None):
-        """Items whose score differs: ``direction`` "lost" (baseline right, candidate wrong) or "gained"."""
+    def flips(self, task: str | None = None, direction: str | None = None, failure_class: str | None = None):
+        """Items whose score differs: ``direction`` "lost" (baseline right, candidate wrong) or "gained".
+
+        ``failure_class`` keeps items where either side failed that way (HumanEval, e.g. "failed:syntax").
+        Without ``task``: every task's flips, with a ``task`` column first.
+        """
         import pandas as pd
 
+        if task is None:
+            frames = [self.flips(t, direction, failure_class).assign(task=t) for t in self.pairs]
+            columns = ["task"] + FLIP_COLUMNS
+            return pd.concat(frames, ignore_index=True)[columns] if frames else pd.DataFrame(columns=columns)
         if task not in self.pairs:
             raise UserError(f"no task {task!r} in this comparison; it has: {', '.join(self.pairs)}")
         if direction not in (None, "lost", "gained"):
@@ -186,6 +210,33 @@ class Comparison:
                               kind="stable").reset_index(drop=True)
 
 
+    def show(self, task: str, doc_id):
+        """One item side by side: question, gold, both completions diffed, answers highlighted (HTML in Jupyter)."""
+        from evalgate.html import ItemView
+
+        if task not in self.pairs:
+            raise UserError(f"no task {task!r} in this comparison; it has: {', '.join(self.pairs)}")
+        p = self.pairs[task]
+        index = {str(d): i for i, d in enumerate(p.doc_ids)}
+        i = index.get(str(doc_id))
+        if i is None:
+            raise UserError(f"{task} has no item {doc_id!r}; ids run from {p.doc_ids[0]!r} to {p.doc_ids[-1]!r}")
+        return ItemView(task, p.doc_ids[i], p.base[i], p.cand[i], p.metric,
+                        flips_in_aa=p.doc_ids[i] in self.aa_flips.get(task, set()))
+
+    def _repr_html_(self) -> str:
+        from evalgate.html import comparison_html
+
+        return comparison_html(self)
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{t}: {len(p.doc_ids)} items" for t, p in self.pairs.items())
+        return (f"Comparison(baseline={str(self.baseline.path)!r} [{self.baseline.kernel}], "
+                f"candidate={str(self.candidate.path)!r} [{self.candidate.kernel}], {counts})")
+
+
+SUMMARY_COLUMNS = ["task", "n", "baseline", "candidate", "delta", "ci_low", "ci_high", "b", "c", "p", "verdict"]
+
 FLIP_COLUMNS = ["doc_id", "direction", "question", "gold", "base_extracted", "cand_extracted", "base_correct",
                 "cand_correct", "base_finish_reason", "cand_finish_reason", "base_failure_class",
                 "cand_failure_class", "flips_in_aa", "base_response", "cand_response"]
@@ -199,8 +250,12 @@ def _extracted(record: dict):
 
 
 def compare(baseline, candidate, tasks: list[str] | None = None, metrics: dict[str, str] | None = None,
-            aa_flips: dict[str, set] | None = None) -> Comparison:
-    """Pair two stored runs (paths or ``Run``s). Refuses (``NotComparable``) when they must not be compared."""
+            aa_flips: dict[str, set] | None = None, thresholds=None) -> Comparison:
+    """Pair two stored runs (paths or ``Run``s). Refuses (``NotComparable``) when they must not be compared.
+
+    ``thresholds`` (a policy file or ``Thresholds``; default: the packaged policy) is used when ``summary``
+    needs statistics that no gate has decided yet.
+    """
     base, cand = _as_run(baseline), _as_run(candidate)
     if base.manifest.get("aggregate_only"):
         raise NotComparable(f"{base.path} is an aggregate-only baseline (a published score, no per-item records); "
@@ -211,4 +266,8 @@ def compare(baseline, candidate, tasks: list[str] | None = None, metrics: dict[s
         raise NotComparable("runs are not comparable: " + "; ".join(problems))
     metrics = metrics or {}
     pairs = {t: pair_task(base, cand, t, metrics.get(t)) for t in tasks}
-    return Comparison(base, cand, pairs, aa_flips=aa_flips or {})
+    if aa_flips is None:  # the baseline's A/A record, so flips() can say which items are noise
+        from evalgate.comparison_stats import aa_records
+
+        aa_flips = {t: a["flips"] for t, a in aa_records(base).items()}
+    return Comparison(base, cand, pairs, aa_flips=aa_flips or {}, thresholds=thresholds)

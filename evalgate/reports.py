@@ -1,4 +1,4 @@
-"""Verdict outputs for people and CI: a rich table, report.md, junit.xml (one test case per task)."""
+"""Verdict outputs for people and CI: a rich table, report.md, junit.xml (one test case per task), report.html."""
 
 from __future__ import annotations
 
@@ -122,6 +122,13 @@ def junit_xml(verdict) -> str:
         out.append("    </testcase>")
     out += ["  </testsuite>", "</testsuites>"]
     return "\n".join(out) + "\n"
+
+
+def html(verdict) -> str:
+    """report.html: one self-contained page (rendered by ``evalgate.html``)."""
+    from evalgate.html import report_html
+
+    return report_html(verdict)
 
 
 def append_step_summary(markdown_text: str) -> None:
