@@ -188,7 +188,7 @@ def ci_chart(delta: float, ci: tuple[float, float], lower: float | None, margin:
 
     return {"width": width, "height": height, "y": 24, "x_lo": x(ci[0]), "x_hi": x(ci[1]), "x_delta": x(delta),
             "x_zero": x(0.0), "x_margin": x(-margin), "x_lower": x(lower) if lower is not None else None,
-            "ok": verdict == "PASS", "left": left, "right": right,
+            "ok": verdict == "PASS", "left": left, "right": right, "delta_label": f"{100 * delta:+.2f}",
             "title": f"Δ {100 * delta:+.2f} pp, 95% CI [{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}], "
                      f"−margin {-100 * margin:.2f} pp"}
 

@@ -45,8 +45,11 @@
   function side(label, s, metric) {
     var box = el("div", "side"), head = el("header");
     head.appendChild(el("b", null, label));
-    head.appendChild(document.createTextNode(" · " + metric + " = " + s.score + " · answer "));
-    head.appendChild(el("code", null, s.extracted === null ? "—" : s.extracted));
+    head.appendChild(document.createTextNode(" · " + metric + " = " + s.score));
+    if (s.extracted !== null || !s.failure_class) {
+      head.appendChild(document.createTextNode(" · answer "));
+      head.appendChild(el("code", null, s.extracted === null ? "—" : s.extracted));
+    }
     head.appendChild(document.createTextNode(" · finish " + (s.finish_reason || "—") +
       (s.n_tokens !== null && s.n_tokens !== undefined ? " · " + s.n_tokens + " tokens" : "")));
     if (s.failure_class) { head.appendChild(document.createTextNode(" · ")); head.appendChild(el("b", null, s.failure_class)); }
@@ -62,8 +65,10 @@
   function render(body, d) {
     if (d.question) body.appendChild(el("div", "question", d.question));
     var gold = el("div", "item-head");
-    gold.appendChild(el("b", null, "gold"));
-    gold.appendChild(el("code", null, d.gold === null ? "—" : d.gold));
+    if (d.gold !== null) {
+      gold.appendChild(el("b", null, "gold"));
+      gold.appendChild(el("code", null, d.gold));
+    }
     if (d.same_text) gold.appendChild(el("span", "muted", "identical completions"));
     body.appendChild(gold);
     if (d.prompt) {

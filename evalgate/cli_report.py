@@ -1,0 +1,40 @@
+"""`evalgate report`: decide from two stored runs, like `evalgate gate --candidate`, and write report.html."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from evalgate.errors import UserError
+
+
+@click.command()
+@click.option("--baseline", "baselines", type=click.Path(), multiple=True, required=True,
+              help="Baseline run or baseline folder(s).")
+@click.option("--candidate", type=click.Path(), required=True, help="Candidate run folder.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default="report.html", show_default=True,
+              help="Where to write the self-contained HTML report.")
+@click.option("--thresholds", "thresholds_path", type=click.Path(), default=None, help="Policy file (default: thresholds.yaml).")
+@click.option("--allow-uncalibrated", is_flag=True, help="Decide even if the baseline has no A/A calibration (recorded).")
+def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated):
+    """Per-item HTML report of a candidate run against a baseline: exit 0 PASS, 1 FAIL, 2 error."""
+    from evalgate import reports
+    from evalgate.gate import gate_runs
+
+    out = Path(html_path)
+    if out.exists() and out.is_dir():
+        raise UserError(f"--html {html_path!r} is a folder; give a file name such as report.html")
+    if not out.parent.exists():
+        raise UserError(f"--html {html_path!r}: folder {str(out.parent)!r} does not exist; create it or choose another path")
+    verdict = gate_runs(list(baselines), candidate, thresholds_path, allow_uncalibrated)
+    text = reports.html(verdict)  # rendered fully before the file is touched
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(out)
+    click.echo(f"verdict: {verdict.verdict}  (report in {out})")
+    sys.exit(verdict.exit_code)
+
+
+commands = [report]
