@@ -186,7 +186,9 @@ class OpenAIAdapter:
                     return
                 try:
                     results.put((i, self._complete(r, abort), None))
-                except BaseException as exc:  # reported to the main thread, which decides
+                except BaseException as exc:  # reported to the main thread, which raises it
+                    if not isinstance(exc, _Aborted):
+                        abort.set()  # start nothing new; requests in flight may still finish and are kept
                     results.put((i, None, exc))
 
         # daemon threads: Ctrl-C must not wait for requests in flight
@@ -206,7 +208,6 @@ class OpenAIAdapter:
                     finished[i] = gen
                 elif not isinstance(exc, _Aborted) and failure is None:
                     failure = (requests[i], exc)
-                    abort.set()  # start nothing new; requests in flight may still finish and are kept
         except BaseException as exc:  # Ctrl-C: hand back what finished
             abort.set()
             exc.finished = dict(finished)

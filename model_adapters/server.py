@@ -259,7 +259,12 @@ def build_app(model_path: str, kernel_name: str, device: str = "cpu", dtype: str
 
 
 def serve(app: OpenAIApp, host: str, port: int) -> None:
-    import uvicorn
+    try:
+        import uvicorn
+    except ImportError:
+        from evalgate.errors import UserError
+
+        raise UserError("evalgate serve needs uvicorn; pip install 'evalgate[serve]'") from None
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                             timeout_graceful_shutdown=5)

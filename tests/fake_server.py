@@ -1,0 +1,193 @@
+"""A scripted OpenAI-compatible stand-in server (stdlib only) for fault and launcher tests.
+
+Answers are a deterministic function of the prompt, so two runs against it agree item by item. A fault
+plan decides, per completion request number (0-based, counted across endpoints), whether to answer or to
+fail: ``"500"``, ``"503"``, ``"400"``, ``"malformed"`` (200 with broken JSON), ``"drop"`` (close the
+connection without an answer), ``"timeout"`` (answer only after ``slow_s``), ``"abort"`` (SGLang's
+aborted finish reason). In a thread: ``FakeServer(plan).start()``. As a process (the launcher's stand-in
+for ``python -m sglang.launch_server``): ``python tests/fake_server.py --model-path M --host H --port P
+[--delay S] [--pid-file F] [--env-file F] [--die-after N] [--exit-code C] [--ignore-sigterm]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def reply_for(prompt: str) -> str:
+    """A stable answer per prompt, with a GSM8K-style final line and text after a typical stop."""
+    n = sum(prompt.encode()) % 97
+    return f" Some steps.\nThe answer is {n}.\n\nQuestion: next"
+
+
+class FakeServer:
+    def __init__(self, plan=None, host: str = "127.0.0.1", port: int = 0, slow_s: float = 2.0, delay_s: float = 0.0,
+                 strip_stop: bool = True, model: str = "fake-model", die_after: int | None = None,
+                 server_info: dict | None = None, extra_models: tuple[str, ...] = ()):
+        self.plan = plan or (lambda n, body: None)  # (request number, body) -> fault name or None
+        self.slow_s, self.delay_s, self.strip_stop = slow_s, delay_s, strip_stop
+        self.model, self.die_after, self.extra_models = model, die_after, tuple(extra_models)
+        self.server_info = server_info if server_info is not None else {"model_path": f"/models/{model}", "tp_size": 1,
+                                                                       "version": "fake 0.1"}
+        self.requests: list[dict] = []  # bodies of completion requests, in arrival order
+        self._lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.httpd.daemon_threads = True
+        self.httpd.handle_error = lambda request, address: None  # injected drops make noise, not news
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> "FakeServer":
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def _count(self, body: dict) -> int:
+        with self._lock:
+            self.requests.append(body)
+            return len(self.requests) - 1
+
+    def answer(self, path: str, body: dict):
+        """(status, payload-or-bytes) for a completion request, after the fault plan."""
+        n = self._count(body)
+        if self.die_after is not None and n >= self.die_after:
+            os._exit(0)  # the server dies with this request in flight
+        fault = self.plan(n, body)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if fault == "timeout":
+            time.sleep(self.slow_s)
+        elif fault in ("500", "503", "400"):
+            return int(fault), {"error": {"message": f"injected {fault}", "type": "server_error"}}
+        elif fault == "malformed":
+            return 200, b'{"choices": [ {"text": "trunc'
+        elif fault == "drop":
+            return None, None
+        chat = path.endswith("/chat/completions")
+        prompt = "\n".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
+        text, reason, hit = reply_for(prompt), "length", None
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else stops
+        found = [(text.find(s), s) for s in stops if s in text]
+        if found:
+            i, hit = min(found)
+            text, reason = (text[:i] if self.strip_stop else text), "stop"
+        words = text.split()[: body.get("max_tokens", 16)]
+        if reason == "length" and len(text.split()) > len(words):
+            text = " " + " ".join(words)
+        choice = {"index": 0, "finish_reason": "abort" if fault == "abort" else reason, "matched_stop": hit}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": len(words)}
+        result = (200, {"id": f"cmpl-{n}", "object": "text_completion", "model": self.model, "choices": [choice],
+                        "usage": usage})
+        return result
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status, payload):
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(data)
+                self.close_connection = True
+
+            def do_GET(self):
+                if self.path == "/health":
+                    self._send(200, {"status": "ok"})
+                elif self.path == "/v1/models":
+                    ids = [server.model, *server.extra_models]
+                    self._send(200, {"object": "list", "data": [{"id": i, "object": "model",
+                                                                 "root": server.server_info.get("model_path")}
+                                                                for i in ids]})
+                elif self.path == "/get_server_info" and server.server_info:
+                    self._send(200, server.server_info)
+                else:
+                    self._send(404, {"error": {"message": "not found"}})
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if self.path not in ("/v1/completions", "/v1/chat/completions"):
+                    self._send(404, {"error": {"message": "not found"}})
+                    return
+                status, payload = server.answer(self.path, body)
+                if status is None:  # dropped: close without a status line
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                self._send(status, payload)
+
+        return Handler
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model", nargs="?")  # vLLM style: `vllm serve MODEL`
+    p.add_argument("--model-path")  # SGLang style
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--delay", type=float, default=0.0, help="seconds per completion")
+    p.add_argument("--pid-file")
+    p.add_argument("--env-file", help="write the DG_*/SGLANG_* environment here")
+    p.add_argument("--die-after", type=int, default=None)
+    p.add_argument("--exit-code", type=int, default=None, help="exit at once with this code (a failed start)")
+    p.add_argument("--startup-s", type=float, default=0.0, help="seconds before listening (model loading)")
+    p.add_argument("--ignore-sigterm", action="store_true")
+    args, _unknown = p.parse_known_args(argv)  # engine flags like --tp 4 are accepted and ignored
+    if args.pid_file:
+        with open(args.pid_file, "w") as f:
+            f.write(str(os.getpid()))
+    if args.env_file:
+        with open(args.env_file, "w") as f:
+            json.dump({k: v for k, v in os.environ.items() if k.startswith(("DG_", "SGLANG_"))}, f)
+    print(f"fake server: argv {sys.argv[1:]}", flush=True)
+    if args.exit_code is not None:
+        print("fake server: failing to start on purpose", flush=True)
+        sys.exit(args.exit_code)
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(args.startup_s)
+    model = args.model_path or args.model or "fake"
+    server = FakeServer(host=args.host, port=args.port, delay_s=args.delay, die_after=args.die_after,
+                        model=os.path.basename(model.rstrip("/")) or "fake",
+                        server_info={"model_path": model, "tp_size": 1, "version": "fake 0.1"})
+    print(f"fake server: listening on {server.url}", flush=True)
+    server.httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

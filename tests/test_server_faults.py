@@ -1,0 +1,262 @@
+"""The OpenAI client adapter against a scripted stand-in server: requests, retries, faults, resume, gate.
+
+Every fault (HTTP 500, malformed JSON, a dropped connection, a timeout, an aborted request, a server that
+dies) gives retries, then one clear error; records finished before the fault stay on disk (also those of
+the failing batch), and ``--resume`` against a healthy server ends with the same records as a clean run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from evalgate.errors import UserError
+from evalgate.model_adapters.openai_client import OpenAIAdapter, ServerError, _parse_choice, normalize_url
+from evalgate.progress import Progress
+from evalgate.runner import RunSpec, execute
+from evalgate.store import load_run
+from evalgate.tasks.base import Request
+from fake_server import FakeServer
+
+HERE = Path(__file__).resolve().parent
+VOLATILE = {"latency_s"}
+LIMIT = 6
+
+
+def quiet() -> Progress:
+    return Progress(enabled=False, stream=open(os.devnull, "w"))
+
+
+def adapter(url, kernel="w4a8", **kw) -> OpenAIAdapter:
+    opts = {"retries": 2, "backoff_s": 0.01, "request_timeout": 5.0, "concurrency": 1, "batch_size": 4, **kw}
+    return OpenAIAdapter(url, kernel, **opts)
+
+
+def run(url, out, data_dir, resume=False, kernel="w4a8", batch_size=4, **kw) -> Path:
+    spec = RunSpec(model="fake-model", kernel=kernel, tasks=["gsm8k"], limit=LIMIT, batch_size=batch_size,
+                   data_dir=str(data_dir))
+    return execute(spec, out, resume=resume, adapter=adapter(url, kernel, batch_size=batch_size, **kw),
+                   progress=quiet())
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(l) for l in (out / "gsm8k.jsonl").read_text().splitlines()]
+
+
+def stable(recs) -> list[dict]:
+    return sorted(({k: v for k, v in r.items() if k not in VOLATILE} for r in recs), key=lambda r: r["doc_id"])
+
+
+@pytest.fixture(scope="module")
+def clean_run(data_dir, tmp_path_factory) -> Path:
+    with FakeServer() as server:
+        return run(server.url, tmp_path_factory.mktemp("clean") / "run", data_dir)
+
+
+def test_requests_are_greedy_with_stops_seed_and_token_limit(data_dir, tmp_path):
+    with FakeServer() as server:
+        out = run(server.url, tmp_path / "run", data_dir)
+    body = server.requests[0]
+    assert body["temperature"] == 0.0 and body["seed"] == 0 and body["n"] == 1 and body["stream"] is False
+    assert body["model"] == "fake-model" and body["stop"] == ["Question:", "</s>", "<|im_end|>"]
+    assert body["max_tokens"] == 256 and body["prompt"].startswith("Question:")
+    recs = records(out)
+    assert len(recs) == LIMIT and all(r["finish_reason"] == "stop" and r["stop_hit"] == "Question:" for r in recs)
+    assert all(r["n_tokens"] > 0 and r["n_prompt_tokens"] > 0 for r in recs)
+    assert all(r["resps"].endswith(".\n\n") and r["filtered_resps"]["flexible-extract"] for r in recs)
+
+
+def test_manifest_records_the_server_and_an_unverified_kernel(clean_run):
+    model = load_run(clean_run).manifest["model"]
+    assert model["adapter"] == "openai" and model["served_model"] == "fake-model" and len(model["fingerprint"]) == 16
+    assert model["kernel_claimed"] == "w4a8" and model["kernel_verified"] is False
+    assert model["identity"]["model_path"] == "/models/fake-model"
+    assert model["server_reported"]["server_info"]["tp_size"] == 1 and model["launch"] is None
+
+
+def test_fingerprint_survives_a_restart_on_another_port_but_not_another_model():
+    with FakeServer() as a, FakeServer() as b, FakeServer(server_info={"model_path": "/other", "tp_size": 1}) as c:
+        fa, fb, fc = (adapter(s.url).info()["fingerprint"] for s in (a, b, c))
+    assert a.url != b.url and fa == fb and fa != fc
+
+
+def test_the_stop_string_is_cut_even_if_the_server_leaves_it_in():
+    with FakeServer(strip_stop=False) as server:
+        [gen] = adapter(server.url).generate([Request(0, "Q", ("Question:",), 50)])
+    assert gen.text == " Some steps.\nThe answer is 81.\n\n" and gen.finish_reason == "stop"
+    assert gen.stop_hit == "Question:"
+
+
+def test_chat_requests_go_to_chat_completions():
+    with FakeServer() as server:
+        [gen] = adapter(server.url).generate([Request(0, "hi", (), 5, messages=({"role": "user", "content": "hi"},))])
+    assert server.requests[0]["messages"] == [{"role": "user", "content": "hi"}] and "prompt" not in server.requests[0]
+    assert gen.finish_reason == "length" and gen.n_tokens == 5
+
+
+@pytest.mark.parametrize("choice, expected", [
+    ({"text": "a", "finish_reason": "stop", "stop_reason": "\n\n"}, ("a", "stop", "\n\n")),  # vLLM
+    ({"text": "a", "finish_reason": "stop", "stop_reason": 2}, ("a", "stop", None)),  # vLLM, EOS token id
+    ({"text": "a", "finish_reason": "length", "matched_stop": None}, ("a", "length", None)),  # SGLang
+])
+def test_finish_reasons_map_to_stop_or_length(choice, expected):
+    text, reason, hit, _ = _parse_choice({"choices": [choice]}, chat=False)
+    assert (text, reason, hit) == expected
+
+
+def test_urls_are_normalized_and_bad_ones_refused():
+    assert normalize_url("http://gpu-node:30000/v1/") == "http://gpu-node:30000"
+    assert normalize_url("127.0.0.1:8000") == "http://127.0.0.1:8000"
+    with pytest.raises(UserError, match="not an http"):
+        normalize_url("ftp://x")
+
+
+def test_several_served_models_need_a_model_id():
+    with FakeServer(extra_models=["other"]) as server:
+        with pytest.raises(UserError, match="serves 2 models .* pass --model-id"):
+            adapter(server.url)
+        assert adapter(server.url, model_id="other").served_model == "other"
+    with FakeServer() as server:  # one model: its name is used, the --model-id given is the identity
+        info = adapter(server.url, model_id="dsv4-flash").info()
+    assert info["served_model"] == "fake-model" and info["model_id"] == "dsv4-flash"
+
+
+def test_an_unreachable_server_is_one_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        with pytest.raises(UserError, match=rf"server http://127.0.0.1:{port} failed the model list .* 3 attempts"):
+            adapter(f"http://127.0.0.1:{port}")
+
+
+def test_transient_faults_are_retried_and_the_run_completes(data_dir, tmp_path, clean_run):
+    faults = {0: "500", 1: "drop", 3: "malformed", 5: "503", 7: "abort"}  # never three in a row for one item
+    with FakeServer(plan=lambda n, body: faults.get(n)) as server:
+        out = run(server.url, tmp_path / "run", data_dir)
+    assert len(server.requests) == LIMIT + len(faults)
+    assert stable(records(out)) == stable(records(clean_run))
+
+
+@pytest.mark.parametrize("fault", ["500", "malformed", "drop", "timeout", "abort"])
+def test_a_persistent_fault_keeps_finished_items_and_resume_completes(fault, data_dir, tmp_path, clean_run):
+    out = tmp_path / "run"
+    # items 0-3 (the first batch) and item 4 answer; from item 5 on the server is broken
+    with FakeServer(plan=lambda n, body: fault if n >= 5 else None, slow_s=1.0) as server:
+        with pytest.raises(ServerError) as info:
+            run(server.url, out, data_dir, request_timeout=0.3)
+    message = str(info.value)
+    assert message.startswith(f"server {server.url} failed item 5 on /v1/completions after 3 attempts")
+    assert "rerun with --resume" in message and "\n" not in message
+    assert len(server.requests) == 5 + 3  # three attempts, then nothing new is started
+    partial = records(out)
+    assert sorted(r["doc_id"] for r in partial) == [0, 1, 2, 3, 4]  # item 4 of the failing batch is kept
+    assert stable(partial) == stable(records(clean_run))[:5]
+    assert load_run(out).manifest["status"] == "interrupted"
+
+    with FakeServer() as healthy:
+        run(healthy.url, out, data_dir, resume=True)
+    assert len(healthy.requests) == 1  # only the lost item is redone
+    assert stable(records(out)) == stable(records(clean_run))
+
+
+def test_concurrent_requests_keep_every_finished_item_of_a_failing_batch(data_dir, tmp_path, clean_run):
+    out = tmp_path / "run"
+    question = next(r["question"] for r in records(clean_run) if r["doc_id"] == 2)
+    with FakeServer(plan=lambda n, body: "500" if question in body["prompt"] else None) as server:
+        with pytest.raises(ServerError, match="failed item 2"):
+            run(server.url, out, data_dir, batch_size=LIMIT, concurrency=3)
+    kept = sorted(r["doc_id"] for r in records(out))
+    assert 2 not in kept and {0, 1} <= set(kept)  # in flight beside item 2, finished, kept
+    with FakeServer() as healthy:
+        run(healthy.url, out, data_dir, resume=True, batch_size=LIMIT, concurrency=3)
+    assert stable(records(out)) == stable(records(clean_run))
+
+
+def test_a_refused_request_is_not_retried(data_dir, tmp_path):
+    with FakeServer(plan=lambda n, body: "400") as server:
+        with pytest.raises(ServerError, match=r"refused item 0 .*HTTP 400 \(injected 400\)"):
+            run(server.url, tmp_path / "run", data_dir)
+    assert len(server.requests) == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_fake(port: int, *args) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, str(HERE / "fake_server.py"), "--model-path", "/models/fake-model",
+                             "--port", str(port), *args], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("fake server did not start")
+
+
+def test_a_server_killed_mid_run_loses_nothing_and_resume_after_restart_completes(data_dir, tmp_path, clean_run):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    out = tmp_path / "run"
+    server = _start_fake(port, "--die-after", "3")  # answers three items, then the process is gone
+    try:
+        with pytest.raises(ServerError, match=f"server {url} failed item 3 .*after 3 attempts: ConnectionRefusedError"):
+            run(url, out, data_dir, batch_size=2)
+    finally:
+        server.kill()
+        server.wait()
+    assert sorted(r["doc_id"] for r in records(out)) == [0, 1, 2]
+    restarted = _start_fake(port)
+    try:
+        run(url, out, data_dir, resume=True, batch_size=2)
+    finally:
+        restarted.kill()
+        restarted.wait()
+    assert stable(records(out)) == stable(records(clean_run))
+
+
+def test_cli_server_fault_is_one_line_and_exit_2(data_dir, cli_env, tmp_path):
+    out = tmp_path / "run"
+    with FakeServer(plan=lambda n, body: "500" if n >= 2 else None) as server:
+        proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--server", server.url, "--kernel", "w4a8",
+                               "--limit", "4", "--batch-size", "4", "--concurrency", "1", "--retries", "1",
+                               "--out", str(out)], env=cli_env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"evalgate: error: server {server.url} failed item 2 on /v1/completions after 2 attempts: "
+                           "HTTP 500 (injected 500)")
+    assert last.endswith(f"rerun with --resume --out {out}") and "Traceback" not in proc.stderr
+    assert sorted(r["doc_id"] for r in records(out)) == [0, 1]
+
+
+def test_gate_finds_the_server_baseline_by_the_server_fingerprint(data_dir, tmp_path):
+    from evalgate.baselines import record
+    from evalgate.orchestrate import gate_model
+    from gate_helpers import policy
+
+    root = tmp_path / "baselines"
+    with FakeServer() as server:
+        base = run(server.url, tmp_path / "base", data_dir)
+        record(base, root)
+        spec = RunSpec(model="fake-model", kernel="w4a4_packed", tasks=["gsm8k"], limit=LIMIT, batch_size=4,
+                       data_dir=str(data_dir))
+        verdict, run_dir = gate_model(spec, "w4a8", root, tmp_path / "cand", str(policy(tmp_path)),
+                                      allow_uncalibrated=True, adapter=adapter(server.url, "w4a4_packed"))
+    assert verdict.verdict == "PASS" and load_run(run_dir).manifest["model"]["adapter"] == "openai"
+    with FakeServer(server_info={"model_path": "/elsewhere"}) as other:
+        with pytest.raises(UserError, match="no stored w4a8 baseline .* `evalgate run` on a server"):
+            gate_model(spec, "w4a8", root, tmp_path / "cand2", str(policy(tmp_path)), allow_uncalibrated=True,
+                       adapter=adapter(other.url, "w4a4_packed"))
