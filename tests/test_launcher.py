@@ -1,0 +1,208 @@
+"""The launcher: command lines and environments per kernel (kernel-numerics §5, §6), refusals, and a real
+child server (the stand-in ``tests/fake_server.py``) started, health-checked and stopped, also on Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from evalgate.errors import UserError
+from evalgate.kernels import Kernel, get_kernel
+from evalgate.model_adapters.launcher import ServerProcess, check_environment, free_port, plan_launch
+
+HERE = Path(__file__).resolve().parent
+FAKE = f"{sys.executable} {HERE / 'fake_server.py'}"
+FP4_SGLANG = "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS"
+
+
+def plan(kernel: str, engine: str = "sglang", env: dict | None = None, extra=("--tp", "4", "--dp", "4")):
+    return plan_launch(engine, "/models/dsv4", get_kernel(kernel), 30000, extra_args=extra,
+                       base_env={"PATH": "/usr/bin", **(env or {})})
+
+
+def kernel_vars(p) -> dict:
+    return {k: v for k, v in p.env.items() if k.startswith(("DG_", "SGLANG_OPT"))}
+
+
+def test_sglang_command_line():
+    p = plan("w4a8")
+    assert p.argv == [sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/dsv4",
+                      "--host", "127.0.0.1", "--port", "30000", "--tp", "4", "--dp", "4"]
+    assert p.url == "http://127.0.0.1:30000" and p.env["PATH"] == "/usr/bin"
+
+
+def test_vllm_command_line():
+    assert plan("w4a8", "vllm", extra=()).argv == ["vllm", "serve", "/models/dsv4", "--host", "127.0.0.1",
+                                                   "--port", "30000"]
+
+
+@pytest.mark.parametrize("kernel, expected", [
+    ("w4a8", {}),  # the sgl-deep-gemm 0.1.0 default: no FP4 variable at all
+    ("w4a8_sglang", {}),
+    ("w4a4", {"DG_USE_FP4_ACTS": "1", FP4_SGLANG: "1"}),  # SGLang's pre-dispatch packs FP4 only under its flag
+    ("w4a4_packed", {"DG_USE_FP4_ACTS": "1", "DG_MEGA_MOE_FP4": "1", FP4_SGLANG: "1"}),  # both (§5)
+])
+def test_sglang_environment_per_kernel(kernel, expected):
+    assert kernel_vars(plan(kernel)) == expected
+
+
+def test_vllm_gets_the_deepgemm_variables_only():
+    assert kernel_vars(plan("w4a4_packed", "vllm")) == {"DG_USE_FP4_ACTS": "1", "DG_MEGA_MOE_FP4": "1"}
+
+
+def test_the_record_logs_every_kernel_variable_and_the_deepgemm_version():
+    rec = plan("w4a4_packed", env={"DG_BLOCK_K": "128", "DG_JIT_CACHE_DIR": "/tmp/x"}).record()
+    assert rec["kernel_env"] == {"DG_BLOCK_K": "128", "DG_JIT_CACHE_DIR": "/tmp/x", "DG_MEGA_MOE_FP4": "1",
+                                 "DG_USE_FP4_ACTS": "1", FP4_SGLANG: "1"}
+    assert rec["sgl_deep_gemm"] == "not installed" and rec["engine"] == "sglang"
+
+
+def test_the_mxf4_kind_may_come_from_the_environment_only_with_fp4_activations():
+    assert plan("w4a4", env={"DG_USE_MXF4_KIND": "1"}).env["DG_USE_MXF4_KIND"] == "1"
+    with pytest.raises(UserError, match="DG_USE_MXF4_KIND=1, which selects another kernel than 'w4a8'"):
+        plan("w4a8", env={"DG_USE_MXF4_KIND": "1"})
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"DG_MEGA_MOE_FP4": "1"}, "DG_MEGA_MOE_FP4=1, which selects another kernel than 'w4a8'"),
+    ({"DG_USE_FP4_ACTS": "1"}, "DG_USE_FP4_ACTS=1, which selects another kernel than 'w4a8'"),
+    ({FP4_SGLANG: "true"}, f"{FP4_SGLANG}=true, which selects another kernel"),
+    ({"DG_USE_FP8_COMBINE": "1"}, "DG_USE_FP8_COMBINE=1 sends the L2 output as FP8"),
+])
+def test_inherited_variables_that_change_the_kernel_are_refused(env, message):
+    with pytest.raises(UserError, match=message):
+        plan("w4a8", env=env)
+
+
+def test_an_inherited_zero_is_off_and_the_kernel_sets_what_it_needs():
+    p = plan("w4a4_packed", env={"DG_USE_FP4_ACTS": "0", "DG_MEGA_MOE_FP4": "0"})
+    assert p.env["DG_USE_FP4_ACTS"] == "1" and p.env["DG_MEGA_MOE_FP4"] == "1"
+
+
+def test_the_interop_hazard_is_refused():
+    with pytest.raises(UserError, match=r"DG_MEGA_MOE_FP4=1 without DG_USE_FP4_ACTS=1 .*§5"):
+        check_environment({"DG_MEGA_MOE_FP4": "1"}, "sglang")
+    hazard = Kernel(name="packed-alone", version="x", description="x", experts_forward=lambda *a: None,
+                    env={"DG_MEGA_MOE_FP4": "1"})
+    with pytest.raises(UserError, match="DG_MEGA_MOE_FP4=1 without DG_USE_FP4_ACTS=1"):
+        plan_launch("sglang", "/m", hazard, 1, base_env={})
+    with pytest.raises(UserError, match="SGLang's pre-dispatch"):
+        check_environment({"DG_USE_FP4_ACTS": "1"}, "sglang")
+    check_environment({"DG_USE_FP4_ACTS": "1"}, "vllm")
+
+
+@pytest.mark.parametrize("kernel, message", [
+    ("faulty/w4a4_packed-fp8-layout", "fault-injected test double"),
+    ("w4a4_te", "mma_type='mxf4xmxf4'"),
+    ("bf16", "no DeepGEMM setting"),
+])
+def test_kernels_no_launch_environment_selects_are_refused(kernel, message):
+    with pytest.raises(UserError, match=message):
+        plan(kernel)
+
+
+def test_port_and_host_belong_to_evalgate_and_unknown_engines_are_refused():
+    with pytest.raises(UserError, match="--port after `--` is chosen by evalgate"):
+        plan("w4a8", extra=("--port=1",))
+    with pytest.raises(UserError, match="unknown --launch engine"):
+        plan("w4a8", engine="trtllm")
+
+
+def test_the_mega_moe_path_is_a_warning_not_an_error():
+    assert "mega-MoE path" in plan("w4a4_packed").warnings[0]
+    assert plan("w4a4_packed", extra=("--moe-a2a-backend", "megamoe")).warnings == []
+
+
+# ---- a real child process ----
+
+
+def fake_plan(kernel: str, *extra: str):
+    env = {**os.environ, "EVALGATE_SGLANG_COMMAND": FAKE}
+    return plan_launch("sglang", "/models/fake-model", get_kernel(kernel), free_port(), extra_args=extra, base_env=env)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_launched_server_is_healthy_inside_and_gone_after(tmp_path):
+    p = fake_plan("w4a4_packed", "--env-file", str(tmp_path / "env.json"), "--startup-s", "0.5")
+    with ServerProcess(p, tmp_path / "run" / "server.log", health_timeout_s=30) as server:
+        pid = server.proc.pid
+        from urllib.request import urlopen
+
+        assert json.load(urlopen(p.url + "/v1/models"))["data"][0]["id"] == "fake-model"
+        child_env = json.loads((tmp_path / "env.json").read_text())
+    assert child_env["DG_USE_FP4_ACTS"] == "1" and child_env["DG_MEGA_MOE_FP4"] == "1"
+    assert child_env[FP4_SGLANG] == "1"
+    assert not alive(pid) and server.proc.returncode is not None
+    log = (tmp_path / "run" / "server.log").read_text()
+    assert "=== kernel w4a4_packed, DG_MEGA_MOE_FP4=1 DG_USE_FP4_ACTS=1" in log and "fake server: listening" in log
+
+
+def test_a_server_that_exits_at_start_is_a_clear_error(tmp_path):
+    with pytest.raises(UserError, match=r"exited with code 3 before it was healthy: fake server: failing to start"):
+        with ServerProcess(fake_plan("w4a8", "--exit-code", "3"), tmp_path / "server.log", health_timeout_s=30):
+            pass
+
+
+def test_a_server_that_never_gets_healthy_is_stopped(tmp_path):
+    p = fake_plan("w4a8", "--startup-s", "60", "--pid-file", str(tmp_path / "pid"))
+    with pytest.raises(UserError, match="not healthy after 2 s"):
+        with ServerProcess(p, tmp_path / "server.log", health_timeout_s=2, grace_s=5):
+            pass
+    assert not alive(int((tmp_path / "pid").read_text()))
+
+
+def test_a_server_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
+    p = fake_plan("w4a8", "--ignore-sigterm")
+    with ServerProcess(p, tmp_path / "server.log", health_timeout_s=30, grace_s=0.5) as server:
+        pid = server.proc.pid
+        t0 = time.monotonic()
+    assert not alive(pid) and server.proc.returncode == -signal.SIGKILL and time.monotonic() - t0 < 10
+
+
+def test_ctrl_c_stops_the_launched_server_and_keeps_finished_items(cli_env, tmp_path):
+    out = tmp_path / "run"
+    env = {**cli_env, "EVALGATE_SGLANG_COMMAND": FAKE}
+    args = [sys.executable, "-m", "evalgate", "run", "--launch", "sglang", "--model", "/models/fake-model",
+            "--kernel", "w4a4_packed", "--limit", "6", "--batch-size", "1", "--concurrency", "1", "--out", str(out)]
+    server_args = ["--", "--moe-a2a-backend", "megamoe", "--pid-file", str(tmp_path / "pid")]
+    proc = subprocess.Popen(args + server_args + ["--delay", "0.5"], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    jsonl = out / "gsm8k.jsonl"
+    deadline = time.monotonic() + 120
+    while not (jsonl.exists() and jsonl.read_bytes().count(b"\n") >= 2):
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "no records within 120 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    server_pid = int((tmp_path / "pid").read_text())
+    assert not alive(server_pid)
+    kept = [json.loads(l) for l in jsonl.read_text().splitlines()]
+    assert 2 <= len(kept) < 6
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted"
+    launch = manifest["model"]["launch"]
+    assert launch["kernel_env"]["DG_MEGA_MOE_FP4"] == "1" and launch["sgl_deep_gemm"] == "not installed"
+    assert manifest["model"]["kernel_verified"] is False and (out / "server.log").is_file()
+
+    done = subprocess.run(args + ["--resume"] + server_args, env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    resumed = [json.loads(l) for l in jsonl.read_text().splitlines()]
+    assert len(resumed) == 6 and len({r["doc_id"] for r in resumed}) == 6 and resumed[:len(kept)] == kept
+    assert not alive(int((tmp_path / "pid").read_text()))
+    assert (out / "server.log").read_text().count("=== evalgate:") == 2
