@@ -175,7 +175,7 @@ class ItemView:
 # ---------------------------------------------------------------- scores and intervals
 
 def ci_chart(delta: float, ci: tuple[float, float], lower: float | None, margin: float, verdict: str,
-             width: int = 320, height: int = 54) -> dict:
+             width: int = 320, height: int = 56) -> dict:
     """Coordinates of the Δ-with-CI chart (in pp): the interval, the point, 0 and the −margin line."""
     points = [delta, ci[0], ci[1], -margin, 0.0] + ([lower] if lower is not None else [])
     lo, hi = min(points), max(points)
@@ -186,7 +186,10 @@ def ci_chart(delta: float, ci: tuple[float, float], lower: float | None, margin:
     def x(v: float) -> float:
         return round(left + (v - lo) / (hi - lo) * (right - left), 1)
 
-    return {"width": width, "height": height, "y": 24, "x_lo": x(ci[0]), "x_hi": x(ci[1]), "x_delta": x(delta),
+    x_delta = x(delta)
+    anchor = "start" if x_delta < left + 30 else "end" if x_delta > right - 30 else "middle"
+    return {"width": width, "height": height, "y": 22, "delta_anchor": anchor,
+            "x_lo": x(ci[0]), "x_hi": x(ci[1]), "x_delta": x_delta,
             "x_zero": x(0.0), "x_margin": x(-margin), "x_lower": x(lower) if lower is not None else None,
             "ok": verdict == "PASS", "left": left, "right": right, "delta_label": f"{100 * delta:+.2f}",
             "title": f"Δ {100 * delta:+.2f} pp, 95% CI [{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}], "
