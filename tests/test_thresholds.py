@@ -26,6 +26,45 @@ def test_default_file_loads_with_spec_defaults():
     assert gsm.margin == pytest.approx(0.015) and he.max_invalid_rise == pytest.approx(0.01)
     assert gsm.max_truncation_rise_pp == 1.0 and gsm.require_paired and gsm.min_aa_runs == 1
     assert thresholds.sha256 == hashlib.sha256(REPO_FILE.read_bytes()).hexdigest()
+    # the whole-gate budget (benchmarks/simulate_gate.py): alpha split, A/A margin floor, rate item floor
+    assert thresholds.alpha_split is True and thresholds.alpha_validity == 0.01 and thresholds.margin_floor
+    assert gsm.min_rise_items == he.min_rise_items == 4
+    assert thresholds.decision_kwargs("humaneval") == {"alpha_split": True, "alpha_validity": 0.01,
+                                                       "margin_floor": True, "min_rise_items": 4}
+
+
+def test_decision_kwargs_are_accepted_by_decide_task():
+    import inspect
+
+    from evalgate.stats import decide_task
+
+    accepted = set(inspect.signature(decide_task).parameters)
+    assert set(load_thresholds().decision_kwargs("gsm8k")) <= accepted
+    assert {"aa_psi0", "aa_n"} <= accepted
+
+
+def test_new_keys_default_when_absent(tmp_path):
+    text = GOOD
+    for line in ("alpha_split: true\n", "alpha_validity: 0.01\n", "margin_floor: true\n",
+                 "    min_rise_items: 4\n"):
+        assert line in text
+        text = text.replace(line, "")
+    path = tmp_path / "old_style.yaml"
+    path.write_text(text)
+    thresholds = load_thresholds(path)
+    assert (thresholds.alpha_split, thresholds.alpha_validity, thresholds.margin_floor) == (True, 0.01, True)
+    assert thresholds.task("humaneval").min_rise_items == 4
+
+
+def test_spec_policy_settings_load(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(GOOD.replace("\nalpha_split: true\n", "\nalpha_split: false\n")
+                    .replace("margin_floor: true", "margin_floor: false")
+                    .replace("min_rise_items: 4", "min_rise_items: 0")
+                    .replace("alpha_validity: 0.01", "alpha_validity: 0"))
+    thresholds = load_thresholds(path)
+    assert thresholds.decision_kwargs("gsm8k") == {"alpha_split": False, "alpha_validity": 0.0,
+                                                   "margin_floor": False, "min_rise_items": 0}
 
 
 def test_packaged_copy_is_identical_to_repo_file():
@@ -101,6 +140,22 @@ BAD_FILES = [
     ("negative rate limit", replace_once("max_invalid_rise_pp: 1.0", "max_invalid_rise_pp: -1"),
      ["tasks.gsm8k.max_invalid_rise_pp", "out of range", "[0, 100]"]),
     ("bad task name", GOOD + "  GSM-8K:\n    profile: x\n", ["tasks.GSM-8K", "invalid task name"]),
+    ("alpha_validity equal to alpha", replace_once("alpha_validity: 0.01", "alpha_validity: 0.05"),
+     ["alpha_validity", "out of range", "[0, alpha) = [0, 0.05)"]),
+    ("alpha_validity above alpha", replace_once("alpha_validity: 0.01", "alpha_validity: 0.2"),
+     ["alpha_validity", "out of range", "[0, alpha)"]),
+    ("alpha_validity negative", replace_once("alpha_validity: 0.01", "alpha_validity: -0.01"),
+     ["alpha_validity", "out of range", "[0, alpha)"]),
+    ("alpha_validity as a string", replace_once("alpha_validity: 0.01", "alpha_validity: 1%"),
+     ["alpha_validity", "a string", "[0, alpha)"]),
+    ("alpha_split not a bool", replace_once("\nalpha_split: true\n", "\nalpha_split: 'split'\n"),
+     ["alpha_split", "true or false"]),
+    ("margin_floor not a bool", replace_once("margin_floor: true", "margin_floor: 3.7"),
+     ["margin_floor", "a number", "true or false"]),
+    ("min_rise_items negative", replace_once("min_rise_items: 4", "min_rise_items: -1"),
+     ["tasks.gsm8k.min_rise_items", "out of range", "whole number of items >= 0"]),
+    ("min_rise_items fractional", replace_once("min_rise_items: 4", "min_rise_items: 2.5"),
+     ["tasks.gsm8k.min_rise_items", "a number", "whole number of items"]),
     ("token band reversed", replace_once("[0.9, 1.1]", "[1.1, 0.9]"), ["token_ratio_band", "0 < low <= 1"]),
 ]
 
