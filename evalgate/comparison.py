@@ -210,6 +210,20 @@ class Comparison:
                               kind="stable").reset_index(drop=True)
 
 
+    def changed(self, task: str):
+        """Items whose completion text differs, flipped or not (kernel drift shows here before scores move)."""
+        import pandas as pd
+
+        if task not in self.pairs:
+            raise UserError(f"no task {task!r} in this comparison; it has: {', '.join(self.pairs)}")
+        p = self.pairs[task]
+        rows = [{"doc_id": d, "flipped": bs != cs, "base_extracted": _extracted(b), "cand_extracted": _extracted(c),
+                 "base_response": b.get("resps"), "cand_response": c.get("resps")}
+                for d, b, c, bs, cs in zip(p.doc_ids, p.base, p.cand, p.scores("base"), p.scores("cand"))
+                if b.get("resps") != c.get("resps")]
+        return pd.DataFrame(rows, columns=["doc_id", "flipped", "base_extracted", "cand_extracted", "base_response",
+                                           "cand_response"])
+
     def show(self, task: str, doc_id):
         """One item side by side: question, gold, both completions diffed, answers highlighted (HTML in Jupyter)."""
         from evalgate.html import ItemView
