@@ -188,9 +188,11 @@ def ci_chart(delta: float, ci: tuple[float, float], lower: float | None, margin:
 
     x_delta = x(delta)
     anchor = "start" if x_delta < left + 30 else "end" if x_delta > right - 30 else "middle"
+    close = abs(x(0.0) - x(-margin)) < 20  # keep the "−M" and "0" labels apart
     return {"width": width, "height": height, "y": 22, "delta_anchor": anchor,
             "x_lo": x(ci[0]), "x_hi": x(ci[1]), "x_delta": x_delta,
-            "x_zero": x(0.0), "x_margin": x(-margin), "x_lower": x(lower) if lower is not None else None,
+            "x_zero": x(0.0), "x_margin": x(-margin),
+            "zero_anchor": "start" if close else "middle", "margin_anchor": "end" if close else "middle", "x_lower": x(lower) if lower is not None else None,
             "ok": verdict == "PASS", "left": left, "right": right, "delta_label": f"{100 * delta:+.2f}",
             "title": f"Δ {100 * delta:+.2f} pp, 95% CI [{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}], "
                      f"−margin {-100 * margin:.2f} pp"}
