@@ -6,6 +6,7 @@ the `faulty/` prefix and `faulty=True`; each names its healthy `twin`. None of t
 
 from __future__ import annotations
 
+from .checkpoint import prepare_fp4_model
 from .emulator import experts_forward
 from .recipe import Recipe
 from .registry import Kernel, register_kernel
@@ -33,6 +34,7 @@ def _emulated(name, version, description, recipe: Recipe, env=None, api=None, fa
             faulty=faulty,
             twin=twin,
             api=dict(api or {}),
+            prepare_model=prepare_fp4_model,
         )
     )
 

@@ -24,7 +24,7 @@ from . import formats
 from .emulator import MoEEmulation, run_chunk_together, weight_fault
 from .reference import Bf16GroupedMM, Fp32Reference
 from .registry import get_kernel, kernel_names
-from .weights import Fp4ExpertWeights
+from .weights import Fp4ExpertWeights, double_one_group_per_row
 
 SHAPES = {
     # spec §8 defaults
@@ -151,14 +151,13 @@ def layer_check(shape: str = "tiny", tokens: int = 64, seed: int = 0, kernels: l
                 case: LayerCase | None = None) -> list[dict]:
     """Every kernel (default: all registered) on one synthetic MoE layer vs the FP32 reference."""
     case = case or synthetic_layer(shape, tokens, seed)
-    names = kernels or kernel_names()
+    names = kernels or sorted(kernel_names(), key=lambda n: (get_kernel(n).faulty, n))
     runners = {n: _runner(n, case) for n in names}
     reference = Fp32Reference(case.x, case.top_k_index, case.top_k_weights, case.weights.num_experts, case.limit)
-    # Runners that share FP32 weights run together (one grouped matmul per GEMM); bf16 runs on its own.
+    # Runners that share FP32 weights run together: one batched matmul per GEMM reads each weight once.
     groups: dict = {None: [reference]}
     for r in runners.values():
-        if isinstance(r, MoEEmulation):
-            groups.setdefault(weight_fault(r.recipe), []).append(r)
+        groups.setdefault(weight_fault(r.recipe) if isinstance(r, MoEEmulation) else None, []).append(r)
     hit = torch.bincount(case.top_k_index.flatten(), minlength=case.weights.num_experts) > 0
     per_expert = 3 * case.weights.hidden * case.weights.intermediate * 4
     step = max(1, CHUNK_WEIGHT_BYTES // per_expert)
@@ -167,12 +166,13 @@ def layer_check(shape: str = "tiny", tokens: int = 64, seed: int = 0, kernels: l
         hi = min(lo + step, case.weights.num_experts)
         if not bool(hit[lo:hi].any()):
             continue  # nobody routed here: never dequantized
+        w1, w2 = case.weights.dequantize(lo, hi)  # row-major: read by padded bmm without a copy
         for fault, members in groups.items():
-            w1, w2 = case.weights.dequantize(lo, hi, fault=fault)
-            run_chunk_together(members, lo, hi, w1, w2)
-            if fault is None and "bf16" in runners:
-                runners["bf16"].run_chunk(lo, hi, w1, w2)
-            del w1, w2
+            if fault is None:
+                run_chunk_together(members, lo, hi, w1, w2)
+            else:  # fault (a), derived from the healthy weights (x2 = byte + 1)
+                run_chunk_together(members, lo, hi, double_one_group_per_row(w1), double_one_group_per_row(w2))
+        del w1, w2
     seconds = time.perf_counter() - t0
     ref = reference.finish()
     outs = {n: r.finish() for n, r in runners.items()}
@@ -241,13 +241,17 @@ def model_check(model, tokenizer, pairs: list[tuple[str, str]], kernels: list[st
     return rows
 
 
+def check_model_dir(path: str) -> None:
+    from pathlib import Path
+
+    if not Path(path).is_dir() or not (Path(path) / "config.json").exists():
+        raise UserError(f"model path {path!r} is not a checkpoint directory (no config.json); pass a local model dir")
+
+
 def load_model_for_check(path: str, kernel: str = "bf16"):
     """(model, tokenizer) for `kernels check --model PATH`: the hf adapter when it exists, else a direct
     transformers load (FP4 checkpoints via `checkpoint.load_fp4_checkpoint`)."""
-    from pathlib import Path
-
-    if not Path(path).is_dir():
-        raise UserError(f"model path {path!r} is not a directory; pass a local checkpoint directory")
+    check_model_dir(path)
     try:
         from evalgate.model_adapters.hf import load_model
     except ImportError:
@@ -263,3 +267,23 @@ def load_model_for_check(path: str, kernel: str = "bf16"):
     else:
         model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=kernel, dtype=torch.bfloat16).eval()
     return model, AutoTokenizer.from_pretrained(path)
+
+
+def task_pairs(tasks: list[str], limit: int | None, data_dir=None) -> list[tuple[str, str]]:
+    """(prompt, reference answer) pairs from evalgate's tasks, prompted exactly as a run prompts them;
+    the reference answer (GSM8K's worked solution, HumanEval's canonical solution) is teacher-forced."""
+    import os
+    from pathlib import Path
+
+    from evalgate.tasks import get_task, resolve_profile
+
+    data_dir = data_dir or os.environ.get("EVALGATE_DATA_DIR")
+    pairs = []
+    for name in tasks:
+        task = get_task(name)
+        items, resolved = task.load(resolve_profile(task, None), Path(data_dir) if data_dir else None, limit)
+        delimiter = resolved.profile.settings.get("target_delimiter", "")
+        for item, request in zip(items, task.requests(items, resolved)):
+            answer = item.get("answer") or item.get("canonical_solution") or ""
+            pairs.append((request.prompt, delimiter + answer if item.get("answer") else answer))
+    return pairs

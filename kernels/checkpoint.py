@@ -180,6 +180,13 @@ def attach_stored_fp4(model, path) -> int:
     return attached
 
 
+def prepare_fp4_model(model, path) -> None:
+    """`Kernel.prepare_model` of the emulated kernels: after any transformers load of `path`, make the
+    kernels compute with the checkpoint's stored FP4 codes (a no-op for a BF16 checkpoint)."""
+    if is_fp4_checkpoint(path):
+        attach_stored_fp4(model, path)
+
+
 def load_fp4_checkpoint(path, experts_implementation: str = "bf16", device: str = "cpu", **kwargs):
     """Load a DeepSeek-V4 FP4 checkpoint through transformers and attach its stored expert codes.
 

@@ -42,11 +42,16 @@ def exact_fp32_matmul():
 
 
 def grouped_matmul(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows a[offs[g-1]:offs[g]] times w[g]^T: a [S, K], w [G, N, K] (out x in), offsets int32 [G]."""
+    """Rows a[offs[g-1]:offs[g]] times w[g]^T: a [S, K], w [G, N, K] (out x in), offsets int32 [G].
+
+    Row-major w (as dequantized) goes through one padded bmm, which BLAS reads transposed without a
+    copy; w stored in-major (`weights.in_major`) through torch's grouped_mm. On CPU grouped_mm copies a
+    row-major weight on every call (~3x slower). Both accumulate in FP32; their summation orders may
+    differ at FP32 rounding level (spec §3 step 3 allows it)."""
     if a.shape[0] == 0:
         return a.new_zeros(0, w.shape[1])
     fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if fn is not None:
+    if fn is not None and w.transpose(-2, -1).is_contiguous():
         try:
             return fn(a, w.transpose(-2, -1), offs=offsets)
         except (RuntimeError, NotImplementedError):  # e.g. a CUDA build without FP32 grouped_mm

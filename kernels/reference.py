@@ -42,31 +42,34 @@ class Fp32Reference(ExpertRows):
 
 
 class Bf16GroupedMM(ExpertRows):
-    """transformers `grouped_mm_experts_forward` + DeepseekV4Experts._apply_gate, in BF16."""
+    """transformers `grouped_mm_experts_forward` + DeepseekV4Experts._apply_gate, in BF16.
+
+    The GEMMs run as FP32 GEMMs on BF16-valued operands, rounded to BF16: what a BF16 GEMM with FP32
+    accumulation computes (products of BF16 values are exact in FP32), so this runner can share FP32
+    weights and a batched matmul with the others. Summation order may differ from torch's BF16 kernel."""
 
     recipe = None
 
     def __init__(self, x, top_k_index, top_k_weights, num_experts, limit):
         super().__init__(x, top_k_index, top_k_weights, num_experts)
         self.limit = limit
-        self.x = x.to(torch.bfloat16)
+        self.x = x.to(torch.bfloat16).to(torch.float32)
         self.w = top_k_weights.reshape(-1)[self.rows]  # in the router's dtype, as transformers uses them
         # transformers multiplies the BF16 expert output by the router weights in their own dtype
         self.out_dtype = torch.promote_types(torch.bfloat16, top_k_weights.dtype)
         self.slot_out = torch.zeros(self.shape[0] * self.shape[1], self.shape[2], dtype=self.out_dtype)
 
-    def run_chunk(self, lo, hi, w1, w2):
-        begin, end = self.span(lo, hi)
-        if end == begin:
-            return
-        offsets = torch.cumsum(self.counts[lo:hi], 0).to(torch.int32)
-        proj = grouped_matmul(self.x[self.token[begin:end]], w1.to(torch.bfloat16), offsets)
-        gate, up = proj.chunk(2, dim=-1)
+    def l1_input(self, begin, end):
+        return self.x[self.token[begin:end]]
+
+    def l2_input(self, begin, end, acc):
+        gate, up = acc.to(torch.bfloat16).chunk(2, dim=-1)
         if self.limit is not None:
             gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-        h = torch.nn.functional.silu(gate) * up
-        out = grouped_matmul(h, w2.to(torch.bfloat16), offsets)
-        self.slot_out[self.rows[begin:end]] = out * self.w[begin:end, None]
+        return (torch.nn.functional.silu(gate) * up).to(torch.float32)
+
+    def store(self, begin, end, out):
+        self.slot_out[self.rows[begin:end]] = out.to(torch.bfloat16) * self.w[begin:end, None]
 
     def finish(self):
         return self.slot_out.view(self.shape).sum(dim=1).to(torch.bfloat16).to(torch.float32)

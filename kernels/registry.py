@@ -24,6 +24,7 @@ class Kernel:
     faulty: bool = False  # fault-injected on purpose; never a default
     twin: str | None = None  # for a faulty kernel: the healthy kernel it was derived from
     api: dict = field(default_factory=dict)  # real-kernel API arguments (sgl-deep-gemm >= 0.1.7 picks by mma_type)
+    prepare_model: Callable | None = None  # fn(model, checkpoint_dir) after loading, e.g. attach stored FP4 codes
 
     @property
     def id(self) -> str:

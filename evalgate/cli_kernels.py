@@ -1,0 +1,140 @@
+"""``evalgate kernels``: what each kernel computes, and how far its numerics are from a reference.
+
+    evalgate kernels list [--json]
+    evalgate kernels check --shape dsv4-flash --tokens 512      # one layer, every kernel vs FP32
+    evalgate kernels check --model PATH --tasks gsm8k --limit 32  # teacher-forced KL / top-1 vs bf16
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+
+import click
+
+from evalgate.errors import UserError
+
+kernels_group = click.Group(
+    "kernels", help="List the kernels evalgate can swap into a MoE model, and check their numerics."
+)
+
+
+def _kernel_rows(include_faulty: bool) -> list[dict]:
+    from evalgate.kernels import KERNELS, kernel_names
+
+    rows = []
+    names = kernel_names(include_faulty=include_faulty)
+    for name in sorted(names, key=lambda n: (KERNELS[n].faulty, n)):  # healthy kernels first
+        k = KERNELS[name]
+        rows.append({"name": k.name, "version": k.version, "description": k.description, "env": k.env,
+                     "api": k.api, "faulty": k.faulty, "twin": k.twin, "recipe": k.recipe})
+    return rows
+
+
+@kernels_group.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (every recipe field).")
+@click.option("--faulty/--no-faulty", default=True, show_default=True, help="Include fault-injected test kernels.")
+def list_kernels(as_json: bool, faulty: bool):
+    """Name, what it computes, the release it emulates and the server environment that selects it."""
+    rows = _kernel_rows(faulty)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="evalgate kernels", show_lines=False)
+    for col in ("name", "computes", "emulates", "server env"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        env = " ".join(f"{k}={v}" for k, v in r["env"].items()) or "-"
+        if r["api"]:
+            env += "  (" + ", ".join(f"{k}={v}" for k, v in r["api"].items()) + ")"
+        name = f"[red]{r['name']}[/red]" if r["faulty"] else r["name"]
+        table.add_row(name, r["description"], r["version"], env)
+    Console().print(table)
+
+
+def _parse_list(value: str | None, what: str) -> list[str] | None:
+    if value is None:
+        return None
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise UserError(f"--{what} is empty; name at least one, comma-separated")
+    return items
+
+
+def _print_rows(rows: list[dict], columns: list[tuple[str, str, str]], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for _, header, _ in columns:
+        table.add_column(header, justify="right" if header != "kernel" else "left")
+    for r in rows:
+        cells = []
+        for key, _, fmt in columns:
+            v = r.get(key)
+            cells.append("-" if v is None else format(v, fmt) if fmt else str(v))
+        if r.get("faulty"):
+            cells[0] = f"[red]{cells[0]}[/red]"
+        table.add_row(*cells)
+    Console().print(table)
+
+
+LAYER_COLUMNS = [("kernel", "kernel", ""), ("rel_rmse", "rel RMSE", ".4f"), ("cosine", "cosine", ".6f"),
+                 ("max_abs_err", "max |err|", ".4g"), ("calc_diff", "calc_diff", ".2e"),
+                 ("bf16_identical", "bf16 ==", ".3f"), ("calc_diff_vs_twin", "calc_diff vs twin", ".2e")]
+MODEL_COLUMNS = [("kernel", "kernel", ""), ("mean_kl", "mean KL vs bf16", ".3e"),
+                 ("top1_agreement", "top-1 agree", ".4f"), ("tokens", "tokens", "d"), ("seconds", "s", ".1f")]
+
+
+@kernels_group.command("check")
+@click.option("--shape", default=None, help="Layer-level check at a named shape: dsv4-flash or tiny.")
+@click.option("--tokens", default="512", show_default=True, help="Tokens routed through the layer (layer-level).")
+@click.option("--model", "model_path", default=None, help="Model-level check: a local checkpoint directory.")
+@click.option("--tasks", default="gsm8k", show_default=True, help="Tasks whose prompts feed the model-level check.")
+@click.option("--limit", default=32, show_default=True, type=int, help="Items per task (model-level).")
+@click.option("--kernels", "kernel_list", default=None, help="Comma-separated kernels (default: all).")
+@click.option("--data-dir", type=click.Path(file_okay=False), envvar="EVALGATE_DATA_DIR", default=None,
+              help="Offline copy of the task data (model-level).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic layer.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result rows as JSON.")
+def check(shape, tokens, model_path, tasks, limit, kernel_list, data_dir, seed, as_json):
+    """Numerics of every kernel: one synthetic layer vs FP32 (--shape), or a model vs bf16 (--model)."""
+    from evalgate.kernels import check as checks
+    from evalgate.kernels import get_kernel
+
+    if (shape is None) == (model_path is None):
+        raise UserError("kernels check needs exactly one of --shape (layer-level) or --model PATH (model-level)")
+    kernels = _parse_list(kernel_list, "kernels")
+    for k in kernels or []:
+        get_kernel(k)
+    t0 = time.perf_counter()
+    if shape is not None:
+        checks.shape_params(shape)
+        try:
+            n_tokens = int(tokens)
+        except ValueError:
+            raise UserError(f"--tokens must be an integer, got {tokens!r}") from None
+        rows = checks.layer_check(shape, n_tokens, seed, kernels)
+        title = f"layer check: {shape}, {n_tokens} tokens, vs FP32 reference"
+        columns = LAYER_COLUMNS
+    else:
+        if limit < 1:
+            raise UserError(f"--limit must be at least 1 (got {limit})")
+        checks.check_model_dir(model_path)
+        pairs = checks.task_pairs(_parse_list(tasks, "tasks"), limit, data_dir)
+        model, tokenizer = checks.load_model_for_check(model_path)
+        rows = checks.model_check(model, tokenizer, pairs, kernels)
+        title = f"model check: {model_path}, {tasks} x {limit}, teacher-forced vs bf16"
+        columns = MODEL_COLUMNS
+    wall = time.perf_counter() - t0
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
+    if as_json:
+        click.echo(json.dumps({"rows": rows, "wall_seconds": round(wall, 1), "peak_rss_gb": round(peak_gb, 2)},
+                              indent=2))
+        return
+    _print_rows(rows, columns, title)
+    click.echo(f"wall {wall:.1f} s, peak RSS {peak_gb:.2f} GB")
