@@ -2,7 +2,9 @@
 
 Notebook entry points:
 - ``load_run(path)``: a stored run or baseline; ``.samples(task)`` is a pandas DataFrame;
-- ``compare(baseline, candidate)``: the two runs paired item by item; ``.summary`` and ``.flips(task)``.
+- ``compare(baseline, candidate)``: the two runs paired item by item; ``.summary`` (scores, Δ, CI, b/c, p,
+  verdict), ``.flips(task, direction=, failure_class=)``, ``.changed(task)``, ``.show(task, doc_id)`` (side-by-side
+  diff, HTML in Jupyter); the comparison itself renders as an HTML summary.
 """
 
 __version__ = "0.1.0"

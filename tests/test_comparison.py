@@ -111,3 +111,15 @@ def test_the_gate_decision_is_kept_and_report_html_written(runs, tmp_path):
     assert page.count("</script>") == 2  # the JSON and the script: no completion closed a script element
     for hostile in HOSTILE[:2]:
         assert hostile not in page
+
+
+def test_report_html_for_an_aggregate_only_baseline(tmp_path):
+    from evalgate import reports
+    from evalgate.baselines import import_aggregate
+    from evalgate.gate import gate_runs
+
+    published = import_aggregate("gsm8k", 0.80, 200, "feedc0ffee123456", "gsm8k-lmeval-v3", root=tmp_path / "b")
+    _, cand = write_pair(tmp_path / "runs", 200, 0)
+    verdict = gate_runs(published, cand, str(policy(tmp_path, margin=5.0, paired="false")))
+    page = reports.html(verdict)
+    assert "unpaired" in page and verdict.verdict in page and 'id="flips"' not in page
