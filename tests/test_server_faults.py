@@ -260,3 +260,18 @@ def test_gate_finds_the_server_baseline_by_the_server_fingerprint(data_dir, tmp_
         with pytest.raises(UserError, match="no stored w4a8 baseline .* `evalgate run` on a server"):
             gate_model(spec, "w4a8", root, tmp_path / "cand2", str(policy(tmp_path)), allow_uncalibrated=True,
                        adapter=adapter(other.url, "w4a4_packed"))
+
+
+def test_cli_gate_runs_the_candidate_on_the_server(data_dir, cli_env, tmp_path):
+    from gate_helpers import policy
+
+    with FakeServer() as server:
+        base = run(server.url, tmp_path / "base", data_dir)
+        proc = subprocess.run([sys.executable, "-m", "evalgate", "gate", "--server", server.url, "--model-id", "fake-model",
+                               "--kernel", "w4a4_packed", "--limit", str(LIMIT), "--batch-size", "4",
+                               "--baseline", str(base), "--thresholds", str(policy(tmp_path)), "--allow-uncalibrated",
+                               "--out", str(tmp_path / "cand")], env=cli_env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "verdict: PASS" in proc.stdout
+    assert load_run(tmp_path / "cand").manifest["model"]["kernel_claimed"] == "w4a4_packed"
