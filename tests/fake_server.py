@@ -6,7 +6,8 @@ fail: ``"500"``, ``"503"``, ``"400"``, ``"malformed"`` (200 with broken JSON), `
 connection without an answer), ``"timeout"`` (answer only after ``slow_s``), ``"abort"`` (SGLang's
 aborted finish reason). In a thread: ``FakeServer(plan).start()``. As a process (the launcher's stand-in
 for ``python -m sglang.launch_server``): ``python tests/fake_server.py --model-path M --host H --port P
-[--delay S] [--pid-file F] [--env-file F] [--die-after N] [--exit-code C] [--ignore-sigterm]``.
+[--delay S] [--pid-file F] [--env-file F] [--die-after N] [--exit-code C] [--ignore-sigterm]``
+(``--die-after N``: the process exits when completion request N arrives, with that request in flight).
 """
 
 from __future__ import annotations
