@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
 import time
 
 import click
@@ -41,7 +42,6 @@ def list_kernels(as_json: bool, faulty: bool):
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title="evalgate kernels", show_lines=False)
@@ -53,7 +53,13 @@ def list_kernels(as_json: bool, faulty: bool):
             env += "  (" + ", ".join(f"{k}={v}" for k, v in r["api"].items()) + ")"
         name = f"[red]{r['name']}[/red]" if r["faulty"] else r["name"]
         table.add_row(name, r["description"], r["version"], env)
-    Console().print(table)
+    _console().print(table)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160)  # CI logs: keep kernel names on one line
 
 
 def _parse_list(value: str | None, what: str) -> list[str] | None:
@@ -66,7 +72,6 @@ def _parse_list(value: str | None, what: str) -> list[str] | None:
 
 
 def _print_rows(rows: list[dict], columns: list[tuple[str, str, str]], title: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title)
@@ -80,7 +85,7 @@ def _print_rows(rows: list[dict], columns: list[tuple[str, str, str]], title: st
         if r.get("faulty"):
             cells[0] = f"[red]{cells[0]}[/red]"
         table.add_row(*cells)
-    Console().print(table)
+    _console().print(table)
 
 
 LAYER_COLUMNS = [("kernel", "kernel", ""), ("rel_rmse", "rel RMSE", ".4f"), ("cosine", "cosine", ".6f"),

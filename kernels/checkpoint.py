@@ -181,10 +181,12 @@ def attach_stored_fp4(model, path) -> int:
 
 
 def prepare_fp4_model(model, path) -> None:
-    """`Kernel.prepare_model` of the emulated kernels: after any transformers load of `path`, make the
-    kernels compute with the checkpoint's stored FP4 codes (a no-op for a BF16 checkpoint)."""
+    """`Kernel.prepare_model` of the emulated kernels, run after any transformers load of `path`: an FP4
+    checkpoint's stored codes are attached; a BF16 checkpoint's experts are quantized now, once."""
     if is_fp4_checkpoint(path):
         attach_stored_fp4(model, path)
+    for module in _experts_modules(model).values():
+        fp4_weights(module)
 
 
 def load_fp4_checkpoint(path, experts_implementation: str = "bf16", device: str = "cpu", **kwargs):

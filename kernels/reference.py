@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .emulator import ExpertRows, grouped_matmul
+from .emulator import ExpertRows
 
 
 class Fp32Reference(ExpertRows):
