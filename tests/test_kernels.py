@@ -276,3 +276,15 @@ def test_from_pretrained_with_an_emulated_kernel(tmp_path):
         loaded.set_experts_implementation("bf16")
         b = loaded(ids).logits
     assert not torch.equal(a, b)
+
+
+def test_bf16_kernel_skips_empty_slots():
+    """transformers' grouped_mm path alone turns an empty slot (index E) into NaN; ours skips it."""
+    module, x, idx, w = _experts_case()
+    module.has_gate, module.has_bias, module.is_transposed, module._is_expert_parallel = True, False, False, False
+    module.has_post_expert_norm = False
+    module._apply_gate = lambda gu: torch.nn.functional.silu(gu.chunk(2, -1)[0].clamp(max=10.0)) * gu.chunk(2, -1)[1].clamp(-10.0, 10.0)
+    f = K.get_kernel("bf16").experts_forward
+    with_sentinel = idx.clone()
+    with_sentinel[:, -1] = module.num_experts
+    assert torch.equal(f(module, x, with_sentinel, w), f(module, x, idx[:, :-1], w[:, :-1]))
