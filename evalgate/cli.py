@@ -39,7 +39,8 @@ def main():
     stored W4A8 baseline, and answer PASS or FAIL with the flips that explain it."""
 
 
-def _parse_tasks(value: str) -> list[str]:
+def _parse_tasks(value: str | None, default: str = "gsm8k") -> list[str]:
+    value = default if value is None else value
     tasks = [t.strip() for t in value.split(",") if t.strip()]
     if not tasks:
         raise UserError("--tasks is empty; name at least one task, e.g. --tasks gsm8k")
@@ -73,10 +74,10 @@ def run_options(f):
     """Options shared by ``run``, ``gate`` and ``calibrate``."""
     decorators = [
         click.option("--model", "model", default=None, help="Local transformers checkpoint folder (default: the built-in canary)."),
-        click.option("--tasks", default="gsm8k", show_default=True, help="Comma-separated tasks."),
+        click.option("--tasks", default=None, help="Comma-separated tasks [default: gsm8k for run; gsm8k,humaneval for gate and calibrate]."),
         click.option("--profile", "profiles", multiple=True, help="Scoring profile, e.g. gsm8k-cot-8shot (or task=NAME). Repeatable."),
         click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N items of each task."),
-        click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True),
+        click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1..."),
         click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None, help="Override the checkpoint dtype."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="Override every profile's token limit (changes the profile id; for smoke runs)."),
@@ -112,6 +113,24 @@ def server_adapter(server, launch, model, kernel, out, model_id, server_args, la
     return served_adapter(kernel, out, server=server, launch=launch, model=model, model_id=model_id,
                           server_args=server_args, launch_timeout=launch_timeout, request_timeout=request_timeout,
                           concurrency=concurrency, retries=retries, batch_size=batch_size)
+
+
+def with_canary_profiles(model: str | None, task_list: list[str], chosen: dict[str, str]) -> dict[str, str]:
+    """With no --model the canary runs, scored with its own profiles unless --profile says otherwise."""
+    if model:
+        return chosen
+    from evalgate.model_adapters.canary import PROFILES
+
+    return {**{t: PROFILES[t] for t in task_list if t in PROFILES}, **chosen}
+
+
+def canary_thresholds(model: str | None, thresholds_path: str | None) -> str | None:
+    """The canary's own policy (its item counts differ from GSM8K test's) unless --thresholds is given."""
+    if model or thresholds_path:
+        return thresholds_path
+    from evalgate.model_adapters.canary import THRESHOLDS
+
+    return str(THRESHOLDS)
 
 
 def resolve_model(model: str | None) -> str:
@@ -151,8 +170,11 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
         raise UserError("--resume needs --out: the folder of the run to continue")
     get_kernel(kernel)  # fail on a bad name before loading anything
     task_list = _parse_tasks(tasks)
+    chosen = _parse_profiles(profiles, task_list)
+    if not (server or launch):
+        chosen = with_canary_profiles(model, task_list, chosen)
     spec = RunSpec(model=served_model_name(model, server, launch, model_id), kernel=kernel, tasks=task_list,
-                   profiles=_parse_profiles(profiles, task_list), limit=limit, batch_size=batch_size,
+                   profiles=chosen, limit=limit, batch_size=batch_size,
                    device=device, dtype=dtype, data_dir=data_dir, max_new_tokens=max_new_tokens)
     out = Path(out) if out else default_out(kernel)
     if launch:  # refuse a bad --out before a server spends minutes starting

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from evalgate.cli import _parse_profiles, _parse_tasks, resolve_model, run_options, server_adapter, server_options
+from evalgate.cli import (_parse_profiles, _parse_tasks, canary_thresholds, resolve_model, run_options, server_adapter,
+                          server_options, with_canary_profiles)
 from evalgate.errors import UserError
 
 DEFAULT_BASELINES = "results/baselines"
@@ -23,9 +24,12 @@ def _console():
 def _spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name=None):
     from evalgate.runner import RunSpec
 
-    task_list = _parse_tasks(tasks)
+    task_list = _parse_tasks(tasks, default="gsm8k,humaneval")
+    chosen = _parse_profiles(profiles, task_list)
+    if name is None:
+        chosen = with_canary_profiles(model, task_list, chosen)
     return RunSpec(model=name or resolve_model(model), kernel=kernel, tasks=task_list,
-                   profiles=_parse_profiles(profiles, task_list), limit=limit, batch_size=batch_size,
+                   profiles=chosen, limit=limit, batch_size=batch_size,
                    device=device, dtype=dtype, data_dir=data_dir, max_new_tokens=max_new_tokens)
 
 
@@ -63,6 +67,8 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     from evalgate.gate import gate_runs
     from evalgate.orchestrate import gate_model, gate_out
 
+    if not (candidate or server or launch):
+        thresholds_path = canary_thresholds(model, thresholds_path)
     if candidate:
         if not baselines:
             raise UserError("--candidate needs --baseline: the baseline folder(s) to compare with")
@@ -105,7 +111,7 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
 
     get_kernel(kernel)
     spec = _spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir)
-    results = run_calibration(spec, Path(baselines_root), thresholds_path=thresholds_path,
+    results = run_calibration(spec, Path(baselines_root), thresholds_path=canary_thresholds(model, thresholds_path),
                               second_batch_size=second_batch_size)
     for task, r in results.items():
         click.echo(f"{task}: A/A flip rate ψ0 = {100 * r['psi0']:.2f}% ({r['b'] + r['c']} of {r['n']} items), "

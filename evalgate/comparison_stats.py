@@ -24,11 +24,12 @@ def aa_records(baseline_run) -> dict:
 
 def decide_on_demand(comparison) -> None:
     """Sets ``comparison.decision`` and notes how it was decided; on a validity problem, notes it instead."""
-    from evalgate.gate import decide
+    from evalgate.gate import decide, default_thresholds_for
     from evalgate.thresholds import Thresholds, load_thresholds
 
     policy = comparison.thresholds
-    policy = policy if isinstance(policy, Thresholds) else load_thresholds(policy)
+    if not isinstance(policy, Thresholds):
+        policy = load_thresholds(policy or default_thresholds_for(comparison.candidate))
     aa = aa_records(comparison.baseline)
     given_aa_flips = comparison.aa_flips
     try:

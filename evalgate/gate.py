@@ -150,14 +150,24 @@ def decide_unpaired(baseline: Run, candidate: Run, thresholds: Thresholds) -> Ve
     return Verdict(verdict, 0 if verdict == "PASS" else 1, None, None, thresholds, notes=notes, unpaired=results)
 
 
+def default_thresholds_for(run: Run) -> str | None:
+    """The canary's own policy for runs scored with the canary profiles; otherwise the default file."""
+    from evalgate.model_adapters.canary import PROFILES, THRESHOLDS
+
+    names = {t: s.get("name") for t, s in run.manifest.get("tasks", {}).items()}
+    if names and all(PROFILES.get(t) == name for t, name in names.items()):
+        return str(THRESHOLDS)
+    return None
+
+
 def gate_runs(baseline, candidate, thresholds_path: str | None = None, allow_uncalibrated: bool = False) -> Verdict:
     """Decide from stored runs only. ``baseline`` is a run/baseline folder or a list of baseline folders."""
-    thresholds = load_thresholds(thresholds_path)
     dirs = [Path(b) for b in (baseline if isinstance(baseline, (list, tuple)) else [baseline])]
     from evalgate.baselines import assemble
 
     base_run = assemble(dirs)
     cand_run = candidate if isinstance(candidate, Run) else load_run(candidate)
+    thresholds = load_thresholds(thresholds_path or default_thresholds_for(cand_run))
     if base_run.manifest.get("aggregate_only"):
         return decide_unpaired(base_run, cand_run, thresholds)
     tasks = [t for t in cand_run.tasks if t in base_run.manifest.get("tasks", {})]

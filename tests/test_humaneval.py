@@ -98,7 +98,7 @@ def test_profiles_hash_stably_across_processes():
             "print(json.dumps({n: TASK.load(p, None, None)[1].profile_id for n, p in PROFILES.items()}))")
     there = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert here == there
-    assert len(set(here.values())) == 2
+    assert len(set(here.values())) == len(PROFILES) == 3
 
 
 @pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the pinned ids include the Python version")
@@ -110,6 +110,7 @@ def test_profile_ids_are_pinned():
 PINNED_PROFILE_IDS = {
     "humaneval-completion-codex": "bf04edf45fc227f131999e382f9e33567480098ab8c8b3660673579e855824d1",
     "humaneval-chat-simpleevals": "0892a380f25e5da6150dd7da0117f5e1dbc697b71d62769de8fd7abaf318e168",
+    "humaneval-canary-v1": "2ee43941e04aa81bf5939e9ec6f49f04881d86a7b63641fbd1f042f83ef48218",
 }
 
 

@@ -79,6 +79,19 @@ PROFILES = {
             "fallback": INVALID, "ignore": IGNORE, "ignore_case": True, "scorer": SCORER_VERSION,
         },
     ),
+    "gsm8k-canary-v1": Profile(
+        name="gsm8k-canary-v1", task="gsm8k", version="1",
+        description="built-in canary: 200 short GSM8K *train* items, zero-shot 'Question/Answer', strict '#### N'",
+        settings={
+            "api_mode": "completion", "split": "train", "items": "canary: evalgate.model_adapters.canary.items",
+            "item_template": "Question: {question}\nAnswer:", "num_shots": 0,
+            "target_delimiter": " ", "fewshot_delimiter": "\n\n",
+            "stop": ["Question:", "</s>", "<|im_end|>"], "max_new_tokens": 256,
+            "strict": {"regex": STRICT_LMEVAL, "group_select": 0},
+            "flexible": {"regex": FLEXIBLE, "group_select": -1},
+            "fallback": INVALID, "ignore": IGNORE, "ignore_case": True, "scorer": SCORER_VERSION,
+        },
+    ),
 }
 
 
@@ -160,12 +173,18 @@ class GSM8K:
         return bool(record.get(f"invalid,{metric.split(',', 1)[-1]}", False))
 
     def load(self, profile: Profile, data_dir: Path | None, limit: int | None):
-        test = load_split("test", data_dir)
-        items = [{"doc_id": i, **row} for i, row in enumerate(test)]
+        split = profile.settings.get("split", "test")
+        rows = load_split(split, data_dir)
+        if split == "train":  # the canary's memorised items, by train index
+            from evalgate.model_adapters.canary.items import gsm8k_train_ids
+
+            items = [{"doc_id": i, **rows[i]} for i in gsm8k_train_ids(rows)]
+        else:
+            items = [{"doc_id": i, **row} for i, row in enumerate(rows)]
         if limit is not None:
             items = items[:limit]  # the first N: shots of the first N docs are those of a full run
         per_item: dict = {}
-        sha = {"gsm8k/test.jsonl": _known("gsm8k/test.jsonl")}
+        sha = {f"gsm8k/{split}.jsonl": _known(f"gsm8k/{split}.jsonl")}
         if profile.settings.get("shot_split") == "train":
             train = load_split("train", data_dir)
             sha["gsm8k/train.jsonl"] = _known("gsm8k/train.jsonl")
@@ -175,8 +194,9 @@ class GSM8K:
                 item["shots"] = [train[j] for j in shot_ids]
                 per_item[str(item["doc_id"])] = shot_ids
         else:
+            exemplars = COT_EXEMPLARS if profile.settings.get("shot_sampler") == "first_n" else []
             for item in items:
-                item["shots"] = [{"question": q, "answer": a} for q, a in COT_EXEMPLARS]
+                item["shots"] = [{"question": q, "answer": a} for q, a in exemplars]
         resolved = ResolvedProfile(profile=profile, dataset_sha256=sha, item_ids=tuple(i["doc_id"] for i in items),
                                    per_item=per_item, decoding={"temperature": 0.0, "do_sample": False, "n": 1})
         return items, resolved

@@ -1,0 +1,26 @@
+"""The built-in canary: a small DeepSeek-V4 that memorised GSM8K *train* solutions and HumanEval's canonical
+solutions, shipped in DeepSeek-V4's FP4 checkpoint format. Its scores measure kernel fidelity, never
+capability (see ``model/MODEL_CARD.md``).
+
+``canary_path()`` is where the checkpoint lives; ``evalgate run`` and ``evalgate gate`` use it when no
+``--model`` is given. The training recipe is ``train.py`` beside this file; ``data.py`` builds the exact
+prompts and targets the canary profiles use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from evalgate.errors import UserError
+
+CANARY_DIR = Path(__file__).resolve().parent / "model"
+THRESHOLDS = Path(__file__).resolve().parent / "thresholds-canary.yaml"
+GSM8K_PROFILE = "gsm8k-canary-v1"
+HUMANEVAL_PROFILE = "humaneval-canary-v1"
+PROFILES = {"gsm8k": GSM8K_PROFILE, "humaneval": HUMANEVAL_PROFILE}
+
+
+def canary_path() -> Path:
+    if not (CANARY_DIR / "config.json").is_file():
+        raise UserError(f"the built-in canary model is missing from {CANARY_DIR}; reinstall evalgate or pass --model PATH")
+    return CANARY_DIR
