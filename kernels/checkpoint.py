@@ -189,13 +189,26 @@ def prepare_fp4_model(model, path) -> None:
         fp4_weights(module)
 
 
+def dequantizing_config(path):
+    """transformers' FP8 quantization config of an FP4 checkpoint, set to dequantize on load: experts come
+    out as BF16 ``DeepseekV4Experts`` (exact, spec §7 step 4) and no Hub kernel is fetched (step 5)."""
+    from transformers import FineGrainedFP8Config
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    qc = dict(cfg["quantization_config"])
+    qc.pop("quant_method", None)
+    qc.pop("fmt", None)
+    qc["expert_dtype"] = "fp4"
+    return FineGrainedFP8Config(**qc, dequantize=True)
+
+
 def load_fp4_checkpoint(path, experts_implementation: str = "bf16", device: str = "cpu", **kwargs):
     """Load a DeepSeek-V4 FP4 checkpoint through transformers and attach its stored expert codes.
 
     Returns the ``DeepseekV4ForCausalLM``. On CPU (or a GPU below compute capability 8.9) transformers
     dequantizes the FP4 experts to BF16 on load; we force that on CPU so no Hub kernel is fetched
     (spec §7 step 5)."""
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
     if not (path / "config.json").exists():
@@ -205,12 +218,7 @@ def load_fp4_checkpoint(path, experts_implementation: str = "bf16", device: str 
     except ImportError as exc:
         raise UserError("loading an FP4/FP8 checkpoint needs accelerate: pip install accelerate") from exc
     if device == "cpu" and is_fp4_checkpoint(path):
-        cfg = json.loads((path / "config.json").read_text())
-        qc = dict(cfg["quantization_config"])
-        qc.pop("quant_method", None)
-        qc.pop("fmt", None)
-        qc["expert_dtype"] = "fp4"
-        kwargs.setdefault("quantization_config", FineGrainedFP8Config(**qc, dequantize=True))
+        kwargs.setdefault("quantization_config", dequantizing_config(path))
     kwargs.setdefault("dtype", torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=experts_implementation, **kwargs)
     model = model.to(device).eval()

@@ -54,6 +54,10 @@ def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: s
     kwargs = {"experts_implementation": kernel.name}
     if dtype is not None:
         kwargs["dtype"] = DTYPES[dtype]
+    from evalgate.kernels.checkpoint import dequantizing_config, is_fp4_checkpoint
+
+    if is_fp4_checkpoint(d):  # load on the CPU, dequantized, whatever GPU is present; codes re-attached below
+        kwargs["quantization_config"] = dequantizing_config(d)
     try:
         tokenizer = AutoTokenizer.from_pretrained(d)
         model = AutoModelForCausalLM.from_pretrained(d, **kwargs)
