@@ -50,46 +50,43 @@ COT_EXEMPLARS = [  # lm-eval gsm8k-cot.yaml fewshot samples, in order (sampler f
      "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars left. 23 - 15 is 8. The answer is 8."),
 ]
 
+def _scoring(stop_marker: str, strict: str) -> dict:
+    """Settings every GSM8K profile shares: completion mode, lm-eval's stops, filters and normalisation."""
+    return {
+        "api_mode": "completion", "target_delimiter": " ", "fewshot_delimiter": "\n\n",
+        "stop": [stop_marker, "</s>", "<|im_end|>"], "max_new_tokens": 256,
+        "strict": {"regex": strict, "group_select": 0},
+        "flexible": {"regex": FLEXIBLE, "group_select": -1},
+        "fallback": INVALID, "ignore": IGNORE, "ignore_case": True, "scorer": SCORER_VERSION,
+    }
+
+
 PROFILES = {
     "gsm8k-lmeval-v3": Profile(
         name="gsm8k-lmeval-v3", task="gsm8k", version="3.0",
         description="lm-eval gsm8k v3.0: 5 random train shots (seed 1234), strict '#### N' first match",
         settings={
-            "api_mode": "completion", "split": "test", "shot_split": "train",
+            **_scoring("Question:", STRICT_LMEVAL), "split": "test", "shot_split": "train",
             "item_template": "Question: {question}\nAnswer:", "shot_target": "answer",
-            "num_shots": 5, "shot_sampler": "random.Random(1234).sample per doc in order",
-            "shot_seed": 1234, "target_delimiter": " ", "fewshot_delimiter": "\n\n",
-            "stop": ["Question:", "</s>", "<|im_end|>"], "max_new_tokens": 256,
-            "strict": {"regex": STRICT_LMEVAL, "group_select": 0},
-            "flexible": {"regex": FLEXIBLE, "group_select": -1},
-            "fallback": INVALID, "ignore": IGNORE, "ignore_case": True, "scorer": SCORER_VERSION,
+            "num_shots": 5, "shot_sampler": "random.Random(1234).sample per doc in order", "shot_seed": 1234,
         },
     ),
     "gsm8k-cot-8shot": Profile(
         name="gsm8k-cot-8shot", task="gsm8k", version="3.0",
         description="lm-eval gsm8k_cot v3.0: 8 fixed CoT exemplars, strict 'The answer is N' first match",
         settings={
-            "api_mode": "completion", "split": "test",
+            **_scoring("Q:", STRICT_COT), "split": "test",
             "item_template": "Q: {question}\nA:", "shot_target": "exemplar", "num_shots": 8,
             "shot_sampler": "first_n", "exemplars_sha256": sha256_text(json.dumps(COT_EXEMPLARS)),
-            "target_delimiter": " ", "fewshot_delimiter": "\n\n",
-            "stop": ["Q:", "</s>", "<|im_end|>"], "max_new_tokens": 256,
-            "strict": {"regex": STRICT_COT, "group_select": 0},
-            "flexible": {"regex": FLEXIBLE, "group_select": -1},
-            "fallback": INVALID, "ignore": IGNORE, "ignore_case": True, "scorer": SCORER_VERSION,
         },
     ),
     "gsm8k-canary-v1": Profile(
         name="gsm8k-canary-v1", task="gsm8k", version="1",
         description="built-in canary: 200 short GSM8K *train* items, zero-shot 'Question/Answer', strict '#### N'",
         settings={
-            "api_mode": "completion", "split": "train", "items": "canary: evalgate.model_adapters.canary.items",
+            **_scoring("Question:", STRICT_LMEVAL), "split": "train",
+            "items": "canary: evalgate.model_adapters.canary.items",
             "item_template": "Question: {question}\nAnswer:", "num_shots": 0,
-            "target_delimiter": " ", "fewshot_delimiter": "\n\n",
-            "stop": ["Question:", "</s>", "<|im_end|>"], "max_new_tokens": 256,
-            "strict": {"regex": STRICT_LMEVAL, "group_select": 0},
-            "flexible": {"regex": FLEXIBLE, "group_select": -1},
-            "fallback": INVALID, "ignore": IGNORE, "ignore_case": True, "scorer": SCORER_VERSION,
         },
     ),
 }

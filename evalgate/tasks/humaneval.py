@@ -50,17 +50,6 @@ PROFILES = {
             "scorer": SCORER_VERSION, "sandbox": _sandbox_settings(),
         },
     ),
-    "humaneval-canary-v1": Profile(
-        name="humaneval-canary-v1", task="humaneval", version="1",
-        description="built-in canary: the codex completion profile with a 320-token limit (its memorised "
-                    "canonical solutions are at most ~250 tokens); keeps CPU runs short",
-        settings={
-            "api_mode": "completion", "prompt_template": "{prompt}", "stop": CODEX_STOPS,
-            "max_new_tokens": 320, "extractor": {"name": "cut-at-first-stop", "stop": CODEX_STOPS},
-            "no_code": "completion blank after extraction", "program_template": PROGRAM_TEMPLATE,
-            "scorer": SCORER_VERSION, "sandbox": _sandbox_settings(),
-        },
-    ),
     "humaneval-chat-simpleevals": Profile(
         name="humaneval-chat-simpleevals", task="humaneval", version="1",
         description="openai/simple-evals humaneval_eval.py @ ee3b031: instruction + prompt, first ```python block",
@@ -75,6 +64,13 @@ PROFILES = {
         },
     ),
 }
+# The canary's profile: the codex completion profile with a 320-token limit (its memorised canonical
+# solutions are at most ~260 tokens); keeps CPU runs short.
+PROFILES["humaneval-canary-v1"] = Profile(
+    name="humaneval-canary-v1", task="humaneval", version="1",
+    description="built-in canary: the codex completion profile with a 320-token limit",
+    settings={**PROFILES["humaneval-completion-codex"].settings, "max_new_tokens": 320},
+)
 
 
 # ---- data ----
