@@ -106,7 +106,7 @@ def calibrate(spec: RunSpec, root: Path = DEFAULT_ROOT, runs_dir: Path = Path("r
         entry = {"psi0": dec.flip_rate, "delta0": dec.delta, "n": dec.counts.n, "b": dec.counts.b,
                  "c": dec.counts.c, "flips": flips, "verdict": dec.verdict, "reasons": list(dec.reasons),
                  "second_run": {"path": str(second), "batch_size": other, "order": "reverse"},
-                 "first_batch_size": spec.batch_size}
+                 "first_batch_size": load_run(base_dir).manifest.get("spec", {}).get("batch_size")}
         aa = {"tasks": {task: entry}, "thresholds_sha256": thresholds.sha256,
               "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
         write_aa(base_dir, aa, second)

@@ -1,0 +1,129 @@
+"""The built-in canary: a DeepSeek-V4 FP4 checkpoint loaded through the real path, and the gate working on
+it out of the box (a reduced version of benchmarks/canary_selfcheck.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from evalgate.model_adapters.canary import CANARY_DIR, canary_path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+def test_canary_ships_in_the_dsv4_fp4_format():
+    config = json.loads((CANARY_DIR / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v4" and config["expert_dtype"] == "fp4"
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    assert config["quantization_config"]["scale_fmt"] == "ue8m0"
+    header = _header(CANARY_DIR / "model.safetensors")
+    w1 = next(v for k, v in header.items() if k.endswith("ffn.experts.0.w1.weight"))
+    scale = next(v for k, v in header.items() if k.endswith("ffn.experts.0.w1.scale"))
+    assert w1["dtype"] == "I8" and w1["shape"] == [config["moe_intermediate_size"], config["hidden_size"] // 2]
+    assert scale["dtype"] == "F8_E8M0" and scale["shape"] == [config["moe_intermediate_size"], config["hidden_size"] // 32]
+    assert (CANARY_DIR / "MODEL_CARD.md").is_file() and (CANARY_DIR / "tokenizer.json").is_file()
+    size = sum(f.stat().st_size for f in CANARY_DIR.iterdir())
+    assert size < 20 * 2**20
+
+
+@pytest.fixture(scope="module")
+def canary():
+    from evalgate.model_adapters.hf import load_model
+
+    return load_model(canary_path(), "w4a4_packed")
+
+
+def test_kernels_compute_with_the_stored_codes(canary):
+    from evalgate.kernels.weights import fp4_weights
+
+    model, _ = canary
+    experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    assert len(experts) == model.config.num_hidden_layers
+    assert {fp4_weights(m).source for m in experts} == {"checkpoint"}
+    assert model.config._experts_implementation == "w4a4_packed"
+
+
+def test_cached_decoding_matches_a_full_forward(canary):
+    from evalgate.model_adapters.generation import greedy_generate
+
+    model, tok = canary
+    prompt = "def add(a: int, b: int) -> int:\n    \"\"\"Add two numbers.\"\"\"\n"
+    out = greedy_generate(model, tok, [prompt], [()], [24])[0]
+    ids = tok(prompt, add_special_tokens=False)["input_ids"] + out.token_ids
+    with torch.no_grad():
+        cached_free = model(torch.tensor([ids])).logits[0].float()
+    n = len(out.token_ids)
+    assert cached_free[-n - 1:-1].argmax(-1).tolist() == out.token_ids
+
+
+def _gate(args, tmp_path, data_dir):
+    env = {**os.environ, "EVALGATE_DATA_DIR": str(data_dir)}
+    return subprocess.run([sys.executable, "-m", "evalgate", "gate", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1200)
+
+
+def test_aa_on_the_canary_passes_with_no_flips(tmp_path, data_dir):
+    # the stored W4A8 baseline was recorded with batch 32; another batch size must change nothing
+    out = tmp_path / "aa"
+    proc = _gate(["--tasks", "gsm8k", "--kernel", "w4a8", "--batch-size", "7", "--out", str(out)], tmp_path, data_dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    gate = json.loads((out / "gate/gate.json").read_text())
+    assert gate["flips"]["gsm8k"] == [] and gate["verdict"] == "PASS"
+    assert gate["decision"]["tasks"]["gsm8k"]["counts"]["n"] == 200
+
+
+def test_a_fault_injected_kernel_fails_on_the_canary(tmp_path, data_dir):
+    out = tmp_path / "faulty"
+    proc = _gate(["--tasks", "gsm8k", "--kernel", "faulty/w4a4_packed-drop-slot", "--batch-size", "50",
+                  "--out", str(out)], tmp_path, data_dir)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    gate = json.loads((out / "gate/gate.json").read_text())
+    task = gate["decision"]["tasks"]["gsm8k"]
+    assert task["verdict"] == "FAIL" and task["counts"]["b"] > task["counts"]["c"]
+    assert any("degraded" in r or "non-inferiority" in r for r in task["reasons"])
+    assert {f["direction"] for f in gate["flips"]["gsm8k"]} >= {"lost"}
+
+
+def test_w4a4_and_w4a4_packed_answer_identically(tmp_path, data_dir):
+    env = {**os.environ, "EVALGATE_DATA_DIR": str(data_dir)}
+    outs = {}
+    for kernel in ("w4a4", "w4a4_packed"):
+        outs[kernel] = tmp_path / kernel
+        proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--tasks", "gsm8k", "--limit", "64",
+                               "--kernel", kernel, "--batch-size", "32", "--out", str(outs[kernel])],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr
+    from evalgate import load_run
+
+    a, b = (load_run(outs[k]).records["gsm8k"] for k in ("w4a4", "w4a4_packed"))
+    assert [r["resps"] for r in sorted(a, key=lambda r: r["doc_id"])] == \
+        [r["resps"] for r in sorted(b, key=lambda r: r["doc_id"])]
+
+
+def test_evalgate_gate_with_no_arguments(tmp_path, data_dir):
+    """The README's main job: canary, candidate w4a4_packed, stored canary W4A8 baseline, both tasks."""
+    out = tmp_path / "default"
+    proc = _gate(["--out", str(out)], tmp_path, data_dir)
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    gate = json.loads((out / "gate/gate.json").read_text())
+    assert gate["candidate"]["kernel"]["name"] == "w4a4_packed" and gate["baseline"]["kernel"]["name"] == "w4a8"
+    assert set(gate["decision"]["tasks"]) == {"gsm8k", "humaneval"}
+    assert gate["aa"]["gsm8k"]["n"] == 200 and gate["aa"]["humaneval"]["n"] == 164
+    flips = gate["flips"]["gsm8k"] + gate["flips"]["humaneval"]
+    assert flips, "the canary must show real per-item flips between W4A4 and W4A8"
+    assert f"verdict: {gate['verdict']}" in proc.stdout
+    for name in ("report.md", "junit.xml", "report.html"):
+        assert (out / "gate" / name).is_file()
