@@ -268,7 +268,7 @@ def test_cli_gate_runs_the_candidate_on_the_server(data_dir, cli_env, tmp_path):
     with FakeServer() as server:
         base = run(server.url, tmp_path / "base", data_dir)
         proc = subprocess.run([sys.executable, "-m", "evalgate", "gate", "--server", server.url, "--model-id", "fake-model",
-                               "--kernel", "w4a4_packed", "--limit", str(LIMIT), "--batch-size", "4",
+                               "--kernel", "w4a4_packed", "--tasks", "gsm8k", "--limit", str(LIMIT), "--batch-size", "4",
                                "--baseline", str(base), "--thresholds", str(policy(tmp_path)), "--allow-uncalibrated",
                                "--out", str(tmp_path / "cand")], env=cli_env, cwd=tmp_path, capture_output=True,
                               text=True, timeout=300)
