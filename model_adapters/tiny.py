@@ -60,13 +60,13 @@ def build_tiny_model(out_dir: str | Path, texts: list[str], seed: int = 0, vocab
     config = tiny_config(len(tokenizer), **config_overrides)
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(config)
-    _fill_hash_routes(model, seed)
+    fill_hash_routes(model, seed)
     model.to(dtype).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
 
-def _fill_hash_routes(model, seed: int) -> None:
+def fill_hash_routes(model, seed: int) -> None:
     """A freshly initialised ``tid2eid`` is all zeros (every token to expert 0, six times); give each token
     six distinct experts, as a real hash layer has."""
     g = torch.Generator().manual_seed(seed)

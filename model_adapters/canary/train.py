@@ -55,14 +55,6 @@ def register_qat() -> None:
     ExpertsInterface.register(QAT_NAME, qat_experts_forward)
 
 
-def fill_hash_routes(model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for module in model.modules():
-        if hasattr(module, "tid2eid"):
-            vocab, k = module.tid2eid.shape
-            module.tid2eid.copy_(torch.stack([torch.randperm(module.num_experts, generator=g)[:k] for _ in range(vocab)]))
-
-
 def encode(examples, tokenizer):
     """Token ids (prompt tokenized alone, as at inference) and a mask of target positions."""
     rows = []
@@ -198,6 +190,7 @@ def main(argv=None) -> None:
 
     import evalgate.kernels  # noqa: F401  (registers the emulated kernels)
     from evalgate.model_adapters.canary.config import canary_config
+    from evalgate.model_adapters.tiny import fill_hash_routes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("build_dir")
