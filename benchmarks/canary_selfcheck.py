@@ -15,15 +15,15 @@ import json
 import time
 from pathlib import Path
 
-from evalgate.baselines import DEFAULT_ROOT, find_baseline
-from evalgate.gate import gate_runs
+from evalgate.run.baselines import DEFAULT_ROOT, find_baseline
+from evalgate.gate.decide import gate_runs
 from evalgate.kernels import kernel_names
-from evalgate.model_adapters.canary import PROFILES, canary_path
+from evalgate.canary import PROFILES, canary_path
 from evalgate.model_adapters.fingerprint import model_fingerprint
-from evalgate.orchestrate import planned_profile_ids, run_or_resume
-from evalgate.progress import Progress
-from evalgate.runner import RunSpec
-from evalgate.store import load_run
+from evalgate.pipeline import planned_profile_ids, run_or_resume
+from evalgate.run.progress import Progress
+from evalgate.run.runner import RunSpec
+from evalgate.run.store import load_run
 
 TASKS = ["gsm8k", "humaneval"]
 
@@ -60,7 +60,7 @@ def main() -> None:
     for kernel in kernels:
         t0 = time.perf_counter()
         out = Path(args.runs_dir) / kernel.replace("/", "_")
-        from evalgate.runner import execute
+        from evalgate.run.runner import execute
 
         if (out / "manifest.json").is_file():
             run_dir = run_or_resume(spec_for(kernel, args.batch_size, args.data_dir), out)

@@ -6,7 +6,7 @@ together so Holm across the two tasks and the whole-gate α budget are applied a
 Rules compared:
 
 - ours: the policy in thresholds.yaml (alpha_split, alpha_validity, margin_floor, min_rise_items), i.e.
-  evalgate.stats.decide_task + decide_overall, vectorised here and cross-checked verdict by verdict against
+  evalgate.stats.paired.decide_task + decide_overall, vectorised here and cross-checked verdict by verdict against
   the real functions on a sample of replicates (the count of mismatches is printed; it must be 0);
 - spec: §4.8 as written (every test at α, requested M, raw 1 pp rate limit);
 - flat rules like vLLM's lm-eval CI: FAIL if measured < baseline·(1 − rtol), rtol = 0.05 (old) and 0.08.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import binom
 
-from evalgate.stats import (
+from evalgate.stats.paired import (
     Counts,
     decide_overall,
     decide_task,
@@ -38,7 +38,7 @@ from evalgate.stats import (
     gate_levels,
     tango_lower_bound,
 )
-from evalgate.thresholds import load_thresholds
+from evalgate.gate.policy import load_thresholds
 
 FLIP_RATES = (0.01, 0.02, 0.04, 0.06)
 FLAT_RTOLS = (0.05, 0.08)

@@ -9,7 +9,7 @@ Notebook entry points:
 
 __version__ = "0.1.0"
 
-from evalgate.store import Run, load_run  # noqa: E402
-from evalgate.comparison import Comparison, compare  # noqa: E402
+from evalgate.run.store import Run, load_run  # noqa: E402
+from evalgate.gate.compare import Comparison, compare  # noqa: E402
 
 __all__ = ["Comparison", "Run", "compare", "load_run", "__version__"]

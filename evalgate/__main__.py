@@ -1,3 +1,3 @@
-from evalgate.cli import main
+from evalgate.cli.main import main
 
 main()

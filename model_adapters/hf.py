@@ -17,7 +17,7 @@ from evalgate.errors import UserError
 from evalgate.kernels import get_kernel
 from evalgate.model_adapters.fingerprint import model_fingerprint
 from evalgate.model_adapters.generation import greedy_generate
-from evalgate.tasks.base import Generation, Request
+from evalgate.types import Generation, Request
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 

@@ -27,7 +27,7 @@ from evalgate import __version__
 from evalgate.errors import UserError
 from evalgate.kernels import get_kernel
 from evalgate.model_adapters.generation import cut_at_stop
-from evalgate.tasks.base import Generation, Request
+from evalgate.types import Generation, Request
 
 # Server settings that can change numerics; hashed into the fingerprint. Ports, seeds, paths of logs and
 # memory-dependent sizes are left out so a restarted server keeps its identity.

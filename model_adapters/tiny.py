@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
 
-    from evalgate.data import parse_jsonl, read_verified, resolve_data_dir
+    from evalgate.tasks.data import parse_jsonl, read_verified, resolve_data_dir
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("out_dir")

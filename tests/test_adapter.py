@@ -9,7 +9,7 @@ import torch
 from evalgate.errors import UserError
 from evalgate.model_adapters.generation import cut_at_stop, greedy_generate
 from evalgate.model_adapters.hf import HFAdapter, load_model
-from evalgate.tasks.base import Request
+from evalgate.types import Request
 
 PROMPTS = [
     "Question: Natalia sold clips to 48 of her friends in April.\nAnswer:",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evalgate.model_adapters.canary import CANARY_DIR, canary_path
+from evalgate.canary import CANARY_DIR, canary_path
 
 REPO = Path(__file__).resolve().parents[1]
 

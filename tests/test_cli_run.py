@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from evalgate.store import load_run
+from evalgate.run.store import load_run
 
 EVALGATE = [sys.executable, "-m", "evalgate"]
 VOLATILE = {"latency_s"}

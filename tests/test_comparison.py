@@ -99,7 +99,7 @@ def test_aa_record_marks_noise_flips_and_is_used(tmp_path):
 
 
 def test_the_gate_decision_is_kept_and_report_html_written(runs, tmp_path):
-    from evalgate.gate import gate_runs, write_outputs
+    from evalgate.gate.decide import gate_runs, write_outputs
 
     verdict = gate_runs(runs[0], runs[1], str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
     decision = verdict.comparison.decision
@@ -114,9 +114,9 @@ def test_the_gate_decision_is_kept_and_report_html_written(runs, tmp_path):
 
 
 def test_report_html_for_an_aggregate_only_baseline(tmp_path):
-    from evalgate import reports
-    from evalgate.baselines import import_aggregate
-    from evalgate.gate import gate_runs
+    from evalgate.report import text as reports
+    from evalgate.run.baselines import import_aggregate
+    from evalgate.gate.decide import gate_runs
 
     published = import_aggregate("gsm8k", 0.80, 200, "feedc0ffee123456", "gsm8k-lmeval-v3", root=tmp_path / "b")
     _, cand = write_pair(tmp_path / "runs", 200, 0)

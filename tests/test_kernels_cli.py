@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from evalgate.cli import main
+from evalgate.cli.main import main
 
 DATA = Path("/work/shared/data")
 

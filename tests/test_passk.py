@@ -5,7 +5,7 @@ from math import comb
 import pytest
 
 from evalgate.errors import UserError
-from evalgate.passk import mean_pass_at_k, pass_at_k
+from evalgate.tasks.humaneval.passk import mean_pass_at_k, pass_at_k
 
 
 @pytest.mark.parametrize("n,c,k,expected", [

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from evalgate import reports
-from evalgate.cli import main as cli
-from evalgate.gate import gate_runs
+from evalgate.report import text as reports
+from evalgate.cli.main import main as cli
+from evalgate.gate.decide import gate_runs
 from gate_helpers import policy
 from synthetic_runs import expected_flips, write_pair
 

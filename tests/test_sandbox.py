@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from evalgate import sandbox
-from evalgate.sandbox import Limits, run_program, run_programs
+from evalgate.tasks.humaneval import sandbox
+from evalgate.tasks.humaneval.sandbox import Limits, run_program, run_programs
 
 pytestmark = pytest.mark.skipif(not sandbox.sys.platform.startswith("linux"), reason="the sandbox is Linux-only")
 

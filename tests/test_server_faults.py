@@ -19,10 +19,10 @@ import pytest
 
 from evalgate.errors import UserError
 from evalgate.model_adapters.openai_client import OpenAIAdapter, ServerError, _parse_choice, normalize_url
-from evalgate.progress import Progress
-from evalgate.runner import RunSpec, execute
-from evalgate.store import load_run
-from evalgate.tasks.base import Request
+from evalgate.run.progress import Progress
+from evalgate.run.runner import RunSpec, execute
+from evalgate.run.store import load_run
+from evalgate.types import Request
 from fake_server import FakeServer
 
 HERE = Path(__file__).resolve().parent
@@ -243,8 +243,8 @@ def test_cli_server_fault_is_one_line_and_exit_2(data_dir, cli_env, tmp_path):
 
 
 def test_gate_finds_the_server_baseline_by_the_server_fingerprint(data_dir, tmp_path):
-    from evalgate.baselines import record
-    from evalgate.orchestrate import gate_model
+    from evalgate.run.baselines import record
+    from evalgate.pipeline import gate_model
     from gate_helpers import policy
 
     root = tmp_path / "baselines"

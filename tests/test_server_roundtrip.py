@@ -16,7 +16,7 @@ import pytest
 
 from evalgate.errors import UserError
 from evalgate.model_adapters.launcher import free_port
-from evalgate.store import load_run
+from evalgate.run.store import load_run
 
 KERNEL = "w4a8"
 LIMIT, MAX_NEW = 4, 24
@@ -67,8 +67,8 @@ def by_id(records: list[dict]) -> dict:
 
 
 def test_a_server_run_equals_the_in_process_run(served, tiny_model, data_dir, cli_env, tmp_path):
-    from evalgate.progress import Progress
-    from evalgate.runner import RunSpec, execute
+    from evalgate.run.progress import Progress
+    from evalgate.run.runner import RunSpec, execute
 
     spec = RunSpec(model=str(tiny_model), kernel=KERNEL, tasks=["gsm8k"], limit=LIMIT, batch_size=2,
                    data_dir=str(data_dir), max_new_tokens=MAX_NEW)

@@ -8,7 +8,7 @@ from scipy.stats import binomtest, norm
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 
-from evalgate.stats import (
+from evalgate.stats.paired import (
     Counts,
     aa_margin_floor,
     decide_overall,

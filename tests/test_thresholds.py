@@ -6,17 +6,16 @@ from pathlib import Path
 import pytest
 
 from evalgate.errors import UserError
-from evalgate.thresholds import default_thresholds_path, load_thresholds, parse_thresholds
+from evalgate.gate.policy import default_thresholds_path, load_thresholds, parse_thresholds
 
 REPO = Path(__file__).resolve().parent.parent
-REPO_FILE = REPO / "thresholds.yaml"
-PACKAGE_FILE = REPO / "evalgate" / "thresholds_default.yaml"
-GOOD = REPO_FILE.read_text(encoding="utf-8")
+POLICY_FILE = REPO / "evalgate" / "gate" / "thresholds.yaml"
+GOOD = POLICY_FILE.read_text(encoding="utf-8")
 
 
 def test_default_file_loads_with_spec_defaults():
     thresholds = load_thresholds()
-    assert Path(thresholds.path) == REPO_FILE == default_thresholds_path()
+    assert Path(thresholds.path) == POLICY_FILE == default_thresholds_path()
     assert thresholds.alpha == 0.05
     assert thresholds.multiple_comparisons == "holm" and thresholds.ci_method == "tango"
     assert thresholds.token_ratio_band == (0.9, 1.1)
@@ -25,7 +24,7 @@ def test_default_file_loads_with_spec_defaults():
     assert (he.profile, he.metric, he.margin_pp) == ("humaneval-completion-codex", "pass@1", 5.0)
     assert gsm.margin == pytest.approx(0.015) and he.max_invalid_rise == pytest.approx(0.01)
     assert gsm.max_truncation_rise_pp == 1.0 and gsm.require_paired and gsm.min_aa_runs == 1
-    assert thresholds.sha256 == hashlib.sha256(REPO_FILE.read_bytes()).hexdigest()
+    assert thresholds.sha256 == hashlib.sha256(POLICY_FILE.read_bytes()).hexdigest()
     # the whole-gate budget (benchmarks/simulate_gate.py): alpha split, A/A margin floor, rate item floor
     assert thresholds.alpha_split is True and thresholds.alpha_validity == 0.01 and thresholds.margin_floor
     assert gsm.min_rise_items == he.min_rise_items == 4
@@ -36,7 +35,7 @@ def test_default_file_loads_with_spec_defaults():
 def test_decision_kwargs_are_accepted_by_decide_task():
     import inspect
 
-    from evalgate.stats import decide_task
+    from evalgate.stats.paired import decide_task
 
     accepted = set(inspect.signature(decide_task).parameters)
     assert set(load_thresholds().decision_kwargs("gsm8k")) <= accepted
@@ -66,10 +65,6 @@ def test_spec_policy_settings_load(tmp_path):
     assert thresholds.decision_kwargs("gsm8k") == {"alpha_split": False, "alpha_validity": 0.0,
                                                    "margin_floor": False, "min_rise_items": 0}
 
-
-def test_packaged_copy_is_identical_to_repo_file():
-    assert PACKAGE_FILE.read_bytes() == REPO_FILE.read_bytes()
-    assert load_thresholds(PACKAGE_FILE).tasks == load_thresholds(REPO_FILE).tasks
 
 
 def test_extra_tasks_and_optional_keys(tmp_path):
@@ -202,11 +197,9 @@ def test_parse_text_without_file():
     assert thresholds.path == "inline" and thresholds.task("gsm8k").margin_pp == 1.5
 
 
-def test_installed_tool_falls_back_to_packaged_copy(tmp_path, monkeypatch):
-    import evalgate.thresholds as module
-
-    # pretend the module is installed in site-packages, with no checkout around it
-    monkeypatch.setattr(module, "__file__", str(tmp_path / "site-packages" / "evalgate" / "thresholds.py"))
-    path = module.default_thresholds_path()
-    assert path.name == "thresholds_default.yaml" and path.is_file()
-    assert load_thresholds().sha256 == hashlib.sha256(PACKAGE_FILE.read_bytes()).hexdigest()
+def test_default_policy_is_one_packaged_file():
+    # one copy of the default policy, found through the package (not a checkout), so installs see the same file
+    path = default_thresholds_path()
+    assert path.name == "thresholds.yaml" and path.parent.name == "gate" and path.is_file()
+    assert not (REPO / "thresholds.yaml").exists() and not (REPO / "evalgate" / "thresholds_default.yaml").exists()
+    assert load_thresholds().sha256 == hashlib.sha256(POLICY_FILE.read_bytes()).hexdigest()

@@ -1,4 +1,4 @@
-"""Task registry: a name -> a module-level ``TASK`` object implementing ``evalgate.tasks.base.Task``."""
+"""Task registry: a name -> a module-level ``TASK`` object implementing ``evalgate.types.Task``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from evalgate.errors import UserError
 # name -> module; imported on first use so a GSM8K run never imports the sandbox and vice versa
 TASK_MODULES = {
     "gsm8k": "evalgate.tasks.gsm8k",
-    "humaneval": "evalgate.tasks.humaneval",
+    "humaneval": "evalgate.tasks.humaneval.task",
 }
 
 

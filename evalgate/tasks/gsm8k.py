@@ -16,10 +16,10 @@ import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from evalgate.data import check_bytes, parse_jsonl, read_verified
+from evalgate.tasks.data import check_bytes, parse_jsonl, read_verified
 from evalgate.errors import UserError
-from evalgate.profiles import Profile, ResolvedProfile, sha256_text
-from evalgate.tasks.base import Generation, Request
+from evalgate.tasks.profiles import Profile, ResolvedProfile, sha256_text
+from evalgate.types import Generation, Request
 
 INVALID = "[invalid]"
 SCORER_VERSION = "gsm8k-scorer-1"
@@ -85,7 +85,7 @@ PROFILES = {
         description="built-in canary: 200 short GSM8K *train* items, zero-shot 'Question/Answer', strict '#### N'",
         settings={
             **_scoring("Question:", STRICT_LMEVAL), "split": "train",
-            "items": "canary: evalgate.model_adapters.canary.items",
+            "items": "canary: evalgate.model_adapters.canary.items",  # a label inside the hashed profile: kept as first written so the profile id (and stored baselines) stay valid
             "item_template": "Question: {question}\nAnswer:", "num_shots": 0,
         },
     ),
@@ -173,7 +173,7 @@ class GSM8K:
         split = profile.settings.get("split", "test")
         rows = load_split(split, data_dir)
         if split == "train":  # the canary's memorised items, by train index
-            from evalgate.model_adapters.canary.items import gsm8k_train_ids
+            from evalgate.canary.items import gsm8k_train_ids
 
             items = [{"doc_id": i, **rows[i]} for i in gsm8k_train_ids(rows)]
         else:
@@ -254,7 +254,7 @@ def _sample_positions(rnd: random.Random, population: int, k: int) -> list[int]:
 
 
 def _known(rel: str) -> str:
-    from evalgate.data import KNOWN_FILES
+    from evalgate.tasks.data import KNOWN_FILES
 
     return KNOWN_FILES[rel]
 

@@ -199,7 +199,7 @@ def ci_chart(delta: float, ci: tuple[float, float], lower: float | None, margin:
 
 
 def _task_rows(decision, comparison, aa: dict | None = None) -> list[dict]:
-    from evalgate.reports import task_rows
+    from evalgate.report.text import task_rows
 
     rows = task_rows(SimpleNamespace(decision=decision, comparison=comparison, aa=aa or {}, unpaired={}, thresholds=None))
     for r in rows:
@@ -290,7 +290,7 @@ def report_html(verdict) -> str:
     if verdict.decision is not None:
         rows = _task_rows(verdict.decision, cmp, verdict.aa)
     else:
-        from evalgate.reports import task_rows
+        from evalgate.report.text import task_rows
 
         rows = task_rows(verdict)
         for r in rows:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from evalgate import __version__
 from evalgate.errors import UserError
-from evalgate.progress import Progress
-from evalgate.store import MANIFEST, RecordWriter, load_run, read_records, write_json_atomic
+from evalgate.run.progress import Progress
+from evalgate.run.store import MANIFEST, RecordWriter, load_run, read_records, write_json_atomic
 from evalgate.tasks import get_task, resolve_profile
-from evalgate.tasks.base import Request
+from evalgate.types import Request
 
 
 @dataclass
@@ -71,7 +71,7 @@ def _prepare_out(out: Path, resume: bool) -> dict | None:
 
 def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, progress: Progress | None = None) -> Path:
     """Run ``spec`` into ``out``; returns the run directory. ``adapter`` defaults to the in-process one."""
-    from evalgate.data import resolve_data_dir
+    from evalgate.tasks.data import resolve_data_dir
 
     out = Path(out)
     previous = _prepare_out(out, resume)

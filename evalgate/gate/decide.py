@@ -2,7 +2,7 @@
 
 Validity first, failing closed (eval-conventions §4.8 step 1): comparable runs, every item on both sides,
 the HumanEval executor self-test passed, an A/A calibration on record that itself passed. Then the paired
-statistics of ``evalgate.stats`` per task, Holm across tasks, and PASS only if every task passes.
+statistics of ``evalgate.stats.paired`` per task, Holm across tasks, and PASS only if every task passes.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evalgate import stats
-from evalgate.baselines import read_aa
-from evalgate.comparison import Comparison, compare
+from evalgate.stats import paired as stats
+from evalgate.run.baselines import read_aa
+from evalgate.gate.compare import Comparison, compare
 from evalgate.errors import NotComparable
-from evalgate.store import Run, load_run
-from evalgate.thresholds import Thresholds, load_thresholds
+from evalgate.run.store import Run, load_run
+from evalgate.gate.policy import Thresholds, load_thresholds
 
 
 @dataclass
@@ -152,7 +152,7 @@ def decide_unpaired(baseline: Run, candidate: Run, thresholds: Thresholds) -> Ve
 
 def default_thresholds_for(run: Run) -> str | None:
     """The canary's own policy for runs scored with the canary profiles; otherwise the default file."""
-    from evalgate.model_adapters.canary import PROFILES, THRESHOLDS
+    from evalgate.canary import PROFILES, THRESHOLDS
 
     names = {t: s.get("name") for t, s in run.manifest.get("tasks", {}).items()}
     if names and all(PROFILES.get(t) == name for t, name in names.items()):
@@ -163,7 +163,7 @@ def default_thresholds_for(run: Run) -> str | None:
 def gate_runs(baseline, candidate, thresholds_path: str | None = None, allow_uncalibrated: bool = False) -> Verdict:
     """Decide from stored runs only. ``baseline`` is a run/baseline folder or a list of baseline folders."""
     dirs = [Path(b) for b in (baseline if isinstance(baseline, (list, tuple)) else [baseline])]
-    from evalgate.baselines import assemble
+    from evalgate.run.baselines import assemble
 
     base_run = assemble(dirs)
     cand_run = candidate if isinstance(candidate, Run) else load_run(candidate)
@@ -182,7 +182,7 @@ def gate_runs(baseline, candidate, thresholds_path: str | None = None, allow_unc
 
 def write_outputs(verdict: Verdict, out_dir: str | Path) -> dict[str, Path]:
     """gate.json, report.md (also appended to $GITHUB_STEP_SUMMARY), junit.xml."""
-    from evalgate import reports
+    from evalgate.report import text as reports
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

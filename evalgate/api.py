@@ -1,8 +1,8 @@
 """Statistics for a Comparison that no gate has decided yet (notebooks, ``evalgate.compare``).
 
-The same rule as the gate (``evalgate.gate.decide``) with the default policy or the one passed to
+The same rule as the gate (``evalgate.gate.decide.decide``) with the default policy or the one passed to
 ``compare``, A/A data when the baseline folder has ``aa.json``, and no refusal for a missing calibration.
-Imported lazily: ``evalgate.gate`` imports ``evalgate.comparison``.
+Imported lazily: ``evalgate.gate.decide`` imports ``evalgate.gate.compare``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from evalgate.errors import UserError
 
 def aa_records(baseline_run) -> dict:
     """task -> A/A summary (psi0, n, flips, verdict) stored next to a baseline; empty for a plain run."""
-    from evalgate.gate import aa_for_baseline
+    from evalgate.gate.decide import aa_for_baseline
 
     try:
         return aa_for_baseline([baseline_run.path])
@@ -24,8 +24,8 @@ def aa_records(baseline_run) -> dict:
 
 def decide_on_demand(comparison) -> None:
     """Sets ``comparison.decision`` and notes how it was decided; on a validity problem, notes it instead."""
-    from evalgate.gate import decide, default_thresholds_for
-    from evalgate.thresholds import Thresholds, load_thresholds
+    from evalgate.gate.decide import decide, default_thresholds_for
+    from evalgate.gate.policy import Thresholds, load_thresholds
 
     policy = comparison.thresholds
     if not isinstance(policy, Thresholds):

@@ -1,6 +1,6 @@
 """The canary's training examples, built with the canary profiles' own prompt code, and its tokenizer.
 
-``python -m evalgate.model_adapters.canary.data OUT_DIR --data-dir DIR`` writes ``examples.jsonl``
+``python -m evalgate.canary.data OUT_DIR --data-dir DIR`` writes ``examples.jsonl``
 (prompt, target) and the tokenizer; ``train.py`` reads them (on a GPU machine without evalgate's data).
 Targets are what a correct greedy answer is: `` {answer}`` (GSM8K's full reference solution, ``#### N``
 included) or HumanEval's canonical solution, each followed by EOS.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from evalgate.model_adapters.canary import GSM8K_PROFILE, HUMANEVAL_PROFILE
+from evalgate.canary import GSM8K_PROFILE, HUMANEVAL_PROFILE
 from evalgate.model_adapters.tiny import build_tokenizer
 
 VOCAB_SIZE = 4096
@@ -43,7 +43,7 @@ def tokenizer_corpus(examples: list[dict], data_dir: Path | None) -> list[str]:
 def main(argv=None) -> None:
     import argparse
 
-    from evalgate.data import resolve_data_dir
+    from evalgate.tasks.data import resolve_data_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")

@@ -1,6 +1,6 @@
 """Train the canary (seeded, reproducible; minutes on one H200).
 
-    python -m evalgate.model_adapters.canary.train BUILD_DIR OUT_DIR [--steps N] [--device cuda]
+    python -m evalgate.canary.train BUILD_DIR OUT_DIR [--steps N] [--device cuda]
 
 BUILD_DIR comes from ``canary.data`` (examples + tokenizer). The routed experts are trained for FP4
 (quantization-aware: the forward pass uses the FP4 grid values of the expert weights, RCEIL scales per 32,
@@ -189,7 +189,7 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
     import evalgate.kernels  # noqa: F401  (registers the emulated kernels)
-    from evalgate.model_adapters.canary.config import canary_config
+    from evalgate.canary.config import canary_config
     from evalgate.model_adapters.tiny import fill_hash_routes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from evalgate.errors import UserError
-from evalgate.store import MANIFEST, Run, load_run, read_records, write_json_atomic
+from evalgate.run.store import MANIFEST, Run, load_run, read_records, write_json_atomic
 
 DEFAULT_ROOT = Path("results/baselines")
 AA_FILE = "aa.json"

@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from evalgate import sandbox
+from evalgate.tasks.humaneval import sandbox
 from evalgate.errors import UserError
 
 EMPTY_BODY = ""  # the prompt ends with the docstring: a function whose body is the docstring alone
@@ -42,7 +42,7 @@ def _summarise(outcomes, problems, expect_pass: bool) -> dict:
 
 def selftest_humaneval(data_dir: str | Path | None = None, workers: int | None = None) -> dict:
     """Run the self-test now (uncached) and return counts, timings, isolation and calibrated timeouts."""
-    from evalgate.tasks.humaneval import DATA_FILE, TIMEOUT_POLICY, build_program, load_problems
+    from evalgate.tasks.humaneval.task import DATA_FILE, TIMEOUT_POLICY, build_program, load_problems
 
     problems = load_problems(Path(data_dir) if data_dir is not None else None)
     workers = workers or sandbox.default_workers()

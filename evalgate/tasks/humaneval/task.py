@@ -6,7 +6,7 @@ Profiles (eval-conventions §3.2, §3.3):
   extractor with its known defects kept, 2048 tokens.
 
 Either way the program is ``prompt + completion + "\\n" + test + "\\n" + "check(<entry_point>)"``.
-Scoring refuses to start until the executor self-test (``evalgate.selftest``) has passed in this process.
+Scoring refuses to start until the executor self-test (``evalgate.tasks.humaneval.selftest``) has passed in this process.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from evalgate import sandbox
-from evalgate.data import KNOWN_FILES, check_bytes, parse_jsonl, read_verified
+from evalgate.tasks.humaneval import sandbox
+from evalgate.tasks.data import KNOWN_FILES, check_bytes, parse_jsonl, read_verified
 from evalgate.errors import UserError
-from evalgate.passk import pass_at_k
-from evalgate.profiles import Profile, ResolvedProfile, sha256_text
-from evalgate.tasks.base import Generation, Request
+from evalgate.tasks.humaneval.passk import pass_at_k
+from evalgate.tasks.profiles import Profile, ResolvedProfile, sha256_text
+from evalgate.types import Generation, Request
 
 DATA_FILE = "humaneval/HumanEval.jsonl.gz"
 N_PROBLEMS = 164
@@ -166,7 +166,7 @@ class HumanEval:
 
     def prepare(self, resolved: ResolvedProfile, data_dir: Path | None) -> dict:
         """The executor self-test (fail closed); what it returns is stored in the run manifest."""
-        from evalgate.selftest import require_selftest
+        from evalgate.tasks.humaneval.selftest import require_selftest
 
         return require_selftest(data_dir if data_dir is not None else self._data_dir)
 
@@ -180,7 +180,7 @@ class HumanEval:
 
         An entry of ``generations`` may be a list of n samples: the record then carries n, c and pass@k.
         """
-        from evalgate.selftest import require_selftest
+        from evalgate.tasks.humaneval.selftest import require_selftest
 
         timeouts = require_selftest(self._data_dir)["timeouts_s"]
         samples = [g if isinstance(g, (list, tuple)) else [g] for g in generations]

@@ -5,8 +5,7 @@ unknown key, wrong type, value out of range, missing task) raises ``UserError`` 
 file, the line where known, the dotted key, and what is expected. The file's sha256 is kept so a verdict
 can record exactly which policy decided it.
 
-Without a path, the repository's ``thresholds.yaml`` is used when evalgate runs from a checkout, otherwise
-the copy shipped in the package (``evalgate/thresholds_default.yaml``).
+Without a path, the default policy shipped in the package is used (``evalgate/gate/thresholds.yaml``).
 """
 
 from __future__ import annotations
@@ -21,11 +20,11 @@ from typing import Any
 import yaml
 
 from evalgate.errors import UserError
-from evalgate.stats import MULTIPLE_COMPARISONS
+from evalgate.stats.paired import MULTIPLE_COMPARISONS
 
 REQUIRED_TASKS = ("gsm8k", "humaneval")
 CI_METHODS = ("tango", "newcombe")
-PACKAGE_DEFAULT = "thresholds_default.yaml"
+PACKAGE_DEFAULT = "thresholds.yaml"
 _TASK_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -79,7 +78,7 @@ class Thresholds:
         return self.tasks[name]
 
     def decision_kwargs(self, name: str) -> dict:
-        """The policy keys of ``evalgate.stats.decide_task`` beyond margin, alpha and the rate limits."""
+        """The policy keys of ``evalgate.stats.paired.decide_task`` beyond margin, alpha and the rate limits."""
         task = self.task(name)
         return {"alpha_split": self.alpha_split, "alpha_validity": self.alpha_validity,
                 "margin_floor": self.margin_floor, "min_rise_items": task.min_rise_items}
@@ -94,12 +93,8 @@ class Thresholds:
 
 
 def default_thresholds_path() -> Path:
-    """The repository's thresholds.yaml in a checkout, else the copy shipped inside the package."""
-    package_dir = Path(__file__).resolve().parent
-    checkout = package_dir.parent
-    if (checkout / "pyproject.toml").is_file() and (checkout / "thresholds.yaml").is_file():
-        return checkout / "thresholds.yaml"
-    return Path(str(resources.files("evalgate") / PACKAGE_DEFAULT))
+    """The default policy, shipped inside the package (one copy: ``evalgate/gate/thresholds.yaml``)."""
+    return Path(str(resources.files("evalgate.gate") / PACKAGE_DEFAULT))
 
 
 # --------------------------------------------------------------------------------------------------------

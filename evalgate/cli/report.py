@@ -20,8 +20,8 @@ from evalgate.errors import UserError
 @click.option("--allow-uncalibrated", is_flag=True, help="Decide even if the baseline has no A/A calibration (recorded).")
 def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated):
     """Per-item HTML report of a candidate run against a baseline: exit 0 PASS, 1 FAIL, 2 error."""
-    from evalgate import reports
-    from evalgate.gate import gate_runs
+    from evalgate.report import text as reports
+    from evalgate.gate.decide import gate_runs
 
     out = Path(html_path)
     if out.exists() and out.is_dir():

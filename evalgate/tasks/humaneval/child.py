@@ -1,4 +1,4 @@
-"""The sandbox runner, started by ``evalgate.sandbox`` as ``python -s -S -c BOOTSTRAP CODE RUN_DIR``.
+"""The sandbox runner, started by ``evalgate.tasks.humaneval.sandbox`` as ``python -s -S -c BOOTSTRAP CODE RUN_DIR``.
 
 BOOTSTRAP execs this file's code object, compiled once by the harness and stored with marshal (a fresh
 interpreter would otherwise re-compile this source for every program: ~3 ms of CPU each).

@@ -18,8 +18,8 @@ selftest_group = click.Group("selftest", help="Check that the executors score as
 @click.option("--json", "as_json", is_flag=True, help="Print the full result (what a run manifest stores).")
 def humaneval_selftest(data_dir, workers, as_json):
     """Canonical solutions must pass 164/164; docstring-only and `pass` bodies must fail 164/164."""
-    from evalgate.data import resolve_data_dir
-    from evalgate.selftest import failure_line, selftest_humaneval
+    from evalgate.tasks.data import resolve_data_dir
+    from evalgate.tasks.humaneval.selftest import failure_line, selftest_humaneval
 
     try:
         result = selftest_humaneval(resolve_data_dir(data_dir), workers)

@@ -5,19 +5,19 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
-from evalgate.baselines import DEFAULT_ROOT, find_baseline, record, write_aa
+from evalgate.run.baselines import DEFAULT_ROOT, find_baseline, record, write_aa
 from evalgate.errors import UserError
-from evalgate.gate import Verdict, decide, gate_runs
-from evalgate.comparison import compare
-from evalgate.runner import RunSpec, execute, with_overrides
-from evalgate.store import MANIFEST, load_run
+from evalgate.gate.decide import Verdict, decide, gate_runs
+from evalgate.gate.compare import compare
+from evalgate.run.runner import RunSpec, execute, with_overrides
+from evalgate.run.store import MANIFEST, load_run
 from evalgate.tasks import get_task, resolve_profile
-from evalgate.thresholds import load_thresholds
+from evalgate.gate.policy import load_thresholds
 
 
 def planned_profile_ids(spec: RunSpec) -> dict[str, str]:
     """task -> the profile id a run of ``spec`` will have (loads data, not the model)."""
-    from evalgate.data import resolve_data_dir
+    from evalgate.tasks.data import resolve_data_dir
 
     data_dir = resolve_data_dir(spec.data_dir)
     ids = {}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from evalgate.profiles import Profile, ResolvedProfile
+from evalgate.tasks.profiles import Profile, ResolvedProfile
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ from evalgate.errors import UserError
 
 # command groups owned by other modules: (module, attribute)
 SUBCOMMANDS = [
-    ("evalgate.cli_kernels", "kernels_group"),
-    ("evalgate.cli_selftest", "selftest_group"),
-    ("evalgate.cli_gate", "commands"),
-    ("evalgate.cli_report", "commands"),
-    ("evalgate.cli_serve", "commands"),
+    ("evalgate.cli.kernels", "kernels_group"),
+    ("evalgate.cli.selftest", "selftest_group"),
+    ("evalgate.cli.gate", "commands"),
+    ("evalgate.cli.report", "commands"),
+    ("evalgate.cli.serve", "commands"),
 ]
 
 
@@ -119,7 +119,7 @@ def with_canary_profiles(model: str | None, task_list: list[str], chosen: dict[s
     """With no --model the canary runs, scored with its own profiles unless --profile says otherwise."""
     if model:
         return chosen
-    from evalgate.model_adapters.canary import PROFILES
+    from evalgate.canary import PROFILES
 
     return {**{t: PROFILES[t] for t in task_list if t in PROFILES}, **chosen}
 
@@ -128,7 +128,7 @@ def canary_thresholds(model: str | None, thresholds_path: str | None) -> str | N
     """The canary's own policy (its item counts differ from GSM8K test's) unless --thresholds is given."""
     if model or thresholds_path:
         return thresholds_path
-    from evalgate.model_adapters.canary import THRESHOLDS
+    from evalgate.canary import THRESHOLDS
 
     return str(THRESHOLDS)
 
@@ -137,7 +137,7 @@ def resolve_model(model: str | None) -> str:
     if model:
         return model
     try:
-        from evalgate.model_adapters.canary import canary_path
+        from evalgate.canary import canary_path
     except ImportError:
         raise UserError("no --model given and this install has no built-in canary model; pass --model PATH") from None
     return str(canary_path())
@@ -164,7 +164,7 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
 
     With --server or --launch, requests go to an OpenAI-compatible server; server arguments follow `--`."""
     from evalgate.kernels import get_kernel
-    from evalgate.runner import RunSpec, execute
+    from evalgate.run.runner import RunSpec, execute
 
     if resume and out is None:
         raise UserError("--resume needs --out: the folder of the run to continue")
@@ -178,7 +178,7 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
                    device=device, dtype=dtype, data_dir=data_dir, max_new_tokens=max_new_tokens)
     out = Path(out) if out else default_out(kernel)
     if launch:  # refuse a bad --out before a server spends minutes starting
-        from evalgate.runner import _prepare_out
+        from evalgate.run.runner import _prepare_out
 
         _prepare_out(out, resume)
     with server_adapter(server, launch, model, kernel, out, model_id, server_args, launch_timeout, request_timeout,
@@ -188,7 +188,7 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
 
 
 def _print_run_summary(path: Path) -> None:
-    from evalgate.store import load_run
+    from evalgate.run.store import load_run
     from evalgate.tasks import get_task
 
     run = load_run(path)

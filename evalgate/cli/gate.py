@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from evalgate.cli import (_parse_profiles, _parse_tasks, canary_thresholds, resolve_model, run_options, server_adapter,
+from evalgate.cli.main import (_parse_profiles, _parse_tasks, canary_thresholds, resolve_model, run_options, server_adapter,
                           server_options, with_canary_profiles)
 from evalgate.errors import UserError
 
@@ -22,7 +22,7 @@ def _console():
 
 
 def _spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name=None):
-    from evalgate.runner import RunSpec
+    from evalgate.run.runner import RunSpec
 
     task_list = _parse_tasks(tasks, default="gsm8k,humaneval")
     chosen = _parse_profiles(profiles, task_list)
@@ -34,8 +34,8 @@ def _spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_
 
 
 def _finish(verdict, report_dir: Path) -> None:
-    from evalgate import reports
-    from evalgate.gate import write_outputs
+    from evalgate.report import text as reports
+    from evalgate.gate.decide import write_outputs
 
     paths = write_outputs(verdict, report_dir)
     _console().print(reports.console_table(verdict))
@@ -64,8 +64,8 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     """Compare a candidate kernel with the stored W4A8 baseline: PASS (exit 0) or FAIL (exit 1); 2 = error.
 
     With --server or --launch, the candidate runs on an OpenAI-compatible server; server arguments follow `--`."""
-    from evalgate.gate import gate_runs
-    from evalgate.orchestrate import gate_model, gate_out
+    from evalgate.gate.decide import gate_runs
+    from evalgate.pipeline import gate_model, gate_out
 
     if not (candidate or server or launch):
         thresholds_path = canary_thresholds(model, thresholds_path)
@@ -77,7 +77,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
         verdict = gate_runs(list(baselines), candidate, thresholds_path, allow_uncalibrated)
         run_dir = Path(candidate)
     else:
-        from evalgate.cli import default_out, served_model_name
+        from evalgate.cli.main import default_out, served_model_name
         from evalgate.kernels import get_kernel
 
         get_kernel(kernel)
@@ -87,7 +87,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
         with server_adapter(server, launch, model, kernel, run_out, model_id, server_args, launch_timeout,
                             request_timeout, concurrency, retries, batch_size) as adapter:
             if baselines:
-                from evalgate.orchestrate import run_or_resume
+                from evalgate.pipeline import run_or_resume
 
                 run_dir = run_or_resume(spec, run_out, adapter=adapter)
                 verdict = gate_runs(list(baselines), run_dir, thresholds_path, allow_uncalibrated)
@@ -107,7 +107,7 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
               baselines_root, thresholds_path, second_batch_size):
     """A/A: run the baseline kernel twice and store how often it disagrees with itself next to the baseline."""
     from evalgate.kernels import get_kernel
-    from evalgate.orchestrate import calibrate as run_calibration
+    from evalgate.pipeline import calibrate as run_calibration
 
     get_kernel(kernel)
     spec = _spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir)
@@ -130,7 +130,7 @@ def baseline():
 @click.option("--force", is_flag=True, help="Replace an existing baseline.")
 def baseline_record(run, root, force):
     """Store a complete run as the baseline for its model, profile(s) and kernel."""
-    from evalgate.baselines import record
+    from evalgate.run.baselines import record
 
     for path in record(run, root, force=force):
         click.echo(f"recorded {path}")
@@ -148,7 +148,7 @@ def baseline_record(run, root, force):
 @click.option("--force", is_flag=True)
 def baseline_import(task, score, n_items, model_id, profile, kernel, source, root, force):
     """Store a published aggregate score (no per-item records): usable only by the weaker unpaired test."""
-    from evalgate.baselines import import_aggregate
+    from evalgate.run.baselines import import_aggregate
 
     path = import_aggregate(task, score, n_items, model_id, profile, kernel, source, root, force)
     click.echo(f"imported aggregate-only baseline {path}")
@@ -159,7 +159,7 @@ def baseline_import(task, score, n_items, model_id, profile, kernel, source, roo
 @click.option("--json", "as_json", is_flag=True)
 def baseline_list(root, as_json):
     """Stored baselines."""
-    from evalgate.baselines import list_baselines
+    from evalgate.run.baselines import list_baselines
 
     rows = list_baselines(root)
     if as_json:

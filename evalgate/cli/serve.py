@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from evalgate.cli import resolve_model
+from evalgate.cli.main import resolve_model
 
 
 @click.command()

@@ -125,8 +125,8 @@ def junit_xml(verdict) -> str:
 
 
 def html(verdict) -> str:
-    """report.html: one self-contained page (rendered by ``evalgate.html``)."""
-    from evalgate.html import report_html
+    """report.html: one self-contained page (rendered by ``evalgate.report.html``)."""
+    from evalgate.report.html import report_html
 
     return report_html(verdict)
 

@@ -1,10 +1,10 @@
 """Two stored runs, paired item by item: comparability first (fail closed), then counts and flips.
 
 ``compare(baseline, candidate)`` works on stored runs only — no model — so any two runs can be compared
-again later. The gate (``evalgate.gate``) turns a Comparison into a verdict with the policy in
+again later. The gate (``evalgate.gate.decide``) turns a Comparison into a verdict with the policy in
 thresholds.yaml; notebooks use ``Comparison.summary``, ``Comparison.flips(task)`` and
 ``Comparison.show(task, doc_id)`` directly (statistics are computed on first use with the default policy
-when no gate has decided). HTML rendering lives in ``evalgate.html``.
+when no gate has decided). HTML rendering lives in ``evalgate.report.html``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evalgate.errors import NotComparable, UserError
-from evalgate.store import Run, load_run
+from evalgate.run.store import Run, load_run
 from evalgate.tasks import get_task
 
 # Run-level keys that must match for two runs to be comparable; the kernel is what may differ (§1).
@@ -130,7 +130,7 @@ class Comparison:
     candidate: Run
     pairs: dict[str, TaskPairs]
     aa_flips: dict[str, set] = field(default_factory=dict)  # items that flip between two baseline runs
-    decision: object = None  # evalgate.stats.OverallDecision once the gate has decided
+    decision: object = None  # evalgate.stats.paired.OverallDecision once the gate has decided
     thresholds: object = None  # policy for statistics computed on demand: a path, a Thresholds, None = default
     notes: list[str] = field(default_factory=list)  # how on-demand statistics were decided
     stats_problem: str | None = None  # why on-demand statistics could not be decided (not retried)
@@ -138,7 +138,7 @@ class Comparison:
     def ensure_decision(self):
         """The per-task statistics; decided here (lazily, default policy, A/A if on record) if no gate did."""
         if self.decision is None and self.stats_problem is None:
-            from evalgate.comparison_stats import decide_on_demand
+            from evalgate.api import decide_on_demand
 
             decide_on_demand(self)
         return self.decision
@@ -226,7 +226,7 @@ class Comparison:
 
     def show(self, task: str, doc_id):
         """One item side by side: question, gold, both completions diffed, answers highlighted (HTML in Jupyter)."""
-        from evalgate.html import ItemView
+        from evalgate.report.html import ItemView
 
         if task not in self.pairs:
             raise UserError(f"no task {task!r} in this comparison; it has: {', '.join(self.pairs)}")
@@ -239,7 +239,7 @@ class Comparison:
                         flips_in_aa=p.doc_ids[i] in self.aa_flips.get(task, set()))
 
     def _repr_html_(self) -> str:
-        from evalgate.html import comparison_html
+        from evalgate.report.html import comparison_html
 
         return comparison_html(self)
 
@@ -281,7 +281,7 @@ def compare(baseline, candidate, tasks: list[str] | None = None, metrics: dict[s
     metrics = metrics or {}
     pairs = {t: pair_task(base, cand, t, metrics.get(t)) for t in tasks}
     if aa_flips is None:  # the baseline's A/A record, so flips() can say which items are noise
-        from evalgate.comparison_stats import aa_records
+        from evalgate.api import aa_records
 
         aa_flips = {t: a["flips"] for t, a in aa_records(base).items()}
     return Comparison(base, cand, pairs, aa_flips=aa_flips or {}, thresholds=thresholds)
