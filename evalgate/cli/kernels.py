@@ -129,9 +129,11 @@ def check(shape, tokens, model_path, tasks, limit, kernel_list, data_dir, seed, 
     else:
         if limit < 1:
             raise UserError(f"--limit must be at least 1 (got {limit})")
-        checks.check_model_dir(model_path)
-        pairs = checks.task_pairs(_parse_list(tasks, "tasks"), limit, data_dir)
-        model, tokenizer = checks.load_model_for_check(model_path)
+        from evalgate.model_adapters.hf import check_model_dir, load_model
+
+        check_model_dir(model_path)
+        pairs = task_pairs(_parse_list(tasks, "tasks"), limit, data_dir)
+        model, tokenizer = load_model(model_path, "bf16", device="cpu")
         rows = checks.model_check(model, tokenizer, pairs, kernels)
         title = f"model check: {model_path}, {tasks} x {limit}, teacher-forced vs bf16"
         columns = MODEL_COLUMNS
@@ -143,3 +145,21 @@ def check(shape, tokens, model_path, tasks, limit, kernel_list, data_dir, seed, 
         return
     _print_rows(rows, columns, title)
     click.echo(f"wall {wall:.1f} s, peak RSS {peak_gb:.2f} GB")
+
+
+def task_pairs(tasks: list[str], limit: int | None, data_dir=None) -> list[tuple[str, str]]:
+    """(prompt, reference answer) pairs from evalgate's tasks, prompted exactly as a run prompts them;
+    the reference answer (GSM8K's worked solution, HumanEval's canonical solution) is teacher-forced."""
+    from pathlib import Path
+
+    from evalgate.tasks import get_task, resolve_profile
+
+    pairs = []
+    for name in tasks:
+        task = get_task(name)
+        items, resolved = task.load(resolve_profile(task, None), Path(data_dir) if data_dir else None, limit)
+        delimiter = resolved.profile.settings.get("target_delimiter", "")
+        for item, request in zip(items, task.requests(items, resolved)):
+            answer = item.get("answer") or item.get("canonical_solution") or ""
+            pairs.append((request.prompt, delimiter + answer if item.get("answer") else answer))
+    return pairs

@@ -1,0 +1,1 @@
+"""HumanEval: problems, the task (prompting and scoring), the executor self-test, the sandbox, pass@k."""

