@@ -5,7 +5,7 @@
 
 Prints numbers; not a test. The first call of an emulated kernel on a module quantizes the BF16 weights
 to FP4 and caches them (and their FP32 dequantization); it is reported apart ("first call") from the
-steady-state time per call. Router: sqrt-softplus top-k, as DeepseekV4TopKRouter (spec §8).
+steady-state time per call. Router: sqrt-softplus top-k, as DeepseekV4TopKRouter (spec docs/kernels.md#routing).
 """
 
 from __future__ import annotations

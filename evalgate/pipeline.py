@@ -1,18 +1,22 @@
-"""Gate and calibrate from a model: find the stored baselines first, run only what is missing, decide."""
+"""The whole flow from a model: find the stored baselines first, run only what is missing, compare, decide.
+
+Used by `evalgate gate` (with a model or server) and `evalgate calibrate`.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 from pathlib import Path
 
-from evalgate.run.baselines import DEFAULT_ROOT, find_baseline, record, write_aa
 from evalgate.errors import UserError
-from evalgate.gate.decide import Verdict, decide, gate_runs
 from evalgate.gate.compare import compare
+from evalgate.gate.decide import decide, gate_runs
+from evalgate.gate.policy import load_thresholds
+from evalgate.gate.verdict import Verdict
+from evalgate.run.baselines import DEFAULT_ROOT, find_baseline, record, write_aa
 from evalgate.run.runner import RunSpec, execute, with_overrides
 from evalgate.run.store import MANIFEST, load_run
 from evalgate.tasks import get_task, resolve_profile
-from evalgate.gate.policy import load_thresholds
 
 
 def planned_profile_ids(spec: RunSpec) -> dict[str, str]:

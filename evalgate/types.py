@@ -1,17 +1,84 @@
-"""What every task provides: items, requests for the model, and a score per response.
+"""The project's small shared vocabulary: profiles, requests and generations, and the two interfaces the
+runner drives — ``Task`` (dataset, prompting, scoring) and ``ModelAdapter`` (a model that generates).
 
 A task keeps dataset, prompting and scoring apart (the inspect_ai split): ``load`` reads items,
-``requests`` turns them into prompts with stops and token limits, ``score`` turns one response into a
-per-item record. Runner, store and gate know nothing task-specific beyond this.
+``requests`` turns them into prompts with stops and token limits, ``score_batch`` turns responses into
+per-item records. The runner, store and gate know nothing task-specific beyond this.
+
+Scoring profiles hold every input that affects prompts, generation, extraction or scoring, hashed: two runs
+compare only if their profiles hash the same (docs/scoring.md#profiles-and-profile-ids). The profile id is
+the sha256 of the canonical JSON (sorted keys, UTF-8, no insignificant whitespace) of
+``ResolvedProfile.identity()``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from evalgate.tasks.profiles import Profile, ResolvedProfile
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A static description of one way to prompt and score a task.
+
+    ``settings`` holds what the profile fixes (templates, stops, max tokens, extractor regexes, scorer
+    version...). Data-dependent parts (dataset sha256, item ids, per-item shot ids) are added by the task
+    when it resolves the profile against loaded data; see ``ResolvedProfile``.
+    """
+
+    name: str
+    task: str
+    version: str
+    description: str
+    settings: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ResolvedProfile:
+    profile: Profile
+    dataset_sha256: dict  # file name -> sha256
+    item_ids: tuple
+    per_item: dict = field(default_factory=dict)  # e.g. shot ids per doc_id
+    decoding: dict = field(default_factory=dict)  # temperature, top_p, seed, n
+
+    def identity(self) -> dict:
+        return {
+            "name": self.profile.name,
+            "task": self.profile.task,
+            "version": self.profile.version,
+            "settings": self.profile.settings,
+            "dataset_sha256": self.dataset_sha256,
+            "item_ids": list(self.item_ids),
+            "per_item": self.per_item,
+            "decoding": self.decoding,
+        }
+
+    @property
+    def profile_id(self) -> str:
+        return sha256_text(canonical_json(self.identity()))
+
+    def summary(self) -> dict:
+        """What the manifest stores: everything except the (long) item lists, plus the id that covers them."""
+        return {
+            "profile_id": self.profile_id,
+            "name": self.profile.name,
+            "version": self.profile.version,
+            "settings": self.profile.settings,
+            "dataset_sha256": self.dataset_sha256,
+            "n_items": len(self.item_ids),
+            "decoding": self.decoding,
+        }
 
 
 @dataclass(frozen=True)
@@ -35,6 +102,8 @@ class Generation:
 
 
 class Task(Protocol):
+    """What the runner calls on a task. Every method is required (no optional hooks found by reflection)."""
+
     name: str
     profiles: dict[str, Profile]
     default_profile: str
@@ -44,7 +113,28 @@ class Task(Protocol):
         """Items (each with ``doc_id``) in stable order, and the profile resolved against them."""
 
     def requests(self, items: list[dict], resolved: ResolvedProfile) -> list[Request]:
-        ...
+        """One request per item, in item order."""
 
-    def score(self, item: dict, request: Request, generation: Generation, resolved: ResolvedProfile) -> dict:
-        """One per-item record, lm-eval field names where they exist (see DESIGN.md Conventions)."""
+    def prepare(self, resolved: ResolvedProfile, data_dir: Path | None) -> dict:
+        """What must hold before any item is scored (HumanEval: the executor self-test); stored in the
+        manifest. Raises UserError to refuse the run; ``{}`` when a task needs nothing."""
+
+    def score_batch(self, items: list[dict], requests: list[Request], generations: list[Generation],
+                    resolved: ResolvedProfile) -> list[dict]:
+        """One per-item record per generation, lm-eval field names where they exist (docs/runs.md)."""
+
+    def is_invalid(self, record: dict, metric: str) -> bool:
+        """An answer the scorer could not use (the validity-rate checks of the gate)."""
+
+
+class ModelAdapter(Protocol):
+    """A model that answers requests: in-process transformers, or an OpenAI-compatible server."""
+
+    kernel: Any  # the ``evalgate.kernels.Kernel`` it runs (or a server was started with)
+    load_s: float  # seconds spent loading the model (0 for a server)
+
+    def info(self) -> dict:
+        """The model's identity and serving settings for the run manifest (fingerprint, dtype, adapter...)."""
+
+    def generate(self, requests: list[Request]) -> list[Generation]:
+        """One generation per request, in request order."""

@@ -1,4 +1,4 @@
-"""The emulated kernels evalgate knows, registered on import (spec §1 and §6 for names, versions, env).
+"""The emulated kernels evalgate knows, registered on import (docs/kernels.md#kernels-at-a-glance and #selecting-a-real-kernel for names, versions, env).
 
 Healthy kernels: `w4a8`, `w4a8_sglang`, `w4a4`, `w4a4_packed`, `w4a4_te`. Fault-injected kernels carry
 the `faulty/` prefix and `faulty=True`; each names its healthy `twin`. None of them is ever a default.
@@ -12,13 +12,13 @@ from .recipe import Recipe
 from .registry import Kernel, register_kernel
 
 FP4_ACTS = {"DG_USE_FP4_ACTS": "1"}
-PACKED = {"DG_USE_FP4_ACTS": "1", "DG_MEGA_MOE_FP4": "1"}  # both, or the §5 hazard
+PACKED = {"DG_USE_FP4_ACTS": "1", "DG_MEGA_MOE_FP4": "1"}  # both, or the docs/kernels.md#the-packed-fp4-hazard hazard
 
 W4A8 = Recipe(activations="e4m3", intermediate="e4m3")
 W4A8_SGLANG = Recipe(activations="e4m3", intermediate="e4m3", input_scale_rule="sglang_fp8")
-# PR #27, PR #44, PyPI 0.1.0 and 0.1.7: the input quantizer rounds ties toward zero (§2.5).
+# PR #27, PR #44, PyPI 0.1.0 and 0.1.7: the input quantizer rounds ties toward zero (docs/kernels.md#tie-modes).
 W4A4 = Recipe(activations="e2m1", input_ties="zero", intermediate="e2m1")
-# sgl-deep-gemm >= 0.2.0: the input quantizer rounds ties to even (§2.5, §6.2).
+# sgl-deep-gemm >= 0.2.0: the input quantizer rounds ties to even (docs/kernels.md#tie-modes, docs/kernels.md#later-releases).
 W4A4_TE = Recipe(activations="e2m1", input_ties="even", intermediate="e2m1")
 
 
@@ -54,7 +54,7 @@ _emulated(
     "FP4 weights, FP4 E2M1 activations (ties toward zero) and intermediate (W4A4-old)",
     W4A4, env=FP4_ACTS,
 )
-# Spec §1: W4A4-old and W4A4-packed are one function for the emulator; only identity differs.
+# Spec docs/kernels.md#kernels-at-a-glance: W4A4-old and W4A4-packed are one function for the emulator; only identity differs.
 _emulated(
     "w4a4_packed", "DeepGEMM PR #44 (e9d5329) sm100_fp4_mega_moe",
     "packed FP4xFP4 kernel: same numerics as w4a4 (kind::mxf4, K 64, packed smem)",

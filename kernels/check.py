@@ -1,6 +1,6 @@
 """Numerics checks: how far each kernel is from a reference, layer by layer and through a whole model.
 
-- `layer_check(shape, tokens, seed)`: one synthetic MoE layer (§8 DSV4-Flash shapes, FP4 weights with a
+- `layer_check(shape, tokens, seed)`: one synthetic MoE layer (docs/kernels.md#dsv4-flash-defaults DSV4-Flash shapes, FP4 weights with a
   realistic scale spread, tokens routed by a sqrt-softplus router); every kernel vs the FP32 reference
   (`reference.Fp32Reference`). Weights stay as FP4 codes (3.2 GB at dsv4-flash) and are dequantized a few
   experts at a time, only where tokens were routed, and shared by all kernels.
@@ -27,7 +27,7 @@ from .registry import get_kernel, kernel_names
 from .weights import Fp4ExpertWeights, double_one_group_per_row
 
 SHAPES = {
-    # spec §8 defaults
+    # spec docs/kernels.md#dsv4-flash-defaults defaults
     "dsv4-flash": dict(hidden=4096, intermediate=2048, experts=256, top_k=6, routed_scaling=1.5, swiglu_limit=10.0),
     "tiny": dict(hidden=256, intermediate=128, experts=16, top_k=4, routed_scaling=1.5, swiglu_limit=10.0),
 }
@@ -85,7 +85,7 @@ def synthetic_weights(experts: int, hidden: int, intermediate: int, seed: int) -
 
 
 def sqrt_softplus_route(x: torch.Tensor, experts: int, top_k: int, routed_scaling: float, g: torch.Generator):
-    """DeepseekV4TopKRouter (spec §8): scores = sqrt(softplus(x W^T)); top-k of scores + bias (bias only
+    """DeepseekV4TopKRouter (spec docs/kernels.md#dsv4-flash-defaults): scores = sqrt(softplus(x W^T)); top-k of scores + bias (bias only
     selects, unsorted); weights = scores / sum * routed_scaling."""
     h = x.shape[-1]
     gate = torch.randn(experts, h, generator=g) / math.sqrt(h)
@@ -115,7 +115,7 @@ def synthetic_layer(shape: str, tokens: int, seed: int = 0) -> LayerCase:
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """DeepGEMM's calc_diff (spec §9): 1 - 2<x,y> / (|x|^2 + |y|^2), in float64."""
+    """DeepGEMM's calc_diff (spec docs/kernels.md#checking-a-real-kernel): 1 - 2<x,y> / (|x|^2 + |y|^2), in float64."""
     x, y = x.double(), y.double()
     denom = (x * x + y * y).sum()
     return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
@@ -181,7 +181,7 @@ def layer_check(shape: str = "tiny", tokens: int = 64, seed: int = 0, kernels: l
         k = get_kernel(n)
         row = {"kernel": n, "faulty": k.faulty, "twin": k.twin, "shape": shape, "tokens": case.x.shape[0],
                **error_metrics(outs[n], ref)}
-        if k.twin in outs:  # how a faulty kernel looks when held against its healthy twin's emulation (§9)
+        if k.twin in outs:  # how a faulty kernel looks when held against its healthy twin's emulation (docs/kernels.md#checking-a-real-kernel)
             row["calc_diff_vs_twin"] = calc_diff(outs[n], outs[k.twin])
         rows.append(row)
     for row in rows:

@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 FP4 checkpoint (spec §7): writer, reader, and the link from stored codes to kernels.
+"""The DeepSeek-V4 FP4 checkpoint (spec docs/kernels.md#fp4-checkpoint): writer, reader, and the link from stored codes to kernels.
 
 Format written by `save_fp4_checkpoint`:
 - routed experts ``…ffn.experts.{e}.w1/w3/w2.weight``: int8, two E2M1 codes per byte, low nibble = even K;
@@ -12,7 +12,7 @@ Format written by `save_fp4_checkpoint`:
 
 Loading (`load_fp4_checkpoint`) goes through transformers: on CPU its FP8 quantizer forces
 ``dequantize=True``, unpacks the nibbles, applies the scales and leaves BF16 ``DeepseekV4Experts``
-(lossless, §7 step 4). The stored codes would then be gone, so the reader also reads them from the
+(lossless, docs/kernels.md#fp4-checkpoint step 4). The stored codes would then be gone, so the reader also reads them from the
 safetensors files and attaches them to each experts module (`weights.attach_stored`): the emulated kernels
 compute with the codes and scales exactly as stored, never re-rounded. On a GPU with compute capability
 >= 8.9 transformers keeps ``FP8Experts`` with the int8 codes, which the kernels use directly.
@@ -191,7 +191,7 @@ def prepare_fp4_model(model, path) -> None:
 
 def dequantizing_config(path):
     """transformers' FP8 quantization config of an FP4 checkpoint, set to dequantize on load: experts come
-    out as BF16 ``DeepseekV4Experts`` (exact, spec §7 step 4) and no Hub kernel is fetched (step 5)."""
+    out as BF16 ``DeepseekV4Experts`` (exact, spec docs/kernels.md#fp4-checkpoint step 4) and no Hub kernel is fetched (step 5)."""
     from transformers import FineGrainedFP8Config
 
     cfg = json.loads((Path(path) / "config.json").read_text())
@@ -207,7 +207,7 @@ def load_fp4_checkpoint(path, experts_implementation: str = "bf16", device: str 
 
     Returns the ``DeepseekV4ForCausalLM``. On CPU (or a GPU below compute capability 8.9) transformers
     dequantizes the FP4 experts to BF16 on load; we force that on CPU so no Hub kernel is fetched
-    (spec §7 step 5)."""
+    (spec docs/kernels.md#fp4-checkpoint step 5)."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)

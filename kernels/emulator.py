@@ -1,12 +1,12 @@
-"""The emulated FP4 mega-MoE kernel: spec §3, step by step, vectorised over (token, slot) rows.
+"""The emulated FP4 mega-MoE kernel: spec docs/kernels.md#the-moe-forward, step by step, vectorised over (token, slot) rows.
 
 `experts_forward(recipe)` returns the function transformers calls for an experts module:
 
     fn(experts_module, hidden_states[T, H], top_k_index[T, K], top_k_weights[T, K]) -> [T, H]
 
 It is one routed-experts forward of one MoE layer (no shared expert, which the model adds in BF16
-outside the kernel, §3 step 9). A kernel engineer holds a real kernel's BF16 output against it with
-`calc_diff` (§9): ``ALL_EXPERTS_FUNCTIONS["w4a4_packed"](experts, x, idx, w)``.
+outside the kernel, docs/kernels.md#the-moe-forward step 9). A kernel engineer holds a real kernel's BF16 output against it with
+`calc_diff` (docs/kernels.md#checking-a-real-kernel): ``ALL_EXPERTS_FUNCTIONS["w4a4_packed"](experts, x, idx, w)``.
 
 The work is split so that the layer-level check can share dequantized weights between kernels:
 `MoEEmulation` quantizes the input and sorts rows by expert once; `run_chunk` computes the rows of a
@@ -29,7 +29,7 @@ from .weights import check_shapes, expert_chunks, fp4_weights
 
 @contextlib.contextmanager
 def exact_fp32_matmul():
-    """TF32 off for the duration (§3 step 3: FP32 accumulation). CPU matmuls are FP32 already."""
+    """TF32 off for the duration (docs/kernels.md#the-moe-forward step 3: FP32 accumulation). CPU matmuls are FP32 already."""
     if not torch.cuda.is_available():
         yield
         return
@@ -47,7 +47,7 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
     Row-major w (as dequantized) goes through one padded bmm, which BLAS reads transposed without a
     copy; w stored in-major (`weights.in_major`) through torch's grouped_mm. On CPU grouped_mm copies a
     row-major weight on every call (~3x slower). Both accumulate in FP32; their summation orders may
-    differ at FP32 rounding level (spec §3 step 3 allows it)."""
+    differ at FP32 rounding level (spec docs/kernels.md#the-moe-forward step 3 allows it)."""
     if a.shape[0] == 0:
         return a.new_zeros(0, w.shape[1])
     fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -70,11 +70,11 @@ def _padded_bmm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torc
     return torch.bmm(block, w.transpose(-2, -1))[group, pos]
 
 
-# --- the steps of §3 --------------------------------------------------------------------------------
+# --- the steps of docs/kernels.md#the-moe-forward --------------------------------------------------------------------------------
 
 
 def quantize_input(x: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    """§3 step 2: per token, groups of 32 along H, the pre-dispatch scale rule; FP32 out (exact)."""
+    """docs/kernels.md#the-moe-forward step 2: per token, groups of 32 along H, the pre-dispatch scale rule; FP32 out (exact)."""
     rule = SCALE_RULES[recipe.input_scale_rule]
     if recipe.fault == "fp8_layout_read_as_packed_fp4":
         return fp8_layout_read_as_packed_fp4(x, rule)
@@ -84,7 +84,7 @@ def quantize_input(x: torch.Tensor, recipe: Recipe) -> torch.Tensor:
 
 
 def fp8_layout_read_as_packed_fp4(x: torch.Tensor, rule) -> torch.Tensor:
-    """Fault (b), a stand-in for the §5 interop hazard (`DG_MEGA_MOE_FP4=1` without `DG_USE_FP4_ACTS=1`):
+    """Fault (b), a stand-in for the docs/kernels.md#the-packed-fp4-hazard interop hazard (`DG_MEGA_MOE_FP4=1` without `DG_USE_FP4_ACTS=1`):
     the pre-dispatch writes E4M3 activations, H bytes per token, but the packed kernel reads its own
     layout, H/2 bytes per token at stride H/2, and decodes each byte as two E2M1 nibbles (low first).
     So token t gets half of token t/2's FP8 bytes, as FP4 codes. Simplification: the scale bytes (FP8
@@ -96,7 +96,7 @@ def fp8_layout_read_as_packed_fp4(x: torch.Tensor, rule) -> torch.Tensor:
 
 
 def gate_up_to_bf16(acc: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """§3 step 4: round the L1 accumulator to BF16, then clamp gate from above only and up on both sides."""
+    """docs/kernels.md#the-moe-forward step 4: round the L1 accumulator to BF16, then clamp gate from above only and up on both sides."""
     i = acc.shape[-1] // 2
     g, u = bf16_round(acc[..., :i]), bf16_round(acc[..., i:])
     if limit is not None and limit != float("inf"):
@@ -106,12 +106,12 @@ def gate_up_to_bf16(acc: torch.Tensor, limit: float | None) -> tuple[torch.Tenso
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """§3 step 5, FP32: silu = g / (1 + exp(-g)), then silu * u."""
+    """docs/kernels.md#the-moe-forward step 5, FP32: silu = g / (1 + exp(-g)), then silu * u."""
     return (g / (1.0 + torch.exp(-g))) * u
 
 
 def requantize_intermediate(v: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    """§3 step 6: per (token, slot), groups of 32 intermediate columns, epilogue rule (no floor), RNE."""
+    """docs/kernels.md#the-moe-forward step 6: per (token, slot), groups of 32 intermediate columns, epilogue rule (no floor), RNE."""
     if recipe.intermediate == "none":
         return v
     return formats.fake_quantize(v, recipe.intermediate, EPILOGUE, ties="even")
@@ -124,14 +124,14 @@ def intermediate(acc: torch.Tensor, w: torch.Tensor, limit: float | None, recipe
 
 
 def weight_and_requantize(h: torch.Tensor, w: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    """§3 steps 5-6: the router weight goes in before the re-quantization: quantize(w * h) (T6)."""
+    """docs/kernels.md#the-moe-forward steps 5-6: the router weight goes in before the re-quantization: quantize(w * h) (T6)."""
     if recipe.fault == "router_weight_after_requant":  # fault (c): w * quantize(h), T6's wrong order
         return requantize_intermediate(h, recipe) * w[:, None]
     return requantize_intermediate(h * w[:, None], recipe)
 
 
 def combine(slot_out: torch.Tensor, skip_last_slot: bool = False) -> torch.Tensor:
-    """§3 step 8: y = bf16(sum over slots of float(o_k)), summed in FP32 in slot order 0..K-1.
+    """docs/kernels.md#the-moe-forward step 8: y = bf16(sum over slots of float(o_k)), summed in FP32 in slot order 0..K-1.
     Empty slots hold +0.0, which leaves an FP32 sum unchanged. slot_out: [T, K, H] FP32."""
     k = slot_out.shape[1] - (1 if skip_last_slot else 0)  # fault (d) skips the last slot
     acc = slot_out[:, 0].clone()
@@ -187,13 +187,13 @@ class MoEEmulation(ExpertRows):
         self.recipe = recipe
         self.limit = limit
         self.rsf = float(routed_scaling_factor)
-        if recipe.routed_scaling == "unfused":  # SGLang: the kernel sees unscaled weights (§11.5)
+        if recipe.routed_scaling == "unfused":  # SGLang: the kernel sees unscaled weights (docs/kernels.md#open-choices)
             self.w = self.w / self.rsf
         self.xq = quantize_input(bf16_round(x.to(torch.float32)), recipe)  # the kernel's input is BF16
         self.slot_out = torch.zeros(self.shape[0] * self.shape[1], self.shape[2], device=x.device)
 
     def l1_input(self, begin: int, end: int) -> torch.Tensor:
-        return self.xq[self.token[begin:end]]  # §3 step 2 happened once per token, in __init__
+        return self.xq[self.token[begin:end]]  # docs/kernels.md#the-moe-forward step 2 happened once per token, in __init__
 
     def l2_input(self, begin: int, end: int, acc: torch.Tensor) -> torch.Tensor:
         return intermediate(acc, self.w[begin:end], self.limit, self.recipe)  # steps 4-6

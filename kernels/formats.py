@@ -1,8 +1,8 @@
 """Number formats of the mega-MoE kernels: E2M1 (FP4), E4M3 (FP8) and UE8M0 power-of-two scales.
 
-Everything here follows `specs/kernel-numerics.md` §2. Tensors are quantized in groups of 32 contiguous
-elements along the last dimension (K), one UE8M0 byte per group (§2.4). All arithmetic is FP32 and exact:
-scales are powers of two, so x * 2^-e and code * 2^e never round (§2.3).
+Everything here follows docs/kernels.md#number-formats. Tensors are quantized in groups of 32 contiguous
+elements along the last dimension (K), one UE8M0 byte per group (docs/kernels.md#groups-of-32). All arithmetic is FP32 and exact:
+scales are powers of two, so x * 2^-e and code * 2^e never round (docs/kernels.md#ue8m0-scales).
 
 Two kinds of output:
 - codes: uint8 E2M1 nibbles (bit 3 sign, bits 0-2 magnitude index) or E4M3 bytes, plus scale bytes;
@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-GROUP = 32  # elements per UE8M0 scale, along K (§2.4)
+GROUP = 32  # elements per UE8M0 scale, along K (docs/kernels.md#groups-of-32)
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude index 0-7 (§2.1)
-# Midpoints between neighbouring magnitudes; a tie sits exactly on one of them (§2.5).
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude index 0-7 (docs/kernels.md#e2m1)
+# Midpoints between neighbouring magnitudes; a tie sits exactly on one of them (docs/kernels.md#tie-modes).
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 # Midpoints whose upper neighbour has an even magnitude index (0.75->1, 1.75->2, 3.5->4): where
 # ties-to-even rounds up and ties-toward-zero rounds down.
@@ -38,12 +38,12 @@ def format_max(fmt: str) -> float:
     raise ValueError(f"unknown element format {fmt!r}; expected one of {FORMATS}")
 
 
-# --- UE8M0 scales: the RCEIL rule (§2.3) -------------------------------------------------------------
+# --- UE8M0 scales: the RCEIL rule (docs/kernels.md#ue8m0-scales) -------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ScaleRule:
-    """How one call site turns a group's amax into a UE8M0 byte (§2.3 table)."""
+    """How one call site turns a group's amax into a UE8M0 byte (docs/kernels.md#ue8m0-scales table)."""
 
     name: str
     amax_floor: float  # amax is raised to this before the division; 0 = no floor
@@ -53,18 +53,18 @@ class ScaleRule:
 
 # DeepGEMM pre-dispatch kernel and host helpers: L1 input x of every kernel.
 PRE_DISPATCH = ScaleRule("pre_dispatch", amax_floor=1e-4, q_via="div", byte_clamp=(1, 254))
-# SGLang's JIT FP8 pre-dispatch (W4A8 served by SGLang). The byte clamp is not recorded in the spec; none.
+# SGLang's JIT FP8 pre-dispatch (W4A8 served by SGLang). The byte clamp is not recorded in any public source; none.
 SGLANG_FP8 = ScaleRule("sglang_fp8", amax_floor=1e-10, q_via="div", byte_clamp=None)
 # L1 epilogue (common/math.cuh): the intermediate. No floor: an all-zero group gets byte 0.
 EPILOGUE = ScaleRule("epilogue", amax_floor=0.0, q_via="mul", byte_clamp=None)
-# Offline weight quantization of a BF16 checkpoint (evalgate's own choice: RCEIL, no floor, §3 step 1).
+# Offline weight quantization of a BF16 checkpoint (evalgate's own choice: RCEIL, no floor, docs/kernels.md#the-moe-forward step 1).
 WEIGHTS = ScaleRule("weights", amax_floor=0.0, q_via="div", byte_clamp=(0, 254))
 
 SCALE_RULES = {r.name: r for r in (PRE_DISPATCH, SGLANG_FP8, EPILOGUE, WEIGHTS)}
 
 
 def ue8m0_bytes(amax: torch.Tensor, fmax: float, rule: ScaleRule) -> torch.Tensor:
-    """UE8M0 byte e + 127 with e = ceil(log2(amax / F)), computed from the FP32 bits of q (§2.3):
+    """UE8M0 byte e + 127 with e = ceil(log2(amax / F)), computed from the FP32 bits of q (docs/kernels.md#ue8m0-scales):
     byte = exponent_bits(q) + (mantissa_bits(q) != 0). Exact; no log2 rounding involved."""
     amax = amax.to(torch.float32)
     if rule.amax_floor > 0:
@@ -86,7 +86,7 @@ def scale_from_byte(byte: torch.Tensor) -> torch.Tensor:
 
 
 def inverse_scale_from_byte(byte: torch.Tensor) -> torch.Tensor:
-    """2^(127 - byte): the sf_inv a kernel multiplies by. Byte 0 gives 2^127, as in the epilogue (§2.3)."""
+    """2^(127 - byte): the sf_inv a kernel multiplies by. Byte 0 gives 2^127, as in the epilogue (docs/kernels.md#ue8m0-scales)."""
     return torch.exp2(127.0 - byte.to(torch.float32))
 
 
@@ -101,12 +101,12 @@ def _per_element(scale: torch.Tensor) -> torch.Tensor:
     return scale.repeat_interleave(GROUP, dim=-1)
 
 
-# --- E2M1 element rounding (§2.1, §2.5) -------------------------------------------------------------
+# --- E2M1 element rounding (docs/kernels.md#e2m1, docs/kernels.md#tie-modes) -------------------------------------------------------------
 
 
 def e2m1_magnitude_index(y: torch.Tensor, ties: str) -> torch.Tensor:
     """Index 0-7 of the E2M1 magnitude nearest to |y| (clamped to 6). Ties go toward zero (strict `>`
-    at every midpoint) or to the even index (`>=` at 0.75, 1.75 and 3.5) (§2.5)."""
+    at every midpoint) or to the even index (`>=` at 0.75, 1.75 and 3.5) (docs/kernels.md#tie-modes)."""
     if ties not in TIES:
         raise ValueError(f"unknown tie mode {ties!r}; expected one of {TIES}")
     a = y.abs().clamp(max=E2M1_MAX)
@@ -122,7 +122,7 @@ def e2m1_magnitude_index(y: torch.Tensor, ties: str) -> torch.Tensor:
 
 def e2m1_encode(y: torch.Tensor, ties: str) -> torch.Tensor:
     """Scaled values y -> E2M1 codes (uint8 nibbles). The sign bit is set only for a non-zero magnitude,
-    as the DeepGEMM helpers do: they never emit 0x8 (§2.1)."""
+    as the DeepGEMM helpers do: they never emit 0x8 (docs/kernels.md#e2m1)."""
     index = e2m1_magnitude_index(y, ties)
     negative = (y < 0) & (index > 0)
     return (index + 8 * negative.to(index.dtype)).to(torch.uint8)
@@ -140,11 +140,11 @@ def e2m1_round(y: torch.Tensor, ties: str) -> torch.Tensor:
     return lut[e2m1_magnitude_index(y, ties)].copysign(y)
 
 
-# --- E4M3 element rounding (§2.2) -------------------------------------------------------------------
+# --- E4M3 element rounding (docs/kernels.md#e4m3) -------------------------------------------------------------------
 
 
 def e4m3_encode(y: torch.Tensor) -> torch.Tensor:
-    """Scaled values y -> E4M3 bytes, RNE with saturation. Clamp first: never rely on the cast (§2.2)."""
+    """Scaled values y -> E4M3 bytes, RNE with saturation. Clamp first: never rely on the cast (docs/kernels.md#e4m3)."""
     return y.to(torch.float32).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
@@ -187,7 +187,7 @@ def fake_quantize(x: torch.Tensor, fmt: str, rule: ScaleRule, ties: str = "even"
     return grid * _per_element(scale_from_byte(byte))
 
 
-# --- Nibble packing (§2.1): low nibble = even element -----------------------------------------------
+# --- Nibble packing (docs/kernels.md#e2m1): low nibble = even element -----------------------------------------------
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""What an emulated kernel computes, as data: a Recipe is the machine-readable form of spec §3 for one
-kernel, including the switches the spec leaves open (§11) and, for fault-injected kernels, the fault."""
+"""What an emulated kernel computes, as data: a Recipe is the machine-readable form of spec docs/kernels.md#the-moe-forward for one
+kernel, including the switches the spec leaves open (docs/kernels.md#open-choices) and, for fault-injected kernels, the fault."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ELEMENT_FORMATS = ("e2m1", "e4m3", "none")  # "none": no quantization (FP32 from
 FAULTS = (
     None,
     "weight_scale_exponent_plus_one",  # (a) one UE8M0 byte +1 in one group of every weight row
-    "fp8_layout_read_as_packed_fp4",  # (b) §5 interop hazard: FP8-written x read by the packed FP4 kernel
+    "fp8_layout_read_as_packed_fp4",  # (b) docs/kernels.md#the-packed-fp4-hazard interop hazard: FP8-written x read by the packed FP4 kernel
     "router_weight_after_requant",  # (c) w * quantize(h) instead of quantize(w * h) (T6)
     "drop_last_slot",  # (d) the combine skips slot K-1: one expert's output lost for every token
 )
@@ -20,12 +20,12 @@ FAULTS = (
 
 @dataclass(frozen=True)
 class Recipe:
-    weights: str = "e2m1"  # expert weights: E2M1 + UE8M0 per (row, 32 K) for every FP4 kernel (§3.1)
-    activations: str = "e4m3"  # L1 input x (§3.2)
-    input_ties: str = "zero"  # E2M1 input rounding at exact midpoints (§2.5, open §11.4); unused for E4M3
-    input_scale_rule: str = "pre_dispatch"  # amax floor of x: pre_dispatch 1e-4 | sglang_fp8 1e-10 (§2.3)
-    intermediate: str = "e4m3"  # L2 input, always RNE, epilogue scale rule (no floor) (§3.6)
-    # Open §11.5: is routed_scaling_factor fused into top-k weights (HF, default) or applied by SGLang to
+    weights: str = "e2m1"  # expert weights: E2M1 + UE8M0 per (row, 32 K) for every FP4 kernel (docs/kernels.md#the-moe-forward, step 1)
+    activations: str = "e4m3"  # L1 input x (docs/kernels.md#the-moe-forward, step 2)
+    input_ties: str = "zero"  # E2M1 input rounding at exact midpoints (docs/kernels.md#tie-modes, open docs/kernels.md#open-choices); unused for E4M3
+    input_scale_rule: str = "pre_dispatch"  # amax floor of x: pre_dispatch 1e-4 | sglang_fp8 1e-10 (docs/kernels.md#ue8m0-scales)
+    intermediate: str = "e4m3"  # L2 input, always RNE, epilogue scale rule (no floor) (docs/kernels.md#the-moe-forward, step 6)
+    # Open docs/kernels.md#open-choices: is routed_scaling_factor fused into top-k weights (HF, default) or applied by SGLang to
     # the BF16 output after the kernel ("unfused": the kernel sees w / 1.5, the output is multiplied by 1.5)?
     routed_scaling: str = "fused"
     fault: str | None = None
@@ -47,7 +47,7 @@ class Recipe:
         """The recipe as recorded in a Kernel, a run manifest and `evalgate kernels list --json`."""
         d = asdict(self)
         d["input_amax_floor"] = SCALE_RULES[self.input_scale_rule].amax_floor
-        d["intermediate_ties"] = "even"  # cvt.rn.satfinite in every version (§2.5)
+        d["intermediate_ties"] = "even"  # cvt.rn.satfinite in every version (docs/kernels.md#tie-modes)
         d["intermediate_amax_floor"] = 0.0
         d["group_size"] = 32
         d["scale_rule"] = "ue8m0 rceil"

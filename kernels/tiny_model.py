@@ -1,7 +1,7 @@
 """A tiny random DeepSeek-V4 model for tests, `kernels check --shape tiny` and the CPU benchmark.
 
 Hidden and intermediate sizes are multiples of 32 (one UE8M0 group). A randomly initialised hash router's
-`tid2eid` is all zeros (every token to expert 0), so it is filled with random experts (spec §8)."""
+`tid2eid` is all zeros (every token to expert 0), so it is filled with random experts (spec docs/kernels.md#routing)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Three sources, in order of preference:
 1. an ``FP8Experts`` module with FP4 storage (transformers on a GPU with compute capability >= 8.9):
    ``gate_up_proj`` int8 packed nibbles + ``gate_up_proj_scale_inv`` float8_e8m0fnu, used as stored;
 2. codes attached by `checkpoint.attach_stored_fp4` after a CPU load, where transformers dequantized the
-   FP4 checkpoint to BF16 (spec §7 step 4); used as stored;
-3. a BF16 ``DeepseekV4Experts`` module: quantized once (RCEIL, ties to even, spec §3 step 1) and cached.
+   FP4 checkpoint to BF16 (spec docs/kernels.md#fp4-checkpoint step 4); used as stored;
+3. a BF16 ``DeepseekV4Experts`` module: quantized once (RCEIL, ties to even, spec docs/kernels.md#the-moe-forward step 1) and cached.
 
 The cache sits on the module (a plain attribute, not a buffer: it never reaches a state dict) and is keyed
 by the weight tensors' identity and version counters, so loading or editing weights invalidates it.
@@ -32,7 +32,7 @@ CHUNK_BYTES = 1 << 30  # FP32 weight bytes dequantized at once when not cached
 
 @dataclass
 class Fp4ExpertWeights:
-    """Routed-expert weights in the checkpoint's own encoding (spec §7), experts stacked on dim 0.
+    """Routed-expert weights in the checkpoint's own encoding (spec docs/kernels.md#fp4-checkpoint), experts stacked on dim 0.
 
     w1: [gate; up] rows [E, 2I, H/2] packed E2M1 (low nibble = even K), w1_scale [E, 2I, H/32] UE8M0 bytes;
     w2: down [E, H, I/2], w2_scale [E, H, I/32]."""
@@ -50,7 +50,7 @@ class Fp4ExpertWeights:
                 setattr(self, name, t.contiguous().view(torch.uint8))
         for name in ("w1_scale", "w2_scale"):
             if bool((getattr(self, name) == 255).any()):
-                raise ValueError(f"{name} holds UE8M0 byte 255 (NaN); the checkpoint is corrupt (spec §7)")
+                raise ValueError(f"{name} holds UE8M0 byte 255 (NaN); the checkpoint is corrupt (spec docs/kernels.md#fp4-checkpoint)")
 
     @property
     def num_experts(self) -> int:
@@ -65,7 +65,7 @@ class Fp4ExpertWeights:
         return self.w2.shape[2] * 2
 
     def dequantize(self, lo: int = 0, hi: int | None = None, fault: str | None = None, layout: str = "row"):
-        """FP32 (W1 [n, 2I, H], W2 [n, H, I]) for experts lo..hi-1; exact (spec §3 step 1).
+        """FP32 (W1 [n, 2I, H], W2 [n, H, I]) for experts lo..hi-1; exact (spec docs/kernels.md#the-moe-forward step 1).
 
         layout "row": row-major, as stored (the layer check's padded bmm reads it without a copy);
         "in_major": the same tensors stored transposed, which CPU grouped_mm reads ~3x faster (one

@@ -1,9 +1,9 @@
 """Start an SGLang or vLLM server with one kernel selected by its launch environment, and stop it again.
 
-The server picks the MoE kernel from ``DG_*`` variables read at start (kernel-numerics §6), so the launch
+The server picks the MoE kernel from ``DG_*`` variables read at start (docs/kernels.md#selecting-a-real-kernel), so the launch
 environment *is* the kernel choice. ``plan_launch`` builds the command line and environment as plain data
 (testable without SGLang) and refuses recipes that would run other numerics than the kernel named:
-the §5 hazard (``DG_MEGA_MOE_FP4`` without ``DG_USE_FP4_ACTS``), FP8 combine (§3), and inherited variables
+the docs/kernels.md#the-packed-fp4-hazard hazard (``DG_MEGA_MOE_FP4`` without ``DG_USE_FP4_ACTS``), FP8 combine (docs/kernels.md#not-emulated), and inherited variables
 that would silently select another kernel. ``ServerProcess`` runs the plan as a child process group, waits
 for health, logs to ``server.log`` and always stops the group again (error, Ctrl-C, SIGTERM).
 """
@@ -33,11 +33,11 @@ DEFAULT_PROGRAMS = {"sglang": [sys.executable, "-m", "sglang.launch_server"], "v
 # Variables that select the MoE kernel. The kernel's recipe owns them: an inherited value may not override it.
 SELECTING_VARS = ("DG_USE_FP4_ACTS", "DG_MEGA_MOE_FP4", "DG_USE_MXF4_KIND",
                   "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS", "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_MXF4_KIND")
-# SGLang's own switches: its pre-dispatch packs FP4 activations only under its flag (§5, last bullet), and it
-# forwards the flag to DeepGEMM with setdefault (§6.1). Set both so SGLang and DeepGEMM agree.
+# SGLang's own switches: its pre-dispatch packs FP4 activations only under its flag (docs/kernels.md#the-packed-fp4-hazard), and it
+# forwards the flag to DeepGEMM with setdefault (docs/kernels.md#environment-variables). Set both so SGLang and DeepGEMM agree.
 SGLANG_FLAGS = {"DG_USE_FP4_ACTS": "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS",
                 "DG_USE_MXF4_KIND": "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_MXF4_KIND"}
-# The variant of W4A4-old that uses kind::mxf4 (§1): allowed from the environment when FP4 activations are on.
+# The variant of W4A4-old that uses kind::mxf4 (docs/kernels.md#kernels-at-a-glance): allowed from the environment when FP4 activations are on.
 OPTIONAL_WITH_FP4_ACTS = ("DG_USE_MXF4_KIND", "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_MXF4_KIND")
 
 
@@ -47,7 +47,7 @@ def is_on(value: str | None) -> bool:
 
 
 def logged_env(env: dict[str, str]) -> dict[str, str]:
-    """Every variable that can change kernel numerics, for the manifest (§5: log every DG_* variable)."""
+    """Every variable that can change kernel numerics, for the manifest (docs/kernels.md#the-packed-fp4-hazard: log every DG_* variable)."""
     return {k: v for k, v in sorted(env.items()) if k.startswith(("DG_", "SGLANG_OPT_DEEPGEMM", "VLLM_DEEPGEMM"))}
 
 
@@ -70,19 +70,19 @@ def kernel_env(kernel: Kernel, engine: str) -> dict[str, str]:
 
 
 def check_environment(env: dict[str, str], engine: str) -> None:
-    """Refuse launch environments whose numerics are not any kernel evalgate knows (spec §3, §5)."""
+    """Refuse launch environments whose numerics are not any kernel evalgate knows (spec docs/kernels.md#not-emulated, docs/kernels.md#the-packed-fp4-hazard)."""
     if is_on(env.get("DG_MEGA_MOE_FP4")) and not is_on(env.get("DG_USE_FP4_ACTS")):
         raise UserError("DG_MEGA_MOE_FP4=1 without DG_USE_FP4_ACTS=1 feeds FP8-sized activation slots to the packed "
-                        "FP4 kernel (kernel-numerics §5); set both, or neither")
+                        "FP4 kernel (docs/kernels.md#the-packed-fp4-hazard); set both, or neither")
     if is_on(env.get("DG_USE_FP8_COMBINE")):
-        raise UserError("DG_USE_FP8_COMBINE=1 sends the L2 output as FP8 (different numerics, kernel-numerics §3); "
+        raise UserError("DG_USE_FP8_COMBINE=1 sends the L2 output as FP8 (different numerics, docs/kernels.md#the-moe-forward); "
                         "unset it before gating")
     if is_on(env.get("DG_USE_MXF4_KIND")) and not is_on(env.get("DG_USE_FP4_ACTS")):
-        raise UserError("DG_USE_MXF4_KIND=1 needs DG_USE_FP4_ACTS=1 (kernel-numerics §6.1); unset it or pick a W4A4 kernel")
+        raise UserError("DG_USE_MXF4_KIND=1 needs DG_USE_FP4_ACTS=1 (docs/kernels.md#environment-variables); unset it or pick a W4A4 kernel")
     if engine == "sglang" and is_on(env.get("DG_USE_FP4_ACTS")) \
             and not is_on(env.get("SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS")):
         raise UserError("DG_USE_FP4_ACTS=1 without SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS=1: SGLang's pre-dispatch "
-                        "would still write FP8 activations (kernel-numerics §5); set both")
+                        "would still write FP8 activations (docs/kernels.md#the-packed-fp4-hazard); set both")
 
 
 def child_environment(kernel: Kernel, engine: str, base_env: dict[str, str]) -> dict[str, str]:

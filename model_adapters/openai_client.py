@@ -23,7 +23,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-from evalgate import __version__
+from evalgate.version import __version__
 from evalgate.errors import UserError
 from evalgate.kernels import get_kernel
 from evalgate.model_adapters.generation import cut_at_stop

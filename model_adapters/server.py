@@ -18,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from evalgate import __version__
+from evalgate.version import __version__
 
 MAX_BODY = 8 * 1024 * 1024
 
@@ -239,7 +239,7 @@ def build_app(model_path: str, kernel_name: str, device: str = "cpu", dtype: str
               batch_size: int = 8, served_model: str | None = None, window_s: float = 0.005) -> OpenAIApp:
     """Load the model with ``kernel_name`` and wrap it; the info endpoint names kernel and model fingerprint."""
     from evalgate.model_adapters.hf import HFAdapter
-    from evalgate.run.runner import dg_environment
+    from evalgate.kernels.environment import dg_environment
 
     adapter = HFAdapter(model_path, kernel_name, device=device, dtype=dtype, batch_size=batch_size)
     generator = BatchingGenerator(adapter.model, adapter.tokenizer, device, batch_size, window_s)

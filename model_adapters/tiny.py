@@ -90,8 +90,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     data_dir = resolve_data_dir(args.data_dir)
-    if data_dir is None:
-        raise SystemExit("evalgate: error: pass --data-dir or set EVALGATE_DATA_DIR (the tokenizer trains on GSM8K train)")
     rows = parse_jsonl(read_verified(data_dir, "gsm8k/train.jsonl"))[:2000]
     path = build_tiny_model(args.out_dir, [r["question"] + "\n" + r["answer"] for r in rows], seed=args.seed)
     print(json.dumps({"model": str(path)}))

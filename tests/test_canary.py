@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -15,7 +16,10 @@ import torch
 
 from evalgate.canary import CANARY_DIR, canary_path
 
+pytestmark = pytest.mark.slow  # end to end: each test takes more than a few seconds
+
 REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
 
 
 def _header(path: Path) -> dict:
@@ -117,7 +121,9 @@ def test_evalgate_gate_with_no_arguments(tmp_path, data_dir):
     """The README's main job: canary, candidate w4a4_packed, stored canary W4A8 baseline, both tasks."""
     out = tmp_path / "default"
     proc = _gate(["--out", str(out)], tmp_path, data_dir)
-    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    documented = re.search(r"The main job prints \*\*(PASS|FAIL)\*\* \(exit code (\d)\)", README.read_text(encoding="utf-8"))
+    assert documented, "the README states the main job's verdict"
+    assert (f"verdict: {documented[1]}" in proc.stdout, proc.returncode) == (True, int(documented[2])), proc.stdout + proc.stderr
     gate = json.loads((out / "gate/gate.json").read_text())
     assert gate["candidate"]["kernel"]["name"] == "w4a4_packed" and gate["baseline"]["kernel"]["name"] == "w4a8"
     assert set(gate["decision"]["tasks"]) == {"gsm8k", "humaneval"}

@@ -51,6 +51,7 @@ def test_run_writes_manifest_and_one_record_per_item(tiny_model, cli_env, tmp_pa
     assert list(df["doc_id"]) == [0, 1, 2, 3] and "exact_match,strict-match" in df.columns
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tiny_model, cli_env, tmp_path):
     args = ["run", "--model", str(tiny_model), "--kernel", "bf16", "--tasks", "gsm8k", "--limit", "8",
             "--max-new-tokens", "40", "--batch-size", "2"]
@@ -82,6 +83,7 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tiny_model, cli_env, t
     assert json.loads((killed / "manifest.json").read_text())["status"] == "complete"
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_different_run(tiny_model, cli_env, tmp_path):
     out = tmp_path / "r"
     base = ["run", "--model", str(tiny_model), "--tasks", "gsm8k", "--max-new-tokens", "4", "--out", str(out)]

@@ -99,12 +99,15 @@ def test_aa_record_marks_noise_flips_and_is_used(tmp_path):
 
 
 def test_the_gate_decision_is_kept_and_report_html_written(runs, tmp_path):
-    from evalgate.gate.decide import gate_runs, write_outputs
+    from evalgate.report.outputs import write_outputs
 
-    verdict = gate_runs(runs[0], runs[1], str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
-    decision = verdict.comparison.decision
-    assert verdict.comparison.summary.set_index("task").loc["gsm8k", "p"] == decision.tasks["gsm8k"].p_degradation
-    assert verdict.comparison.decision is decision  # summary did not decide again
+    path = str(policy(tmp_path, margin=5.0))
+    verdict = evalgate.decide(runs[0], runs[1], path, allow_uncalibrated=True)
+    decision = verdict.decision
+    cmp = evalgate.compare(runs[0], runs[1], thresholds=path)
+    first = cmp.decision
+    assert cmp.summary.set_index("task").loc["gsm8k", "p"] == decision.tasks["gsm8k"].p_degradation
+    assert cmp.decision is first  # decided once, then kept
     paths = write_outputs(verdict, tmp_path / "rep")
     page = paths["html"].read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>") and "FAIL" in page
@@ -114,12 +117,12 @@ def test_the_gate_decision_is_kept_and_report_html_written(runs, tmp_path):
 
 
 def test_report_html_for_an_aggregate_only_baseline(tmp_path):
-    from evalgate.report import text as reports
-    from evalgate.run.baselines import import_aggregate
     from evalgate.gate.decide import gate_runs
+    from evalgate.report.html import report_html
+    from evalgate.run.baselines import import_aggregate
 
     published = import_aggregate("gsm8k", 0.80, 200, "feedc0ffee123456", "gsm8k-lmeval-v3", root=tmp_path / "b")
     _, cand = write_pair(tmp_path / "runs", 200, 0)
     verdict = gate_runs(published, cand, str(policy(tmp_path, margin=5.0, paired="false")))
-    page = reports.html(verdict)
+    page = report_html(verdict)
     assert "unpaired" in page and verdict.verdict in page and 'id="flips"' not in page

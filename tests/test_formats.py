@@ -1,4 +1,4 @@
-"""Number formats, bit for bit: spec vectors T1-T8 (specs/kernel-numerics.md §10) and the edges of §2."""
+"""Number formats, bit for bit: test vectors T1-T8 (docs/kernels.md#test-vectors) and the edges of docs/kernels.md#number-formats."""
 
 import math
 
@@ -251,7 +251,7 @@ from fractions import Fraction  # noqa: E402
 
 
 def _scalar_quantize(group, fmax, ties, floor=0.0):
-    """RCEIL + nearest-grid rounding, one Python number at a time, straight from §2.3 and §2.5."""
+    """RCEIL + nearest-grid rounding, one Python number at a time, straight from docs/kernels.md#ue8m0-scales and docs/kernels.md#tie-modes."""
     amax = max(max(abs(v) for v in group), floor)
     q = Fraction(amax) / Fraction(fmax)
     e = -127 if q == 0 else math.ceil(math.log2(q))

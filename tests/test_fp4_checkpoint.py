@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 FP4 checkpoint (spec §7): written by evalgate, loaded through transformers on CPU,
+"""The DeepSeek-V4 FP4 checkpoint (spec docs/kernels.md#fp4-checkpoint): written by evalgate, loaded through transformers on CPU,
 and computed with by the kernels exactly as stored."""
 
 import json

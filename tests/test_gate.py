@@ -40,6 +40,7 @@ def evalgate_cli(args, cwd, env=None):
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_identical_runs_pass_and_write_every_output(tiny_run, tmp_path):
     right = [i % 4 != 0 for i in range(N)]
     base = derive_run(tiny_run, tmp_path / "base", right)
@@ -224,6 +225,7 @@ def test_nightly_workflow_is_valid_yaml():
     assert "schedule" in triggers
 
 
+@pytest.mark.slow
 def test_calibrate_then_gate_from_a_model(tiny_model, tmp_path, data_dir):
     common = ["--model", str(tiny_model), "--tasks", "gsm8k", "--limit", "6", "--max-new-tokens", "6",
               "--batch-size", "3", "--thresholds", str(policy(tmp_path))]

@@ -100,13 +100,3 @@ def test_wrong_hash_is_refused(tmp_path, data_dir):
     with pytest.raises(UserError, match="sha256 mismatch"):
         TASK.load(PROFILES["gsm8k-cot-8shot"], tmp_path, limit=1)
 
-
-def test_no_source_reachable_is_one_clear_error(monkeypatch):
-    import datasets
-
-    def offline(*a, **k):
-        raise ConnectionError("no network")
-
-    monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(UserError, match="--data-dir"):
-        TASK.load(PROFILES["gsm8k-cot-8shot"], None, limit=1)

@@ -1,4 +1,4 @@
-"""Emulated kernels: registry, the §3 recipe on one layer, and kernels swapped into a tiny DeepSeek-V4."""
+"""Emulated kernels: registry, the docs/kernels.md#the-moe-forward recipe on one layer, and kernels swapped into a tiny DeepSeek-V4."""
 
 import pytest
 import torch
@@ -90,7 +90,7 @@ def test_faulty_kernels_stand_out(tiny_layer, name):
 
 def test_router_weight_after_requant_differs_from_its_twin(tiny_layer):
     """Fault (c) is as far from the FP32 reference as its twin (both are one FP4 rounding of the same
-    thing, T6), so error size cannot reveal it; held against the twin emulation it fails §9's
+    thing, T6), so error size cannot reveal it; held against the twin emulation it fails docs/kernels.md#checking-a-real-kernel's
     calc_diff < 0.001 by an order of magnitude."""
     case, _ = tiny_layer
     outs = {}
@@ -106,7 +106,7 @@ def test_router_weight_after_requant_differs_from_its_twin(tiny_layer):
 
 
 def _slow_forward(x, idx, w, fp4, recipe_name, limit=10.0):
-    """Spec §3 one (token, slot) at a time with plain matmuls: the independent reading of the recipe."""
+    """Spec docs/kernels.md#the-moe-forward one (token, slot) at a time with plain matmuls: the independent reading of the recipe."""
     r = K.get_kernel(recipe_name).recipe
     w1, w2 = fp4.dequantize()
     rule = formats.SCALE_RULES[r["input_scale_rule"]]

@@ -1,15 +1,11 @@
 """`evalgate kernels list` and `evalgate kernels check` through the command line."""
 
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from evalgate.cli.main import main
-
-DATA = Path("/work/shared/data")
-
 
 def _run(*args):
     return CliRunner().invoke(main, ["kernels", *args])
@@ -44,7 +40,7 @@ def test_layer_check_tiny_json():
     (("--shape", "huge"), "unknown shape"),
     (("--shape", "tiny", "--tokens", "many"), "--tokens must be an integer"),
     (("--shape", "tiny", "--kernels", "w4a3"), "unknown kernel"),
-    (("--model", "/nonexistent/model"), "not a checkpoint directory"),
+    (("--model", "/nonexistent/model"), "does not exist; pass --model a local transformers checkpoint folder"),
 ])
 def test_bad_input_is_one_line_exit_2(args, needle):
     res = _run("check", *args)
@@ -52,13 +48,13 @@ def test_bad_input_is_one_line_exit_2(args, needle):
     assert needle in res.output
 
 
-@pytest.mark.skipif(not (DATA / "gsm8k" / "test.jsonl").exists(), reason="needs the offline GSM8K copy")
-def test_model_check_on_a_tiny_checkpoint(tmp_path):
+@pytest.mark.slow
+def test_model_check_on_a_tiny_checkpoint(tmp_path, data_dir):
     from evalgate.model_adapters.tiny import build_tiny_model
 
-    texts = [json.loads(line)["question"] for line in (DATA / "gsm8k" / "train.jsonl").read_text().splitlines()[:300]]
+    texts = [json.loads(line)["question"] for line in (data_dir / "gsm8k" / "train.jsonl").read_text().splitlines()[:300]]
     path = build_tiny_model(tmp_path / "m", texts, vocab_size=400)
-    res = _run("check", "--model", str(path), "--tasks", "gsm8k", "--limit", "2", "--data-dir", str(DATA),
+    res = _run("check", "--model", str(path), "--tasks", "gsm8k", "--limit", "2", "--data-dir", str(data_dir),
                "--kernels", "bf16,w4a4_packed,faulty/w4a4_packed-fp8-layout", "--json")
     assert res.exit_code == 0, res.output
     rows = {r["kernel"]: r for r in json.loads(res.output)["rows"]}

@@ -1,4 +1,4 @@
-"""The launcher: command lines and environments per kernel (kernel-numerics §5, §6), refusals, and a real
+"""The launcher: command lines and environments per kernel (docs/kernels.md#the-packed-fp4-hazard, docs/kernels.md#selecting-a-real-kernel), refusals, and a real
 child server (the stand-in ``tests/fake_server.py``) started, health-checked and stopped, also on Ctrl-C."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_vllm_command_line():
     ("w4a8", {}),  # the sgl-deep-gemm 0.1.0 default: no FP4 variable at all
     ("w4a8_sglang", {}),
     ("w4a4", {"DG_USE_FP4_ACTS": "1", FP4_SGLANG: "1"}),  # SGLang's pre-dispatch packs FP4 only under its flag
-    ("w4a4_packed", {"DG_USE_FP4_ACTS": "1", "DG_MEGA_MOE_FP4": "1", FP4_SGLANG: "1"}),  # both (§5)
+    ("w4a4_packed", {"DG_USE_FP4_ACTS": "1", "DG_MEGA_MOE_FP4": "1", FP4_SGLANG: "1"}),  # both (docs/kernels.md#the-packed-fp4-hazard)
 ])
 def test_sglang_environment_per_kernel(kernel, expected):
     assert kernel_vars(plan(kernel)) == expected
@@ -87,7 +87,7 @@ def test_an_inherited_zero_is_off_and_the_kernel_sets_what_it_needs():
 
 
 def test_the_interop_hazard_is_refused():
-    with pytest.raises(UserError, match=r"DG_MEGA_MOE_FP4=1 without DG_USE_FP4_ACTS=1 .*§5"):
+    with pytest.raises(UserError, match=r"DG_MEGA_MOE_FP4=1 without DG_USE_FP4_ACTS=1 .*docs/kernels.md#the-packed-fp4-hazard"):
         check_environment({"DG_MEGA_MOE_FP4": "1"}, "sglang")
     hazard = Kernel(name="packed-alone", version="x", description="x", experts_forward=lambda *a: None,
                     env={"DG_MEGA_MOE_FP4": "1"})
@@ -173,6 +173,7 @@ def test_a_server_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path
     assert not alive(pid) and server.proc.returncode == -signal.SIGKILL and time.monotonic() - t0 < 10
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_launched_server_and_keeps_finished_items(cli_env, tmp_path):
     out = tmp_path / "run"
     env = {**cli_env, "EVALGATE_SGLANG_COMMAND": FAKE}

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 LOAD_DSV4 = """
@@ -32,6 +34,7 @@ def test_loading_dsv4_from_the_repo_root_imports_no_top_level_kernels(tiny_model
     assert f"evalgate.kernels from: {REPO / 'kernels' / '__init__.py'}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_with_the_repo_root_on_sys_path_the_folder_stays_inert(tiny_model):
     # `python -c` or a notebook started in the repo root puts it on sys.path; transformers' probe then finds
     # the folder under the name `kernels`. It must register nothing and look like no installed package.

@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from evalgate.report import text as reports
+from evalgate.report.html import report_html
 from evalgate.cli.main import main as cli
 from evalgate.gate.decide import gate_runs
 from gate_helpers import policy
 from synthetic_runs import expected_flips, write_pair
+
+pytestmark = pytest.mark.slow  # end to end: each test takes more than a few seconds
 
 REPO = Path(__file__).resolve().parents[1]
 N_GSM8K, N_HUMANEVAL = 4000, 164  # about 1,400 flipped items
@@ -41,7 +43,7 @@ def report(tmp_path_factory):
     site = root / "site"
     site.mkdir()
     started = time.perf_counter()
-    (site / "report.html").write_text(reports.html(verdict), encoding="utf-8")
+    (site / "report.html").write_text(report_html(verdict), encoding="utf-8")
     print(f"\nreport.html: {N_GSM8K + N_HUMANEVAL} items rendered in {time.perf_counter() - started:.2f} s, "
           f"{(site / 'report.html').stat().st_size / 1e6:.2f} MB")
     return {"site": site, "verdict": verdict, "flips": expected_flips(root), "root": root, "base": base, "cand": cand}
@@ -120,6 +122,10 @@ def _wait_for(driver, script: str, expected, timeout: float = 5.0):
         time.sleep(0.05)
 
 
+def _wait_until(driver, script: str, timeout: float = 5.0) -> None:
+    assert _wait_for(driver, script, True, timeout) is True, f"timed out waiting for: {script}"
+
+
 def test_verdict_tasks_and_every_flip_are_on_the_page(page, report):
     assert page.find_element("id", "verdict-text").text == "FAIL"
     assert page.title.startswith("evalgate FAIL")
@@ -153,8 +159,9 @@ def test_expanding_a_row_shows_the_diff_rendered_as_text(page):
         "data.forEach((d, i) => { if (n < 5 && (d.question || '').indexOf('<') >= 0) { rows[i].open = true; n++; } });"
         "return n;")
     assert opened > 0
-    time.sleep(0.2)
-    shown = page.execute_script("return [...document.querySelectorAll('details.flip[open] .body')].map(b => b.innerText).join()")
+    shown_script = "return [...document.querySelectorAll('details.flip[open] .body')].map(b => b.innerText).join()"
+    _wait_until(page, f"var s = (function() {{ {shown_script} }})(); return s.indexOf('<script>alert') >= 0;")
+    shown = page.execute_script(shown_script)
     assert "<script>alert" in shown
     assert page.execute_script("return document.querySelectorAll('script').length") == 2
     assert page.execute_script("return document.querySelectorAll('main img, main em').length") == 0
@@ -213,7 +220,8 @@ def test_filtering_thousands_of_items_stays_fast(page, report):
 
 def test_no_network_request_but_the_page(page, server):
     page.find_element("css selector", "details.flip summary").click()  # expanding must not fetch either
-    time.sleep(0.3)
+    # the expanded row's diff is rendered (lazily, from the embedded JSON) before the network log is read
+    _wait_until(page, "return !!document.querySelector('details.flip[open] .body span');")
     csp = page.execute_script("return document.querySelector('meta[http-equiv=Content-Security-Policy]').content")
     assert csp == CSP
     assert server.requests == ["GET /report.html HTTP/1.1"]
@@ -227,7 +235,7 @@ def test_no_network_request_but_the_page(page, server):
 
 def test_screenshot_for_people(page, tmp_path):
     page.execute_script("document.querySelector('details.flip').open = true; window.scrollTo(0, 0)")
-    time.sleep(0.2)
+    _wait_until(page, "return !!document.querySelector('details.flip[open] .body span');")
     shot = tmp_path / "report.png"
     assert page.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     if os.environ.get("EVALGATE_KEEP_ARTIFACTS"):

@@ -66,6 +66,7 @@ def by_id(records: list[dict]) -> dict:
     return {r["doc_id"]: {k: r.get(k) for k in ITEM_FIELDS} for r in records}
 
 
+@pytest.mark.slow
 def test_a_server_run_equals_the_in_process_run(served, tiny_model, data_dir, cli_env, tmp_path):
     from evalgate.run.progress import Progress
     from evalgate.run.runner import RunSpec, execute

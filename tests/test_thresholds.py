@@ -28,18 +28,22 @@ def test_default_file_loads_with_spec_defaults():
     # the whole-gate budget (benchmarks/simulate_gate.py): alpha split, A/A margin floor, rate item floor
     assert thresholds.alpha_split is True and thresholds.alpha_validity == 0.01 and thresholds.margin_floor
     assert gsm.min_rise_items == he.min_rise_items == 4
-    assert thresholds.decision_kwargs("humaneval") == {"alpha_split": True, "alpha_validity": 0.01,
-                                                       "margin_floor": True, "min_rise_items": 4}
 
 
-def test_decision_kwargs_are_accepted_by_decide_task():
-    import inspect
+def test_every_policy_setting_reaches_the_decision(tmp_path):
+    # the gate passes the policy to the rule by name: a renamed setting is an error, never a silent default
+    from evalgate.gate.decide import gate_runs
+    from synthetic_runs import write_pair
 
-    from evalgate.stats.paired import decide_task
-
-    accepted = set(inspect.signature(decide_task).parameters)
-    assert set(load_thresholds().decision_kwargs("gsm8k")) <= accepted
-    assert {"aa_psi0", "aa_n"} <= accepted
+    base, cand = write_pair(tmp_path / "runs", 60, 0)
+    text = (GOOD.replace("alpha_split: true", "alpha_split: false").replace("margin_floor: true", "margin_floor: false")
+                .replace("min_rise_items: 4", "min_rise_items: 3").replace("alpha_validity: 0.01", "alpha_validity: 0.02")
+                .replace("margin_pp: 1.5", "margin_pp: 7.5"))
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    dec = gate_runs(base, cand, path, allow_uncalibrated=True).decision.tasks["gsm8k"]
+    assert (dec.alpha_split, dec.margin_floor_enabled, dec.min_rise_items, dec.alpha_validity) == (False, False, 3, 0.02)
+    assert dec.margin_requested == pytest.approx(0.075)
 
 
 def test_new_keys_default_when_absent(tmp_path):
@@ -62,8 +66,8 @@ def test_spec_policy_settings_load(tmp_path):
                     .replace("min_rise_items: 4", "min_rise_items: 0")
                     .replace("alpha_validity: 0.01", "alpha_validity: 0"))
     thresholds = load_thresholds(path)
-    assert thresholds.decision_kwargs("gsm8k") == {"alpha_split": False, "alpha_validity": 0.0,
-                                                   "margin_floor": False, "min_rise_items": 0}
+    assert (thresholds.alpha_split, thresholds.alpha_validity, thresholds.margin_floor) == (False, 0.0, False)
+    assert thresholds.task("gsm8k").min_rise_items == 0
 
 
 

@@ -24,3 +24,11 @@ def canary_path() -> Path:
     if not (CANARY_DIR / "config.json").is_file():
         raise UserError(f"the built-in canary model is missing from {CANARY_DIR}; reinstall evalgate or pass --model PATH")
     return CANARY_DIR
+
+
+def policy_for(run) -> Path | None:
+    """The canary's own policy for a run scored with the canary's profiles; None (the default policy) otherwise."""
+    names = {t: s.get("name") for t, s in run.manifest.get("tasks", {}).items()}
+    if names and all(PROFILES.get(t) == name for t, name in names.items()):
+        return THRESHOLDS
+    return None

@@ -1,18 +1,8 @@
-"""Which GSM8K *train* items the canary memorised: a fixed, seeded choice among short solutions.
-
-Short solutions keep the canary's CPU runs fast. The list is computed from the data, checked against the
-train file's sha256 (so it can never drift), and stored in the profile (its hash covers the ids).
-"""
+"""Which GSM8K *train* items the canary memorised: the GSM8K task's fixed, seeded choice of 200 items with
+short solutions (``evalgate.tasks.gsm8k.short_train_items``), which the canary profile names."""
 
 from __future__ import annotations
 
-import random
+from evalgate.tasks.gsm8k import short_train_items as gsm8k_train_ids
 
-N_GSM8K = 200
-MAX_ANSWER_CHARS = 160
-SEED = 20261129
-
-
-def gsm8k_train_ids(train_rows: list[dict]) -> list[int]:
-    short = [i for i, row in enumerate(train_rows) if len(row["answer"]) <= MAX_ANSWER_CHARS]
-    return sorted(random.Random(SEED).sample(short, N_GSM8K))
+__all__ = ["gsm8k_train_ids"]

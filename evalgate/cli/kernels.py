@@ -150,14 +150,14 @@ def check(shape, tokens, model_path, tasks, limit, kernel_list, data_dir, seed, 
 def task_pairs(tasks: list[str], limit: int | None, data_dir=None) -> list[tuple[str, str]]:
     """(prompt, reference answer) pairs from evalgate's tasks, prompted exactly as a run prompts them;
     the reference answer (GSM8K's worked solution, HumanEval's canonical solution) is teacher-forced."""
-    from pathlib import Path
-
     from evalgate.tasks import get_task, resolve_profile
+    from evalgate.tasks.data import resolve_data_dir
 
+    data_dir = resolve_data_dir(data_dir)
     pairs = []
     for name in tasks:
         task = get_task(name)
-        items, resolved = task.load(resolve_profile(task, None), Path(data_dir) if data_dir else None, limit)
+        items, resolved = task.load(resolve_profile(task, None), data_dir, limit)
         delimiter = resolved.profile.settings.get("target_delimiter", "")
         for item, request in zip(items, task.requests(items, resolved)):
             answer = item.get("answer") or item.get("canonical_solution") or ""

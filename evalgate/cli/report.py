@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from evalgate.cli.options import policy_file
 from evalgate.errors import UserError
 
 
@@ -16,25 +17,23 @@ from evalgate.errors import UserError
 @click.option("--candidate", type=click.Path(), required=True, help="Candidate run folder.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default="report.html", show_default=True,
               help="Where to write the self-contained HTML report.")
-@click.option("--thresholds", "thresholds_path", type=click.Path(), default=None, help="Policy file (default: thresholds.yaml).")
+@click.option("--thresholds", "thresholds_path", type=click.Path(), default=None, help="Policy file (default: the packaged policy; the canary's own for canary runs).")
 @click.option("--allow-uncalibrated", is_flag=True, help="Decide even if the baseline has no A/A calibration (recorded).")
 def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated):
     """Per-item HTML report of a candidate run against a baseline: exit 0 PASS, 1 FAIL, 2 error."""
-    from evalgate.report import text as reports
     from evalgate.gate.decide import gate_runs
+    from evalgate.report.html import report_html
 
     out = Path(html_path)
     if out.exists() and out.is_dir():
         raise UserError(f"--html {html_path!r} is a folder; give a file name such as report.html")
     if not out.parent.exists():
         raise UserError(f"--html {html_path!r}: folder {str(out.parent)!r} does not exist; create it or choose another path")
-    verdict = gate_runs(list(baselines), candidate, thresholds_path, allow_uncalibrated)
-    text = reports.html(verdict)  # rendered fully before the file is touched
+    verdict = gate_runs(list(baselines), candidate, policy_file(thresholds_path, candidate), allow_uncalibrated)
+    text = report_html(verdict)  # rendered fully before the file is touched
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(out)
     click.echo(f"verdict: {verdict.verdict}  (report in {out})")
     sys.exit(verdict.exit_code)
 
-
-commands = [report]

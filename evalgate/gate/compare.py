@@ -1,22 +1,21 @@
 """Two stored runs, paired item by item: comparability first (fail closed), then counts and flips.
 
 ``compare(baseline, candidate)`` works on stored runs only — no model — so any two runs can be compared
-again later. The gate (``evalgate.gate.decide``) turns a Comparison into a verdict with the policy in
-thresholds.yaml; notebooks use ``Comparison.summary``, ``Comparison.flips(task)`` and
-``Comparison.show(task, doc_id)`` directly (statistics are computed on first use with the default policy
-when no gate has decided). HTML rendering lives in ``evalgate.report.html``.
+again later. It returns a ``Pairing``: the items of each task side by side, with the flip tables. Deciding
+PASS/FAIL is ``evalgate.gate.decide``'s job; the notebook object with statistics and HTML is
+``evalgate.api.Comparison``. Nothing here mutates a pairing once built.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from evalgate.errors import NotComparable, UserError
+from evalgate.run.baselines import aa_for_baseline
 from evalgate.run.store import Run, load_run
 from evalgate.tasks import get_task
 
-# Run-level keys that must match for two runs to be comparable; the kernel is what may differ (§1).
+# Run-level keys that must match for two runs to be comparable; the kernel is what may differ (docs/scoring.md#comparability).
 MODEL_KEYS = ("fingerprint", "config_sha256", "safetensors_headers_sha256", "tokenizer_sha256")
 SERVING_KEYS = ("adapter", "dtype")
 
@@ -31,11 +30,7 @@ def default_metric(task_name: str) -> str:
 
 def is_invalid(task_name: str, record: dict, metric: str) -> bool:
     """An answer the scorer could not use: GSM8K ``[invalid]``, HumanEval no code or a syntax error."""
-    task = get_task(task_name)
-    check = getattr(task, "is_invalid", None)
-    if check is not None:
-        return bool(check(record, metric))
-    return record.get("failure_class") in ("no_code", "failed:syntax")
+    return bool(get_task(task_name).is_invalid(record, metric))
 
 
 def is_truncated(record: dict) -> bool:
@@ -123,52 +118,24 @@ def pair_task(base: Run, cand: Run, task: str, metric: str | None = None) -> Tas
 
 
 @dataclass
-class Comparison:
-    """Two runs paired by item. ``summary`` and ``flips(task)`` are pandas DataFrames."""
+class Pairing:
+    """Two runs paired by item. ``flips(task)`` and ``changed(task)`` are pandas DataFrames. Never mutated:
+    a pairing scored differently is a new one (``with_metrics``)."""
 
     baseline: Run
     candidate: Run
     pairs: dict[str, TaskPairs]
     aa_flips: dict[str, set] = field(default_factory=dict)  # items that flip between two baseline runs
-    decision: object = None  # evalgate.stats.paired.OverallDecision once the gate has decided
-    thresholds: object = None  # policy for statistics computed on demand: a path, a Thresholds, None = default
-    notes: list[str] = field(default_factory=list)  # how on-demand statistics were decided
-    stats_problem: str | None = None  # why on-demand statistics could not be decided (not retried)
 
-    def ensure_decision(self):
-        """The per-task statistics; decided here (lazily, default policy, A/A if on record) if no gate did."""
-        if self.decision is None and self.stats_problem is None:
-            from evalgate.api import decide_on_demand
-
-            decide_on_demand(self)
-        return self.decision
+    def with_metrics(self, metrics: dict[str, str]) -> "Pairing":
+        """The same pairing scored on other record fields (e.g. the policy's metric); a new object."""
+        pairs = {t: (TaskPairs(t, metrics[t], p.doc_ids, p.base, p.cand) if metrics.get(t, p.metric) != p.metric else p)
+                 for t, p in self.pairs.items()}
+        return Pairing(self.baseline, self.candidate, pairs, self.aa_flips)
 
     @property
     def tasks(self) -> list[str]:
         return list(self.pairs)
-
-    @property
-    def summary(self):
-        """One row per task: task, n, baseline, candidate, delta, ci_low, ci_high, b, c, p, verdict, ..."""
-        import pandas as pd
-
-        self.ensure_decision()
-        rows = []
-        for task, p in self.pairs.items():
-            base, cand = p.correct("base"), p.correct("cand")
-            b = sum(x and not y for x, y in zip(base, cand))
-            c = sum(y and not x for x, y in zip(base, cand))
-            row = {"task": task, "n": len(base), "baseline": sum(p.scores("base")) / len(base),
-                   "candidate": sum(p.scores("cand")) / len(cand), "b": b, "c": c}
-            row["delta"] = row["candidate"] - row["baseline"]
-            dec = self.decision.tasks.get(task) if self.decision is not None else None
-            if dec is not None:
-                row.update(ci_low=dec.tango_ci[0], ci_high=dec.tango_ci[1], lower_bound=dec.gate_lower,
-                           p=dec.p_degradation, p_adjusted=dec.p_degradation_adjusted, margin=dec.margin,
-                           verdict=dec.verdict)
-            rows.append(row)
-        return pd.DataFrame(rows, columns=SUMMARY_COLUMNS + [k for k in rows[0] if k not in SUMMARY_COLUMNS] if rows
-                            else SUMMARY_COLUMNS)
 
     def flips(self, task: str | None = None, direction: str | None = None, failure_class: str | None = None):
         """Items whose score differs: ``direction`` "lost" (baseline right, candidate wrong) or "gained".
@@ -209,7 +176,6 @@ class Comparison:
         return df.sort_values(["direction", "doc_id"], key=lambda s: s.map(order) if s.name == "direction" else s,
                               kind="stable").reset_index(drop=True)
 
-
     def changed(self, task: str):
         """Items whose completion text differs, flipped or not (kernel drift shows here before scores move)."""
         import pandas as pd
@@ -224,52 +190,35 @@ class Comparison:
         return pd.DataFrame(rows, columns=["doc_id", "flipped", "base_extracted", "cand_extracted", "base_response",
                                            "cand_response"])
 
-    def show(self, task: str, doc_id):
-        """One item side by side: question, gold, both completions diffed, answers highlighted (HTML in Jupyter)."""
-        from evalgate.report.html import ItemView
-
-        if task not in self.pairs:
-            raise UserError(f"no task {task!r} in this comparison; it has: {', '.join(self.pairs)}")
-        p = self.pairs[task]
-        index = {str(d): i for i, d in enumerate(p.doc_ids)}
-        i = index.get(str(doc_id))
-        if i is None:
-            raise UserError(f"{task} has no item {doc_id!r}; ids run from {p.doc_ids[0]!r} to {p.doc_ids[-1]!r}")
-        return ItemView(task, p.doc_ids[i], p.base[i], p.cand[i], p.metric,
-                        flips_in_aa=p.doc_ids[i] in self.aa_flips.get(task, set()))
-
-    def _repr_html_(self) -> str:
-        from evalgate.report.html import comparison_html
-
-        return comparison_html(self)
-
     def __repr__(self) -> str:
         counts = ", ".join(f"{t}: {len(p.doc_ids)} items" for t, p in self.pairs.items())
-        return (f"Comparison(baseline={str(self.baseline.path)!r} [{self.baseline.kernel}], "
+        return (f"{type(self).__name__}(baseline={str(self.baseline.path)!r} [{self.baseline.kernel}], "
                 f"candidate={str(self.candidate.path)!r} [{self.candidate.kernel}], {counts})")
 
 
-SUMMARY_COLUMNS = ["task", "n", "baseline", "candidate", "delta", "ci_low", "ci_high", "b", "c", "p", "verdict"]
 
 FLIP_COLUMNS = ["doc_id", "direction", "question", "gold", "base_extracted", "cand_extracted", "base_correct",
                 "cand_correct", "base_finish_reason", "cand_finish_reason", "base_failure_class",
                 "cand_failure_class", "flips_in_aa", "base_response", "cand_response"]
 
 
-def _extracted(record: dict):
+def extracted_answer(record: dict):
+    """The answer the scorer read from a response (GSM8K: the strict-match filter's); None when none."""
     ex = record.get("extracted")
     if isinstance(ex, dict):
         return ex.get("strict-match", next(iter(ex.values()), None))
-    return ex if ex is not None else record.get("failure_class")
+    return ex
+
+
+def _extracted(record: dict):
+    """What a flip table shows as the answer: the extracted one, else why there is none (HumanEval)."""
+    answer = extracted_answer(record)
+    return answer if answer is not None else record.get("failure_class")
 
 
 def compare(baseline, candidate, tasks: list[str] | None = None, metrics: dict[str, str] | None = None,
-            aa_flips: dict[str, set] | None = None, thresholds=None) -> Comparison:
-    """Pair two stored runs (paths or ``Run``s). Refuses (``NotComparable``) when they must not be compared.
-
-    ``thresholds`` (a policy file or ``Thresholds``; default: the packaged policy) is used when ``summary``
-    needs statistics that no gate has decided yet.
-    """
+            aa_flips: dict[str, set] | None = None) -> Pairing:
+    """Pair two stored runs (paths or ``Run``s). Refuses (``NotComparable``) when they must not be compared."""
     base, cand = _as_run(baseline), _as_run(candidate)
     if base.manifest.get("aggregate_only"):
         raise NotComparable(f"{base.path} is an aggregate-only baseline (a published score, no per-item records); "
@@ -281,7 +230,8 @@ def compare(baseline, candidate, tasks: list[str] | None = None, metrics: dict[s
     metrics = metrics or {}
     pairs = {t: pair_task(base, cand, t, metrics.get(t)) for t in tasks}
     if aa_flips is None:  # the baseline's A/A record, so flips() can say which items are noise
-        from evalgate.api import aa_records
-
-        aa_flips = {t: a["flips"] for t, a in aa_records(base).items()}
-    return Comparison(base, cand, pairs, aa_flips=aa_flips or {}, thresholds=thresholds)
+        try:
+            aa_flips = {t: a["flips"] for t, a in aa_for_baseline([base.path]).items()}
+        except (OSError, ValueError):  # an unreadable aa.json must not stop anyone looking at flips
+            aa_flips = {}
+    return Pairing(base, cand, pairs, aa_flips=aa_flips)

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from evalgate.errors import UserError
-from evalgate.stats.paired import MULTIPLE_COMPARISONS
+from evalgate.stats.multiplicity import MULTIPLE_COMPARISONS
 
 REQUIRED_TASKS = ("gsm8k", "humaneval")
 CI_METHODS = ("tango", "newcombe")
@@ -64,9 +64,9 @@ class Thresholds:
     ci_method: str
     token_ratio_band: tuple[float, float]
     tasks: dict[str, TaskThresholds] = field(default_factory=dict)
-    alpha_split: bool = True  # one α budget for the whole gate (False: §4.8 as written, every test at α)
+    alpha_split: bool = True  # one α budget for the whole gate (False: the original rule (docs/gate.md#the-original-rule), every test at α)
     alpha_validity: float = 0.01  # the validity-rate checks' share of α (all tasks together)
-    margin_floor: bool = True  # raise M to the A/A floor k·√(ψ₀/n) when it is below it (§4.6)
+    margin_floor: bool = True  # raise M to the A/A floor k·√(ψ₀/n) when it is below it (docs/gate.md#margin_floor)
 
     def task(self, name: str) -> TaskThresholds:
         """The policy for one task; a task with no section is a user error (margins are set before runs)."""
@@ -77,11 +77,6 @@ class Thresholds:
             )
         return self.tasks[name]
 
-    def decision_kwargs(self, name: str) -> dict:
-        """The policy keys of ``evalgate.stats.paired.decide_task`` beyond margin, alpha and the rate limits."""
-        task = self.task(name)
-        return {"alpha_split": self.alpha_split, "alpha_validity": self.alpha_validity,
-                "margin_floor": self.margin_floor, "min_rise_items": task.min_rise_items}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -252,7 +247,7 @@ def _task_thresholds(name: str, section: Any, check: _Validator) -> TaskThreshol
         min_aa_runs=check.integer(section.get("min_aa_runs", 1), f"{key}.min_aa_runs", 0,
                                   "a whole number >= 0"),
         min_rise_items=check.integer(section.get("min_rise_items", 4), f"{key}.min_rise_items", 0,
-                                     "a whole number of items >= 0 (0: the limit alone, as in §4.8)"),
+                                     "a whole number of items >= 0 (0: the limit alone, as in docs/gate.md#the-original-rule)"),
     )
 
 

@@ -1,6 +1,6 @@
 """HTML views of a comparison: the notebook reprs and the self-contained ``report.html``.
 
-Everything is rendered by the Jinja2 templates in ``evalgate/templates`` with autoescaping on; completions
+Everything is rendered by the Jinja2 templates in ``templates/`` beside this module with autoescaping on; completions
 are model output and may contain ``<script>``. Data embedded for the report's script is JSON with ``<``,
 ``>`` and ``&`` escaped, so it can never close its ``<script>`` element. The report fetches nothing: CSS,
 JS and the charts are inline, and its Content-Security-Policy forbids every network load.
@@ -13,7 +13,10 @@ import json
 import re
 from functools import lru_cache
 from pathlib import Path
-from types import SimpleNamespace
+
+from evalgate.gate.compare import extracted_answer
+from evalgate.gate.verdict import run_identity as verdict_identity
+from evalgate.report.rows import paired_rows, task_rows
 
 TEMPLATES = Path(__file__).parent / "templates"
 STDERR_LINES = 25  # the end of a traceback says what went wrong
@@ -95,12 +98,6 @@ def response_text(record: dict) -> str:
             resps = resps[0]
     return "" if resps is None or isinstance(resps, list) else str(resps)
 
-
-def extracted_answer(record: dict):
-    ex = record.get("extracted")
-    if isinstance(ex, dict):
-        return ex.get("strict-match", next(iter(ex.values()), None))
-    return ex
 
 
 def prompt_of(record: dict) -> str | None:
@@ -198,10 +195,7 @@ def ci_chart(delta: float, ci: tuple[float, float], lower: float | None, margin:
                      f"−margin {-100 * margin:.2f} pp"}
 
 
-def _task_rows(decision, comparison, aa: dict | None = None) -> list[dict]:
-    from evalgate.report.text import task_rows
-
-    rows = task_rows(SimpleNamespace(decision=decision, comparison=comparison, aa=aa or {}, unpaired={}, thresholds=None))
+def _with_charts(rows: list[dict]) -> list[dict]:
     for r in rows:
         r["chart"] = ci_chart(r["delta"], r["ci"], r.get("lower"), r["margin"], r["verdict"])
     return rows
@@ -220,7 +214,7 @@ def comparison_html(comparison) -> str:
     """``Comparison._repr_html_``: verdict, per-task scores with the CI chart, flip counts."""
     decision = comparison.ensure_decision()
     return render("comparison.html.j2", cmp=comparison, decision=decision,
-                  rows=_task_rows(decision, comparison) if decision is not None else [],
+                  rows=_with_charts(paired_rows(decision, comparison, comparison.aa)) if decision is not None else [],
                   flips=flip_counts(comparison), base=run_identity(comparison.baseline),
                   cand=run_identity(comparison.candidate))
 
@@ -228,9 +222,10 @@ def comparison_html(comparison) -> str:
 # ---------------------------------------------------------------- the report
 
 def run_identity(run) -> dict:
-    m = run.manifest
-    model, kernel = m.get("model", {}), m.get("kernel", {})
-    return {"path": str(run.path), "run_id": m.get("run_id"), "kernel": kernel.get("id") or kernel.get("name"),
+    """The short identity the report's header shows, taken from the verdict's identity of the run."""
+    ident = verdict_identity(run)
+    model, kernel = ident["model"], ident["kernel"]
+    return {"path": ident["path"], "run_id": ident["run_id"], "kernel": kernel.get("id") or kernel.get("name"),
             "kernel_name": kernel.get("name"), "model": model.get("fingerprint"), "model_type": model.get("model_type")}
 
 
@@ -287,14 +282,7 @@ def report_items(comparison) -> list[dict]:
 def report_html(verdict) -> str:
     """``report.html``: one self-contained page a person reads in a minute."""
     cmp = verdict.comparison
-    if verdict.decision is not None:
-        rows = _task_rows(verdict.decision, cmp, verdict.aa)
-    else:
-        from evalgate.report.text import task_rows
-
-        rows = task_rows(verdict)
-        for r in rows:
-            r["chart"] = ci_chart(r["delta"], r["ci"], r.get("lower"), r["margin"], r["verdict"])
+    rows = _with_charts(task_rows(verdict))
     items = report_items(cmp) if cmp is not None else []
     failure_classes = sorted({s[k]["failure_class"] for s in items for k in ("base", "cand")} - {None, "passed"})
     return render(

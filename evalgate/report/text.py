@@ -1,39 +1,18 @@
-"""Verdict outputs for people and CI: a rich table, report.md, junit.xml (one test case per task), report.html."""
+"""Verdict outputs as text: a rich table for the terminal, report.md (also the CI step summary), junit.xml."""
 
 from __future__ import annotations
 
 import os
 from xml.sax.saxutils import escape, quoteattr
 
+from evalgate.formatting import pp as _pp_unit
+from evalgate.report.rows import task_rows
+
 MAX_FLIPS_MD = 50
 
 
-def _pp(x: float) -> str:
-    return f"{100 * x:+.2f}"
-
-
-def task_rows(verdict) -> list[dict]:
-    """One row per task with what every output shows."""
-    rows = []
-    if verdict.decision is None:
-        for task, res in verdict.unpaired.items():
-            rows.append({"task": task, "paired": False, "delta": res["delta"], "ci": res["ci"],
-                         "lower": res["lower_bound"], "p": res["p_degradation"], "margin": res["margin"],
-                         "verdict": "PASS" if res["non_inferior"] and res["p_degradation"] > verdict.thresholds.alpha else "FAIL",
-                         "reasons": [res["note"]], "warnings": []})
-        return rows
-    summary = verdict.comparison.summary.set_index("task")
-    for task, dec in verdict.decision.tasks.items():
-        aa = verdict.aa.get(task, {})
-        rows.append({
-            "task": task, "paired": True, "n": dec.counts.n, "baseline": summary.loc[task, "baseline"],
-            "candidate": summary.loc[task, "candidate"], "delta": dec.delta, "ci": dec.tango_ci,
-            "newcombe": dec.newcombe_ci, "lower": dec.gate_lower, "b": dec.counts.b, "c": dec.counts.c,
-            "p": dec.p_degradation, "p_adj": dec.p_degradation_adjusted, "psi": dec.flip_rate,
-            "psi0": aa.get("psi0"), "margin": getattr(dec, "margin_effective", dec.margin),
-            "verdict": dec.verdict, "reasons": list(dec.reasons), "warnings": list(dec.warnings),
-        })
-    return rows
+def pp(x: float) -> str:
+    return _pp_unit(x, unit=False)
 
 
 def console_table(verdict):
@@ -43,7 +22,7 @@ def console_table(verdict):
     for col in ("task", "baseline", "candidate", "Δ pp [95% CI]", "b / c", "p", "ψ / ψ0", "margin", "verdict", "reason"):
         table.add_column(col, overflow="fold")
     for r in task_rows(verdict):
-        ci = f"{_pp(r['delta'])} [{_pp(r['ci'][0])}, {_pp(r['ci'][1])}]"
+        ci = f"{pp(r['delta'])} [{pp(r['ci'][0])}, {pp(r['ci'][1])}]"
         style = "green" if r["verdict"] == "PASS" else "red"
         if r["paired"]:
             psi = f"{100 * r['psi']:.1f}% / " + (f"{100 * r['psi0']:.1f}%" if r["psi0"] is not None else "—")
@@ -73,11 +52,11 @@ def markdown(verdict) -> str:
     for r in task_rows(verdict):
         if r["paired"]:
             psi0 = f"{100 * r['psi0']:.1f}%" if r["psi0"] is not None else "—"
-            lines.append(f"| {r['task']} | {r['n']} | {r['baseline']:.4f} | {r['candidate']:.4f} | {_pp(r['delta'])} | "
-                         f"[{_pp(r['ci'][0])}, {_pp(r['ci'][1])}] | {r['b']} / {r['c']} | {r['p']:.3g} | "
+            lines.append(f"| {r['task']} | {r['n']} | {r['baseline']:.4f} | {r['candidate']:.4f} | {pp(r['delta'])} | "
+                         f"[{pp(r['ci'][0])}, {pp(r['ci'][1])}] | {r['b']} / {r['c']} | {r['p']:.3g} | "
                          f"{100 * r['psi']:.1f}% / {psi0} | {100 * r['margin']:.2f} pp | **{r['verdict']}** |")
         else:
-            lines.append(f"| {r['task']} | — | aggregate | — | {_pp(r['delta'])} | [{_pp(r['ci'][0])}, {_pp(r['ci'][1])}] | "
+            lines.append(f"| {r['task']} | — | aggregate | — | {pp(r['delta'])} | [{pp(r['ci'][0])}, {pp(r['ci'][1])}] | "
                          f"unpaired | {r['p']:.3g} | — | {100 * r['margin']:.2f} pp | **{r['verdict']}** |")
     lines.append("")
     for r in task_rows(verdict):
@@ -117,18 +96,12 @@ def junit_xml(verdict) -> str:
         if r["verdict"] != "PASS":
             message = "; ".join(r["reasons"])
             out.append(f'      <failure message={quoteattr(message)}>{escape(message)}</failure>')
-        details = f"delta {_pp(r['delta'])} pp, CI [{_pp(r['ci'][0])}, {_pp(r['ci'][1])}], p {r['p']:.4g}"
+        details = f"delta {pp(r['delta'])} pp, CI [{pp(r['ci'][0])}, {pp(r['ci'][1])}], p {r['p']:.4g}"
         out.append(f"      <system-out>{escape(details)}</system-out>")
         out.append("    </testcase>")
     out += ["  </testsuite>", "</testsuites>"]
     return "\n".join(out) + "\n"
 
-
-def html(verdict) -> str:
-    """report.html: one self-contained page (rendered by ``evalgate.report.html``)."""
-    from evalgate.report.html import report_html
-
-    return report_html(verdict)
 
 
 def append_step_summary(markdown_text: str) -> None:

@@ -6,17 +6,20 @@ place, so a killed ``record`` leaves no baseline (only a ``.tmp-*`` folder that 
 ``record`` removes). An A/A calibration lives next to the records (``aa.json`` and ``aa/``).
 An aggregate-only baseline (a published score and an item count) has ``"aggregate_only": true`` in its
 manifest and no records; everything that shows it says so.
+
+Manifests and ``aa.json`` are written through ``evalgate.records`` (``"schema_version": 2``) and validated on
+read; the committed version-1 baselines (no ``schema_version``) are read as they are, never rewritten.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from evalgate.errors import UserError
+from evalgate.records import SCHEMA_VERSION, AARecord, dump_aa, dump_manifest, load_aa, load_manifest
 from evalgate.run.store import MANIFEST, Run, load_run, read_records, write_json_atomic
 
 DEFAULT_ROOT = Path("results/baselines")
@@ -98,7 +101,7 @@ def record(run_path: str | Path, root: str | Path = DEFAULT_ROOT, force: bool = 
         _clean_stale(final.parent)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
         extra = {"source_run": str(run.path), "task": task, "kernel": run.kernel}
-        write_json_atomic(tmp / MANIFEST, _task_manifest(run.manifest, task, extra))
+        write_json_atomic(tmp / MANIFEST, dump_manifest(_task_manifest(run.manifest, task, extra)))
         shutil.copyfile(run.path / f"{task}.jsonl", tmp / f"{task}.jsonl")
         for f in (tmp / f"{task}.jsonl",):
             with open(f, "rb") as fh:
@@ -116,6 +119,7 @@ def import_aggregate(task: str, score: float, n_items: int, model_id: str, profi
     if n_items <= 0:
         raise UserError(f"--n must be a positive item count, got {n_items}")
     manifest = {
+        "schema_version": SCHEMA_VERSION,
         "aggregate_only": True,
         "status": "complete",
         "model": {"model_id": model_id, "fingerprint": _slug(model_id)},
@@ -127,7 +131,7 @@ def import_aggregate(task: str, score: float, n_items: int, model_id: str, profi
     final.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(final.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    write_json_atomic(tmp / MANIFEST, manifest)
+    write_json_atomic(tmp / MANIFEST, dump_manifest(manifest))
     _install(tmp, final, force)
     return final
 
@@ -138,14 +142,13 @@ def list_baselines(root: str | Path = DEFAULT_ROOT) -> list[dict]:
         d = manifest_path.parent
         if any(part.startswith(".tmp-") for part in d.parts):
             continue
-        m = json.loads(manifest_path.read_text(encoding="utf-8"))
-        (task, summary), = m["tasks"].items()
-        aa = read_aa(d)
-        rows.append({"path": str(d), "task": task, "profile": summary.get("name"),
-                     "profile_id": summary.get("profile_id"), "kernel": m.get("kernel", {}).get("name"),
-                     "model": m.get("model", {}).get("fingerprint"), "n_items": summary.get("n_items"),
-                     "aggregate_only": bool(m.get("aggregate_only")),
-                     "aa_psi0": aa.get("tasks", {}).get(task, {}).get("psi0") if aa else None})
+        m = load_manifest(manifest_path)
+        (task, summary), = m.tasks.items()
+        aa = read_aa_record(d)
+        aa_task = aa.tasks.get(task) if aa else None
+        rows.append({"path": str(d), "task": task, "profile": summary.name, "profile_id": summary.profile_id,
+                     "kernel": m.kernel.name, "model": m.model.fingerprint, "n_items": summary.n_items,
+                     "aggregate_only": bool(m.aggregate_only), "aa_psi0": aa_task.psi0 if aa_task else None})
     return rows
 
 
@@ -156,14 +159,22 @@ def find_baseline(root: str | Path, fingerprint: str, profile_id: str, kernel: s
     return None
 
 
-def read_aa(baseline: str | Path) -> dict | None:
+def read_aa_record(baseline: str | Path) -> AARecord | None:
+    """The baseline's A/A record as a typed model (a version-1 file migrated), or None if it has none."""
     path = Path(baseline) / AA_FILE
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    return load_aa(path) if path.is_file() else None
+
+
+def read_aa(baseline: str | Path) -> dict | None:
+    """The baseline's ``aa.json`` as it is on disk (validated), or None if it has none."""
+    aa = read_aa_record(baseline)
+    return aa.as_read if aa is not None else None
 
 
 def write_aa(baseline: str | Path, aa: dict, second_run: str | Path) -> None:
     """Attach an A/A calibration: the statistics (``aa.json``) and the second run's records (``aa/``)."""
     baseline, second = Path(baseline), Path(second_run)
+    aa_json = dump_aa(aa)  # validated before anything is touched
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-aa-", dir=baseline))
     for f in second.iterdir():
         if f.is_file():
@@ -172,7 +183,7 @@ def write_aa(baseline: str | Path, aa: dict, second_run: str | Path) -> None:
     if old.exists():
         shutil.rmtree(old)
     os.rename(tmp, old)
-    write_json_atomic(baseline / AA_FILE, aa)
+    write_json_atomic(baseline / AA_FILE, aa_json)
 
 
 def assemble(baselines: list[str | Path]) -> Run:
@@ -187,3 +198,14 @@ def assemble(baselines: list[str | Path]) -> Run:
         manifest["tasks"].update(run.manifest.get("tasks", {}))
         records.update(run.records)
     return Run(path=Path(runs[0].path), manifest=manifest, records=records)
+
+
+def aa_for_baseline(baseline_dirs: list[Path]) -> dict:
+    """task -> {"psi0", "n", "flips", "verdict"} from the baselines' A/A records; empty for plain runs."""
+    found = {}
+    for d in baseline_dirs:
+        aa = read_aa(d)
+        if aa:
+            for task, entry in aa.get("tasks", {}).items():
+                found[task] = {**entry, "flips": set(entry.get("flips", []))}
+    return found

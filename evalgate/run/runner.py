@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from evalgate import __version__
+from evalgate.version import __version__
 from evalgate.errors import UserError
 from evalgate.run.progress import Progress
-from evalgate.run.store import MANIFEST, RecordWriter, load_run, read_records, write_json_atomic
+from evalgate.records import SCHEMA_VERSION
+from evalgate.run.store import MANIFEST, RecordWriter, load_run, read_records, write_manifest
 from evalgate.tasks import get_task, resolve_profile
 from evalgate.types import Request
 
@@ -33,11 +33,6 @@ class RunSpec:
     max_new_tokens: int | None = None  # override of the profile's limit; changes the profile id (smoke runs)
 
 
-def dg_environment() -> dict[str, str]:
-    """Every DG_* / SGLANG_OPT_* variable of this process: they select real kernels (kernel-numerics §6)."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("DG_", "SGLANG_OPT_DEEPGEMM"))}
-
-
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -57,7 +52,7 @@ def with_overrides(profile, spec: RunSpec):
 SIDE_FILES = frozenset({"server.log"})
 
 
-def _prepare_out(out: Path, resume: bool) -> dict | None:
+def prepare_out(out: Path, resume: bool) -> dict | None:
     """The existing manifest when resuming; refuses to touch a stored run otherwise."""
     manifest = out / MANIFEST
     if resume:
@@ -69,12 +64,18 @@ def _prepare_out(out: Path, resume: bool) -> dict | None:
     return None
 
 
+def _dg_environment() -> dict[str, str]:
+    from evalgate.kernels.environment import dg_environment  # imports torch: only when a run starts
+
+    return dg_environment()
+
+
 def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, progress: Progress | None = None) -> Path:
     """Run ``spec`` into ``out``; returns the run directory. ``adapter`` defaults to the in-process one."""
     from evalgate.tasks.data import resolve_data_dir
 
     out = Path(out)
-    previous = _prepare_out(out, resume)
+    previous = prepare_out(out, resume)
     data_dir = resolve_data_dir(spec.data_dir)
     tasks = [get_task(name) for name in spec.tasks]
     profiles = {t.name: with_overrides(resolve_profile(t, spec.profiles.get(t.name)), spec) for t in tasks}
@@ -89,7 +90,8 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
         adapter = HFAdapter(spec.model, spec.kernel, device=spec.device, dtype=spec.dtype, batch_size=spec.batch_size)
     model_info = adapter.info()
     kernel = adapter.kernel
-    manifest = {
+    manifest = {  # written through evalgate.records.RunManifest
+        "schema_version": SCHEMA_VERSION,
         "evalgate_version": __version__,
         "run_id": out.name,
         "created": previous["created"] if previous else _now(),
@@ -99,14 +101,14 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
         "kernel": {"name": kernel.name, "version": kernel.version, "id": kernel.id,
                    "description": kernel.description, "env": kernel.env, "recipe": kernel.recipe,
                    "faulty": kernel.faulty},
-        "dg_env": dg_environment(),
+        "dg_env": _dg_environment(),
         "tasks": {name: {**resolved.summary(), "n_items": len(items)} for name, (items, resolved) in loaded.items()},
-        "timings": {"load_model_s": round(getattr(adapter, "load_s", 0.0), 3)},
+        "timings": {"load_model_s": round(adapter.load_s, 3)},
     }
     if previous is not None:
         _check_resumable(previous, manifest, out)
         manifest["timings"] = {**previous.get("timings", {}), **manifest["timings"]}
-    write_json_atomic(out / MANIFEST, manifest)
+    write_manifest(out, manifest)
 
     progress = progress or Progress()
     try:
@@ -116,11 +118,11 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
                 _run_task(task, items, resolved, adapter, out, manifest, progress, spec, data_dir)
     except BaseException:
         manifest["status"] = "interrupted"
-        write_json_atomic(out / MANIFEST, manifest)
+        write_manifest(out, manifest)
         raise
     manifest["status"] = "complete"
     manifest["finished"] = _now()
-    write_json_atomic(out / MANIFEST, manifest)
+    write_manifest(out, manifest)
     return out
 
 
@@ -142,9 +144,9 @@ def _check_resumable(previous: dict, current: dict, out: Path) -> None:
 
 def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progress: Progress, spec: RunSpec, data_dir) -> None:
     entry = manifest["tasks"][task.name]
-    prepare = getattr(task, "prepare", None)
-    if prepare is not None:  # e.g. HumanEval's executor self-test: refuse to score on a broken executor
-        entry["prepare"] = prepare(resolved, data_dir)
+    prepared = task.prepare(resolved, data_dir)  # e.g. HumanEval's executor self-test: refuses a broken executor
+    if prepared:
+        entry["prepare"] = prepared
     path = out / f"{task.name}.jsonl"
     existing, _ = read_records(path)
     done = {r["doc_id"] for r in existing}
@@ -158,11 +160,7 @@ def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progres
 
     def score_and_write(batch: list[Request], generations) -> None:
         batch_items = [by_id[r.doc_id] for r in batch]
-        score_batch = getattr(task, "score_batch", None)
-        if score_batch is not None:
-            records = score_batch(batch_items, batch, generations, resolved)
-        else:
-            records = [task.score(i, r, g, resolved) for i, r, g in zip(batch_items, batch, generations)]
+        records = task.score_batch(batch_items, batch, generations, resolved)
         for record in records:
             record["profile_id"] = resolved.profile_id
         writer.append(records)

@@ -3,6 +3,10 @@
 Records are appended and fsynced per batch, so a crash loses at most the batch in flight; a torn last line
 (killed mid-write) is ignored on read and cut away on resume. The manifest is replaced atomically
 (temp file + rename). ``load_run`` gives a notebook the same data as pandas DataFrames.
+
+Both are written through the models of ``evalgate.records`` (``"schema_version": 2``) and validated through
+them on read: a file of an unknown version or with a field of the wrong type is refused in one line. Reading
+never changes a stored run; a version-1 run (no ``schema_version``, e.g. the committed baselines) reads as is.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evalgate.errors import UserError
+from evalgate.records import ItemRecord, RunManifest, dump_item, dump_manifest, load_manifest, parse, parse_item
 
 MANIFEST = "manifest.json"
 
@@ -32,6 +37,11 @@ def write_json_atomic(path: Path, obj) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def write_manifest(run_dir: Path, manifest: dict) -> None:
+    """Write ``<run_dir>/manifest.json`` through the RunManifest model (``"schema_version": 2``), atomically."""
+    write_json_atomic(Path(run_dir) / MANIFEST, dump_manifest(manifest))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -60,10 +70,11 @@ def read_records(path: Path) -> tuple[list[dict], int]:
 
 
 class RecordWriter:
-    """Appends records to ``<task>.jsonl``; one fsync per batch."""
+    """Appends records to ``<task>.jsonl`` through the task's record model (``"schema_version": 2``); one fsync per batch."""
 
     def __init__(self, path: Path):
         self.path = path
+        self.task = path.name.removesuffix(".jsonl")
         _, good = read_records(path)
         if path.exists() and path.stat().st_size != good:
             with open(path, "r+b") as f:  # drop a torn tail before appending after it
@@ -72,7 +83,8 @@ class RecordWriter:
 
     def append(self, records: list[dict]) -> None:
         for r in records:
-            self._f.write((json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n").encode("utf-8"))
+            line = json.dumps(dump_item(self.task, r), ensure_ascii=False, sort_keys=True)
+            self._f.write((line + "\n").encode("utf-8"))
         self._f.flush()
         os.fsync(self._f.fileno())
 
@@ -87,6 +99,16 @@ class Run:
     path: Path
     manifest: dict
     records: dict[str, list[dict]] = field(default_factory=dict)
+
+    @property
+    def meta(self) -> RunManifest:
+        """The manifest as a typed model (a version-1 manifest migrated); ``.manifest`` stays the file's dict."""
+        return _parse_manifest(self.manifest, self.path / MANIFEST)
+
+    def items(self, task: str) -> list[ItemRecord]:
+        """Per-item records of ``task`` as typed models (Gsm8kRecord, HumanEvalRecord, ...)."""
+        source = repr(str(self.path / f"{task}.jsonl"))
+        return [parse_item(task, r, f"{source} record {i}") for i, r in enumerate(self.records.get(task, []), 1)]
 
     @property
     def tasks(self) -> list[str]:
@@ -109,16 +131,25 @@ class Run:
         return f"Run({str(self.path)!r}, kernel={self.kernel!r}, {counts})"
 
 
+def _parse_manifest(manifest: dict, path: Path) -> RunManifest:
+    return parse(RunManifest, manifest, repr(str(path)))
+
+
 def load_run(path: str | Path) -> Run:
+    """A stored run, validated through the record models; its manifest and records are the files' dicts.
+
+    UserError (one line) for a missing or damaged manifest, an unknown ``schema_version`` in the manifest or
+    in a record line, or a field of the wrong type. Nothing on disk is changed.
+    """
     path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise UserError(f"{str(path)!r} is not a run directory (no {MANIFEST}); pass the folder `evalgate run --out` wrote")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{str(manifest_path)!r} is not valid JSON ({exc.msg} at line {exc.lineno}); the run is damaged") from None
+    meta = load_manifest(manifest_path)
     records = {}
-    for task in manifest.get("tasks", {}):
-        records[task], _ = read_records(path / f"{task}.jsonl")
-    return Run(path=path, manifest=manifest, records=records)
+    for task in meta.tasks:
+        jsonl = path / f"{task}.jsonl"
+        records[task], _ = read_records(jsonl)
+        for line, record in enumerate(records[task], 1):
+            parse_item(task, record, f"{str(jsonl)!r} line {line}")
+    return Run(path=path, manifest=meta.as_read, records=records)

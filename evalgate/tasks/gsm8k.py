@@ -1,4 +1,4 @@
-"""GSM8K, prompted and scored as lm-evaluation-harness does (eval-conventions §2).
+"""GSM8K, prompted and scored as lm-evaluation-harness does (docs/scoring.md#gsm8k).
 
 Two profiles:
 - ``gsm8k-lmeval-v3``: lm-eval ``gsm8k`` v3.0, 5 shots sampled from train with ``random.Random(1234)``;
@@ -16,10 +16,9 @@ import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from evalgate.tasks.data import check_bytes, parse_jsonl, read_verified
+from evalgate.tasks.data import parse_jsonl, read_verified
 from evalgate.errors import UserError
-from evalgate.tasks.profiles import Profile, ResolvedProfile, sha256_text
-from evalgate.types import Generation, Request
+from evalgate.types import Generation, Profile, Request, ResolvedProfile, sha256_text
 
 INVALID = "[invalid]"
 SCORER_VERSION = "gsm8k-scorer-1"
@@ -140,20 +139,8 @@ def gold_answer(answer: str) -> str:
 # ---- data ----
 
 def load_split(split: str, data_dir: Path | None) -> list[dict]:
-    rel = f"gsm8k/{split}.jsonl"
-    if data_dir is not None:
-        return parse_jsonl(read_verified(data_dir, rel))
-    try:  # online: the Hugging Face hub copy, serialised like the vendored file so one sha256 covers both
-        import datasets
-
-        ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
-        rows = [{"question": r["question"], "answer": r["answer"]} for r in ds]
-    except Exception as exc:  # noqa: BLE001 - any failure to reach the hub is the same user problem
-        raise UserError(f"cannot load GSM8K {split} from the Hugging Face hub ({type(exc).__name__}); "
-                        f"pass --data-dir or set EVALGATE_DATA_DIR to an offline copy") from None
-    data = "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
-    check_bytes(data, rel, "the Hugging Face hub (openai/gsm8k)")
-    return rows
+    """A GSM8K split from ``data_dir`` (an override), else the copy shipped with evalgate; sha256-checked."""
+    return parse_jsonl(read_verified(data_dir, f"gsm8k/{split}.jsonl"))
 
 
 # ---- the task ----
@@ -172,10 +159,11 @@ class GSM8K:
     def load(self, profile: Profile, data_dir: Path | None, limit: int | None):
         split = profile.settings.get("split", "test")
         rows = load_split(split, data_dir)
-        if split == "train":  # the canary's memorised items, by train index
-            from evalgate.canary.items import gsm8k_train_ids
-
-            items = [{"doc_id": i, **rows[i]} for i in gsm8k_train_ids(rows)]
+        subset = profile.settings.get("items")
+        if subset is not None:  # a named subset of the split, by index (e.g. the canary's memorised items)
+            if subset not in ITEM_SUBSETS:
+                raise UserError(f"profile {profile.name!r} names an unknown item subset {subset!r}")
+            items = [{"doc_id": i, **rows[i]} for i in ITEM_SUBSETS[subset](rows)]
         else:
             items = [{"doc_id": i, **row} for i, row in enumerate(rows)]
         if limit is not None:
@@ -209,6 +197,13 @@ class GSM8K:
         s = resolved.profile.settings
         return [Request(doc_id=item["doc_id"], prompt=self.prompt(item, resolved.profile), stop=tuple(s["stop"]),
                         max_new_tokens=s["max_new_tokens"]) for item in items]
+
+    def prepare(self, resolved: ResolvedProfile, data_dir: Path | None) -> dict:
+        return {}  # scoring is pure text: nothing to check before it
+
+    def score_batch(self, items: list[dict], requests: list[Request], generations: list[Generation],
+                    resolved: ResolvedProfile) -> list[dict]:
+        return [self.score(i, r, g, resolved) for i, r, g in zip(items, requests, generations)]
 
     def score(self, item: dict, request: Request, generation: Generation, resolved: ResolvedProfile) -> dict:
         name = resolved.profile.name
@@ -246,6 +241,22 @@ class GSM8K:
         record.update(_generation_fields(generation))
         record["profile"] = name
         return record
+
+
+def short_train_items(train_rows: list[dict], n: int = 200, max_answer_chars: int = 160,
+                      seed: int = 20261129) -> list[int]:
+    """A fixed, seeded choice of ``n`` train items among those with short solutions (fast CPU runs).
+
+    The built-in canary memorised exactly these; the list is computed from the sha256-checked data, so it
+    can never drift, and the profile id covers the ids.
+    """
+    short = [i for i, row in enumerate(train_rows) if len(row["answer"]) <= max_answer_chars]
+    return sorted(random.Random(seed).sample(short, n))
+
+
+# Item subsets a profile may name in settings["items"]; the name is part of the hashed profile, so it is
+# kept exactly as first written (it once named the module that computed the subset).
+ITEM_SUBSETS = {"canary: evalgate.model_adapters.canary.items": short_train_items}
 
 
 def _sample_positions(rnd: random.Random, population: int, k: int) -> list[int]:

@@ -197,7 +197,7 @@ def disable_sockets():
 
 
 def classify(exc):
-    """The failure class of an exception the program raised (eval-conventions §3.6)."""
+    """The failure class of an exception the program raised (docs/scoring.md#failure-classes)."""
     if _isinstance(exc, _AssertionError):
         return "failed:assertion"
     if _isinstance(exc, _SyntaxError):  # IndentationError is a SyntaxError

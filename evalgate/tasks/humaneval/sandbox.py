@@ -6,7 +6,7 @@ Each program runs under ``child.py`` beside this file (see its docstring for the
 order-dependent completions, the same from run to run. The environment is ours alone, and the runner
 drops the script directory from ``sys.path``, which is everything else ``-I`` would give.
 
-Isolation (eval-conventions §3.4), as root: network, PID and mount namespaces; a uid of its own per worker
+Isolation (docs/humaneval-sandbox.md#what-is-isolated), as root: network, PID and mount namespaces; a uid of its own per worker
 slot (so RLIMIT_NPROC counts only that program's processes, and anything left over can be found and
 killed by uid); tmpfs over the world-writable directories; rlimits; a wall-clock timeout. Without root it
 tries an unprivileged user namespace; failing that it disables sockets in-process and says so in

@@ -1,9 +1,9 @@
-"""The HumanEval executor self-test (eval-conventions §3.5): the executor proves itself before scoring.
+"""The HumanEval executor self-test (docs/humaneval-sandbox.md#self-test): the executor proves itself before scoring.
 
 On this machine, with this sandbox: all 164 canonical solutions must pass, and all 164 docstring-only
 bodies and all 164 ``pass`` bodies must fail. A disabled executor passes everything and a broken one fails
 everything; both have happened upstream (openai/human-eval#16, #57). The canonical run times set the
-per-problem timeouts (§3.4). The result is cached per process and stored in the run manifest.
+per-problem timeouts (docs/scoring.md#timeouts). The result is cached per process and stored in the run manifest.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def selftest_humaneval(data_dir: str | Path | None = None, workers: int | None =
 
     canonical = sandbox.run_programs([build_program(p, p["canonical_solution"]) for p in problems],
                                      TIMEOUT_POLICY["cap_s"], workers=workers)
-    # A canonical timeout under parallel load is re-run once, alone (the §3.4 suggestion).
+    # A canonical timeout under parallel load is re-run once, alone (the docs/scoring.md#timeouts suggestion).
     for i, outcome in enumerate(canonical):
         if outcome.timed_out:
             canonical[i] = sandbox.run_program(build_program(problems[i], problems[i]["canonical_solution"]),

@@ -1,6 +1,6 @@
 """HumanEval, prompted as Codex / simple-evals did and scored by running each program in the sandbox.
 
-Profiles (eval-conventions §3.2, §3.3):
+Profiles (docs/scoring.md#humaneval):
 - ``humaneval-completion-codex``: the prompt verbatim, Codex stops, 1024 new tokens, greedy;
 - ``humaneval-chat-simpleevals``: one user message (simple-evals' instruction + prompt), its fenced-code
   extractor with its known defects kept, 2048 tokens.
@@ -21,8 +21,7 @@ from evalgate.tasks.humaneval.passk import pass_at_k
 from evalgate.tasks.humaneval.problems import (DATA_FILE, N_PROBLEMS, PROGRAM_TEMPLATE, TIMEOUT_POLICY,  # noqa: F401 (public)
                                               build_program, load_problems)
 from evalgate.tasks.humaneval.selftest import require_selftest
-from evalgate.tasks.profiles import Profile, ResolvedProfile, sha256_text
-from evalgate.types import Generation, Request
+from evalgate.types import Generation, Profile, Request, ResolvedProfile, sha256_text
 
 SCORER_VERSION = "humaneval-scorer-1"
 CODEX_STOPS = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
@@ -30,7 +29,7 @@ CHAT_INSTRUCTION = ("Read the following function signature and docstring, and fu
                     "described. Your response should only contain the code for this function.\n")
 FENCE_REGEX = r"```python\n(.*?)```"  # re.DOTALL; the first block, else the whole reply
 SIGNATURE_CUT = ":\n    "  # drop up to and including ":\n" (find + 2); -1 + 2 drops the first character
-INVALID_CLASSES = ("no_code", "failed:syntax")  # the validity-rate gate's indicator (§4.8 step 4)
+INVALID_CLASSES = ("no_code", "failed:syntax")  # the validity-rate gate's indicator (docs/gate.md#rate-checks)
 
 
 def _sandbox_settings() -> dict:
@@ -144,6 +143,10 @@ class HumanEval:
     def prepare(self, resolved: ResolvedProfile, data_dir: Path | None) -> dict:
         """The executor self-test (fail closed); what it returns is stored in the run manifest."""
         return require_selftest(data_dir if data_dir is not None else self._data_dir)
+
+    def is_invalid(self, record: dict, metric: str = "pass@1") -> bool:
+        """No code, or code that does not parse: the answer could not be used (docs/gate.md#validity-checks)."""
+        return record.get("failure_class") in INVALID_CLASSES
 
     def score(self, item: dict, request: Request, generation: Generation | list[Generation],
               resolved: ResolvedProfile) -> dict:

@@ -1,0 +1,149 @@
+"""Options and argument parsing shared by the commands (``run``, ``gate``, ``calibrate``, ``serve``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import click
+
+from evalgate.errors import UserError
+
+DEFAULT_BASELINES = "results/baselines"
+
+
+def parse_tasks(value: str | None, default: str = "gsm8k") -> list[str]:
+    value = default if value is None else value
+    tasks = [t.strip() for t in value.split(",") if t.strip()]
+    if not tasks:
+        raise UserError("--tasks is empty; name at least one task, e.g. --tasks gsm8k")
+    return tasks
+
+
+def parse_profiles(values: tuple[str, ...], tasks: list[str]) -> dict[str, str]:
+    """``--profile NAME`` (the task is looked up) or ``--profile task=NAME``."""
+    from evalgate.tasks import get_task
+
+    chosen: dict[str, str] = {}
+    for value in values:
+        if "=" in value:
+            task, name = value.split("=", 1)
+            chosen[task] = name
+            continue
+        owners = [t for t in tasks if value in get_task(t).profiles]
+        if not owners:
+            known = ", ".join(p for t in tasks for p in get_task(t).profiles)
+            raise UserError(f"unknown profile {value!r} for tasks {', '.join(tasks)}; choose from: {known}")
+        chosen[owners[0]] = value
+    return chosen
+
+
+def default_out(kernel: str) -> Path:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("results/runs") / f"{stamp}-{kernel.replace('/', '_')}"
+
+
+def run_options(f):
+    """Options shared by ``run``, ``gate`` and ``calibrate``."""
+    decorators = [
+        click.option("--model", "model", default=None, help="Local transformers checkpoint folder (default: the built-in canary)."),
+        click.option("--tasks", default=None, help="Comma-separated tasks [default: gsm8k for run; gsm8k,humaneval for gate and calibrate]."),
+        click.option("--profile", "profiles", multiple=True, help="Scoring profile, e.g. gsm8k-cot-8shot (or task=NAME). Repeatable."),
+        click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N items of each task."),
+        click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True),
+        click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1..."),
+        click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None, help="Override the checkpoint dtype."),
+        click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="Override every profile's token limit (changes the profile id; for smoke runs)."),
+        click.option("--data-dir", type=click.Path(), default=None, envvar="EVALGATE_DATA_DIR", help="Offline data folder laid out as in docs/scoring.md#data-directory [env: EVALGATE_DATA_DIR]."),
+    ]
+    for d in reversed(decorators):
+        f = d(f)
+    return f
+
+
+def server_options(f):
+    """Options of ``run`` and ``gate`` that drive an OpenAI-compatible server instead of the in-process model."""
+    decorators = [
+        click.option("--server", default=None, metavar="URL", help="A running OpenAI-compatible server (SGLang, vLLM, evalgate serve) started with --kernel selected."),
+        click.option("--model-id", default=None, help="The served model's name; part of a server run's model identity."),
+        click.option("--launch", type=click.Choice(["sglang", "vllm"]), default=None, help="Start this server on --model with the kernel's environment, stop it after; its arguments follow `--` [command: env EVALGATE_SGLANG_COMMAND / EVALGATE_VLLM_COMMAND]."),
+        click.option("--launch-timeout", type=click.FloatRange(min=1), default=1800.0, show_default=True, help="Seconds a launched server has to become healthy."),
+        click.option("--request-timeout", type=click.FloatRange(min=0.1), default=600.0, show_default=True, help="Seconds one server request may take."),
+        click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True, help="Server requests in flight at once (at most --batch-size: the runner hands over one batch at a time)."),
+        click.option("--retries", type=click.IntRange(min=0), default=3, show_default=True, help="Retries per request on connection errors, timeouts, 5xx and malformed answers."),
+        click.argument("server_args", nargs=-1, type=click.UNPROCESSED),
+    ]
+    for d in reversed(decorators):
+        f = d(f)
+    return f
+
+
+def server_adapter(server, launch, model, kernel, out, model_id, server_args, launch_timeout, request_timeout,
+                   concurrency, retries, batch_size):
+    """Context manager yielding the server adapter, or None for the in-process model."""
+    from evalgate.model_adapters.launcher import served_adapter
+
+    return served_adapter(kernel, out, server=server, launch=launch, model=model, model_id=model_id,
+                          server_args=server_args, launch_timeout=launch_timeout, request_timeout=request_timeout,
+                          concurrency=concurrency, retries=retries, batch_size=batch_size)
+
+
+def with_canary_profiles(model: str | None, task_list: list[str], chosen: dict[str, str]) -> dict[str, str]:
+    """With no --model the canary runs, scored with its own profiles unless --profile says otherwise."""
+    if model:
+        return chosen
+    from evalgate.canary import PROFILES
+
+    return {**{t: PROFILES[t] for t in task_list if t in PROFILES}, **chosen}
+
+
+def canary_thresholds(model: str | None, thresholds_path: str | None) -> str | None:
+    """The canary's own policy (its item counts differ from GSM8K test's) unless --thresholds is given."""
+    if model or thresholds_path:
+        return thresholds_path
+    from evalgate.canary import THRESHOLDS
+
+    return str(THRESHOLDS)
+
+
+def resolve_model(model: str | None) -> str:
+    if model:
+        return model
+    try:
+        from evalgate.canary import canary_path
+    except ImportError:
+        raise UserError("no --model given and this install has no built-in canary model; pass --model PATH") from None
+    return str(canary_path())
+
+
+def served_model_name(model, server, launch, model_id) -> str:
+    """What ``RunSpec.model`` holds: the checkpoint, or for a server run its name (identity is the fingerprint)."""
+    if launch:
+        return model or ""
+    if server:
+        return model_id or server
+    return resolve_model(model)
+
+
+def run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name=None):
+    from evalgate.run.runner import RunSpec
+
+    task_list = parse_tasks(tasks, default="gsm8k,humaneval")
+    chosen = parse_profiles(profiles, task_list)
+    if name is None:
+        chosen = with_canary_profiles(model, task_list, chosen)
+    return RunSpec(model=name or resolve_model(model), kernel=kernel, tasks=task_list,
+                   profiles=chosen, limit=limit, batch_size=batch_size,
+                   device=device, dtype=dtype, data_dir=data_dir, max_new_tokens=max_new_tokens)
+
+
+def policy_file(thresholds_path: str | None, candidate) -> str | None:
+    """--thresholds, else the canary's own policy for a run scored with the canary profiles, else None
+    (the packaged default)."""
+    if thresholds_path:
+        return thresholds_path
+    from evalgate.canary import policy_for
+    from evalgate.run.store import load_run
+
+    found = policy_for(load_run(candidate))
+    return str(found) if found else None

@@ -1,0 +1,509 @@
+"""Typed, versioned records: the files evalgate writes and reads back.
+
+=====================  =========================================  ==================
+file                   model                                      kind (in messages)
+=====================  =========================================  ==================
+``manifest.json``      :class:`RunManifest`                       run manifest
+``<task>.jsonl`` line  :class:`Gsm8kRecord`, :class:`HumanEvalRecord`
+                       (:class:`ItemRecord` for any other task)   per-item record
+``aa.json``            :class:`AARecord`                          A/A record
+``gate.json``          :class:`VerdictRecord`                     gate verdict
+=====================  =========================================  ==================
+
+Versions. Every file written from now on carries ``"schema_version": 2`` (:data:`SCHEMA_VERSION`). A file
+without the field is version 1: the format of evalgate 0.1.0, which the committed baselines under
+``results/baselines/`` use. Version 1 differs from version 2 only in lacking the field, so its migration
+(:data:`MIGRATIONS`) adds it; the file on disk is never rewritten. A file of any other version (a newer
+evalgate's, or garbage such as ``"x"``) is refused with one line naming the file, the version found and the
+versions this evalgate reads; so is content of the wrong type. Both are :class:`~evalgate.errors.UserError`:
+the CLI prints the line and exits 2.
+
+Types are strict (a count written as ``"200"`` is refused, not coerced) where the code reads a field, and
+open (``extra="allow"``) everywhere else, so settings, machine descriptions and scorer details can grow
+without a schema change. A field the code starts to read, or a change in the meaning or type of one, is a
+new version: bump :data:`SCHEMA_VERSION`, add a migration from the previous one, keep reading the old ones.
+
+Reading keeps the file's own dict too (:attr:`Record.as_read`), so code that reads records as dicts sees
+exactly what is on disk. This module imports only pydantic, the standard library and ``evalgate.errors``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from evalgate.errors import UserError
+
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: no "schema_version" field (evalgate 0.1.0, the committed baselines)
+
+
+def _v1_to_v2(data: dict) -> dict:
+    """Version 1 is version 2 without the field."""
+    return {**data, "schema_version": 2}
+
+
+# version -> the function that turns a dict of that version into one of the next version
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2}
+
+_CONFIG = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+
+class Part(BaseModel):
+    """A nested part of a record: strict where typed, open to other fields."""
+
+    model_config = _CONFIG
+
+
+class Record(BaseModel):
+    """A whole file (or JSONL line) with a ``schema_version``."""
+
+    model_config = _CONFIG
+    KIND: ClassVar[str] = "record"
+
+    schema_version: Literal[2] = SCHEMA_VERSION
+    _read_version: int = PrivateAttr(default=SCHEMA_VERSION)
+    _as_read: dict | None = PrivateAttr(default=None)
+
+    @property
+    def read_version(self) -> int:
+        """The version of the file this was read from (1 for a file without ``schema_version``)."""
+        return self._read_version
+
+    @property
+    def as_read(self) -> dict:
+        """The dict as it was in the file, unmigrated; for a record built in memory, :meth:`to_dict`."""
+        return self._as_read if self._as_read is not None else self.to_dict()
+
+    def to_dict(self) -> dict:
+        """What is written: the fields that were given (none added), with ``"schema_version": 2`` first."""
+        out = self.model_dump(mode="python", by_alias=True, exclude_unset=True)
+        out.pop("schema_version", None)
+        return {"schema_version": self.schema_version, **out}
+
+
+# --- run manifest (manifest.json) ------------------------------------------------------------------------
+
+
+class RunSpecInfo(Part):
+    """``manifest["spec"]``: the RunSpec the run was made from (evalgate.run.runner.RunSpec)."""
+
+    model: str | None = None
+    kernel: str | None = None
+    tasks: list[str] | None = None
+    profiles: dict[str, str] | None = None
+    limit: int | None = None
+    batch_size: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+    data_dir: str | None = None
+    order: str | None = None
+    max_new_tokens: int | None = None
+
+
+class ModelInfo(Part):
+    """``manifest["model"]``: what the adapter reports; the identity keys are compared between runs."""
+
+    adapter: str | None = None
+    fingerprint: str | None = None
+    model_type: str | None = None
+    model_id: str | None = None
+    config_sha256: str | None = None
+    safetensors_headers_sha256: str | None = None
+    tokenizer_sha256: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    batch_size: int | None = None
+    path: str | None = None
+    machine: dict[str, Any] | None = None
+
+
+class KernelInfo(Part):
+    """``manifest["kernel"]``: the kernel the run used."""
+
+    name: str
+    id: str | None = None
+    version: str | None = None
+    description: str | None = None
+    env: dict[str, str] | None = None
+    recipe: dict[str, Any] | None = None
+    faulty: bool | None = None
+
+
+class PrepareInfo(Part):
+    """``manifest["tasks"][task]["prepare"]``: a task's preparation (HumanEval's executor self-test)."""
+
+    ok: bool | None = None
+
+
+class TaskSummary(Part):
+    """``manifest["tasks"][task]``: the resolved profile and the item count (aggregate-only: the score)."""
+
+    name: str
+    profile_id: str
+    n_items: int
+    version: str | None = None
+    complete: bool | None = None
+    dataset_sha256: dict[str, str] | None = None
+    decoding: dict[str, Any] | None = None
+    settings: dict[str, Any] | None = None
+    prepare: PrepareInfo | None = None
+    score: float | None = None  # aggregate-only baselines: the published score
+
+
+class BaselineInfo(Part):
+    """``manifest["baseline"]``: where a stored baseline came from."""
+
+    task: str | None = None
+    kernel: str | None = None
+    source_run: str | None = None
+    source: str | None = None
+    aggregate_only: bool | None = None
+
+
+class RunManifest(Record):
+    """``<run>/manifest.json``; also each baseline folder's and its ``aa/`` folder's."""
+
+    KIND: ClassVar[str] = "run manifest"
+
+    status: Literal["running", "interrupted", "complete"]
+    kernel: KernelInfo
+    model: ModelInfo
+    tasks: dict[str, TaskSummary]
+    evalgate_version: str | None = None
+    run_id: str | None = None
+    created: str | None = None
+    finished: str | None = None
+    spec: RunSpecInfo | None = None
+    dg_env: dict[str, str] | None = None
+    timings: dict[str, float | dict[str, float]] | None = None
+    baseline: BaselineInfo | None = None
+    aggregate_only: bool | None = None
+
+
+# --- per-item records (<task>.jsonl) ----------------------------------------------------------------------
+
+
+class ItemRecord(Record):
+    """One line of ``<task>.jsonl``: the fields every task writes; task-specific ones are allowed."""
+
+    KIND: ClassVar[str] = "per-item record"
+
+    doc_id: int | str
+    profile_id: str | None = None
+    prompt_hash: str | None = None
+    resps: str | list[str] | None = None
+    finish_reason: str | None = None  # "stop" or "length" (truncated)
+    stop_hit: str | None = None
+    n_prompt_tokens: int | None = None
+    n_tokens: int | None = None
+    latency_s: float | None = None
+
+
+class Gsm8kRecord(ItemRecord):
+    """A GSM8K item: both filters' answers, and flat ``"exact_match,<filter>"`` / ``"invalid,<filter>"`` keys."""
+
+    doc_id: int
+    profile: str | None = None
+    doc_hash: str | None = None
+    question: str | None = None
+    target: str | None = None
+    target_hash: str | None = None
+    shot_ids: list[int] | None = None
+    filtered_resps: dict[str, str] | None = None
+    extracted: dict[str, str | None] | None = None
+    exact_match: dict[str, float] | None = None
+    numeric_match: dict[str, bool] | None = None
+    numeric_disagrees: bool | None = None
+    exact_match_strict: float | None = Field(default=None, alias="exact_match,strict-match")
+    exact_match_flexible: float | None = Field(default=None, alias="exact_match,flexible-extract")
+    invalid_strict: bool | None = Field(default=None, alias="invalid,strict-match")
+    invalid_flexible: bool | None = Field(default=None, alias="invalid,flexible-extract")
+
+
+class HumanEvalRecord(ItemRecord):
+    """A HumanEval problem: the program that ran and its outcome; n samples add ``pass@k`` and ``samples``."""
+
+    doc_id: str
+    task_id: str | None = None
+    entry_point: str | None = None
+    filtered_resps: str | list[str] | None = None
+    program: str | None = None
+    program_sha256: str | None = None
+    passed: bool | None = None
+    failure_class: str | None = None
+    result: str | None = None
+    exception: str | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+    duration_s: float | None = None
+    timeout_s: float | None = None
+    network_isolation: str | None = None
+    pass_at_1: float | None = Field(default=None, alias="pass@1")
+    n: int | None = None
+    c: int | None = None
+    invalid: bool | None = None
+    truncated: bool | None = None
+    samples: list[dict[str, Any]] | None = None
+
+
+# task name -> its record model; any other task's records are read as ItemRecord
+ITEM_MODELS: dict[str, type[ItemRecord]] = {"gsm8k": Gsm8kRecord, "humaneval": HumanEvalRecord}
+
+
+def item_model(task: str) -> type[ItemRecord]:
+    return ITEM_MODELS.get(task, ItemRecord)
+
+
+# --- A/A record (aa.json next to a baseline) --------------------------------------------------------------
+
+
+class AASecondRun(Part):
+    path: str | None = None
+    batch_size: int | None = None
+    order: str | None = None
+
+
+class AATask(Part):
+    """One task's A/A calibration: the flip rate ψ0 the gate's margin floor uses, and the flip set."""
+
+    psi0: float
+    n: int
+    delta0: float | None = None
+    b: int | None = None
+    c: int | None = None
+    flips: list[int | str] = Field(default_factory=list)
+    verdict: str | None = None  # the A/A pair's own gate verdict; the gate refuses a baseline whose A/A failed
+    reasons: list[str] | None = None
+    first_batch_size: int | None = None
+    second_run: AASecondRun | None = None
+
+
+class AARecord(Record):
+    """``<baseline>/aa.json``."""
+
+    KIND: ClassVar[str] = "A/A record"
+
+    tasks: dict[str, AATask]
+    thresholds_sha256: str | None = None
+    recorded: str | None = None
+
+
+# --- gate verdict (gate.json) -----------------------------------------------------------------------------
+
+
+class ThresholdsRef(Part):
+    path: str | None = None
+    sha256: str | None = None
+    alpha: float
+    multiple_comparisons: str
+    ci_method: str
+
+
+class TaskDecisionRecord(Part):
+    """``decision.tasks[task]``: the rule's numbers for one task (open), its verdict and reasons (typed)."""
+
+    verdict: str
+    task: str | None = None
+    reasons: list[str] = Field(default_factory=list)
+    warnings: list[str] | None = None
+
+
+class DecisionRecord(Part):
+    verdict: Literal["PASS", "FAIL"]
+    spec_verdict: str | None = None
+    reasons: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+    alpha: float | None = None
+    multiple_comparisons: str | None = None
+    tasks: dict[str, TaskDecisionRecord] = Field(default_factory=dict)
+
+
+class RunIdentity(Part):
+    """``gate.json``'s ``baseline`` / ``candidate``: which runs were compared (the manifest, less settings)."""
+
+    path: str
+    run_id: str | None = None
+    kernel: KernelInfo
+    model: ModelInfo
+    tasks: dict[str, TaskSummary]
+    dg_env: dict[str, str] | None = None
+    created: str | None = None
+    aggregate_only: bool = False
+
+
+class FlipRow(Part):
+    """One flipped item (``gate.json``'s ``flips[task]``); the other columns are the report's."""
+
+    doc_id: int | str
+    direction: str | None = None
+
+
+class VerdictRecord(Record):
+    """``gate.json``: the top-level fields of ``Verdict.to_dict()``."""
+
+    KIND: ClassVar[str] = "gate verdict"
+
+    verdict: Literal["PASS", "FAIL"]
+    exit_code: int
+    notes: list[str] = Field(default_factory=list)
+    thresholds: ThresholdsRef
+    aa: dict[str, AATask] = Field(default_factory=dict)
+    decision: DecisionRecord | None = None
+    unpaired: dict[str, dict[str, Any]] = Field(default_factory=dict)  # aggregate-only baselines
+    baseline: RunIdentity | None = None  # absent when there was no paired comparison
+    candidate: RunIdentity | None = None
+    flips: dict[str, list[FlipRow]] | None = None
+
+
+# --- reading and writing ----------------------------------------------------------------------------------
+
+R = TypeVar("R", bound=Record)
+
+
+def _readable() -> str:
+    return f"{', '.join(map(str, READABLE_VERSIONS[:-1]))} and {READABLE_VERSIONS[-1]}"
+
+
+def version_of(data: dict, source: str, kind: str = "record") -> int:
+    """The schema version of a record's dict (1 without the field); UserError for any version not readable."""
+    if "schema_version" not in data:
+        return 1
+    found = data["schema_version"]
+    if type(found) is not int or found not in READABLE_VERSIONS:  # True is not version 1
+        raise UserError(f"{source}: {kind} has schema_version {json.dumps(found)[:40]}, which this evalgate cannot "
+                        f"read (it reads schema_version {_readable()}; no schema_version means 1); "
+                        f"use the evalgate version that wrote it")
+    return found
+
+
+def migrate(data: dict, version: int) -> dict:
+    """A dict of ``version`` brought to :data:`SCHEMA_VERSION` (a new dict; ``data`` is not changed)."""
+    while version < SCHEMA_VERSION:
+        data = MIGRATIONS[version](data)
+        version += 1
+    return data
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def describe_error(exc: ValidationError) -> str:
+    """The first problem of a validation error, on one line: ``where: what (got value)``."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    # a union (``int | str``) reports one error per member, each with the member's name appended to the location
+    same = [e for e in errors if e["input"] is first["input"] and e["loc"][:-1] == first["loc"][:-1]]
+    if len(same) > 1:
+        loc, what = first["loc"][:-1], "wrong type (expected " + " or ".join(str(e["loc"][-1]) for e in same) + ")"
+    else:
+        loc, what = first["loc"], first["msg"][0].lower() + first["msg"][1:]
+    where = ".".join(str(p) for p in loc) or "the top level"
+    got = "" if first["type"] == "missing" else f" (got {_short(first['input'])})"
+    more = len(errors) - len(same) if len(same) > 1 else len(errors) - 1
+    text = f"{where}: {what}{got}" + (f"; and {more} more problem(s)" if more > 0 else "")
+    return " ".join(text.split())  # one line, whatever the input held
+
+
+def parse(model: type[R], data: Any, source: str) -> R:
+    """Validate a record read from ``source`` (a file, or a file and line), migrating older versions.
+
+    Raises UserError with one line for a non-object, an unknown version, or content of the wrong type.
+    """
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: a {model.KIND} must be a JSON object, not {type(data).__name__}; the file is damaged")
+    version = version_of(data, source, model.KIND)
+    try:
+        obj = model.model_validate(migrate(data, version))
+    except ValidationError as exc:
+        raise UserError(f"{source}: not a valid {model.KIND} (schema_version {version}): {describe_error(exc)}") from None
+    obj._read_version = version
+    obj._as_read = data
+    return obj
+
+
+def read_json(path: str | Path, kind: str) -> Any:
+    """A JSON file's content; UserError (one line) when it cannot be read or parsed."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {kind} {str(path)!r}: {exc.__class__.__name__}: {exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{str(path)!r} is not valid JSON ({exc.msg} at line {exc.lineno}); the {kind} is damaged") from None
+
+
+def load(model: type[R], path: str | Path) -> R:
+    """Read and validate one JSON file as ``model``."""
+    return parse(model, read_json(path, model.KIND), repr(str(path)))
+
+
+def load_manifest(path: str | Path) -> RunManifest:
+    return load(RunManifest, path)
+
+
+def load_aa(path: str | Path) -> AARecord:
+    return load(AARecord, path)
+
+
+def load_verdict(path: str | Path) -> VerdictRecord:
+    """``gate.json`` as a VerdictRecord (refuses an unknown schema_version in one line)."""
+    return load(VerdictRecord, path)
+
+
+def parse_item(task: str, data: Any, source: str) -> ItemRecord:
+    return parse(item_model(task), data, source)
+
+
+def to_jsonable(obj: Any) -> Any:
+    """``obj`` as JSON would give it back: tuples as lists, sets sorted, numpy scalars as numbers, other as str."""
+    def default(o):
+        if isinstance(o, (set, frozenset)):
+            return sorted(o, key=str)
+        if hasattr(o, "item"):  # numpy scalars
+            return o.item()
+        return str(o)
+
+    return json.loads(json.dumps(obj, default=default, ensure_ascii=False))
+
+
+def dump(model: type[R], data: dict | R) -> dict:
+    """The dict to write for ``data`` (a model, or a dict in the current or an older version).
+
+    Validates first; a wrong type here is a bug in the writer (pydantic's ValidationError, not a UserError).
+    """
+    if isinstance(data, model):
+        return data.to_dict()
+    data = to_jsonable(data)
+    version = version_of(data, f"{model.KIND} to write", model.KIND)
+    return model.model_validate(migrate(data, version)).to_dict()
+
+
+def dump_manifest(data: dict | RunManifest) -> dict:
+    return dump(RunManifest, data)
+
+
+def dump_item(task: str, data: dict | ItemRecord) -> dict:
+    return dump(item_model(task), data)
+
+
+def dump_aa(data: dict | AARecord) -> dict:
+    return dump(AARecord, data)
+
+
+def dump_verdict(data: dict | VerdictRecord) -> dict:
+    """What ``gate.json`` holds for ``Verdict.to_dict()``: validated, with ``"schema_version": 2``."""
+    return dump(VerdictRecord, data)
+
+
+def verdict_json(data: dict | VerdictRecord) -> str:
+    """The text of ``gate.json`` (indented, in the field order of Verdict.to_dict(), newline-terminated)."""
+    return json.dumps(dump_verdict(data), indent=2, ensure_ascii=False) + "\n"
