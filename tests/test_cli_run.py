@@ -49,6 +49,9 @@ def test_run_writes_manifest_and_one_record_per_item(tiny_model, cli_env, tmp_pa
             assert field in r
     df = load_run(out).samples("gsm8k")
     assert list(df["doc_id"]) == [0, 1, 2, 3] and "exact_match,strict-match" in df.columns
+    # stderr holds the progress lines only: no third-party import warnings (torchao, torch pytree)
+    noise = [line for line in proc.stderr.splitlines() if not line.startswith("gsm8k [bf16]:")]
+    assert noise == []
 
 
 @pytest.mark.slow

@@ -5,12 +5,18 @@ Every command lives in its own module beside this one and is registered here, by
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import click
 
 from evalgate.cli import baseline, calibrate, gate, kernels, report, run, selftest, serve
 from evalgate.errors import UserError
+
+# Import-time chatter of optional third-party parts (torchao's CUDA extensions on a CPU machine, torch's
+# pytree deprecation notice from torchao) is not the user's business; their errors still show.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 
 class EvalgateGroup(click.Group):
