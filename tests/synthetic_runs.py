@@ -66,7 +66,7 @@ def humaneval_record(i: int, right: bool, failure: str, variant: str) -> dict:
         body = f"    return sum(xs +  # {variant}\n"
     stderr = "" if right else ("Traceback (most recent call last):\n  File \"program.py\", line 9, in <module>\n"
                                f"    check(f_{i})\nAssertionError: <got {i}>\n")
-    return {"doc_id": f"HumanEval/{i}", "task_id": f"HumanEval/{i}", "resps": body,
+    return {"doc_id": f"HumanEval/{i}", "task_id": f"HumanEval/{i}", "entry_point": f"f_{i}", "resps": body,
             "program": prompt + body + f"\n\ndef check(candidate):\n    assert candidate([1]) == 1\n\ncheck(f_{i})",
             "pass@1": 1.0 if right else 0.0, "passed": right, "failure_class": "passed" if right else failure,
             "result": "passed" if right else f"failed: {failure}", "stderr": stderr,

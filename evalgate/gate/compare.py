@@ -159,7 +159,7 @@ class Pairing:
             if bs == cs:
                 continue
             row = {"doc_id": doc_id, "direction": "lost" if bs > cs else "gained",
-                   "question": br.get("question") or br.get("task_id"), "gold": br.get("target"),
+                   "question": item_question(br), "gold": item_gold(br),
                    "base_extracted": _extracted(br), "cand_extracted": _extracted(cr),
                    "base_correct": bs, "cand_correct": cs,
                    "base_finish_reason": br.get("finish_reason"), "cand_finish_reason": cr.get("finish_reason"),
@@ -200,6 +200,24 @@ class Pairing:
 FLIP_COLUMNS = ["doc_id", "direction", "question", "gold", "base_extracted", "cand_extracted", "base_correct",
                 "cand_correct", "base_finish_reason", "cand_finish_reason", "base_failure_class",
                 "cand_failure_class", "flips_in_aa", "base_response", "cand_response"]
+
+
+def item_question(record: dict) -> str | None:
+    """What a flip row names the item by: GSM8K's question; for HumanEval the id and the function's
+    signature line (the prompt's ``def <entry_point>(...)``), read from the stored program."""
+    if record.get("question"):
+        return record["question"]
+    task_id, entry = record.get("task_id"), record.get("entry_point")
+    signature = next((line.strip() for line in (record.get("program") or "").splitlines()
+                      if entry and line.startswith(f"def {entry}(")), None)
+    return f"{task_id}: {signature}" if task_id and signature else task_id
+
+
+def item_gold(record: dict) -> str | None:
+    """What the item is checked against: GSM8K's target; for HumanEval the test call on the entry point."""
+    if record.get("target") is not None:
+        return record["target"]
+    return f"check({record['entry_point']})" if record.get("entry_point") else None
 
 
 def extracted_answer(record: dict):

@@ -14,7 +14,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from evalgate.gate.compare import extracted_answer
+from evalgate.gate.compare import extracted_answer, item_gold, item_question
 from evalgate.gate.verdict import run_identity as verdict_identity
 from evalgate.report.rows import paired_rows, task_rows
 
@@ -132,8 +132,8 @@ def item_data(task: str, doc_id, base: dict, cand: dict, metric: str, flips_in_a
             "segments": mark_span(segments, answer_span(response_text(record), answer)),
         }
     bs, cs = sides["base"]["score"], sides["cand"]["score"]
-    return {"task": task, "doc_id": doc_id, "question": base.get("question") or base.get("task_id"),
-            "gold": base.get("target"), "prompt": prompt_of(base), "metric": metric, "flips_in_aa": flips_in_aa,
+    return {"task": task, "doc_id": doc_id, "question": item_question(base), "gold": item_gold(base),
+            "prompt": prompt_of(base), "metric": metric, "flips_in_aa": flips_in_aa,
             "direction": "lost" if bs > cs else "gained" if cs > bs else "same",
             "same_text": response_text(base) == response_text(cand), "base": sides["base"], "cand": sides["cand"]}
 
