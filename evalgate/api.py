@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from evalgate.canary import policy_for
 from evalgate.errors import UserError
@@ -21,7 +22,8 @@ from evalgate.gate.decide import gate_runs
 from evalgate.gate.policy import Thresholds, load_thresholds
 from evalgate.gate.verdict import OverallDecision, Verdict
 from evalgate.report.html import ItemView, comparison_html
-from evalgate.run.baselines import aa_for_baseline
+from evalgate.records import load_verdict
+from evalgate.run.baselines import aa_for_baseline, assemble
 from evalgate.run.store import Run, load_run
 
 SUMMARY_COLUMNS = ["task", "n", "baseline", "candidate", "delta", "ci_low", "ci_high", "b", "c", "p", "verdict"]
@@ -123,12 +125,46 @@ class Comparison(Pairing):
         return comparison_html(self)
 
 
-def compare(baseline, candidate, tasks: list[str] | None = None, metrics: dict[str, str] | None = None,
-            aa_flips: dict[str, set] | None = None, thresholds=None) -> Comparison:
-    """Pair two stored runs (paths or ``Run``s); refuses (``NotComparable``) when they must not be compared.
+def _gate_file(path: Path) -> Path | None:
+    """``gate.json`` of a gate's report folder, or of a run folder the gate wrote into (``<run>/gate/``)."""
+    for candidate in (path / "gate.json", path / "gate" / "gate.json"):
+        if candidate.is_file():
+            return candidate
+    return None
 
-    ``thresholds`` (a policy file or ``Thresholds``) is used when ``summary`` needs statistics.
+
+def _sides(baseline, candidate) -> tuple[Run | list[Path], Run | Path]:
+    """What ``compare`` was given, as (baseline run or baseline folders, candidate): a gate's output folder
+    stands for both sides it decided on."""
+    if candidate is None:
+        found = _gate_file(Path(baseline)) if not isinstance(baseline, (list, tuple, Run)) else None
+        if found is None:
+            raise UserError(f"compare needs a baseline and a candidate, or a gate's output folder (with gate.json); "
+                            f"{baseline!r} is neither")
+        record = load_verdict(found)
+        if record.candidate is None:
+            raise UserError(f"{found} decided against an aggregate-only baseline: there are no items to pair")
+        dirs = record.baseline_dirs or [record.baseline.path]
+        return [Path(d) for d in dirs], Path(record.candidate.path)
+    if isinstance(baseline, (list, tuple)):
+        return [Path(b) for b in baseline], candidate
+    return baseline, candidate
+
+
+def compare(baseline, candidate=None, tasks: list[str] | None = None, metrics: dict[str, str] | None = None,
+            aa_flips: dict[str, set] | None = None, thresholds=None) -> Comparison:
+    """Pair two stored runs; refuses (``NotComparable``) when they must not be compared.
+
+    ``baseline`` is a run or baseline folder, a ``Run``, or a list of per-task baseline folders (as stored
+    by ``evalgate calibrate``); ``compare(gate_dir)`` alone pairs what a gate decided on (its ``gate/``
+    folder or the run folder holding it). ``thresholds`` (a policy file or ``Thresholds``) is used when
+    ``summary`` needs statistics.
     """
+    baseline, candidate = _sides(baseline, candidate)
+    if isinstance(baseline, list):
+        if aa_flips is None:
+            aa_flips = {t: a["flips"] for t, a in aa_for_baseline(baseline).items()}
+        baseline = assemble(baseline)
     pairing = pair_runs(baseline, candidate, tasks=tasks, metrics=metrics, aa_flips=aa_flips)
     return Comparison(pairing.baseline, pairing.candidate, pairing.pairs, pairing.aa_flips, thresholds=thresholds)
 

@@ -355,6 +355,7 @@ class VerdictRecord(Record):
     aa: dict[str, AATask] = Field(default_factory=dict)
     decision: DecisionRecord | None = None
     unpaired: dict[str, dict[str, Any]] = Field(default_factory=dict)  # aggregate-only baselines
+    baseline_dirs: list[str] = Field(default_factory=list)  # every baseline folder (one per task); absent before
     baseline: RunIdentity | None = None  # absent when there was no paired comparison
     candidate: RunIdentity | None = None
     flips: dict[str, list[FlipRow]] | None = None

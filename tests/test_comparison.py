@@ -130,3 +130,25 @@ def test_report_html_for_an_aggregate_only_baseline(tmp_path):
     verdict = gate_runs(published, cand, str(policy(tmp_path, margin=5.0, paired="false")))
     page = report_html(verdict)
     assert "unpaired" in page and verdict.verdict in page and 'id="flips"' not in page
+
+
+def test_compare_takes_a_gates_output_and_per_task_baselines(runs, tmp_path):
+    # what a notebook user has after `evalgate gate`: per-task baseline folders, and the gate's own folder
+    from evalgate.report.outputs import write_outputs
+    from evalgate.run.baselines import record
+
+    dirs = record(runs[0], tmp_path / "baselines")
+    assert len(dirs) == 2  # one stored baseline per task
+    by_list = evalgate.compare(dirs, runs[1])
+    assert by_list.tasks == ["gsm8k", "humaneval"]
+    direct = evalgate.compare(runs[0], runs[1])
+    for task in direct.tasks:
+        assert list(by_list.flips(task)["doc_id"]) == list(direct.flips(task)["doc_id"])
+    verdict = evalgate.decide(dirs, runs[1], str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
+    write_outputs(verdict, runs[1] / "gate")
+    for folder in (runs[1], runs[1] / "gate"):
+        from_gate = evalgate.compare(folder)
+        assert from_gate.tasks == direct.tasks and str(from_gate.candidate.path) == str(runs[1])
+        assert list(from_gate.flips("humaneval")["doc_id"]) == list(direct.flips("humaneval")["doc_id"])
+    with pytest.raises(UserError, match="gate's output folder"):
+        evalgate.compare(tmp_path)

@@ -106,10 +106,11 @@ def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = 
     cand_run = candidate if isinstance(candidate, Run) else load_run(candidate)
     policy = thresholds if isinstance(thresholds, Thresholds) else load_thresholds(thresholds)
     if base_run.manifest.get("aggregate_only"):
-        return decide_unpaired(base_run, cand_run, policy)
+        return replace(decide_unpaired(base_run, cand_run, policy), baseline_dirs=[str(d) for d in dirs])
     tasks = [t for t in cand_run.tasks if t in base_run.manifest.get("tasks", {})]
     missing = [t for t in cand_run.tasks if t not in tasks]
     if missing:
         raise NotComparable(f"the baseline has no {', '.join(missing)}; record a baseline for every task the candidate ran")
     pairing = compare(base_run, cand_run, tasks=tasks, metrics={t: policy.task(t).metric for t in tasks})
-    return decide(pairing, policy, aa=aa_for_baseline(dirs), require_aa=not allow_uncalibrated)
+    verdict = decide(pairing, policy, aa=aa_for_baseline(dirs), require_aa=not allow_uncalibrated)
+    return replace(verdict, baseline_dirs=[str(d) for d in dirs])

@@ -191,6 +191,7 @@ class Verdict:
     aa: dict = field(default_factory=dict)  # task -> A/A summary used (psi0, n, flips)
     notes: list[str] = field(default_factory=list)
     unpaired: dict = field(default_factory=dict)  # task -> UnpairedResult.to_dict() (aggregate-only baselines)
+    baseline_dirs: list[str] = field(default_factory=list)  # every baseline folder decided against (one per task)
 
     def to_dict(self) -> dict:
         cmp = self.comparison
@@ -205,6 +206,7 @@ class Verdict:
                    for t, a in self.aa.items()},
             "decision": self.decision.to_dict() if self.decision is not None else None,
             "unpaired": self.unpaired,
+            "baseline_dirs": self.baseline_dirs,
         }
         if cmp is not None:
             out["baseline"] = run_identity(cmp.baseline)
