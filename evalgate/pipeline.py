@@ -74,7 +74,8 @@ def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path = DEFAUL
     if missing:
         how = (f"`evalgate calibrate --model {spec.model} --kernel {baseline_kernel}` (runs it twice and records it)"
                if adapter is None else
-               f"`evalgate run` on a server with --kernel {baseline_kernel}, then `evalgate baseline record RUN`")
+               f"`evalgate calibrate --server URL --kernel {baseline_kernel}` (or --launch ENGINE; runs it twice "
+               "on the server and records it)")
         raise UserError(f"no stored {baseline_kernel} baseline for this model and the {', '.join(missing)} profile(s) "
                         f"under {root}; create one with {how}")
     out = out or gate_out(spec.kernel)
@@ -83,15 +84,27 @@ def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path = DEFAUL
     return verdict, run_dir
 
 
+def calibration_stamp() -> str:
+    """The time stamp that names one calibration's runs (and a launched server's log folder)."""
+    return _stamp()
+
+
 def calibrate(spec: RunSpec, root: Path = DEFAULT_ROOT, runs_dir: Path = Path("results/runs"),
-              thresholds_path: str | None = None, second_batch_size: int | None = None) -> dict:
-    """A/A: the baseline kernel twice (the second time with another batch size and the items in reverse
-    order). Records the first run as the baseline if none is stored, then stores ψ0, Δ̂0, the flip set and
-    the A/A verdict next to each task's baseline."""
+              thresholds_path: str | None = None, second_batch_size: int | None = None, adapter=None,
+              stamp: str | None = None) -> dict:
+    """A/A: the baseline kernel twice (the second time with the items in reverse order and another batch
+    size in-process, or half the concurrency on a server). Records the first run as the baseline if none is
+    stored, then stores ψ0, Δ̂0, the flip set and the A/A verdict next to each task's baseline.
+
+    ``adapter`` (a server adapter) runs both on that server: the second run reversed, as in-process."""
+    import copy
+
     thresholds = load_thresholds(thresholds_path)
-    baselines = stored_baselines(spec, spec.kernel, root)
+    baselines = stored_baselines(spec, spec.kernel, root, adapter)
+    stamp = stamp or _stamp()
+    name = f"calibrate-{stamp}-{spec.kernel.replace('/', '_')}"
     if any(d is None for d in baselines.values()):
-        first = run_or_resume(spec, runs_dir / f"calibrate-{_stamp()}-{spec.kernel}-A")
+        first = run_or_resume(spec, runs_dir / f"{name}-A", adapter=adapter)
         todo = [t for t, d in baselines.items() if d is None]
         for path in record(first, root, tasks=todo):
             baselines[load_run(path).tasks[0]] = path
@@ -99,7 +112,14 @@ def calibrate(spec: RunSpec, root: Path = DEFAULT_ROOT, runs_dir: Path = Path("r
 
     other = second_batch_size or (spec.batch_size * 2 if spec.batch_size < 8 else max(1, spec.batch_size // 2))
     second_spec = replace(spec, batch_size=other, order="reverse")
-    second = run_or_resume(second_spec, runs_dir / f"calibrate-{_stamp()}-{spec.kernel}-B")
+    second_adapter = adapter
+    second_run = {"batch_size": other, "order": "reverse"}
+    if adapter is not None:
+        second_adapter = copy.copy(adapter)
+        second_adapter.concurrency = max(1, adapter.concurrency // 2)
+        second_run = {"batch_size": other, "order": "reverse", "concurrency": second_adapter.concurrency,
+                      "server": adapter.url}
+    second = run_or_resume(second_spec, runs_dir / f"{name}-B", adapter=second_adapter)
     results = {}
     for task, base_dir in baselines.items():
         cmp = compare(base_dir, second, tasks=[task], metrics={task: thresholds.task(task).metric})
@@ -109,7 +129,7 @@ def calibrate(spec: RunSpec, root: Path = DEFAULT_ROOT, runs_dir: Path = Path("r
                                       cmp.pairs[task].correct("cand")) if b != c]
         entry = {"psi0": dec.flip_rate, "delta0": dec.delta, "n": dec.counts.n, "b": dec.counts.b,
                  "c": dec.counts.c, "flips": flips, "verdict": dec.verdict, "reasons": list(dec.reasons),
-                 "second_run": {"path": str(second), "batch_size": other, "order": "reverse"},
+                 "second_run": {"path": str(second), **second_run},
                  "first_batch_size": load_run(base_dir).manifest.get("spec", {}).get("batch_size")}
         aa = {"tasks": {task: entry}, "thresholds_sha256": thresholds.sha256,
               "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}

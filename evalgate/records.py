@@ -311,10 +311,18 @@ class TaskDecisionRecord(Part):
     task: str | None = None
     reasons: list[str] = Field(default_factory=list)
     warnings: list[str] | None = None
+    # what the data can resolve and what was enforced (issue 14; absent in older gate.json files)
+    n_samples: int | None = None  # k, samples per item
+    mde: float | None = None  # minimum detectable effect at 80% power, a fraction
+    margin_requested: float | None = None
+    margin_enforced: float | None = None
+    aa_psi0: float | None = None  # the A/A flip structure ψ₀ and its one-sided upper bound
+    aa_psi0_upper: float | None = None
+    aa_n: int | None = None  # items the A/A calibration rests on
 
 
 class DecisionRecord(Part):
-    verdict: Literal["PASS", "FAIL"]
+    verdict: Literal["PASS", "FAIL", "INCONCLUSIVE"]  # INCONCLUSIVE: exit 3 (docs/gate.md#exit-codes)
     spec_verdict: str | None = None
     reasons: list[str] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
@@ -348,7 +356,7 @@ class VerdictRecord(Record):
 
     KIND: ClassVar[str] = "gate verdict"
 
-    verdict: Literal["PASS", "FAIL"]
+    verdict: Literal["PASS", "FAIL", "INCONCLUSIVE"]
     exit_code: int
     notes: list[str] = Field(default_factory=list)
     thresholds: ThresholdsRef

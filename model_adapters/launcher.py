@@ -4,8 +4,11 @@ The server picks the MoE kernel from ``DG_*`` variables read at start (docs/kern
 environment *is* the kernel choice. ``plan_launch`` builds the command line and environment as plain data
 (testable without SGLang) and refuses recipes that would run other numerics than the kernel named:
 the docs/kernels.md#the-packed-fp4-hazard hazard (``DG_MEGA_MOE_FP4`` without ``DG_USE_FP4_ACTS``), FP8 combine (docs/kernels.md#not-emulated), and inherited variables
-that would silently select another kernel. ``ServerProcess`` runs the plan as a child process group, waits
-for health, logs to ``server.log`` and always stops the group again (error, Ctrl-C, SIGTERM).
+that would silently select another kernel. By default the engine also runs in its deterministic
+(batch-invariant) mode, so dynamic batching cannot flip answers between A/A runs: SGLang
+``--enable-deterministic-inference``, vLLM ``VLLM_BATCH_INVARIANT=1`` (``DETERMINISTIC``; ``--no-deterministic``
+opts out, recorded). ``ServerProcess`` runs the plan as a child process group, waits for health, logs to
+``server.log`` and always stops the group again (error, Ctrl-C, SIGTERM).
 """
 
 from __future__ import annotations
@@ -37,6 +40,21 @@ SELECTING_VARS = ("DG_USE_FP4_ACTS", "DG_MEGA_MOE_FP4", "DG_USE_MXF4_KIND",
 # forwards the flag to DeepGEMM with setdefault (docs/kernels.md#environment-variables). Set both so SGLang and DeepGEMM agree.
 SGLANG_FLAGS = {"DG_USE_FP4_ACTS": "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS",
                 "DG_USE_MXF4_KIND": "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_MXF4_KIND"}
+# Each engine's deterministic (batch-invariant) mode, as its documentation names it:
+#   SGLang: docs/advanced_features/deterministic_inference.md, server argument `--enable-deterministic-inference`
+#           (ServerArgs.enable_deterministic_inference; since 0.5.3; FlashInfer, FA3 or Triton attention)
+#   vLLM:   docs/features/batch_invariance.md, environment variable `VLLM_BATCH_INVARIANT=1` (since 0.11.1;
+#           compute capability >= 8.0 in v0.32 docs, >= 9.0 in "latest")
+DETERMINISTIC = {
+    "sglang": {"flag": "--enable-deterministic-inference", "env": None, "since": "0.5.3",
+               "doc": "https://docs.sglang.io/advanced_features/deterministic_inference.html"},
+    "vllm": {"flag": None, "env": ("VLLM_BATCH_INVARIANT", "1"), "since": "0.11.1",
+             "doc": "https://docs.vllm.ai/en/stable/features/batch_invariance/"},
+}
+ENGINE_DISTRIBUTIONS = {"sglang": "sglang", "vllm": "vllm"}
+# Launch variables recorded beside the kernel's: the engines' own switches and what changes GPU numerics.
+ENGINE_ENV_PREFIXES = ("DG_", "SGLANG_", "VLLM_", "NCCL_", "TORCH_", "CUBLAS", "CUDA_", "NVIDIA_", "FLASHINFER_")
+SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
 # The variant of W4A4-old that uses kind::mxf4 (docs/kernels.md#kernels-at-a-glance): allowed from the environment when FP4 activations are on.
 OPTIONAL_WITH_FP4_ACTS = ("DG_USE_MXF4_KIND", "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_MXF4_KIND")
 
@@ -49,6 +67,41 @@ def is_on(value: str | None) -> bool:
 def logged_env(env: dict[str, str]) -> dict[str, str]:
     """Every variable that can change kernel numerics, for the manifest (docs/kernels.md#the-packed-fp4-hazard: log every DG_* variable)."""
     return {k: v for k, v in sorted(env.items()) if k.startswith(("DG_", "SGLANG_OPT_DEEPGEMM", "VLLM_DEEPGEMM"))}
+
+
+def engine_env(env: dict[str, str]) -> dict[str, str]:
+    """The launch environment's engine switches and numerics-relevant variables for the manifest (never
+    anything that looks like a credential)."""
+    return {k: v for k, v in sorted(env.items())
+            if k.startswith(ENGINE_ENV_PREFIXES) and not any(w in k.upper() for w in SECRET_WORDS)}
+
+
+def _version_tuple(version: str) -> tuple:
+    import re
+
+    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def deterministic_setup(engine: str, on: bool, extra_args, env: dict[str, str]) -> tuple[list[str], dict, dict]:
+    """(arguments to add, variables to set, the manifest's record) for ``engine``'s deterministic mode.
+
+    On: SGLang gets ``--enable-deterministic-inference`` (unless already among the server arguments), vLLM
+    ``VLLM_BATCH_INVARIANT=1`` (over any inherited value). Off (``--no-deterministic``): nothing is added; the
+    record says whether the mode is on anyway (the flag after ``--``, an inherited variable)."""
+    spec = DETERMINISTIC[engine]
+    args, variables = [], {}
+    if spec["flag"]:
+        present = spec["flag"] in extra_args
+        if on and not present:
+            args.append(spec["flag"])
+        effective, how = on or present, spec["flag"]
+    else:
+        name, value = spec["env"]
+        if on:
+            variables[name] = value
+        effective, how = (on or is_on(env.get(name))), f"{name}={value}"
+    record = {"requested": on, "on": effective, "how": how, "engine_min_version": spec["since"], "doc": spec["doc"]}
+    return args, variables, record
 
 
 def kernel_env(kernel: Kernel, engine: str) -> dict[str, str]:
@@ -108,6 +161,7 @@ class LaunchPlan:
     port: int
     kernel: str
     warnings: list[str] = field(default_factory=list)
+    deterministic: dict = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -115,7 +169,9 @@ class LaunchPlan:
 
     def record(self) -> dict:
         """What the manifest keeps: the command, the kernel-selecting variables, the installed DeepGEMM."""
-        return {"engine": self.engine, "argv": self.argv, "url": self.url, "kernel_env": logged_env(self.env),
+        return {"engine": self.engine, "engine_version": installed_version(ENGINE_DISTRIBUTIONS[self.engine]),
+                "argv": self.argv, "url": self.url, "deterministic": self.deterministic,
+                "kernel_env": logged_env(self.env), "engine_env": engine_env(self.env),
                 "sgl_deep_gemm": installed_version("sgl-deep-gemm"), "warnings": self.warnings}
 
 
@@ -129,8 +185,10 @@ def installed_version(dist: str) -> str:
 
 
 def plan_launch(engine: str, model: str, kernel: Kernel, port: int, host: str = "127.0.0.1",
-                extra_args: tuple[str, ...] | list[str] = (), base_env: dict[str, str] | None = None) -> LaunchPlan:
-    """The command line and environment that start ``engine`` serving ``model`` with ``kernel`` (pure)."""
+                extra_args: tuple[str, ...] | list[str] = (), base_env: dict[str, str] | None = None,
+                deterministic: bool = True) -> LaunchPlan:
+    """The command line and environment that start ``engine`` serving ``model`` with ``kernel`` (pure), in the
+    engine's deterministic mode unless ``deterministic`` is False."""
     if engine not in ENGINES:
         raise UserError(f"unknown --launch engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     base_env = dict(os.environ if base_env is None else base_env)
@@ -138,18 +196,29 @@ def plan_launch(engine: str, model: str, kernel: Kernel, port: int, host: str = 
         if arg.split("=", 1)[0] in ("--port", "--host", "--model-path", "--model"):
             raise UserError(f"{arg.split('=', 1)[0]} after `--` is chosen by evalgate; drop it from the server arguments")
     env = child_environment(kernel, engine, base_env)
+    det_args, det_env, det_record = deterministic_setup(engine, deterministic, extra_args, env)
+    env.update(det_env)
     override = base_env.get(f"EVALGATE_{engine.upper()}_COMMAND")
     program = shlex.split(override) if override else list(DEFAULT_PROGRAMS[engine])
     if engine == "sglang":
-        argv = [*program, "--model-path", model, "--host", host, "--port", str(port), *extra_args]
+        argv = [*program, "--model-path", model, "--host", host, "--port", str(port), *det_args, *extra_args]
     else:
-        argv = [*program, model, "--host", host, "--port", str(port), *extra_args]
+        argv = [*program, model, "--host", host, "--port", str(port), *det_args, *extra_args]
     warnings = []
+    installed = installed_version(ENGINE_DISTRIBUTIONS[engine])
+    if det_record["on"] and not override and installed != "not installed" \
+            and _version_tuple(installed) < _version_tuple(det_record["engine_min_version"]):
+        warnings.append(f"{engine} {installed} predates its deterministic mode ({det_record['how']}, "
+                        f"{engine} >= {det_record['engine_min_version']}); upgrade it or pass --no-deterministic")
+    if not det_record["on"]:
+        warnings.append(f"{engine} runs without its deterministic mode (--no-deterministic): dynamic batching "
+                        "can make A/A runs disagree (psi0 > 0)")
     mega_moe = "megamoe" in " ".join(extra_args) or is_on(env.get("SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE"))
     if engine == "sglang" and kernel.env and not mega_moe:
         warnings.append("DG_* variables act only on SGLang's mega-MoE path: pass `-- --moe-a2a-backend megamoe` "
                         "(or set SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE=1), or the kernel choice has no effect")
-    return LaunchPlan(engine=engine, argv=argv, env=env, host=host, port=port, kernel=kernel.name, warnings=warnings)
+    return LaunchPlan(engine=engine, argv=argv, env=env, host=host, port=port, kernel=kernel.name, warnings=warnings,
+                      deterministic=det_record)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -276,7 +345,8 @@ def _signal_group(pgid: int, sig: int) -> None:
 @contextlib.contextmanager
 def served_adapter(kernel: str, out: Path, server: str | None = None, launch: str | None = None,
                    model: str | None = None, model_id: str | None = None, server_args: tuple[str, ...] = (),
-                   launch_timeout: float = 1800.0, **client_options):
+                   launch_timeout: float = 1800.0, deterministic: bool = True, resume_hint: bool = True,
+                   **client_options):
     """The adapter of a server run: the server at ``server``, or one launched here for the run's lifetime.
 
     Yields None when neither is asked for (the runner's in-process default). A server failure names the run
@@ -293,17 +363,21 @@ def served_adapter(kernel: str, out: Path, server: str | None = None, launch: st
         return
     try:
         if server:
-            yield OpenAIAdapter(server, kernel, model_id=model_id, **client_options)
+            yield OpenAIAdapter(server, kernel, model_id=model_id, deterministic=deterministic, **client_options)
             return
         if not model:
             raise UserError(f"--launch {launch} needs --model: the checkpoint path the server loads")
         from evalgate.kernels import get_kernel
 
-        plan = plan_launch(launch, model, get_kernel(kernel), free_port(), extra_args=tuple(server_args))
+        plan = plan_launch(launch, model, get_kernel(kernel), free_port(), extra_args=tuple(server_args),
+                           deterministic=deterministic)
         for warning in plan.warnings:
             print(f"evalgate: warning: {warning}", file=sys.stderr)
         with ServerProcess(plan, Path(out) / "server.log", health_timeout_s=launch_timeout) as proc:
             record = {**plan.record(), "log": str(Path(out) / "server.log"), "ready_s": round(proc.ready_s, 1)}
-            yield OpenAIAdapter(plan.url, kernel, model_id=model_id, launch=record, **client_options)
+            yield OpenAIAdapter(plan.url, kernel, model_id=model_id, launch=record, deterministic=deterministic,
+                                **client_options)
     except ServerError as exc:
+        if not resume_hint:
+            raise
         raise ServerError(f"{exc} --out {out}", exc.finished) from None

@@ -1,14 +1,19 @@
 """OpenAI-compatible server adapter (SGLang, vLLM, `evalgate serve`): same interface as ``HFAdapter``.
 
-Greedy completions (chat completions for chat profiles), a bounded pool of concurrent requests, retries
-with exponential backoff on what a restart or a retry can fix (connection errors, timeouts, 5xx, 429,
-malformed JSON), then one clear error. Items that finished before a failure are handed back on the
-exception (``exc.finished``) so the runner stores them; ``--resume`` redoes only the rest.
+Greedy completions (chat completions for chat profiles) from a bounded pool of in-flight requests that
+refills as each request finishes (``dispatch``: continuous, never batch-synchronous), retries with
+exponential backoff on what a restart or a retry can fix (connection errors, timeouts, 5xx, 429, malformed
+JSON), then one clear error. Every request carries its own seed, derived from the run seed, the item and
+the sample index (``request_seed``). Items that finished before a failure are handed over as they finish
+(``dispatch``) or on the exception (``generate``: ``exc.finished``), so the runner stores them and
+``--resume`` redoes only the rest.
 
 A server has no local checkpoint, so the model identity (``fingerprint``) is built from what the server
 says about itself. The kernel of a remote server cannot be verified: the manifest records the kernel
 claimed, the server's reported settings, and ``kernel_verified: false`` (``true`` only when the server is
-``evalgate serve`` and reports that very kernel).
+``evalgate serve`` and reports that very kernel). What the server says about its deterministic mode (SGLang's
+``enable_deterministic_inference``, or the launch plan when evalgate started it) goes into the manifest;
+evalgate warns when it is off or unknown (docs/serving.md#deterministic-engines).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import json
 import os
 import platform
 import queue
+import sys
 import threading
 import time
+from collections import deque
 from urllib.parse import urlsplit
 
 from evalgate.version import __version__
@@ -33,9 +40,11 @@ from evalgate.types import Generation, Request
 # memory-dependent sizes are left out so a restarted server keeps its identity.
 IDENTITY_KEYS = ("model_path", "tokenizer_path", "revision", "dtype", "quantization", "kv_cache_dtype",
                  "load_format", "tp_size", "dp_size", "ep_size", "pp_size", "enable_dp_attention",
-                 "moe_a2a_backend", "moe_runner_backend", "attention_backend", "speculative_algorithm", "version")
+                 "moe_a2a_backend", "moe_runner_backend", "attention_backend", "speculative_algorithm", "version",
+                 "enable_deterministic_inference")
 STOP_REASONS = {"stop": "stop", "eos": "stop", "content_filter": "stop", "tool_calls": "stop",
                 "function_call": "stop", "length": "length"}
+RESUME_HINT = "finished items are saved, restart the server and rerun with --resume"
 API_KEY_ENV = "EVALGATE_SERVER_API_KEY"  # sent as a bearer token when set; never recorded
 
 
@@ -55,6 +64,17 @@ class _Aborted(Exception):
     """Another request failed for good: stop this one."""
 
 
+def request_seed(run_seed: int, doc_id, sample: int = 0) -> int:
+    """The seed sent with one (item, sample) request: a stable 31-bit hash of the run seed, the item's doc id
+    and the sample index, so a sample draws the same randomness whatever the batch, order or kernel (on
+    engines that honour per-request seeds: docs/serving.md#per-request-seeds)."""
+    digest = hashlib.sha256(f"evalgate-seed-1:{run_seed}:{doc_id!r}:{sample}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+SEED_RULE = "sha256('evalgate-seed-1:{run seed}:{doc_id!r}:{sample}')[:4] & 0x7fffffff"
+
+
 def normalize_url(url: str) -> str:
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -65,14 +85,18 @@ def normalize_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
+def _warn(message: str) -> None:
+    print(f"evalgate: warning: {message}", file=sys.stderr, flush=True)
+
+
 class OpenAIAdapter:
     """Generates for evalgate's requests through an OpenAI-compatible HTTP API."""
 
     kind = "openai"
 
-    def __init__(self, url: str, kernel_name: str, model_id: str | None = None, concurrency: int = 8,
+    def __init__(self, url: str, kernel_name: str, model_id: str | None = None, concurrency: int = 64,
                  request_timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0, batch_size: int = 8,
-                 seed: int = 0, launch: dict | None = None):
+                 seed: int = 0, launch: dict | None = None, deterministic: bool = True):
         t0 = time.perf_counter()
         self.url = normalize_url(url)
         self.kernel = get_kernel(kernel_name)
@@ -84,17 +108,22 @@ class OpenAIAdapter:
         self.batch_size = batch_size
         self.seed = seed
         self.launch = launch
+        self.deterministic_requested = deterministic
+        self.warnings: list[str] = []
         parts = urlsplit(self.url)
         self._conn_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         self._netloc, self._prefix = parts.netloc, parts.path
         self.described = self._describe_server()
         self.served_model = self._pick_served_model(self.described["models"])
+        self.determinism = self._determinism()
+        for warning in self.warnings:
+            _warn(warning)
         self.load_s = time.perf_counter() - t0
 
     # ---- what the server says about itself ----
 
     def _describe_server(self) -> dict:
-        models = self._get_json("/v1/models", required=True)
+        models = self._model_list()
         server_info = None
         for path in ("/server_info", "/get_server_info"):  # SGLang (newer, older); absent on vLLM
             server_info = self._get_json(path)
@@ -104,23 +133,57 @@ class OpenAIAdapter:
                 "model_info": self._get_json("/get_model_info"),  # SGLang
                 "version": self._get_json("/version")}  # vLLM (SGLang has it too)
 
+    def _model_list(self):
+        """``/v1/models``. With ``--model-id`` a server whose list fails (``transformers serve`` answers 500
+        without a hub cache) is still used: the id given is what requests name. Unreachable is an error."""
+        if self.model_id is not None:
+            try:
+                status, body = self._http("GET", "/v1/models", None)
+            except (OSError, http.client.HTTPException):
+                status, body = None, b""  # unreachable: the retrying call below says so clearly
+            if status is not None:
+                try:
+                    models = json.loads(body) if status == 200 else None
+                except ValueError:
+                    models = None
+                if models is None:
+                    answer = " ".join(filter(None, (f"HTTP {status}", _error_text(body))))
+                    self.warnings.append(f"server {self.url}: /v1/models answered {answer}; "
+                                         f"using --model-id {self.model_id!r} as given")
+                return models
+        return self._call("/v1/models", None, None, what="the model list", parse=lambda d: d)[0]
+
     def _pick_served_model(self, models) -> str:
+        if models is None and self.model_id is not None:
+            return self.model_id
         try:
             ids = [m["id"] for m in models["data"]]
         except (KeyError, TypeError):
+            if self.model_id is not None:
+                self.warnings.append(f"server {self.url}: /v1/models answered {str(models)[:120]!r}, not an OpenAI "
+                                     f"model list; using --model-id {self.model_id!r} as given")
+                return self.model_id
             raise UserError(f"server {self.url}: /v1/models answered {str(models)[:200]!r}, not an OpenAI model list") from None
-        if self.model_id in ids:
+        if self.model_id is not None:  # the id given is what requests name, whatever the list says
+            if self.model_id not in ids:
+                self.warnings.append(f"server {self.url} lists {len(ids)} model(s) ({', '.join(ids) or 'none'}), not "
+                                     f"--model-id {self.model_id!r}; sending {self.model_id!r} as given")
             return self.model_id
         if len(ids) == 1:
             return ids[0]
         raise UserError(f"server {self.url} serves {len(ids)} models ({', '.join(ids) or 'none'}); "
                         "pass --model-id one of them")
 
+    def _models_data(self) -> list:
+        models = self.described["models"]
+        data = models.get("data") if isinstance(models, dict) else None
+        return data if isinstance(data, list) else []
+
     def identity(self) -> dict:
         """What makes two server runs the same model: names, path, numerics-relevant settings, versions."""
         info = self.described["server_info"] or {}
         model_info = self.described["model_info"] if isinstance(self.described["model_info"], dict) else {}
-        entry = next((m for m in self.described["models"]["data"] if m.get("id") == self.served_model), {})
+        entry = next((m for m in self._models_data() if isinstance(m, dict) and m.get("id") == self.served_model), {})
         settings = {k: info[k] for k in IDENTITY_KEYS if k in info}
         version = self.described["version"]
         return {
@@ -131,6 +194,33 @@ class OpenAIAdapter:
             "server_version": version.get("version") if isinstance(version, dict) else None,
             "evalgate_model_fingerprint": ((info.get("evalgate") or {}).get("model") or {}).get("fingerprint"),
         }
+
+    def _determinism(self) -> dict:
+        """Is the server in its deterministic (batch-invariant) mode? From the launch plan when evalgate started
+        it, else from what the server reports (SGLang's ``enable_deterministic_inference``); vLLM does not say."""
+        info = self.described["server_info"] or {}
+        reported = info.get("enable_deterministic_inference")
+        reported = reported if isinstance(reported, bool) else None
+        launched = (self.launch or {}).get("deterministic") if self.launch else None
+        if launched is not None:
+            state = "on" if launched.get("on") else "off"
+            source = f"launch: {launched.get('how')}"
+            if reported is not None and reported != launched.get("on"):
+                self.warnings.append(f"server {self.url} reports enable_deterministic_inference={reported}, but "
+                                     f"was launched with deterministic mode {state}")
+                state = "on" if reported else "off"
+        elif reported is not None:
+            state, source = ("on" if reported else "off"), "server_info.enable_deterministic_inference"
+        else:
+            state, source = "unknown", "the server does not report a deterministic mode"
+        out = {"state": state, "requested": self.deterministic_requested, "source": source}
+        if self.deterministic_requested and state != "on":
+            out["warning"] = (f"server {self.url}: deterministic mode is {state}; dynamic batching can make A/A "
+                              "runs disagree (psi0 > 0). Start the server in its deterministic mode (SGLang "
+                              "--enable-deterministic-inference, vLLM VLLM_BATCH_INVARIANT=1) or let evalgate start "
+                              "it (--launch); --no-deterministic records the choice and silences this")
+            self.warnings.append(out["warning"])
+        return out
 
     def _reported_kernel(self) -> str | None:
         info = self.described["server_info"] or {}
@@ -159,71 +249,49 @@ class OpenAIAdapter:
                             "see launch.kernel_env when evalgate launched it"),
             "launch": self.launch,
             "server_reported": self.described,
+            "determinism": self.determinism,
+            "warnings": list(self.warnings),
+            "dispatch": "continuous",
             "concurrency": self.concurrency,
             "request_timeout_s": self.request_timeout,
             "retries": self.retries,
             "batch_size": self.batch_size,
             "seed": self.seed,
+            "seed_rule": SEED_RULE,
             "evalgate_client": __version__,
             "machine": {"platform": platform.platform(), "python": platform.python_version()},
         }
 
     # ---- generation ----
 
+    def dispatch(self, requests: list[Request]) -> "Dispatch":
+        """Continuous dispatch: ``--concurrency`` requests in flight, refilled as each finishes; iterate the
+        result for the (request, generation) pairs in the order they finish."""
+        return Dispatch(self, requests)
+
     def generate(self, requests: list[Request]) -> list[Generation]:
         """One Generation per request, in order; on failure raises with the finished ones on ``exc.finished``."""
-        jobs: queue.Queue = queue.Queue()
-        for i, r in enumerate(requests):
-            jobs.put((i, r))
-        results: queue.Queue = queue.Queue()
-        abort = threading.Event()
-
-        def worker():
-            while not abort.is_set():
-                try:
-                    i, r = jobs.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    results.put((i, self._complete(r, abort), None))
-                except BaseException as exc:  # reported to the main thread, which raises it
-                    if not isinstance(exc, _Aborted):
-                        abort.set()  # start nothing new; requests in flight may still finish and are kept
-                    results.put((i, None, exc))
-
-        # daemon threads: Ctrl-C must not wait for requests in flight
-        threads = [threading.Thread(target=worker, daemon=True, name=f"evalgate-request-{n}")
-                   for n in range(min(self.concurrency, len(requests)))]
-        for t in threads:
-            t.start()
+        index = {id(r): i for i, r in enumerate(requests)}
         finished: dict[int, Generation] = {}
-        failure: tuple[Request, BaseException] | None = None
+        run = self.dispatch(requests)
         try:
-            while any(t.is_alive() for t in threads) or not results.empty():
-                try:
-                    i, gen, exc = results.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                if gen is not None:
-                    finished[i] = gen
-                elif not isinstance(exc, _Aborted) and failure is None:
-                    failure = (requests[i], exc)
-        except BaseException as exc:  # Ctrl-C: hand back what finished
-            abort.set()
+            for chunk in run:
+                for request, gen in chunk:
+                    finished[index[id(request)]] = gen
+        except BaseException as exc:
+            for request, gen in run.close():
+                finished[index[id(request)]] = gen
+            if isinstance(exc, ServerError):
+                raise ServerError(str(exc), finished) from exc.__cause__
             exc.finished = dict(finished)
             raise
-        if failure is not None:
-            request, exc = failure
-            if isinstance(exc, UserError):
-                raise ServerError(str(exc), finished) from None
-            raise ServerError(f"server {self.url}: unexpected failure on item {request.doc_id!r}: "
-                              f"{type(exc).__name__}: {exc}", finished) from exc
         return [finished[i] for i in range(len(requests))]
 
     def _complete(self, request: Request, abort: threading.Event) -> Generation:
         chat = bool(request.messages)
+        sample = getattr(request, "sample", 0) or 0
         payload = {"model": self.served_model, "max_tokens": request.max_new_tokens, "temperature": 0.0,
-                   "top_p": 1.0, "n": 1, "seed": self.seed, "stream": False}
+                   "top_p": 1.0, "n": 1, "seed": request_seed(self.seed, request.doc_id, sample), "stream": False}
         if chat:
             payload["messages"] = [dict(m) for m in request.messages]
         else:
@@ -272,7 +340,7 @@ class OpenAIAdapter:
             except (OSError, http.client.HTTPException) as exc:  # refused, reset, dropped mid-response
                 last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise UserError(f"server {self.url} failed {what} on {path} after {self.retries + 1} attempts: {last}; "
-                        "finished items are saved, restart the server and rerun with --resume")
+                        f"{RESUME_HINT}")
 
     def _http(self, method: str, path: str, payload: dict | None) -> tuple[int, bytes]:
         conn = self._conn_class(self._netloc, timeout=self.request_timeout)
@@ -299,6 +367,132 @@ class OpenAIAdapter:
             return json.loads(body) if status == 200 else None
         except (OSError, http.client.HTTPException, ValueError):
             return None
+
+
+
+class Dispatch:
+    """A bounded pool of in-flight requests that refills as each one finishes (continuous dispatch).
+
+    ``concurrency`` worker threads each take the next request as soon as their previous one is answered, so
+    the server always holds ``concurrency`` requests until the queue runs dry (the tail), and no request waits
+    for a slower neighbour. Iterating yields lists of (request, generation) pairs as they finish (everything
+    finished since the previous yield). A request that fails for good stops new ones from starting; the
+    requests in flight may still finish and are yielded, then ``ServerError`` is raised. ``close()`` stops the
+    pool and returns what finished but was not yet handed over (Ctrl-C). ``stats()`` tells how full the pool
+    was: ``in_flight_at_refill`` holds, for every request started after the first ``concurrency``, how many
+    were in flight once it had started (a finished request and its successor swap places under one lock).
+    An empty list is yielded after ``TICK_S`` seconds without a result.
+    """
+
+    TICK_S = 0.25
+
+    def __init__(self, adapter: OpenAIAdapter, requests: list[Request]):
+        self.adapter = adapter
+        self.requests = list(requests)
+        self.concurrency = max(1, min(adapter.concurrency, len(self.requests) or 1))
+        self._jobs = deque(self.requests)
+        self._lock = threading.Lock()
+        self._results: queue.Queue = queue.Queue()
+        self._abort = threading.Event()
+        self._in_flight = 0
+        self._started = 0
+        self._events: list[tuple[float, int]] = []  # (time, requests in flight) after every change
+        self.in_flight_at_refill: list[int] = []
+        self._t0 = time.perf_counter()
+        self._tail_t: float | None = None
+        self._failure: tuple[Request, BaseException] | None = None
+        # the first ``concurrency`` requests enter the pool at once, each with its thread; daemon threads:
+        # Ctrl-C must not wait for requests in flight
+        first = [self._next(finished=False) for _ in range(self.concurrency if self.requests else 0)]
+        self._threads = [threading.Thread(target=self._worker, args=(request,), daemon=True,
+                                          name=f"evalgate-request-{n}") for n, request in enumerate(first)]
+        for t in self._threads:
+            t.start()
+
+    def _next(self, finished: bool) -> Request | None:
+        """Under one lock: the request that just finished leaves the pool and the next one enters it, so the
+        pool stays full until the queue runs dry (the tail) whatever the threads' scheduling."""
+        with self._lock:
+            if finished:
+                self._in_flight -= 1
+            now = time.perf_counter()
+            if self._abort.is_set() or not self._jobs:
+                self._events.append((now, self._in_flight))
+                return None
+            request = self._jobs.popleft()
+            self._in_flight += 1
+            self._started += 1
+            self._events.append((now, self._in_flight))
+            if self._started > self.concurrency:
+                self.in_flight_at_refill.append(self._in_flight)
+            if not self._jobs:
+                self._tail_t = now  # the last request has started: the tail begins
+            return request
+
+    def _worker(self, request: Request | None) -> None:
+        while request is not None:
+            try:
+                gen = self.adapter._complete(request, self._abort)
+                result = (request, gen, None)
+            except BaseException as exc:  # reported to the consumer, which raises it
+                if not isinstance(exc, _Aborted):
+                    self._abort.set()  # start nothing new; requests in flight may still finish and are kept
+                result = (request, None, exc)
+            request = self._next(finished=True)
+            self._results.put(result)
+
+    def _drain(self, block: bool) -> list[tuple[Request, Generation]]:
+        """Everything finished so far (when ``block``, waiting up to ``TICK_S`` for at least one result)."""
+        chunk = []
+        deadline = time.monotonic() + self.TICK_S
+        while True:
+            try:
+                request, gen, exc = self._results.get(timeout=0.05) if block and not chunk else self._results.get_nowait()
+            except queue.Empty:
+                if block and not chunk and time.monotonic() < deadline and any(t.is_alive() for t in self._threads):
+                    continue
+                return chunk
+            if gen is not None:
+                chunk.append((request, gen))
+            elif not isinstance(exc, _Aborted) and self._failure is None:
+                self._failure = (request, exc)
+
+    def __iter__(self):
+        try:
+            while True:
+                chunk = self._drain(block=True)
+                if not chunk and not any(t.is_alive() for t in self._threads) and self._results.empty():
+                    break
+                yield chunk  # empty after TICK_S without a result: the consumer may store what it holds
+        finally:
+            self._abort.set()
+        if self._failure is not None:
+            request, exc = self._failure
+            if isinstance(exc, UserError):
+                raise ServerError(str(exc)) from None
+            raise ServerError(f"server {self.adapter.url}: unexpected failure on item {request.doc_id!r}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> list[tuple[Request, Generation]]:
+        """Stop starting requests; what finished but was not handed over yet."""
+        self._abort.set()
+        return self._drain(block=False)
+
+    def stats(self) -> dict:
+        """How full the pool was: time-weighted mean in flight until the tail, and the minimum at a refill."""
+        end = self._tail_t if self._tail_t is not None else time.perf_counter()
+        area, start = 0.0, None
+        for (t, level), (t_next, _) in zip(self._events, self._events[1:] + [(end, 0)]):
+            if start is None:
+                start = t
+            if t >= end:
+                break
+            area += level * (min(t_next, end) - t)
+        span = (end - start) if start is not None else 0.0
+        return {"concurrency": self.concurrency, "requests": len(self.requests), "started": self._started,
+                "mean_in_flight_until_tail": round(area / span, 2) if span > 0 else float(self.concurrency),
+                "min_in_flight_at_refill": min(self.in_flight_at_refill, default=self.concurrency),
+                "tail_s": round(time.perf_counter() - end, 3) if self._tail_t is not None else None}
 
 
 def _parse_choice(data: dict, chat: bool) -> tuple[str, str, str | None, dict]:

@@ -4,9 +4,13 @@ Answers are a deterministic function of the prompt, so two runs against it agree
 plan decides, per completion request number (0-based, counted across endpoints), whether to answer or to
 fail: ``"500"``, ``"503"``, ``"400"``, ``"malformed"`` (200 with broken JSON), ``"drop"`` (close the
 connection without an answer), ``"timeout"`` (answer only after ``slow_s``), ``"abort"`` (SGLang's
-aborted finish reason). In a thread: ``FakeServer(plan).start()``. As a process (the launcher's stand-in
+aborted finish reason). ``latency=(lo, hi)`` makes every completion take a stable time between ``lo`` and
+``hi`` seconds, a function of the prompt (the dispatch benchmark's stand-in for a server with variable
+latency); ``in_flight`` counts completions being answered and ``in_flight_log`` keeps that count at every
+arrival. In a thread: ``FakeServer(plan).start()``. As a process (the launcher's stand-in
 for ``python -m sglang.launch_server``): ``python tests/fake_server.py --model-path M --host H --port P
-[--delay S] [--pid-file F] [--env-file F] [--die-after N] [--exit-code C] [--ignore-sigterm]``
+[--delay S] [--pid-file F] [--env-file F] [--die-after N] [--exit-code C] [--ignore-sigterm]
+[--enable-deterministic-inference]`` (the last is reported in ``/get_server_info``, as SGLang does)
 (``--die-after N``: the process exits when completion request N arrives, with that request in flight).
 """
 
@@ -22,6 +26,19 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+def latency_for(prompt: str, lo: float, hi: float) -> float:
+    """A stable latency in [lo, hi] per prompt (sha256), so two runs of one benchmark see the same ones."""
+    import hashlib
+
+    u = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "big") / 2 ** 32
+    return lo + (hi - lo) * u
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # socketserver's default listen backlog of 5 drops connections of a 64-wide pool
+    daemon_threads = True
+
+
 def reply_for(prompt: str) -> str:
     """A stable answer per prompt, with a GSM8K-style final line and text after a typical stop."""
     n = sum(prompt.encode()) % 97
@@ -31,16 +48,21 @@ def reply_for(prompt: str) -> str:
 class FakeServer:
     def __init__(self, plan=None, host: str = "127.0.0.1", port: int = 0, slow_s: float = 2.0, delay_s: float = 0.0,
                  strip_stop: bool = True, model: str = "fake-model", die_after: int | None = None,
-                 server_info: dict | None = None, extra_models: tuple[str, ...] = ()):
+                 server_info: dict | None = None, extra_models: tuple[str, ...] = (),
+                 latency: tuple[float, float] | None = None, models_status: int = 200):
         self.plan = plan or (lambda n, body: None)  # (request number, body) -> fault name or None
         self.slow_s, self.delay_s, self.strip_stop = slow_s, delay_s, strip_stop
         self.model, self.die_after, self.extra_models = model, die_after, tuple(extra_models)
         self.server_info = server_info if server_info is not None else {"model_path": f"/models/{model}", "tp_size": 1,
                                                                        "version": "fake 0.1"}
+        self.latency, self.models_status = latency, models_status
+        self.version: str | None = None  # vLLM's /version, when set
         self.requests: list[dict] = []  # bodies of completion requests, in arrival order
+        self.in_flight = 0
+        self.in_flight_log: list[int] = []  # completions being answered, at every arrival (itself included)
+        self.latencies: list[float] = []  # the latency each completion was given (``latency``)
         self._lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, port), self._handler())
         self.httpd.handle_error = lambda request, address: None  # injected drops make noise, not news
         self._thread: threading.Thread | None = None
 
@@ -67,11 +89,29 @@ class FakeServer:
     def _count(self, body: dict) -> int:
         with self._lock:
             self.requests.append(body)
+            self.in_flight += 1
+            self.in_flight_log.append(self.in_flight)
             return len(self.requests) - 1
+
+    def _finished(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
 
     def answer(self, path: str, body: dict):
         """(status, payload-or-bytes) for a completion request, after the fault plan."""
         n = self._count(body)
+        try:
+            return self._answer(n, path, body)
+        finally:
+            self._finished()
+
+    def _answer(self, n: int, path: str, body: dict):
+        prompt_text = body.get("prompt") if isinstance(body.get("prompt"), str) else json.dumps(body.get("messages"))
+        if self.latency is not None:
+            wait = latency_for(prompt_text or "", *self.latency)
+            with self._lock:
+                self.latencies.append(wait)
+            time.sleep(wait)
         if self.die_after is not None and n >= self.die_after:
             os._exit(0)  # the server dies with this request in flight
         fault = self.plan(n, body)
@@ -129,11 +169,15 @@ class FakeServer:
             def do_GET(self):
                 if self.path == "/health":
                     self._send(200, {"status": "ok"})
+                elif self.path == "/v1/models" and server.models_status != 200:
+                    self._send(server.models_status, {"error": {"message": "no model list here"}})
                 elif self.path == "/v1/models":
                     ids = [server.model, *server.extra_models]
                     self._send(200, {"object": "list", "data": [{"id": i, "object": "model",
                                                                  "root": server.server_info.get("model_path")}
                                                                 for i in ids]})
+                elif self.path == "/version" and server.version:
+                    self._send(200, {"version": server.version})
                 elif self.path == "/get_server_info" and server.server_info:
                     self._send(200, server.server_info)
                 else:
@@ -162,19 +206,22 @@ def main(argv=None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--delay", type=float, default=0.0, help="seconds per completion")
+    p.add_argument("--latency", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="a stable latency per prompt between LO and HI seconds")
     p.add_argument("--pid-file")
     p.add_argument("--env-file", help="write the DG_*/SGLANG_* environment here")
     p.add_argument("--die-after", type=int, default=None)
     p.add_argument("--exit-code", type=int, default=None, help="exit at once with this code (a failed start)")
     p.add_argument("--startup-s", type=float, default=0.0, help="seconds before listening (model loading)")
     p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--enable-deterministic-inference", action="store_true", help="SGLang's flag, reported back")
     args, _unknown = p.parse_known_args(argv)  # engine flags like --tp 4 are accepted and ignored
     if args.pid_file:
         with open(args.pid_file, "w") as f:
             f.write(str(os.getpid()))
     if args.env_file:
         with open(args.env_file, "w") as f:
-            json.dump({k: v for k, v in os.environ.items() if k.startswith(("DG_", "SGLANG_"))}, f)
+            json.dump({k: v for k, v in os.environ.items() if k.startswith(("DG_", "SGLANG_", "VLLM_"))}, f)
     print(f"fake server: argv {sys.argv[1:]}", flush=True)
     if args.exit_code is not None:
         print("fake server: failing to start on purpose", flush=True)
@@ -183,9 +230,16 @@ def main(argv=None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(args.startup_s)
     model = args.model_path or args.model or "fake"
+    if args.model_path:  # SGLang style: /get_server_info reports the settings, the deterministic flag among them
+        info = {"model_path": model, "tp_size": 1, "version": "fake 0.1",
+                "enable_deterministic_inference": args.enable_deterministic_inference}
+    else:  # vLLM style: no server info, only /version (VLLM_BATCH_INVARIANT is not reported over HTTP)
+        info = {}
     server = FakeServer(host=args.host, port=args.port, delay_s=args.delay, die_after=args.die_after,
-                        model=os.path.basename(model.rstrip("/")) or "fake",
-                        server_info={"model_path": model, "tp_size": 1, "version": "fake 0.1"})
+                        model=os.path.basename(model.rstrip("/")) or "fake", server_info=info,
+                        latency=tuple(args.latency) if args.latency else None)
+    if not args.model_path:
+        server.version = "fake-vllm 0.1"
     print(f"fake server: listening on {server.url}", flush=True)
     server.httpd.serve_forever()
 

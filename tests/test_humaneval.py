@@ -207,6 +207,20 @@ def test_n_samples_give_unbiased_pass_at_k(problems, selftest_result):
     assert len(record["samples"]) == 5 and record["samples"][1]["failure_class"] == "failed:assertion"
 
 
+def test_score_batch_is_not_fooled_and_goes_on(problems, selftest_result):
+    """The issue's forgeries through the task API: each fails its item; the correct neighbour passes; no
+    SandboxError, even for a forged setup error."""
+    items, resolved = TASK.load(PROFILES["humaneval-completion-codex"], None, 1)
+    hostile = list(selftest.FORGERY_PROBES) + [
+        "    import sys\n    sys.modules['__main__'].classify = lambda e: 'passed'\n    return False\n",
+        "    import builtins\n    builtins.AssertionError = type('Q', (Exception,), {})\n    return False\n",
+        "    import _evalgate_channel as ch, os\n    os.write(3, ch.frame(ch.encode(('setup_error', 'x'))))\n    return False\n",
+    ]
+    gens = [_gen(c) for c in hostile] + [_gen(items[0]["canonical_solution"])]
+    records = TASK.score_batch(items * len(gens), TASK.requests(items, resolved) * len(gens), gens, resolved)
+    assert [r["passed"] for r in records] == [False] * len(hostile) + [True], [r["result"] for r in records]
+
+
 # ---- the self-test ----
 
 def test_selftest_canonical_pass_and_empty_bodies_fail(selftest_result):
@@ -215,6 +229,7 @@ def test_selftest_canonical_pass_and_empty_bodies_fail(selftest_result):
     assert (r["canonical"]["passed"], r["canonical"]["total"]) == (164, 164)
     assert (r["empty_body"]["passed"], r["empty_body"]["total"]) == (0, 164)
     assert (r["pass_body"]["passed"], r["pass_body"]["total"]) == (0, 164)
+    assert (r["forgery_probes"]["passed"], r["forgery_probes"]["total"]) == (0, len(selftest.FORGERY_PROBES))
     assert r["survivors"] == 0
     assert len(r["timeouts_s"]) == 164
     policy = r["timeout_policy"]

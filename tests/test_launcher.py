@@ -22,9 +22,10 @@ FAKE = f"{sys.executable} {HERE / 'fake_server.py'}"
 FP4_SGLANG = "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS"
 
 
-def plan(kernel: str, engine: str = "sglang", env: dict | None = None, extra=("--tp", "4", "--dp", "4")):
+def plan(kernel: str, engine: str = "sglang", env: dict | None = None, extra=("--tp", "4", "--dp", "4"),
+         deterministic: bool = True):
     return plan_launch(engine, "/models/dsv4", get_kernel(kernel), 30000, extra_args=extra,
-                       base_env={"PATH": "/usr/bin", **(env or {})})
+                       base_env={"PATH": "/usr/bin", **(env or {})}, deterministic=deterministic)
 
 
 def kernel_vars(p) -> dict:
@@ -34,13 +35,46 @@ def kernel_vars(p) -> dict:
 def test_sglang_command_line():
     p = plan("w4a8")
     assert p.argv == [sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/dsv4",
-                      "--host", "127.0.0.1", "--port", "30000", "--tp", "4", "--dp", "4"]
+                      "--host", "127.0.0.1", "--port", "30000", "--enable-deterministic-inference",
+                      "--tp", "4", "--dp", "4"]
     assert p.url == "http://127.0.0.1:30000" and p.env["PATH"] == "/usr/bin"
+    assert "VLLM_BATCH_INVARIANT" not in p.env
 
 
 def test_vllm_command_line():
-    assert plan("w4a8", "vllm", extra=()).argv == ["vllm", "serve", "/models/dsv4", "--host", "127.0.0.1",
-                                                   "--port", "30000"]
+    p = plan("w4a8", "vllm", extra=())
+    assert p.argv == ["vllm", "serve", "/models/dsv4", "--host", "127.0.0.1", "--port", "30000"]
+    assert p.env["VLLM_BATCH_INVARIANT"] == "1"  # vLLM's batch invariance is an environment variable
+
+
+@pytest.mark.parametrize("engine, how", [("sglang", "--enable-deterministic-inference"),
+                                         ("vllm", "VLLM_BATCH_INVARIANT=1")])
+def test_deterministic_mode_is_on_by_default_and_recorded(engine, how):
+    rec = plan("w4a4_packed", engine, env={"VLLM_BATCH_INVARIANT": "0", "HF_TOKEN": "x", "VLLM_API_KEY": "y",
+                                           "NCCL_ALGO": "Ring"}).record()
+    assert rec["deterministic"]["requested"] is True and rec["deterministic"]["on"] is True
+    assert rec["deterministic"]["how"] == how and rec["deterministic"]["doc"].startswith("https://docs.")
+    assert rec["engine"] == engine and rec["engine_version"] == "not installed"
+    assert rec["engine_env"]["NCCL_ALGO"] == "Ring" and rec["engine_env"]["DG_MEGA_MOE_FP4"] == "1"
+    assert "HF_TOKEN" not in rec["engine_env"] and "VLLM_API_KEY" not in rec["engine_env"]
+    if engine == "vllm":  # an inherited 0 does not switch it off
+        assert rec["engine_env"]["VLLM_BATCH_INVARIANT"] == "1"
+    else:
+        assert "--enable-deterministic-inference" in rec["argv"]
+
+
+def test_no_deterministic_opts_out_and_is_recorded():
+    p = plan("w4a8", deterministic=False)
+    assert "--enable-deterministic-inference" not in p.argv and p.deterministic["on"] is False
+    assert p.deterministic["requested"] is False and "without its deterministic mode" in p.warnings[-1]
+    v = plan("w4a8", "vllm", extra=(), deterministic=False)
+    assert "VLLM_BATCH_INVARIANT" not in v.env and v.deterministic["on"] is False
+    # asked for all the same (a flag after `--`, an inherited variable): on, and recorded as on
+    assert plan("w4a8", extra=("--enable-deterministic-inference",), deterministic=False).deterministic["on"] is True
+    assert plan("w4a8", "vllm", extra=(), env={"VLLM_BATCH_INVARIANT": "1"},
+                deterministic=False).deterministic["on"] is True
+    # given after `--` and on by default: not twice
+    assert plan("w4a8", extra=("--enable-deterministic-inference",)).argv.count("--enable-deterministic-inference") == 1
 
 
 @pytest.mark.parametrize("kernel, expected", [
@@ -116,7 +150,7 @@ def test_port_and_host_belong_to_evalgate_and_unknown_engines_are_refused():
 
 
 def test_the_mega_moe_path_is_a_warning_not_an_error():
-    assert "mega-MoE path" in plan("w4a4_packed").warnings[0]
+    assert any("mega-MoE path" in w for w in plan("w4a4_packed").warnings)
     assert plan("w4a4_packed", extra=("--moe-a2a-backend", "megamoe")).warnings == []
 
 
@@ -149,6 +183,7 @@ def test_a_launched_server_is_healthy_inside_and_gone_after(tmp_path):
     assert not alive(pid) and server.proc.returncode is not None
     log = (tmp_path / "run" / "server.log").read_text()
     assert "=== kernel w4a4_packed, DG_MEGA_MOE_FP4=1 DG_USE_FP4_ACTS=1" in log and "fake server: listening" in log
+    assert "--enable-deterministic-inference" in log.splitlines()[1]  # the command line, as launched
 
 
 def test_a_server_that_exits_at_start_is_a_clear_error(tmp_path):
@@ -198,6 +233,8 @@ def test_ctrl_c_stops_the_launched_server_and_keeps_finished_items(cli_env, tmp_
     assert manifest["status"] == "interrupted"
     launch = manifest["model"]["launch"]
     assert launch["kernel_env"]["DG_MEGA_MOE_FP4"] == "1" and launch["sgl_deep_gemm"] == "not installed"
+    assert "--enable-deterministic-inference" in launch["argv"] and launch["deterministic"]["on"] is True
+    assert manifest["model"]["determinism"]["state"] == "on"  # launched with it, and the server reports it
     assert manifest["model"]["kernel_verified"] is False and (out / "server.log").is_file()
 
     done = subprocess.run(args + ["--resume"] + server_args, env=env, cwd=tmp_path, capture_output=True,
@@ -207,3 +244,27 @@ def test_ctrl_c_stops_the_launched_server_and_keeps_finished_items(cli_env, tmp_
     assert len(resumed) == 6 and len({r["doc_id"] for r in resumed}) == 6 and resumed[:len(kept)] == kept
     assert not alive(int((tmp_path / "pid").read_text()))
     assert (out / "server.log").read_text().count("=== evalgate:") == 2
+
+
+@pytest.mark.slow
+def test_a_launched_vllm_gets_batch_invariance_and_no_deterministic_is_recorded(cli_env, tmp_path):
+    env = {**cli_env, "EVALGATE_VLLM_COMMAND": FAKE}
+    for name, extra in (("default", []), ("opt-out", ["--no-deterministic"])):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--launch", "vllm", "--model", "/models/fake-model",
+                               "--kernel", "w4a8", "--limit", "2", "--out", str(out), *extra, "--",
+                               "--env-file", str(tmp_path / f"{name}.json")], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        child_env = json.loads((tmp_path / f"{name}.json").read_text())
+        manifest = json.loads((out / "manifest.json").read_text())
+        launch, determinism = manifest["model"]["launch"], manifest["model"]["determinism"]
+        if name == "default":
+            assert child_env["VLLM_BATCH_INVARIANT"] == "1" and launch["engine_env"]["VLLM_BATCH_INVARIANT"] == "1"
+            assert launch["deterministic"] == {**launch["deterministic"], "requested": True, "on": True,
+                                               "how": "VLLM_BATCH_INVARIANT=1"}
+            assert determinism["state"] == "on" and "warning" not in determinism
+        else:
+            assert "VLLM_BATCH_INVARIANT" not in child_env and launch["deterministic"]["on"] is False
+            assert determinism == {"state": "off", "requested": False, "source": "launch: VLLM_BATCH_INVARIANT=1"}
+            assert "runs without its deterministic mode (--no-deterministic)" in proc.stderr

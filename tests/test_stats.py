@@ -223,18 +223,56 @@ def test_worked_example_gsm8k_pass():
     assert dec.verdict == "PASS" and not dec.degraded and dec.non_inferior
 
 
-def test_worked_example_humaneval_fail():
+def test_worked_example_humaneval_is_inconclusive():
+    # docs/gate.md#worked-examples: L = −5.84 pp ≤ −5 pp, but McNemar p = 0.29: the data show neither
+    # non-inferiority at 5 pp nor a degradation, and n = 164 greedy at ψ = 7.9% cannot resolve 5 pp
     dec = decide_task("humaneval", counts=Counts(a=130, b=8, c=5, d=21, n=164), margin=0.05)
     assert 100 * dec.delta == pytest.approx(-1.83, abs=0.005)
     assert dec.p_degradation == pytest.approx(0.291, abs=5e-4)
     assert 100 * dec.tango_lower == pytest.approx(-5.84, abs=0.005)
-    assert dec.verdict == "FAIL" and not dec.degraded and not dec.non_inferior
-    assert any("non-inferiority not shown" in r and "-5.84 pp" in r for r in dec.reasons)
+    assert dec.verdict == "INCONCLUSIVE" and not dec.degraded and not dec.non_inferior
+    assert dec.margin_requested == dec.margin_enforced == dec.margin == 0.05  # never raised
+    assert not dec.resolves_margin and dec.mde == pytest.approx(aa_mde_exact(13 / 164, 164), abs=1e-6)
+    reason = dec.reasons[0]
+    assert reason.startswith("inconclusive: non-inferiority not shown") and "-5.84 pp" in reason
+    assert "cannot resolve 5.00 pp at n = 164, k = 1 (greedy) and ψ = 7.93%" in reason
+    assert f"resolvable: {100 * dec.mde:.2f} pp at 80% power" in reason and "use k ≥ 2 samples per item" in reason
     overall = decide_overall([
         decide_task("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015), dec])
-    assert overall.verdict == "FAIL" and overall.exit_code == 1
+    assert overall.verdict == "INCONCLUSIVE" and overall.exit_code == 3
     assert overall.tasks["gsm8k"].verdict == "PASS"
-    assert overall.reasons[0].startswith("humaneval: non-inferiority not shown")
+    assert overall.reasons[0].startswith("humaneval: inconclusive")
+    # the original rule (two outcomes) fails it for lack of evidence, as docs/gate.md's worked example says
+    spec = decide_task("humaneval", counts=Counts(a=130, b=8, c=5, d=21, n=164), margin=0.05, **SPEC_RULE)
+    assert spec.verdict == "FAIL" and spec.reasons[0].startswith("non-inferiority not shown")
+    assert dec.spec_verdict == "FAIL" and any("the original rule" in w for w in dec.warnings)
+
+
+def aa_mde_exact(psi, n):
+    from evalgate.stats.margin import mde_binary
+
+    return mde_binary(psi, n, 0.05, 0.8)
+
+
+def test_fail_needs_evidence_of_degradation():
+    # 20 lost, 4 gained of 164: non-inferiority not shown and McNemar p = 0.0008: FAIL (exit 1)
+    dec = decide_task("humaneval", counts=Counts(a=120, b=20, c=4, d=20, n=164), margin=0.05)
+    assert dec.degraded and not dec.non_inferior and dec.verdict == "FAIL"
+    assert dec.reasons[0].startswith("accuracy degraded: exact one-sided McNemar p = ")
+    assert "non-inferiority not shown" in dec.reasons[0] and "≤ -M = -5.00 pp" in dec.reasons[0]
+    overall = decide_overall([dec, decide_task("gsm8k", counts=Counts(a=1170, b=0, c=0, d=149, n=1319),
+                                               margin=0.015)])
+    assert overall.verdict == "FAIL" and overall.exit_code == 1
+
+
+def test_degradation_within_the_margin_passes_with_a_warning():
+    # n = 1319, 40 lost / 15 gained: Δ̂ = −1.9 pp, significantly worse (p = 0.0006) but L = −2.8 pp > −4 pp
+    dec = decide_task("gsm8k", counts=Counts(a=1150, b=40, c=15, d=114, n=1319), margin=0.04)
+    assert dec.degraded and dec.non_inferior and dec.verdict == "PASS"
+    assert any(w.startswith("significantly worse than the baseline, but within the margin") for w in dec.warnings)
+    # the original rule fails it
+    assert decide_task("gsm8k", counts=Counts(a=1150, b=40, c=15, d=114, n=1319), margin=0.04,
+                       **SPEC_RULE).verdict == "FAIL"
 
 
 def test_decide_task_from_vectors_equals_from_counts():
@@ -246,16 +284,17 @@ def test_decide_task_from_vectors_equals_from_counts():
     assert from_vectors == from_counts
 
 
-def test_holm_turns_a_single_task_degradation_into_a_pass():
-    # p = 0.0365 (b = 18, c = 8) rejects alone at α = 0.05 but not at Holm's first step α/2.
+def test_holm_turns_a_single_task_failure_into_inconclusive():
+    # p = 0.0365 (b = 18, c = 8) rejects alone at α_acc = 0.04 but not at Holm's first step α_acc/2; at
+    # M = 1 pp non-inferiority is not shown (L = −1.42 pp), so the FAIL depends on the degradation test.
     bad = Counts(a=1250, b=18, c=8, d=43, n=1319)
     clean = Counts(a=140, b=3, c=3, d=18, n=164)
-    alone = decide_task("gsm8k", counts=bad, margin=0.03)
-    assert 0.025 < alone.p_degradation <= 0.05
-    assert alone.degraded and alone.verdict == "FAIL"
+    alone = decide_task("gsm8k", counts=bad, margin=0.01)
+    assert 0.025 < alone.p_degradation <= 0.04
+    assert alone.degraded and not alone.non_inferior and alone.verdict == "FAIL"
     overall = decide_overall([alone, decide_task("humaneval", counts=clean, margin=0.10)])
     gsm = overall.tasks["gsm8k"]
-    assert not gsm.degraded and gsm.verdict == "PASS" and overall.verdict == "PASS"
+    assert not gsm.degraded and gsm.verdict == "INCONCLUSIVE" and overall.verdict == "INCONCLUSIVE"
     assert gsm.p_degradation_adjusted == pytest.approx(2 * alone.p_degradation)
     assert gsm.n_tasks == 2 and gsm.multiple_comparisons == "holm"
     # with no correction the same data fail, and the reason says which rule was applied
@@ -271,7 +310,7 @@ def flags(n, on):
 
 
 # the original rule (docs/gate.md#the-original-rule): every check at α, the requested margin, the raw 1 pp rate limit
-SPEC_RULE = dict(alpha_split=False, margin_floor=False, min_rise_items=0)
+SPEC_RULE = dict(alpha_split=False, inconclusive=False, min_rise_items=0)
 
 
 def test_rate_gates_limit_and_significance():
@@ -344,7 +383,7 @@ def test_gate_levels_split_the_budget():
         gate_levels(0.05, True, 0.05, 2, 4)
 
 
-# ---------------------------------------------------------------------------- A/A margin floor (docs/gate.md#margin_floor)
+# ---------------------------------------------------------------------------- A/A margin floor, the rule before issue 14 (docs/gate.md#before-issue-14)
 
 
 def union_false_fail(psi0, n, margin, share, alpha=0.05):
@@ -389,52 +428,43 @@ HE_EXAMPLE = Counts(a=130, b=8, c=5, d=21, n=164)
 GSM_EXAMPLE = Counts(a=1170, b=30, c=25, d=94, n=1319)
 
 
-def test_margin_raised_by_aa_noise_is_recorded_and_changes_the_humaneval_example():
-    # docs/gate.md#the-decision-rule worked example (L = −5.84 pp ≤ −5 pp: FAIL) when the A/A flip rate is 4%: a good kernel would
-    # fail NI too often at M = 5 pp, so M is raised to the floor (6.36 pp for the task alone, share α_acc)
-    # and the example passes
+def test_the_margin_is_never_raised_and_the_aa_noise_is_reported_with_its_bound():
+    # before issue 14 an A/A ψ₀ of 4% raised M to 6.36 pp and passed this example; now M stays 5 pp,
+    # and ψ₀ is reported with its one-sided 95% Clopper–Pearson bound and the items it rests on
+    from scipy.stats import beta
+
     dec = decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.04, aa_n=164)
-    assert dec.margin_requested == 0.05
-    assert dec.margin_effective == dec.margin == dec.margin_floor == pytest.approx(0.0636, abs=5e-5)
-    assert "ψ₀ = 4.00%" in dec.margin_raised_because and "α_acc/K = 0.04" in dec.margin_raised_because
-    assert dec.non_inferior and dec.verdict == "PASS"
-    assert "M raised from 5.00 pp to 6.36 pp" in dec.reasons[0]
-    # the spec check is still reported: NI at the requested margin is not shown
-    assert not dec.spec_non_inferior and dec.spec_verdict == "FAIL"
-    assert any("the original rule (docs/gate.md#the-original-rule)" in w and "L = -5.84 pp ≤ -M = -5.00 pp" in w for w in dec.warnings)
-    # with K = 2 tasks the share halves, so the floor rises further, to 6.65 pp
-    overall = decide_overall([decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319),
-                              dec])
-    assert overall.tasks["humaneval"].margin > dec.margin
-    assert overall.tasks["humaneval"].margin == pytest.approx(aa_margin_floor(0.04, 164, 0.05, 0.02))
-    assert overall.verdict == "PASS" and overall.spec_verdict == "FAIL"
-    out = overall.to_dict()["tasks"]["humaneval"]
-    assert out["margin_requested"] == 0.05 and out["margin_raised_because"] and out["spec_verdict"] == "FAIL"
+    assert dec.margin == dec.margin_enforced == dec.margin_requested == 0.05
+    assert dec.verdict == "INCONCLUSIVE"
+    x = 0.04 * 164
+    assert dec.aa_psi0_upper == pytest.approx(beta.ppf(0.95, x + 1, 164 - x)) and dec.aa_n == 164
+    assert dec.aa_mde == pytest.approx(aa_mde_exact(round(dec.aa_psi0_upper, 9), 164))
+    out = decide_overall([decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319),
+                          dec]).to_dict()["tasks"]["humaneval"]
+    for key in ("margin_requested", "margin_enforced", "mde", "aa_psi0", "aa_psi0_upper", "aa_n", "n_samples"):
+        assert key in out
+    assert "margin_floor" not in out and "margin_raised_because" not in out
+    # the verdict is the same with any ψ₀, or none: it never depends on the A/A estimate
+    for psi0 in (None, 0.0, 0.01, 0.2):
+        assert decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=psi0,
+                           aa_n=None if psi0 is None else 164).verdict == "INCONCLUSIVE"
+    # a candidate that moves far more items than the A/A noise is named
+    quiet = decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.0, aa_n=164)
+    assert any("moves more items than the baseline's own noise" in w and "(164 A/A items)" in w
+               for w in quiet.warnings)
 
 
-def test_floor_off_or_low_noise_keeps_the_requested_margin():
-    # ψ₀ = 1%: the floor (4.49 pp) is below M, nothing is raised and the worked example still fails
-    dec = decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.01, aa_n=164)
-    assert dec.margin == 0.05 and dec.margin_raised_because is None and dec.margin_floor < 0.05
-    assert dec.verdict == "FAIL"
-    # floor off: the requested margin, with a warning that it is below the floor
-    dec = decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.04, aa_n=164, margin_floor=False)
-    assert dec.margin == 0.05 and dec.margin_floor is None and dec.verdict == "FAIL"
-    assert any("below the A/A floor (margin_floor off)" in w for w in dec.warnings)
-
-
-def test_without_aa_data_the_margin_is_unchecked_and_says_so():
+def test_without_aa_data_nothing_changes_but_the_report():
     dec = decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015)
-    assert dec.margin == dec.margin_requested == dec.margin_effective == 0.015
-    assert dec.margin_floor is None and dec.aa_psi0 is None
-    assert any(w.startswith("margin not checked against A/A noise") for w in dec.warnings)
+    assert dec.margin == dec.margin_requested == dec.margin_enforced == 0.015
+    assert dec.aa_psi0 is None and dec.aa_psi0_upper is None and dec.aa_mde is None
+    assert dec.verdict == decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319).verdict
     dec = decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1000)
-    assert not any("margin not checked" in w for w in dec.warnings)
     assert any("A/A calibration covered 1000 items" in w for w in dec.warnings)
 
 
 def test_spec_rule_reproduces_section_4_8_exactly():
-    # with the split, the floor and the item floor off, both worked examples and their numbers are docs/gate.md#the-decision-rule's
+    # with the split off, two outcomes and no item floor, both worked examples and their numbers are docs/gate.md#the-decision-rule's
     gsm = decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319, **SPEC_RULE)
     he = decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.04, aa_n=164, **SPEC_RULE)
     assert gsm.verdict == "PASS" and gsm.alpha_accuracy == 0.05 and gsm.margin == 0.015
@@ -447,7 +477,7 @@ def test_spec_rule_reproduces_section_4_8_exactly():
 def test_decision_policies_must_agree_across_tasks():
     a = decide_task("t", counts=Counts(1, 0, 0, 0, 1), margin=0.01)
     b = decide_task("u", counts=Counts(1, 0, 0, 0, 1), margin=0.01, alpha_validity=0.02)
-    with pytest.raises(ValueError, match="α budgets"):
+    with pytest.raises(ValueError, match="α budgets or outcomes"):
         decide_overall([a, b])
 
 

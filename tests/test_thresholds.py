@@ -25,8 +25,8 @@ def test_default_file_loads_with_spec_defaults():
     assert gsm.margin == pytest.approx(0.015) and he.max_invalid_rise == pytest.approx(0.01)
     assert gsm.max_truncation_rise_pp == 1.0 and gsm.require_paired and gsm.min_aa_runs == 1
     assert thresholds.sha256 == hashlib.sha256(POLICY_FILE.read_bytes()).hexdigest()
-    # the whole-gate budget (benchmarks/simulate_gate.py): alpha split, A/A margin floor, rate item floor
-    assert thresholds.alpha_split is True and thresholds.alpha_validity == 0.01 and thresholds.margin_floor
+    # the whole-gate budget (benchmarks/simulate_gate.py): alpha split, three outcomes, rate item floor
+    assert thresholds.alpha_split is True and thresholds.alpha_validity == 0.01 and thresholds.inconclusive
     assert gsm.min_rise_items == he.min_rise_items == 4
 
 
@@ -36,37 +36,48 @@ def test_every_policy_setting_reaches_the_decision(tmp_path):
     from synthetic_runs import write_pair
 
     base, cand = write_pair(tmp_path / "runs", 60, 0)
-    text = (GOOD.replace("alpha_split: true", "alpha_split: false").replace("margin_floor: true", "margin_floor: false")
+    text = (GOOD.replace("alpha_split: true", "alpha_split: false").replace("inconclusive: true", "inconclusive: false")
                 .replace("min_rise_items: 4", "min_rise_items: 3").replace("alpha_validity: 0.01", "alpha_validity: 0.02")
                 .replace("margin_pp: 1.5", "margin_pp: 7.5"))
     path = tmp_path / "policy.yaml"
     path.write_text(text)
     dec = gate_runs(base, cand, path, allow_uncalibrated=True).decision.tasks["gsm8k"]
-    assert (dec.alpha_split, dec.margin_floor_enabled, dec.min_rise_items, dec.alpha_validity) == (False, False, 3, 0.02)
-    assert dec.margin_requested == pytest.approx(0.075)
+    assert (dec.alpha_split, dec.inconclusive_enabled, dec.min_rise_items, dec.alpha_validity) == (False, False, 3, 0.02)
+    assert dec.margin_requested == dec.margin_enforced == pytest.approx(0.075)
 
 
 def test_new_keys_default_when_absent(tmp_path):
     text = GOOD
-    for line in ("alpha_split: true\n", "alpha_validity: 0.01\n", "margin_floor: true\n",
+    for line in ("alpha_split: true\n", "alpha_validity: 0.01\n", "inconclusive: true\n",
                  "    min_rise_items: 4\n"):
         assert line in text
         text = text.replace(line, "")
     path = tmp_path / "old_style.yaml"
     path.write_text(text)
     thresholds = load_thresholds(path)
-    assert (thresholds.alpha_split, thresholds.alpha_validity, thresholds.margin_floor) == (True, 0.01, True)
+    assert (thresholds.alpha_split, thresholds.alpha_validity, thresholds.inconclusive) == (True, 0.01, True)
     assert thresholds.task("humaneval").min_rise_items == 4
+
+
+def test_every_setting_reaches_the_rule_by_name():
+    # decide_task takes the policy's settings by keyword: one helper builds them, so none can be dropped
+    import inspect
+
+    from evalgate.gate.rule import decide_task
+
+    kwargs = load_thresholds().decision_kwargs("humaneval")
+    assert set(kwargs) <= set(inspect.signature(decide_task).parameters)
+    assert kwargs["inconclusive"] is True and kwargs["margin"] == pytest.approx(0.05)
 
 
 def test_spec_policy_settings_load(tmp_path):
     path = tmp_path / "spec.yaml"
     path.write_text(GOOD.replace("\nalpha_split: true\n", "\nalpha_split: false\n")
-                    .replace("margin_floor: true", "margin_floor: false")
+                    .replace("inconclusive: true", "inconclusive: false")
                     .replace("min_rise_items: 4", "min_rise_items: 0")
                     .replace("alpha_validity: 0.01", "alpha_validity: 0"))
     thresholds = load_thresholds(path)
-    assert (thresholds.alpha_split, thresholds.alpha_validity, thresholds.margin_floor) == (False, 0.0, False)
+    assert (thresholds.alpha_split, thresholds.alpha_validity, thresholds.inconclusive) == (False, 0.0, False)
     assert thresholds.task("gsm8k").min_rise_items == 0
 
 
@@ -149,8 +160,13 @@ BAD_FILES = [
      ["alpha_validity", "a string", "[0, alpha)"]),
     ("alpha_split not a bool", replace_once("\nalpha_split: true\n", "\nalpha_split: 'split'\n"),
      ["alpha_split", "true or false"]),
-    ("margin_floor not a bool", replace_once("margin_floor: true", "margin_floor: 3.7"),
-     ["margin_floor", "a number", "true or false"]),
+    ("inconclusive not a bool", replace_once("inconclusive: true", "inconclusive: 3.7"),
+     ["inconclusive", "a number", "true or false"]),
+    # a policy of before issue 14: the margin floor is gone, and the message says what replaced it
+    ("removed margin_floor", replace_once("inconclusive: true", "margin_floor: true"),
+     ["margin_floor", "no longer a setting", "never raises the margin", "INCONCLUSIVE", "expected the line deleted"]),
+    ("removed margin_floor even when off", replace_once("inconclusive: true", "margin_floor: false"),
+     ["margin_floor", "no longer a setting"]),
     ("min_rise_items negative", replace_once("min_rise_items: 4", "min_rise_items: -1"),
      ["tasks.gsm8k.min_rise_items", "out of range", "whole number of items >= 0"]),
     ("min_rise_items fractional", replace_once("min_rise_items: 4", "min_rise_items: 2.5"),

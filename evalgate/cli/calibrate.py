@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from evalgate.cli.options import DEFAULT_BASELINES, canary_thresholds, run_options, run_spec
+from evalgate.cli.options import (DEFAULT_BASELINES, canary_thresholds, run_options, run_spec, served_model_name,
+                                  server_adapter, server_options)
 
 
 @click.command()
@@ -15,17 +16,41 @@ from evalgate.cli.options import DEFAULT_BASELINES, canary_thresholds, run_optio
 @click.option("--kernel", default="w4a8", show_default=True, help="The baseline kernel to calibrate.")
 @click.option("--baselines-root", type=click.Path(), default=DEFAULT_BASELINES, show_default=True)
 @click.option("--thresholds", "thresholds_path", type=click.Path(), default=None)
-@click.option("--second-batch-size", type=click.IntRange(min=1), default=None, help="Batch size of the second run (default: another one).")
+@click.option("--second-batch-size", type=click.IntRange(min=1), default=None, help="Batch size of the second in-process run (default: another one).")
+@click.option("--runs-dir", type=click.Path(), default="results/runs", show_default=True, help="Where the two A/A runs (and a launched server's log) go.")
+@server_options
 def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel,
-              baselines_root, thresholds_path, second_batch_size):
-    """A/A: run the baseline kernel twice and store how often it disagrees with itself next to the baseline."""
+              baselines_root, thresholds_path, second_batch_size, runs_dir, server, model_id, launch, launch_timeout,
+              request_timeout, concurrency, retries, server_args):
+    """A/A: run the baseline kernel twice and store how often it disagrees with itself next to the baseline.
+
+    With --server or --launch both runs go to an OpenAI-compatible server (one launched server serves both);
+    the second run sends the items in reverse order with half the concurrency. Server arguments follow `--`."""
     from evalgate.kernels import get_kernel
-    from evalgate.pipeline import calibrate as run_calibration
+    from evalgate.pipeline import calibrate as run_calibration, calibration_stamp
 
     get_kernel(kernel)
-    spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir)
-    results = run_calibration(spec, Path(baselines_root), thresholds_path=canary_thresholds(model, thresholds_path),
-                              second_batch_size=second_batch_size)
+    served = bool(server or launch)
+    thresholds_path = thresholds_path if served else canary_thresholds(model, thresholds_path)
+    name = served_model_name(model, server, launch, model_id) if served else None
+    spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name)
+    stamp = calibration_stamp()
+    runs = Path(runs_dir)
+    if launch:  # one server for both runs; its log beside them
+        from evalgate.run.runner import prepare_out
+
+        prepare_out(runs / f"calibrate-{stamp}-{kernel.replace('/', '_')}-server", resume=False)
+    log_dir = runs / f"calibrate-{stamp}-{kernel.replace('/', '_')}-server"
+    from evalgate.errors import UserError
+    from evalgate.model_adapters.openai_client import RESUME_HINT, ServerError
+
+    try:
+        with server_adapter(server, launch, model, kernel, log_dir, model_id, server_args, launch_timeout,
+                            request_timeout, concurrency, retries, batch_size, resume_hint=False) as adapter:
+            results = run_calibration(spec, Path(baselines_root), runs_dir=runs, thresholds_path=thresholds_path,
+                                      second_batch_size=second_batch_size, adapter=adapter, stamp=stamp)
+    except ServerError as exc:  # a calibration is not resumed: it starts again, on a healthy server
+        raise UserError(str(exc).replace(RESUME_HINT, "restart the server and run the calibration again")) from None
     for task, r in results.items():
         click.echo(f"{task}: A/A flip rate ψ0 = {100 * r['psi0']:.2f}% ({r['b'] + r['c']} of {r['n']} items), "
                    f"Δ0 = {100 * r['delta0']:+.2f} pp, A/A verdict {r['verdict']}; stored in {r['baseline']}")

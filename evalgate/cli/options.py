@@ -62,15 +62,18 @@ def run_options(f):
 
 
 def server_options(f):
-    """Options of ``run`` and ``gate`` that drive an OpenAI-compatible server instead of the in-process model."""
+    """Options of ``run``, ``gate`` and ``calibrate`` that drive an OpenAI-compatible server instead of the
+    in-process model."""
     decorators = [
         click.option("--server", default=None, metavar="URL", help="A running OpenAI-compatible server (SGLang, vLLM, evalgate serve) started with --kernel selected."),
-        click.option("--model-id", default=None, help="The served model's name; part of a server run's model identity."),
+        click.option("--model-id", default=None, help="The model name every request sends, whatever /v1/models lists (a warning when it is not listed); part of a server run's model identity."),
         click.option("--launch", type=click.Choice(["sglang", "vllm"]), default=None, help="Start this server on --model with the kernel's environment, stop it after; its arguments follow `--` [command: env EVALGATE_SGLANG_COMMAND / EVALGATE_VLLM_COMMAND]."),
         click.option("--launch-timeout", type=click.FloatRange(min=1), default=1800.0, show_default=True, help="Seconds a launched server has to become healthy."),
         click.option("--request-timeout", type=click.FloatRange(min=0.1), default=600.0, show_default=True, help="Seconds one server request may take."),
-        click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True, help="Server requests in flight at once (at most --batch-size: the runner hands over one batch at a time)."),
+        click.option("--concurrency", type=click.IntRange(min=1), default=64, show_default=True, help="Server requests kept in flight, refilled as each one finishes (independent of --batch-size, which is the in-process model's)."),
         click.option("--retries", type=click.IntRange(min=0), default=3, show_default=True, help="Retries per request on connection errors, timeouts, 5xx and malformed answers."),
+        click.option("--deterministic/--no-deterministic", default=True, show_default=True, expose_value=False,
+                     callback=_remember_deterministic, help="Launch SGLang/vLLM in their deterministic (batch-invariant) mode, and warn when a --server's mode is off or unknown; --no-deterministic opts out (recorded)."),
         click.argument("server_args", nargs=-1, type=click.UNPROCESSED),
     ]
     for d in reversed(decorators):
@@ -78,14 +81,32 @@ def server_options(f):
     return f
 
 
+DETERMINISTIC_KEY = "evalgate.deterministic"
+
+
+def _remember_deterministic(ctx, param, value):
+    """--deterministic/--no-deterministic is kept on the click context (the commands' signatures do not carry
+    it); ``server_adapter`` reads it."""
+    ctx.meta[DETERMINISTIC_KEY] = value
+    return value
+
+
+def deterministic_choice() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return True if ctx is None else bool(ctx.meta.get(DETERMINISTIC_KEY, True))
+
+
 def server_adapter(server, launch, model, kernel, out, model_id, server_args, launch_timeout, request_timeout,
-                   concurrency, retries, batch_size):
+                   concurrency, retries, batch_size, deterministic=None, resume_hint=True):
     """Context manager yielding the server adapter, or None for the in-process model."""
     from evalgate.model_adapters.launcher import served_adapter
 
+    if deterministic is None:
+        deterministic = deterministic_choice()
     return served_adapter(kernel, out, server=server, launch=launch, model=model, model_id=model_id,
                           server_args=server_args, launch_timeout=launch_timeout, request_timeout=request_timeout,
-                          concurrency=concurrency, retries=retries, batch_size=batch_size)
+                          concurrency=concurrency, retries=retries, batch_size=batch_size,
+                          deterministic=deterministic, resume_hint=resume_hint)
 
 
 def with_canary_profiles(model: str | None, task_list: list[str], chosen: dict[str, str]) -> dict[str, str]:

@@ -79,9 +79,32 @@ def _short(value) -> str:
     return text[:12] + "…" if len(text) > 13 else text
 
 
+def n_samples_of(record: dict) -> int:
+    """k, the samples an item's score averages (docs/gate.md#k-samples): ``n_samples``; else the length of
+    ``samples``; else HumanEval's ``n`` (with ``c``, the pass@k convention); else 1 (greedy, older runs)."""
+    if "n_samples" in record:
+        return int(record["n_samples"])
+    if isinstance(record.get("samples"), list) and record["samples"]:
+        return len(record["samples"])
+    if isinstance(record.get("n"), int) and "c" in record:
+        return int(record["n"])
+    return 1
+
+
+def sample_score(sample: dict, metric: str) -> float:
+    """One sample's score: its own value of the gated metric, else HumanEval's ``passed``."""
+    if metric in sample:
+        return float(sample[metric])
+    return float(bool(sample.get("passed", False)))
+
+
 @dataclass
 class TaskPairs:
-    """One task's items, paired by doc_id in a stable order."""
+    """One task's items, paired by doc_id in a stable order.
+
+    An item's score is the gated metric of its record: with k samples per item, the mean over them
+    (docs/gate.md#k-samples); its flags (invalid, truncated) are then the fraction of its samples flagged.
+    """
 
     task: str
     metric: str
@@ -89,17 +112,71 @@ class TaskPairs:
     base: list[dict]
     cand: list[dict]
 
+    def _records(self, side: str) -> list[dict]:
+        return self.base if side == "base" else self.cand
+
     def scores(self, side: str) -> list[float]:
-        return [float(r.get(self.metric, 0.0)) for r in (self.base if side == "base" else self.cand)]
+        return [float(r.get(self.metric, 0.0)) for r in self._records(side)]
 
     def correct(self, side: str) -> list[bool]:
         return [s >= 1.0 for s in self.scores(side)]
 
-    def invalid(self, side: str) -> list[bool]:
-        return [is_invalid(self.task, r, self.metric) for r in (self.base if side == "base" else self.cand)]
+    def n_samples(self, side: str = "base") -> list[int]:
+        return [n_samples_of(r) for r in self._records(side)]
 
-    def truncated(self, side: str) -> list[bool]:
-        return [is_truncated(r) for r in (self.base if side == "base" else self.cand)]
+    @property
+    def k(self) -> int:
+        """Samples per item (the largest, if items differ)."""
+        return max(self.n_samples("base"), default=1)
+
+    def sample_scores(self, side: str) -> list[list[float]] | None:
+        """Per item, its k sample scores in sample order (seed order: the same seeds on both sides); None
+        when the records do not carry them."""
+        out = []
+        for r in self._records(side):
+            samples = r.get("samples")
+            if not isinstance(samples, list) or len(samples) != n_samples_of(r):
+                return None
+            out.append([sample_score(s, self.metric) for s in samples])
+        return out
+
+    def _per_sample(self, side: str, flag) -> list[float]:
+        out = []
+        for r in self._records(side):
+            samples = r.get("samples")
+            if n_samples_of(r) > 1 and isinstance(samples, list) and samples:
+                out.append(sum(bool(flag(s)) for s in samples) / len(samples))
+            else:
+                out.append(float(bool(flag(r))))
+        return out
+
+    def invalid(self, side: str) -> list[float]:
+        """Per item 1/0 (k = 1), or the fraction of its samples the scorer could not use."""
+        values = self._per_sample(side, lambda r: is_invalid(self.task, r, self.metric))
+        return [bool(v) for v in values] if self.k == 1 else values
+
+    def truncated(self, side: str) -> list[float]:
+        """Per item 1/0 (k = 1), or the fraction of its samples cut off at the token limit."""
+        values = self._per_sample(side, is_truncated)
+        return [bool(v) for v in values] if self.k == 1 else values
+
+    def problems(self) -> list[str]:
+        """What makes the per-item scores unusable: k differing between the runs, scores outside [0, 1] or
+        not a mean over the item's k samples."""
+        out = []
+        kb, kc = self.n_samples("base"), self.n_samples("cand")
+        differ = [d for d, x, y in zip(self.doc_ids, kb, kc) if x != y]
+        if differ:
+            out.append(f"{self.task}: {len(differ)} item(s) have different sample counts k in the two runs (first: "
+                       f"{differ[0]!r}, {kb[self.doc_ids.index(differ[0])]} vs {kc[self.doc_ids.index(differ[0])]}); "
+                       "runs with different k are not comparable")
+        for side, ks in (("baseline", kb), ("candidate", kc)):
+            for doc_id, score, k in zip(self.doc_ids, self.scores("base" if side == "baseline" else "cand"), ks):
+                if k < 1 or not 0.0 <= score <= 1.0 or abs(score * k - round(score * k)) > 1e-6:
+                    out.append(f"{self.task}: the {side}'s item {doc_id!r} has {self.metric} = {score!r}, not a mean "
+                               f"over its k = {k} sample(s) in [0, 1]")
+                    break
+        return out
 
     def tokens(self, side: str) -> list[float]:
         return [float(r.get("n_tokens", 0)) for r in (self.base if side == "base" else self.cand)]
@@ -114,7 +191,11 @@ def pair_task(base: Run, cand: Run, task: str, metric: str | None = None) -> Tas
         missing = [i for i in ids if i in records and metric not in records[i]]
         if missing:
             raise UserError(f"{task}: the {side} records have no metric {metric!r} (item {missing[0]}); check thresholds.yaml's metric")
-    return TaskPairs(task, metric, ids, [b[i] for i in ids], [c[i] for i in ids])
+    pairs = TaskPairs(task, metric, ids, [b[i] for i in ids], [c[i] for i in ids])
+    problems = pairs.problems()
+    if problems:
+        raise NotComparable("runs are not comparable: " + "; ".join(problems))
+    return pairs
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The gate: a Pairing plus the policy (thresholds.yaml) and the baseline's A/A record -> a Verdict.
 
 Validity first, failing closed (docs/gate.md#the-decision-rule): comparable runs, every item on both
-sides, the HumanEval executor self-test passed, an A/A calibration on record that itself passed. Then the
-rule of ``evalgate.gate.rule`` per task, Holm across tasks, and PASS only if every task passes. Nothing
+sides with the same k samples, the HumanEval executor self-test passed, an A/A calibration on record that did
+not fail. Then the rule of ``evalgate.gate.rule`` per task, Holm across tasks: PASS only if every task
+passes, FAIL if any fails, else INCONCLUSIVE (exit 3). Nothing
 passed in is changed: the verdict carries its own pairing.
 """
 
@@ -40,9 +41,9 @@ def _validity_problems(pairing: Pairing, thresholds: Thresholds, aa: dict, requi
         if task_aa is None and require_aa and policy.min_aa_runs > 0:
             problems.append(f"{task}: no A/A calibration on record for the baseline; run `evalgate calibrate` "
                             f"(or pass --allow-uncalibrated to decide without it)")
-        elif task_aa is not None and task_aa.get("verdict") not in (None, "PASS"):
+        elif task_aa is not None and task_aa.get("verdict") not in (None, "PASS", "INCONCLUSIVE"):
             problems.append(f"{task}: the baseline's own A/A pair failed the gate ({task_aa.get('verdict')}): "
-                            "the margin is too tight or the stack is not reproducible")
+                            "the stack is not reproducible, or the baseline kernel degrades against itself")
     return problems
 
 
@@ -53,27 +54,35 @@ def decide(pairing: Pairing, thresholds: Thresholds, aa: dict | None = None, req
     if problems:
         raise NotComparable("cannot decide: " + "; ".join(problems))
     scored = pairing.with_metrics({t: thresholds.task(t).metric for t in pairing.pairs})
+    problems = [p for pairs in scored.pairs.values() for p in pairs.problems()]
+    if problems:
+        raise NotComparable("cannot decide: " + "; ".join(problems))
     if aa:
         scored = replace(scored, aa_flips={t: a["flips"] for t, a in aa.items()})
     decisions = []
     for task, pairs in scored.pairs.items():
-        policy = thresholds.task(task)
         task_aa = aa.get(task) or {}
+        # per-item scores are means over k samples (docs/gate.md#k-samples); k = 1: binary, McNemar and Tango
         decisions.append(decide_task(
-            task, pairs.correct("base"), pairs.correct("cand"),
-            margin=policy.margin, alpha=thresholds.alpha, ci_method=thresholds.ci_method,
+            task, pairs.scores("base"), pairs.scores("cand"), n_samples=pairs.n_samples("base"),
+            base_samples=pairs.sample_scores("base"), cand_samples=pairs.sample_scores("cand"),
             base_invalid=pairs.invalid("base"), cand_invalid=pairs.invalid("cand"),
             base_truncated=pairs.truncated("base"), cand_truncated=pairs.truncated("cand"),
-            max_invalid_rise=policy.max_invalid_rise, max_truncation_rise=policy.max_truncation_rise,
             base_tokens=pairs.tokens("base"), cand_tokens=pairs.tokens("cand"),
-            token_ratio_band=tuple(thresholds.token_ratio_band),
             aa_psi0=task_aa.get("psi0"), aa_n=task_aa.get("n"),
-            margin_floor=thresholds.margin_floor, alpha_split=thresholds.alpha_split,
-            alpha_validity=thresholds.alpha_validity, min_rise_items=policy.min_rise_items,
+            **thresholds.decision_kwargs(task),
         ))
     overall = decide_overall(decisions, alpha=thresholds.alpha, multiple_comparisons=thresholds.multiple_comparisons)
     notes = [] if aa else ["decided without an A/A calibration (--allow-uncalibrated)"]
-    return Verdict(overall.verdict, overall.exit_code, overall, scored, thresholds, aa=aa, notes=notes)
+    aa_out = {t: {**a, **_aa_bound(overall.tasks.get(t))} for t, a in aa.items()}
+    return Verdict(overall.verdict, overall.exit_code, overall, scored, thresholds, aa=aa_out, notes=notes)
+
+
+def _aa_bound(dec) -> dict:
+    """What the verdict adds to a task's A/A record: ψ₀'s one-sided upper bound and the MDE at it."""
+    if dec is None or dec.aa_psi0_upper is None:
+        return {}
+    return {"psi0_upper": dec.aa_psi0_upper, "mde_at_psi0_upper": dec.aa_mde}
 
 
 def decide_unpaired(baseline: Run, candidate: Run, thresholds: Thresholds) -> Verdict:

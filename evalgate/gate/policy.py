@@ -66,7 +66,7 @@ class Thresholds:
     tasks: dict[str, TaskThresholds] = field(default_factory=dict)
     alpha_split: bool = True  # one α budget for the whole gate (False: the original rule (docs/gate.md#the-original-rule), every test at α)
     alpha_validity: float = 0.01  # the validity-rate checks' share of α (all tasks together)
-    margin_floor: bool = True  # raise M to the A/A floor k·√(ψ₀/n) when it is below it (docs/gate.md#margin_floor)
+    inconclusive: bool = True  # a third outcome, INCONCLUSIVE (exit 3), when the data show neither (docs/gate.md#inconclusive)
 
     def task(self, name: str) -> TaskThresholds:
         """The policy for one task; a task with no section is a user error (margins are set before runs)."""
@@ -77,6 +77,15 @@ class Thresholds:
             )
         return self.tasks[name]
 
+
+    def decision_kwargs(self, task: str) -> dict:
+        """The policy settings ``evalgate.gate.rule.decide_task`` takes by name, for one task."""
+        policy = self.task(task)
+        return dict(margin=policy.margin, alpha=self.alpha, ci_method=self.ci_method,
+                    max_invalid_rise=policy.max_invalid_rise, max_truncation_rise=policy.max_truncation_rise,
+                    token_ratio_band=tuple(self.token_ratio_band), alpha_split=self.alpha_split,
+                    alpha_validity=self.alpha_validity, min_rise_items=policy.min_rise_items,
+                    inconclusive=self.inconclusive)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -220,7 +229,11 @@ def _parse_yaml(text: str, path: str) -> tuple[Any, dict[str, int]]:
 
 _TOP_REQUIRED = ("alpha", "tasks")
 _TOP_OPTIONAL = ("multiple_comparisons", "ci_method", "token_ratio_band", "alpha_split", "alpha_validity",
-                 "margin_floor")
+                 "inconclusive")
+# keys of earlier policies that no longer exist, with what to do instead
+_REMOVED = {"margin_floor": ("no longer a setting: the gate never raises the margin (issue 14); a margin the data "
+                             "cannot resolve gives INCONCLUSIVE (docs/gate.md#inconclusive)",
+                             "the line deleted (inconclusive: false gives the original two outcomes)")}
 _TASK_REQUIRED = ("profile", "metric", "margin_pp")
 _TASK_OPTIONAL = ("max_invalid_rise_pp", "max_truncation_rise_pp", "require_paired", "min_aa_runs",
                   "min_rise_items")
@@ -269,6 +282,9 @@ def parse_thresholds(text: str, path: str = "<thresholds>", sha256: str | None =
     if not isinstance(data, dict):
         raise UserError(f"{path}: top level is {_describe(data)}; expected a mapping with keys "
                         f"{', '.join(_TOP_REQUIRED)}")
+    for name, (problem, expected) in _REMOVED.items():
+        if name in data:
+            raise check.error(name, problem, expected)
     check.keys(data, "", _TOP_REQUIRED, _TOP_OPTIONAL)
     alpha = check.number(data["alpha"], "alpha", 0, 0.5, low_open=True, expected="a number in (0, 0.5], e.g. 0.05")
     rule = check.choice(data.get("multiple_comparisons", "holm"), "multiple_comparisons",
@@ -282,7 +298,7 @@ def parse_thresholds(text: str, path: str = "<thresholds>", sha256: str | None =
     if alpha_validity >= alpha:
         raise check.error("alpha_validity", f"{alpha_validity!r} is out of range",
                           f"a number in [0, alpha) = [0, {alpha:g}), e.g. 0.01")
-    margin_floor = check.boolean(data.get("margin_floor", True), "margin_floor")
+    inconclusive = check.boolean(data.get("inconclusive", True), "inconclusive")
     sections = check.mapping(data["tasks"], "tasks", "a mapping of task name to its thresholds")
     for name in REQUIRED_TASKS:
         if name not in sections:
@@ -290,7 +306,7 @@ def parse_thresholds(text: str, path: str = "<thresholds>", sha256: str | None =
                               f"a section for each of {', '.join(REQUIRED_TASKS)}")
     tasks = {name: _task_thresholds(name, section, check) for name, section in sections.items()}
     digest = sha256 or hashlib.sha256(text.encode("utf-8")).hexdigest()
-    return Thresholds(path, digest, alpha, rule, ci_method, band, tasks, alpha_split, alpha_validity, margin_floor)
+    return Thresholds(path, digest, alpha, rule, ci_method, band, tasks, alpha_split, alpha_validity, inconclusive)
 
 
 def load_thresholds(path: str | Path | None = None) -> Thresholds:

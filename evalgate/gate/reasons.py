@@ -1,4 +1,5 @@
-"""The words of a verdict: why each task passed or failed, in the units people read (pp, items, p)."""
+"""The words of a verdict: why each task passed, failed or was inconclusive, in the units people read (pp,
+items, p), and what the data can resolve."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from evalgate.gate.verdict import TaskDecision
 def spec_failures(dec: TaskDecision) -> list[str]:
     out = []
     if dec.spec_degraded:
-        out.append(f"McNemar p = {dec.p_degradation:.4g} rejects at α = {dec.alpha:g}")
+        out.append(f"{degradation_test(dec)} p = {dec.p_degradation:.4g} rejects at α = {dec.alpha:g}")
     if not dec.spec_non_inferior:
         out.append(f"L = {pp(dec.gate_lower)} ≤ -M = {pp(-dec.margin_requested)}")
     for check in (dec.invalid, dec.truncation):
@@ -20,45 +21,88 @@ def spec_failures(dec: TaskDecision) -> list[str]:
     return out
 
 
-def margin_text(dec: TaskDecision) -> str:
-    text = f"-M = {pp(-dec.margin)}"
-    if dec.margin_raised_because:
-        text += (f" (M raised from {100 * dec.margin_requested:.2f} pp to {100 * dec.margin:.2f} pp: "
-                 f"{dec.margin_raised_because})")
-    return text
+def degradation_test(dec: TaskDecision) -> str:
+    return "exact one-sided McNemar" if dec.n_samples == 1 else "exact one-sided sign-flip test"
 
 
-def verdict_and_reasons(dec: TaskDecision) -> tuple[str, tuple[str, ...]]:
-    """Build the verdict and reasons from a decision's checks, so decide_overall can redo them after Holm."""
-    fails: list[str] = []
-    if dec.degraded:
-        rule = dec.multiple_comparisons if dec.n_tasks > 1 else "single task"
-        fails.append(
-            f"accuracy degraded: exact one-sided McNemar p = {dec.p_degradation:.4g} "
-            f"(adjusted {dec.p_degradation_adjusted:.4g}, {rule}, K = {dec.n_tasks}) ≤ α = {dec.alpha_accuracy:g}; "
-            f"b = {dec.counts.b} lost, c = {dec.counts.c} gained"
-        )
+def bound_name(dec: TaskDecision) -> str:
     level = f"{100 * (1 - dec.alpha):g}%"
-    if not dec.non_inferior:
-        fails.append(
-            f"non-inferiority not shown: {dec.ci_method.title()} one-sided {level} lower bound "
-            f"L = {pp(dec.gate_lower)} ≤ {margin_text(dec)}"
-        )
+    if dec.ci_method == "newcombe":
+        return f"Newcombe one-sided {level} lower bound"
+    return f"{'Tango' if dec.n_samples == 1 else 'score (k samples)'} one-sided {level} lower bound"
+
+
+def structure_text(dec: TaskDecision) -> str:
+    """n, k and ψ in words: what the resolution depends on."""
+    k = "k = 1 (greedy)" if dec.n_samples == 1 else f"k = {dec.n_samples} samples per item"
+    return f"n = {dec.counts.n}, {k} and ψ = {100 * dec.flip_rate:.2f}%"
+
+
+def samples_text(dec: TaskDecision) -> str:
+    """How many samples per item would resolve the margin, or why none would."""
+    if dec.samples_needed is None:
+        limit = f" (averaging samples cannot go below {100 * dec.mde_limit:.2f} pp)" if dec.mde_limit else ""
+        return f"no k ≤ 64 resolves it at this n{limit}: add items"
+    if dec.samples_needed <= dec.n_samples:
+        return "more samples per item would not change that"
+    how = ("at least: it assumes every item's variation averages out over samples"
+           if dec.samples_needed_is_bound else "from the within-item variance of these runs")
+    return f"use k ≥ {dec.samples_needed} samples per item ({how})"
+
+
+def resolution_text(dec: TaskDecision) -> str:
+    """The sentence every verdict carries: the minimum detectable effect at 80% power for n, k and ψ."""
+    mde = f"{100 * dec.mde:.2f} pp"
+    power = f"{100 * dec.mde_power:g}%"
+    if dec.resolves_margin:
+        return (f"resolvable: {mde} at {power} power ({structure_text(dec)}), within M = "
+                f"{100 * dec.margin_requested:.2f} pp")
+    return (f"cannot resolve {100 * dec.margin_requested:.2f} pp at {structure_text(dec)}; resolvable: {mde} at "
+            f"{power} power; {samples_text(dec)}")
+
+
+def verdict_and_reasons(dec: TaskDecision) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """The verdict, its reasons and the warnings the checks add; decide_overall redoes this after Holm."""
+    fails: list[str] = []
+    warnings: list[str] = []
+    rule = dec.multiple_comparisons if dec.n_tasks > 1 else "single task"
+    degraded = (f"{degradation_test(dec)} p = {dec.p_degradation:.4g} (adjusted {dec.p_degradation_adjusted:.4g}, "
+                f"{rule}, K = {dec.n_tasks}) ≤ α = {dec.alpha_accuracy:g}; b = {dec.counts.b} lost, "
+                f"c = {dec.counts.c} gained")
+    not_shown = f"non-inferiority not shown: {bound_name(dec)} L = {pp(dec.gate_lower)} ≤ -M = {pp(-dec.margin)}"
+    if dec.inconclusive_enabled:
+        if not dec.non_inferior and dec.degraded:
+            fails.append(f"accuracy degraded: {degraded}; {not_shown}")
+        elif dec.non_inferior and dec.degraded:
+            warnings.append(f"significantly worse than the baseline, but within the margin (not gated): {degraded}")
+    else:  # the original rule: either check fails on its own
+        if dec.degraded:
+            fails.append(f"accuracy degraded: {degraded}")
+        if not dec.non_inferior:
+            fails.append(f"{not_shown} ({resolution_text(dec)})")
     for check in (dec.invalid, dec.truncation):
         if check is None:
             continue
         rates = f"{100 * check.base_rate:.2f}% → {100 * check.cand_rate:.2f}% ({pp(check.rise)})"
         if check.significant:
-            fails.append(f"{check.name} rate rose significantly: {rates}, exact one-sided McNemar p = "
-                         f"{check.p:.4g} ≤ α = {check.alpha:.4g}")
+            fails.append(f"{check.name} rate rose significantly: {rates}, exact one-sided "
+                         f"{'McNemar' if dec.n_samples == 1 else 'sign-flip test'} p = {check.p:.4g} ≤ α = "
+                         f"{check.alpha:.4g}")
         if check.over_limit:
             fails.append(f"{check.name} rate rose by more than the limit: {rates}, "
-                         f"{check.cand_count - check.base_count} net new items > max({100 * check.limit:.2f} pp "
+                         f"{check.cand_count - check.base_count:g} net new items > max({100 * check.limit:.2f} pp "
                          f"of n, {check.min_items} items) = {check.limit_items:.2f}")
     if fails:
-        return "FAIL", tuple(fails)
+        return "FAIL", tuple(fails), tuple(warnings)
+    if dec.inconclusive_enabled and not dec.non_inferior:
+        return "INCONCLUSIVE", (
+            f"inconclusive: {not_shown}, and no significant degradation ({degradation_test(dec)} p = "
+            f"{dec.p_degradation:.4g}, α = {dec.alpha_accuracy:g}); {resolution_text(dec)}"
+            + ("" if not dec.resolves_margin else
+               f" — a loss close to the margin, or chance: a candidate as good as the baseline lands here at "
+               f"most {100 * (1 - dec.mde_power):g}% of the time"),
+        ), tuple(warnings)
     return "PASS", (
-        f"non-inferior: {dec.ci_method.title()} one-sided {level} lower bound L = {pp(dec.gate_lower)} > "
-        f"{margin_text(dec)}; no significant degradation (McNemar p = {dec.p_degradation:.4g}, "
-        f"α = {dec.alpha_accuracy:g}); validity rates within limits",
-    )
+        f"non-inferior: {bound_name(dec)} L = {pp(dec.gate_lower)} > -M = {pp(-dec.margin)}; validity rates "
+        f"within limits; {resolution_text(dec)}",
+    ), tuple(warnings)

@@ -5,42 +5,43 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from evalgate.gate.reasons import spec_failures, verdict_and_reasons
-from evalgate.gate.verdict import OverallDecision, RateCheck, TaskDecision, TokenCheck
-from evalgate.stats.margin import aa_margin_floor
+from evalgate.gate.verdict import OverallDecision, RateCheck, TaskDecision, TokenCheck, overall_verdict
+from evalgate.stats.margin import mde_binary, mde_normal, project_samples, psi_upper_bound
 from evalgate.stats.multiplicity import MULTIPLE_COMPARISONS, adjusted_pvalues
 from evalgate.stats.paired import (Counts, _as_bool_vector, _check_alpha, mcnemar_exact_one_sided,
                                    mcnemar_exact_two_sided, mcnemar_mid_p_one_sided, newcombe_interval,
                                    paired_counts, tango_interval, tango_lower_bound, wald_interval)
+from evalgate.stats.scores import (as_score_vector, lattice_steps, score_interval, score_lower_bound,
+                                   second_moment, signflip_pvalues, symmetrised, wald_interval_scores)
 
 # --------------------------------------------------------------------------------------------------------
-# The whole-gate false-fail budget
+# One α for the whole gate (docs/gate.md#one-alpha)
 # --------------------------------------------------------------------------------------------------------
 #
-# The gate FAILs if any check of any task fails, so its false-fail rate on a candidate as good as the
-# baseline (Δ = 0) is the probability of a UNION of checks. the original rule (docs/gate.md#the-original-rule) runs every check at α, which
-# the simulation (benchmarks/simulate_gate.py) shows false-fails 24–59% of good kernels. The shipped
-# policy spends one budget α on the whole gate instead:
+# Per task three outcomes. PASS needs non-inferiority at the REQUESTED margin: the one-sided (1 − α) lower
+# bound L > −M (never a raised margin). A task that cannot show it is FAIL only when the data show it worse
+# than the baseline (the exact degradation test, Holm across tasks at α_acc) or a validity rate rose; else it
+# is INCONCLUSIVE: the data resolve neither, and the verdict says what margin they do resolve and how many
+# samples per item would resolve M.
 #
-# - accuracy share α_acc = α − α_validity: the McNemar degradation tests, Holm across the K tasks at α_acc
-#   (their union, "some task degraded", is then ≤ α_acc);
-# - the non-inferiority margin is raised, when the A/A flip rate ψ₀ says it is too tight, to
-#   M_eff = max(M, floor(ψ₀, n)): the smallest margin at which a candidate exactly as good as the baseline
-#   (Δ = 0, flip rate ψ₀) fails this task's accuracy checks (McNemar ∪ NI) with probability ≤ α_acc/K,
-#   computed exactly over the trinomial (b, c) distribution (``aa_margin_floor``). Summed over tasks, the
-#   accuracy false-fail stays ≤ α_acc. The NI bound keeps level α per task: passing a kernel inferior by
-#   M_eff on some task stays ≤ α (intersection–union, Berger 1982);
-# - validity share α_validity, split equally (Bonferroni) over every invalid/truncation check of every
-#   task; the absolute rise limit gets an item floor, max(limit·n, min_rise_items), so that at n = 164 a
-#   1 pp limit is not "2 items", which indicator noise alone exceeds ~20% of the time.
+# - A candidate inferior by M or more on some task PASSes with probability ≤ α: each task's NI test is at
+#   level α and PASS needs all of them (intersection–union, Berger 1982).
+# - A candidate as good as the baseline FAILs with probability ≤ α: accuracy FAILs need the degradation test
+#   (Holm across the K tasks at α_acc = α − α_validity: their union ≤ α_acc), the rate checks share
+#   α_validity (Bonferroni over every invalid/truncation check). No part of this uses the A/A flip rate ψ₀,
+#   so an underestimated ψ₀ cannot break it.
+# - A significant degradation WITHIN the margin is a warning, not a failure: M is the loss the policy accepts.
 #
-# With alpha_split = False, margin_floor = False and min_rise_items = 0 the rule is docs/gate.md#the-decision-rule exactly.
+# With alpha_split = False, inconclusive = False and min_rise_items = 0 the rule is the original one
+# (docs/gate.md#the-original-rule): every test at α, and FAIL whenever non-inferiority is not shown.
+
+POWER = 0.8  # the power at which the minimum detectable effect is reported
 
 
 def gate_levels(alpha: float, alpha_split: bool, alpha_validity: float, n_tasks: int,
@@ -58,15 +59,31 @@ def gate_levels(alpha: float, alpha_split: bool, alpha_validity: float, n_tasks:
     return alpha - alpha_validity, alpha_validity / max(n_rate_checks, 1)
 
 
-def _rate_check(name: str, base_flags, cand_flags, alpha: float, limit: float, min_items: int) -> RateCheck:
-    base_arr = _as_bool_vector(base_flags, f"base_{name}")
-    cand_arr = _as_bool_vector(cand_flags, f"cand_{name}")
-    # "OK" plays the role of "right": b = baseline OK but candidate flagged, i.e. a new invalid/truncation.
-    counts = paired_counts(~base_arr, ~cand_arr)
-    base_count, cand_count = int(base_arr.sum()), int(cand_arr.sum())
-    p = mcnemar_exact_one_sided(counts.b, counts.c)
-    check = RateCheck(name, base_count, cand_count, counts.n, p, limit, p <= alpha, False, alpha=alpha,
-                      min_items=min_items, new_count=counts.b, gone_count=counts.c)
+def _flag_vector(values, name: str) -> tuple[np.ndarray, bool]:
+    """Per-item flags as floats, and whether they are binary (k = 1) or fractions of an item's samples."""
+    arr = np.asarray(values)
+    if arr.dtype == bool or (arr.size and np.isin(arr, (0, 1)).all()) or not arr.size:
+        return _as_bool_vector(values, name).astype(float), True
+    return as_score_vector(values, name), False
+
+
+def _rate_check(name: str, base_flags, cand_flags, alpha: float, limit: float, min_items: int,
+                n_samples=1) -> RateCheck:
+    base_arr, base_binary = _flag_vector(base_flags, f"base_{name}")
+    cand_arr, cand_binary = _flag_vector(cand_flags, f"cand_{name}")
+    if base_arr.shape != cand_arr.shape:
+        raise ValueError(f"{name} flags differ in length: base {base_arr.size}, cand {cand_arr.size}")
+    rise = cand_arr - base_arr  # > 0: newly flagged
+    if base_binary and cand_binary:
+        new, gone = int(np.sum(rise > 0)), int(np.sum(rise < 0))
+        p = mcnemar_exact_one_sided(new, gone)
+        base_count, cand_count = int(base_arr.sum()), int(cand_arr.sum())
+    else:  # fractions of an item's samples: the exact sign-flip test on the per-item rise
+        p = signflip_pvalues(lattice_steps(rise, n_samples)).p_upper
+        new, gone = float(rise[rise > 0].sum()), float(-rise[rise < 0].sum())
+        base_count, cand_count = float(base_arr.sum()), float(cand_arr.sum())
+    check = RateCheck(name, base_count, cand_count, int(base_arr.size), p, limit, p <= alpha, False, alpha=alpha,
+                      min_items=min_items, new_count=new, gone_count=gone)
     return _judge_rate(check, alpha, alpha)
 
 
@@ -85,68 +102,95 @@ def _judge_rate(check: RateCheck, alpha_check: float, alpha: float) -> RateCheck
 
 def _finalise(dec: TaskDecision, *, n_tasks: int, n_rate_checks: int, multiple_comparisons: str,
               degraded: bool, p_adjusted: float, spec_degraded: bool) -> TaskDecision:
-    """Apply the levels for K tasks and J rate checks: margin floor, rate significance, verdict, reasons.
+    """Apply the levels for K tasks and J rate checks: rate significance, verdict, reasons.
 
     decide_task calls this with K = 1 (the task alone); decide_overall redoes it with the real K and J.
     """
     alpha_acc, alpha_rate = gate_levels(dec.alpha, dec.alpha_split, dec.alpha_validity, n_tasks, n_rate_checks)
-    k = floor = raised = None
-    margin = dec.margin_requested
     warnings = list(dec.data_warnings)
-    if dec.aa_psi0 is not None:
-        share = alpha_acc / n_tasks  # Bonferroni over tasks: the accuracy union of all tasks stays ≤ α_acc
-        needed = aa_margin_floor(dec.aa_psi0, dec.counts.n, dec.alpha, share)
-        k = needed / math.sqrt(dec.aa_psi0 / dec.counts.n) if dec.aa_psi0 > 0 else None
-        rule = (f"a candidate as good as the baseline would fail this task's accuracy checks with probability "
-                f"> α_acc/K = {share:.4g} at A/A flip rate ψ₀ = {100 * dec.aa_psi0:.2f}% (A/A n = {dec.aa_n}, "
-                f"n = {dec.counts.n}); the smallest margin that keeps it within is {100 * needed:.2f} pp")
-        if dec.margin_floor_enabled:
-            floor = needed
-            if needed > margin:
-                raised = f"{rule} (docs/gate.md#aa-calibration: raise M, recorded, or add data)"
-                margin = needed
-        elif needed > margin:
-            warnings.append(f"margin M = {100 * margin:.2f} pp is below the A/A floor (margin_floor off): {rule}")
     checks = {}
     for key in ("invalid", "truncation"):
         check = getattr(dec, key)
         checks[key] = None if check is None else _judge_rate(check, alpha_rate, dec.alpha)
     updated = replace(
         dec,
-        margin=margin,
-        margin_effective=margin,
-        margin_raised_because=raised,
-        margin_floor=floor,
-        margin_floor_k=k,
         alpha_accuracy=alpha_acc,
         degraded=degraded,
         p_degradation_adjusted=p_adjusted,
-        non_inferior=dec.gate_lower > -margin,
         spec_degraded=spec_degraded,
-        spec_non_inferior=dec.gate_lower > -dec.margin_requested,
         multiple_comparisons=multiple_comparisons,
         n_tasks=n_tasks,
         **checks,
     )
-    verdict, reasons = verdict_and_reasons(updated)
-    if verdict == "PASS" and updated.spec_verdict == "FAIL":
-        warnings.append("the original rule (docs/gate.md#the-original-rule) (every check at α, requested margin, raw rate limit) would FAIL: "
-                        + "; ".join(spec_failures(updated)) + " — not gated under this policy")
+    verdict, reasons, more = verdict_and_reasons(updated)
+    warnings.extend(more)
+    if verdict != "FAIL" and updated.spec_verdict == "FAIL":
+        warnings.append("the original rule (docs/gate.md#the-original-rule) (every check at α, two outcomes, raw rate "
+                        "limit) would FAIL: " + "; ".join(spec_failures(updated)) + " — not gated under this policy")
     return replace(updated, verdict=verdict, reasons=reasons, warnings=tuple(warnings))
+
+
+def _binary_statistics(counts: Counts, alpha: float) -> dict:
+    a, b, c, d, n = counts.a, counts.b, counts.c, counts.d, counts.n
+    return dict(
+        delta=counts.delta, flip_rate=counts.flip_rate,
+        p_degradation=mcnemar_exact_one_sided(b, c), p_mid=mcnemar_mid_p_one_sided(b, c),
+        p_two_sided=mcnemar_exact_two_sided(b, c),
+        tango_ci=tango_interval(b, c, n, alpha), tango_lower=tango_lower_bound(b, c, n, alpha),
+        newcombe_ci=newcombe_interval(a, b, c, d, alpha), newcombe_lower=newcombe_interval(a, b, c, d, 2 * alpha)[0],
+        wald_ci=wald_interval(b, c, n, alpha),
+        mde=mde_binary(counts.flip_rate, n, alpha, POWER), mde_method="exact",
+    )
+
+
+def _score_statistics(base: np.ndarray, diffs: np.ndarray, n_samples, alpha: float) -> tuple[Counts, dict]:
+    """The k-sample generalisations on the per-item differences (docs/gate.md#k-samples)."""
+    n = diffs.size
+    lost, gained = int(np.sum(diffs < 0)), int(np.sum(diffs > 0))
+    tied = diffs == 0
+    counts = Counts(a=int(np.sum(tied & (base >= 0.5))), b=lost, c=gained, d=int(np.sum(tied & (base < 0.5))), n=n)
+    test = signflip_pvalues(lattice_steps(diffs, n_samples))
+    psi = second_moment(diffs)
+    support, weights = symmetrised(diffs)
+    lower_sym = score_lower_bound(support, weights, alpha) if weights.sum() > 0 else 0.0
+    return counts, dict(
+        delta=float(diffs.mean()), flip_rate=psi,
+        p_degradation=test.p_lower, p_mid=test.p_mid, p_two_sided=test.p_two_sided,
+        tango_ci=score_interval(diffs, alpha), tango_lower=score_lower_bound(diffs, alpha=alpha),
+        newcombe_ci=None, newcombe_lower=None, wald_ci=wald_interval_scores(diffs, alpha),
+        mde=mde_normal(lower_sym, psi, n, POWER), mde_method="normal",
+    )
+
+
+def within_item_variance(base_samples, cand_samples) -> float | None:
+    """W: the mean over items of the variance, across an item's k samples, of the paired sample difference
+    y_cand,s − y_base,s (samples matched by index: the same seed in both runs). None below 2 samples."""
+    if base_samples is None or cand_samples is None:
+        return None
+    variances = []
+    for b, c in zip(base_samples, cand_samples):
+        b, c = np.asarray(b, dtype=float), np.asarray(c, dtype=float)
+        if b.shape != c.shape or b.size < 2:
+            return None
+        variances.append(float(np.var(c - b, ddof=1)))
+    return float(np.mean(variances)) if variances else None
 
 
 def decide_task(
     task: str,
-    base: Sequence[bool] | None = None,
-    cand: Sequence[bool] | None = None,
+    base: Sequence[float] | None = None,
+    cand: Sequence[float] | None = None,
     *,
     counts: Counts | None = None,
+    n_samples: int | Sequence[int] = 1,
+    base_samples: Sequence[Sequence[float]] | None = None,
+    cand_samples: Sequence[Sequence[float]] | None = None,
     margin: float,
     alpha: float = 0.05,
-    base_invalid: Sequence[bool] | None = None,
-    cand_invalid: Sequence[bool] | None = None,
-    base_truncated: Sequence[bool] | None = None,
-    cand_truncated: Sequence[bool] | None = None,
+    base_invalid: Sequence[float] | None = None,
+    cand_invalid: Sequence[float] | None = None,
+    base_truncated: Sequence[float] | None = None,
+    cand_truncated: Sequence[float] | None = None,
     max_invalid_rise: float = 0.01,
     max_truncation_rise: float = 0.01,
     base_tokens: Sequence[float] | None = None,
@@ -155,28 +199,30 @@ def decide_task(
     ci_method: str = "tango",
     aa_psi0: float | None = None,
     aa_n: int | None = None,
-    margin_floor: bool = True,
     alpha_split: bool = True,
     alpha_validity: float = 0.01,
     min_rise_items: int = 4,
+    inconclusive: bool = True,
 ) -> TaskDecision:
-    """The default per-task decision (docs/gate.md#the-decision-rule with a whole-gate α budget), as a pure function.
+    """The per-task decision (docs/gate.md#the-decision-rule), as a pure function.
 
-    Give either the binary per-item metric vectors ``base`` and ``cand`` (same item order) or ``counts``.
-    ``margin``, ``max_invalid_rise`` and ``max_truncation_rise`` are fractions (1.5 pp = 0.015).
-    FAIL when any of:
-    - the exact one-sided McNemar rejects "no degradation" at α_acc = α − α_validity (for one task;
-      ``decide_overall`` redoes this with Holm across tasks);
-    - the one-sided (1 − α) lower bound for Δ (Tango by default) is ≤ −M_eff (non-inferiority, docs/gate.md#non-inferiority), where
-      M_eff = max(margin, ``aa_margin_floor(aa_psi0, n, α, α_acc/K)``) (docs/gate.md#aa-calibration: a margin the A/A noise
-      cannot demonstrate is raised and recorded). Without ``aa_psi0`` the requested margin is used, with a
-      warning;
-    - the invalid or truncation rate rose significantly (exact one-sided McNemar on the indicator at this
-      check's share α_validity/J of the budget, J = number of rate checks) or by more than
-      max(limit·n, ``min_rise_items``) net new items. These checks are skipped, with a warning, when the
-      indicator vectors are not given.
-    ``alpha_split=False, margin_floor=False, min_rise_items=0`` is docs/gate.md#the-decision-rule exactly (every test at α).
-    The docs/gate.md#the-decision-rule-as-written verdict is always reported (``spec_verdict``, and a warning when it differs).
+    Give the per-item scores ``base`` and ``cand`` (same item order) or, for binary scores, ``counts``.
+    Scores are means over ``n_samples`` samples per item (k; one value or one per item): binary when k = 1.
+    ``base_samples`` / ``cand_samples`` (per item, the k sample scores in seed order) only refine how many
+    samples the margin needs. ``margin``, ``max_invalid_rise`` and ``max_truncation_rise`` are fractions
+    (1.5 pp = 0.015). Verdict:
+
+    - FAIL when a validity rate rose (exact one-sided McNemar on the indicator at its share α_validity/J,
+      or more than max(limit·n, ``min_rise_items``) net new items), or when non-inferiority is not shown
+      AND the exact degradation test rejects at α_acc = α − α_validity (Holm across tasks in
+      ``decide_overall``);
+    - PASS when the one-sided (1 − α) lower bound for Δ (Tango; its k-sample generalisation) is > −margin;
+    - INCONCLUSIVE otherwise: the data show neither. ``inconclusive=False`` turns it into FAIL, and a
+      significant degradation then FAILs even within the margin (the original rule).
+
+    ``aa_psi0`` / ``aa_n``: the baseline's A/A flip structure and item count. They never change the verdict;
+    the decision reports ψ₀, its one-sided (1 − α) upper bound and the MDE at that bound.
+    ``alpha_split=False, inconclusive=False, min_rise_items=0`` is docs/gate.md#the-original-rule exactly.
     WARN (never FAIL) when the candidate's mean generated tokens fall outside ``token_ratio_band`` times
     the baseline's.
     """
@@ -193,24 +239,57 @@ def decide_task(
         raise ValueError(f"aa_psi0 must be a flip rate in [0, 1], got {aa_psi0}")
     if aa_n is not None and aa_n <= 0:
         raise ValueError(f"aa_n must be a positive item count, got {aa_n}")
-    if counts is None:
+    ks = np.atleast_1d(np.asarray(n_samples, dtype=int))
+    if ks.size == 0 or ks.min() < 1:
+        raise ValueError("n_samples must be ≥ 1")
+    k = int(ks.max())
+    if counts is not None:
+        if base is not None or cand is not None:
+            raise ValueError("give either base and cand vectors or counts, not both")
+        if counts.n <= 0:
+            raise ValueError(f"task {task!r} has no items")
+        stats, binary = _binary_statistics(counts, alpha), True
+    else:
         if base is None or cand is None:
             raise ValueError("give either base and cand vectors or counts")
-        counts = paired_counts(base, cand)
-    elif base is not None or cand is not None:
-        raise ValueError("give either base and cand vectors or counts, not both")
-    if counts.n <= 0:
-        raise ValueError(f"task {task!r} has no items")
-    a, b, c, d, n = counts.a, counts.b, counts.c, counts.d, counts.n
-
+        base_arr, cand_arr = as_score_vector(base, "base"), as_score_vector(cand, "cand")
+        if base_arr.shape != cand_arr.shape:
+            raise ValueError(f"paired vectors differ in length: base {base_arr.size}, cand {cand_arr.size}")
+        if base_arr.size == 0:
+            raise ValueError(f"task {task!r} has no items")
+        binary = bool(np.isin(base_arr, (0.0, 1.0)).all() and np.isin(cand_arr, (0.0, 1.0)).all())
+        diffs = cand_arr - base_arr
+        lattice_steps(diffs, np.broadcast_to(ks, diffs.shape) if ks.size > 1 else k)  # scores must be means of k
+        if binary:  # k = 1, or k samples that all agree within each item: exactly McNemar and Tango
+            counts = paired_counts(base_arr, cand_arr)
+            stats = _binary_statistics(counts, alpha)
+        else:
+            counts, stats = _score_statistics(base_arr, diffs, ks if ks.size > 1 else k, alpha)
+    n = counts.n
     warnings: list[str] = []
-    if aa_psi0 is None:
-        warnings.append(f"margin not checked against A/A noise: no A/A flip rate ψ₀ given, so the requested "
-                        f"M = {100 * margin:.2f} pp is used unchanged")
-    elif aa_n is not None and aa_n != n:
-        warnings.append(f"the A/A calibration covered {aa_n} items, this comparison {n}")
+    if ci_method == "newcombe" and stats["newcombe_lower"] is None:
+        warnings.append("ci_method newcombe is defined for binary scores only: gated on the score interval")
+        ci_method = "tango"
+    gate_lower = stats["tango_lower"] if ci_method == "tango" else stats["newcombe_lower"]
+
+    # what this n, k and flip structure resolve; how many samples per item would resolve the margin
+    within = within_item_variance(base_samples, cand_samples) if k > 1 else None
+    needed, limit, is_bound = project_samples(stats["mde"], margin, stats["flip_rate"], k, within)
+    aa_upper = aa_mde = None
+    if aa_psi0 is not None:
+        aa_items = aa_n if aa_n is not None else n
+        aa_upper = psi_upper_bound(aa_psi0, aa_items, alpha)
+        aa_mde = mde_binary(round(aa_upper, 9), n, alpha, POWER)
+        if aa_n is not None and aa_n != n:
+            warnings.append(f"the A/A calibration covered {aa_n} items, this comparison {n}")
+        if stats["flip_rate"] > aa_upper:
+            warnings.append(f"the candidate moves more items than the baseline's own noise: ψ = "
+                            f"{100 * stats['flip_rate']:.2f}% > {100 * aa_upper:.2f}%, the one-sided "
+                            f"{100 * (1 - alpha):g}% upper bound of the A/A ψ₀ = {100 * aa_psi0:.2f}% "
+                            f"({aa_items} A/A items)")
+
     checks: dict[str, RateCheck | None] = {}
-    for name, base_flags, cand_flags, limit in (
+    for name, base_flags, cand_flags, limit_pp in (
         ("invalid", base_invalid, cand_invalid, max_invalid_rise),
         ("truncation", base_truncated, cand_truncated, max_truncation_rise),
     ):
@@ -218,7 +297,8 @@ def decide_task(
             checks[name] = None
             warnings.append(f"{name} rate not checked: no per-item {name} flags given")
             continue
-        check = _rate_check(name, base_flags, cand_flags, alpha, limit, min_rise_items)
+        check = _rate_check(name, base_flags, cand_flags, alpha, limit_pp, min_rise_items,
+                            ks if ks.size > 1 else k)
         if check.n != n:
             raise ValueError(f"{name} flags cover {check.n} items, the metric covers {n}")
         checks[name] = check
@@ -233,30 +313,17 @@ def decide_task(
                 f"{100 * token_ratio_band[1]:g}%)"
             )
 
-    p = mcnemar_exact_one_sided(b, c)
-    tango_lower = tango_lower_bound(b, c, n, alpha)
-    newcombe_lower = newcombe_interval(a, b, c, d, 2 * alpha)[0]
-    gate_lower = tango_lower if ci_method == "tango" else newcombe_lower
+    p = stats["p_degradation"]
     decision = TaskDecision(
         task=task,
         counts=counts,
-        delta=counts.delta,
-        flip_rate=counts.flip_rate,
         margin=margin,
         alpha=alpha,
         ci_method=ci_method,
-        p_degradation=p,
         p_degradation_adjusted=p,
-        p_mid=mcnemar_mid_p_one_sided(b, c),
-        p_two_sided=mcnemar_exact_two_sided(b, c),
-        tango_ci=tango_interval(b, c, n, alpha),
-        tango_lower=tango_lower,
-        newcombe_ci=newcombe_interval(a, b, c, d, alpha),
-        newcombe_lower=newcombe_lower,
-        wald_ci=wald_interval(b, c, n, alpha),
         gate_lower=gate_lower,
         degraded=False,
-        non_inferior=True,
+        non_inferior=bool(gate_lower > -margin),
         invalid=checks["invalid"],
         truncation=checks["truncation"],
         tokens=tokens,
@@ -265,14 +332,27 @@ def decide_task(
         verdict="PASS",
         reasons=(),
         margin_requested=margin,
-        margin_effective=margin,
+        margin_enforced=margin,
+        n_samples=k,
+        mde_power=POWER,
+        resolves_margin=bool(stats["mde"] <= margin),
+        samples_needed=needed,
+        samples_needed_is_bound=is_bound,
+        mde_limit=limit,
+        within_variance=within,
         aa_psi0=aa_psi0,
+        aa_psi0_upper=aa_upper,
         aa_n=aa_n,
+        aa_mde=aa_mde,
         alpha_split=alpha_split,
         alpha_validity=alpha_validity,
         min_rise_items=min_rise_items,
-        margin_floor_enabled=margin_floor,
+        inconclusive_enabled=inconclusive,
+        spec_non_inferior=bool(gate_lower > -margin),
         data_warnings=tuple(warnings),
+        **{key: stats[key] for key in ("delta", "flip_rate", "p_degradation", "p_mid", "p_two_sided", "tango_ci",
+                                       "tango_lower", "newcombe_ci", "newcombe_lower", "wald_ci", "mde",
+                                       "mde_method")},
     )
     n_rate_checks = sum(check is not None for check in checks.values())
     alpha_acc, _ = gate_levels(alpha, alpha_split, alpha_validity, 1, n_rate_checks)
@@ -285,14 +365,14 @@ def decide_overall(
     alpha: float | None = None,
     multiple_comparisons: str = "holm",
 ) -> OverallDecision:
-    """Combine per-task decisions (docs/gate.md#several-tasks, docs/gate.md#the-decision-rule): FAIL if any task fails, with one α budget for the whole gate.
+    """Combine per-task decisions (docs/gate.md#several-tasks): FAIL if any task fails, else INCONCLUSIVE if
+    any task is, else PASS; one α budget for the whole gate.
 
-    Every task's decision is redone for K tasks and J rate checks: the McNemar degradation tests are
-    corrected across tasks (Holm by default) at α_acc; the A/A margin floor uses the share α_acc/K;
-    each rate check gets α_validity/J. The non-inferiority bounds stay at level α per task: requiring
-    non-inferiority on every task is an intersection–union test for passing a bad kernel (Berger 1982,
-    Technometrics 24:295–300); the union of failures of a good kernel is what the budget controls.
-    ``multiple_comparisons="none"`` gives up that control for the degradation tests.
+    Every task's decision is redone for K tasks and J rate checks: the degradation tests are corrected
+    across tasks (Holm by default) at α_acc; each rate check gets α_validity/J. The non-inferiority bounds
+    stay at level α per task: requiring non-inferiority on every task is an intersection–union test for
+    passing a bad kernel (Berger 1982, Technometrics 24:295–300); the union of failures of a good kernel is
+    what the budget controls. ``multiple_comparisons="none"`` gives up that control for the degradation tests.
     ``alpha`` defaults to the tasks' own α, which must all be equal (their bounds were computed with it).
     """
     if multiple_comparisons not in MULTIPLE_COMPARISONS:
@@ -308,10 +388,11 @@ def decide_overall(
         alpha = alphas.pop()
     if alphas and alphas != {alpha}:
         raise ValueError(f"task decisions were computed at α = {sorted(alphas)}, not at α = {alpha}")
-    policies = {(dec.alpha_split, dec.alpha_validity) for dec in items}
+    policies = {(dec.alpha_split, dec.alpha_validity, dec.inconclusive_enabled) for dec in items}
     if len(policies) != 1:
-        raise ValueError(f"task decisions use different α budgets (alpha_split, alpha_validity): {sorted(policies)}")
-    alpha_split, alpha_validity = policies.pop()
+        raise ValueError("task decisions use different α budgets or outcomes (alpha_split, alpha_validity, "
+                         f"inconclusive): {sorted(policies)}")
+    alpha_split, alpha_validity, _ = policies.pop()
     k = len(items)
     n_rate_checks = sum(check is not None for dec in items for check in (dec.invalid, dec.truncation))
     alpha_acc, _ = gate_levels(alpha, alpha_split, alpha_validity, k, n_rate_checks)
@@ -325,12 +406,14 @@ def decide_overall(
                                     multiple_comparisons=multiple_comparisons, degraded=rejected[dec.task],
                                     p_adjusted=adjusted[dec.task], spec_degraded=spec_rejected[dec.task])
 
-    failed = [dec for dec in tasks.values() if not dec.passed]
-    if failed:
-        reasons = tuple(f"{dec.task}: {reason}" for dec in failed for reason in dec.reasons)
-        verdict = "FAIL"
-    else:
+    verdict = overall_verdict(dec.verdict for dec in tasks.values())
+    if verdict == "PASS":
         reasons = (f"all {k} task(s) passed",)
-        verdict = "PASS"
+    else:
+        reasons = tuple(f"{dec.task}: {reason}" for dec in tasks.values() if dec.verdict == verdict
+                        for reason in dec.reasons)
+        if verdict == "FAIL":  # the inconclusive tasks say why too
+            reasons += tuple(f"{dec.task}: {reason}" for dec in tasks.values() if dec.verdict == "INCONCLUSIVE"
+                             for reason in dec.reasons)
     warnings = tuple(f"{dec.task}: {w}" for dec in tasks.values() for w in dec.warnings)
     return OverallDecision(verdict, tasks, reasons, warnings, alpha, multiple_comparisons)

@@ -14,22 +14,29 @@ from evalgate.run.store import Run
 from evalgate.stats.paired import Counts
 
 
+VERDICTS = ("PASS", "FAIL", "INCONCLUSIVE")
+EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}  # 2: error or not comparable (no verdict)
+
+
 @dataclass(frozen=True)
 class RateCheck:
-    """A validity-rate gate (invalid answers or truncations): fails on a significant or too-large rise."""
+    """A validity-rate gate (invalid answers or truncations): fails on a significant or too-large rise.
+
+    With k samples per item the flags are per-item fractions of flagged samples and the counts are sums of
+    them (so they need not be whole)."""
 
     name: str  # "invalid" or "truncation"
-    base_count: int
-    cand_count: int
+    base_count: float
+    cand_count: float
     n: int
-    p: float  # exact one-sided McNemar on the indicator: H0 "the rate did not rise"
+    p: float  # exact one-sided McNemar (sign-flip with k samples) on the indicator: H0 "the rate did not rise"
     limit: float  # largest allowed absolute rise, as a fraction
     significant: bool  # p ≤ alpha (this check's share of the budget)
     over_limit: bool  # net new flagged items > max(limit·n, min_items)
     alpha: float = 0.05  # level the significance was judged at
     min_items: int = 0  # item floor of the absolute limit
-    new_count: int = 0  # items flagged by the candidate only
-    gone_count: int = 0  # items flagged by the baseline only
+    new_count: float = 0  # items flagged by the candidate only
+    gone_count: float = 0  # items flagged by the baseline only
     significant_at_alpha: bool = False  # the original rule (docs/gate.md#the-original-rule): p ≤ α (reported, gated only when alpha_split off)
     over_raw_limit: bool = False  # the original rule (docs/gate.md#the-original-rule): rise > limit·n (reported)
 
@@ -74,49 +81,65 @@ class TokenCheck:
 
 @dataclass(frozen=True)
 class TaskDecision:
-    """Everything the docs/gate.md#the-decision-rule rule computed for one task, with its verdict and human-readable reasons."""
+    """Everything the rule (docs/gate.md#the-decision-rule) computed for one task, with its verdict and reasons.
+
+    Per-item scores are means over k = ``n_samples`` samples (k = 1: binary, greedy). With k = 1 the interval
+    is Tango's and the degradation test exact McNemar; with k > 1 the same fields hold their generalisations
+    on the per-item differences (the multinomial score interval and the exact sign-flip test,
+    docs/gate.md#k-samples), and ``counts`` counts items by the sign of their difference.
+    """
 
     task: str
     counts: Counts
-    delta: float
-    flip_rate: float
-    margin: float  # the margin gated on (= margin_effective)
+    delta: float  # Δ̂ = mean per-item difference, candidate − baseline
+    flip_rate: float  # ψ = mean squared per-item difference ((b + c)/n for binary scores)
+    margin: float  # the margin gated on (= margin_enforced = margin_requested: never raised)
     alpha: float
-    ci_method: str  # the interval gated on: "tango" (default) or "newcombe"
-    p_degradation: float  # exact one-sided McNemar, unadjusted
+    ci_method: str  # the interval gated on: "tango" (default; its k-sample generalisation when k > 1) or "newcombe"
+    p_degradation: float  # exact one-sided McNemar (sign-flip when k > 1), unadjusted
     p_degradation_adjusted: float  # after the multiple-comparison rule (= unadjusted for one task)
     p_mid: float  # mid-p, reported only
     p_two_sided: float  # reported only
-    tango_ci: tuple[float, float]  # two-sided (1 − α)
+    tango_ci: tuple[float, float]  # two-sided (1 − α) score interval (Tango's when k = 1)
     tango_lower: float  # one-sided (1 − α) lower bound
-    newcombe_ci: tuple[float, float]  # two-sided (1 − α)
-    newcombe_lower: float  # one-sided (1 − α): lower end of the two-sided (1 − 2α) interval
+    newcombe_ci: tuple[float, float] | None  # two-sided (1 − α); binary scores only
+    newcombe_lower: float | None  # one-sided (1 − α): lower end of the two-sided (1 − 2α) interval
     wald_ci: tuple[float, float]  # report only
     gate_lower: float  # the one-sided lower bound compared with −M (tango_lower unless ci_method says)
-    degraded: bool  # McNemar rejected "no degradation" at α_acc (after the multiple-comparison rule)
-    non_inferior: bool  # gate_lower > −margin_effective
+    degraded: bool  # the degradation test rejected "no degradation" at α_acc (after the multiple-comparison rule)
+    non_inferior: bool  # gate_lower > −margin
     invalid: RateCheck | None
     truncation: RateCheck | None
     tokens: TokenCheck | None
     multiple_comparisons: str  # "holm", "bonferroni", "none"; with K tasks
     n_tasks: int
-    verdict: str  # "PASS" or "FAIL"
+    verdict: str  # "PASS", "FAIL" or "INCONCLUSIVE"
     reasons: tuple[str, ...]
     warnings: tuple[str, ...] = field(default=())
-    # the whole-gate budget and the A/A margin floor
-    margin_requested: float = 0.0  # M from the policy
-    margin_effective: float = 0.0  # max(M, floor) when the floor applies, else M
-    margin_raised_because: str | None = None  # why M_eff > M, or None
-    margin_floor: float | None = None  # k·√(ψ₀/n), None without A/A data or with the floor off
-    margin_floor_k: float | None = None
+    # the margin: requested by the policy, enforced as requested (docs/gate.md#margins)
+    margin_requested: float = 0.0
+    margin_enforced: float = 0.0
+    # what this n, k and flip structure can resolve (docs/gate.md#resolution)
+    n_samples: int = 1  # k: samples per item (1 = greedy)
+    mde: float = 0.0  # minimum detectable effect at ``mde_power`` for n, k and the measured (symmetrised) structure
+    mde_power: float = 0.8
+    mde_method: str = "exact"  # "exact" (binary: trinomial sum) or "normal" (k > 1)
+    resolves_margin: bool = True  # margin_requested ≥ mde
+    samples_needed: int | None = None  # the fewest samples per item whose MDE reaches the margin (None: none ≤ 64)
+    samples_needed_is_bound: bool = True  # True when K assumes all per-item variation averages out (a lower bound)
+    mde_limit: float | None = None  # the MDE as k → ∞ (what averaging samples cannot remove)
+    within_variance: float | None = None  # mean within-item variance of one sample's paired difference (k > 1 with per-sample scores)
+    # the baseline's A/A calibration: ψ₀, its one-sided (1 − α) upper bound, the items it rests on, the MDE at the bound
     aa_psi0: float | None = None
+    aa_psi0_upper: float | None = None
     aa_n: int | None = None
+    aa_mde: float | None = None
     alpha_split: bool = True
     alpha_validity: float = 0.01
-    alpha_accuracy: float = 0.05  # level of the McNemar degradation tests (before Holm)
+    alpha_accuracy: float = 0.05  # level of the degradation tests (before Holm)
     min_rise_items: int = 0
-    margin_floor_enabled: bool = True
-    # the original rule (docs/gate.md#the-original-rule) (every test at α, requested M, raw 1 pp limit): reported even when not gated
+    inconclusive_enabled: bool = True  # the policy's third outcome (False: the original rule's two outcomes)
+    # the original rule (docs/gate.md#the-original-rule) (every test at α, raw 1 pp limit, two outcomes): reported even when not gated
     spec_degraded: bool = False
     spec_non_inferior: bool = True
     data_warnings: tuple[str, ...] = field(default=())  # warnings from the inputs (flags, tokens, A/A)
@@ -124,6 +147,10 @@ class TaskDecision:
     @property
     def passed(self) -> bool:
         return self.verdict == "PASS"
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict == "FAIL"
 
     @property
     def spec_verdict(self) -> str:
@@ -145,9 +172,17 @@ class TaskDecision:
         return out
 
 
+def overall_verdict(verdicts) -> str:
+    """FAIL if any task failed, else INCONCLUSIVE if any task is, else PASS."""
+    verdicts = list(verdicts)
+    if "FAIL" in verdicts:
+        return "FAIL"
+    return "INCONCLUSIVE" if "INCONCLUSIVE" in verdicts else "PASS"
+
+
 @dataclass(frozen=True)
 class OverallDecision:
-    verdict: str  # "PASS" or "FAIL"
+    verdict: str  # "PASS", "FAIL" or "INCONCLUSIVE"
     tasks: dict[str, TaskDecision]
     reasons: tuple[str, ...]
     warnings: tuple[str, ...]
@@ -160,7 +195,8 @@ class OverallDecision:
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.passed else 1
+        """0 PASS, 1 FAIL, 3 INCONCLUSIVE (2 is an error: no decision at all)."""
+        return EXIT_CODES[self.verdict]
 
     @property
     def spec_verdict(self) -> str:
@@ -183,8 +219,8 @@ class OverallDecision:
 
 @dataclass
 class Verdict:
-    verdict: str  # "PASS" | "FAIL"
-    exit_code: int
+    verdict: str  # "PASS" | "FAIL" | "INCONCLUSIVE"
+    exit_code: int  # 0 | 1 | 3
     decision: OverallDecision | None
     comparison: Pairing | None  # the pairing it decided on (scored on the policy's metrics)
     thresholds: Thresholds

@@ -15,28 +15,57 @@ def pp(x: float) -> str:
     return _pp_unit(x, unit=False)
 
 
+STYLES = {"PASS": "green", "FAIL": "red", "INCONCLUSIVE": "yellow"}
+ICONS = {"PASS": "✅", "FAIL": "❌", "INCONCLUSIVE": "⚠️"}
+
+
+def psi_text(r: dict) -> str:
+    """ψ of this comparison / the A/A ψ0 with its one-sided upper bound and the A/A items it rests on."""
+    text = f"{100 * r['psi']:.1f}% / "
+    if r.get("psi0") is None:
+        return text + "—"
+    text += f"{100 * r['psi0']:.1f}%"
+    if r.get("psi0_upper") is not None:
+        text += f" (≤ {100 * r['psi0_upper']:.1f}%, {r['aa_n'] if r.get('aa_n') is not None else r['n']} A/A items)"
+    return text
+
+
+def mde_text(r: dict) -> str:
+    """The minimum detectable effect at 80% power, with k, and the samples per item the margin needs."""
+    if r.get("mde") is None:
+        return "—"
+    text = f"{100 * r['mde']:.2f} pp (k = {r['k']})"
+    if not r["resolves_margin"]:
+        text += f", k ≥ {r['samples_needed']}" if r["samples_needed"] is not None else ", no k ≤ 64"
+    return text
+
+
+def margin_cell(r: dict) -> str:
+    return f"{100 * r['margin']:.2f} pp"
+
+
 def console_table(verdict):
     from rich.table import Table
 
-    table = Table(title=f"evalgate verdict: {verdict.verdict}", title_style="bold green" if verdict.verdict == "PASS" else "bold red")
-    for col in ("task", "baseline", "candidate", "Δ pp [95% CI]", "b / c", "p", "ψ / ψ0", "margin", "verdict", "reason"):
+    table = Table(title=f"evalgate verdict: {verdict.verdict}", title_style=f"bold {STYLES.get(verdict.verdict, 'red')}")
+    for col in ("task", "baseline", "candidate", "Δ pp [95% CI]", "b / c", "p", "ψ / ψ0", "margin", "MDE (80%)",
+                "verdict", "reason"):
         table.add_column(col, overflow="fold")
     for r in task_rows(verdict):
         ci = f"{pp(r['delta'])} [{pp(r['ci'][0])}, {pp(r['ci'][1])}]"
-        style = "green" if r["verdict"] == "PASS" else "red"
+        style = STYLES.get(r["verdict"], "red")
         if r["paired"]:
-            psi = f"{100 * r['psi']:.1f}% / " + (f"{100 * r['psi0']:.1f}%" if r["psi0"] is not None else "—")
             table.add_row(r["task"], f"{r['baseline']:.4f}", f"{r['candidate']:.4f}", ci, f"{r['b']} / {r['c']}",
-                          f"{r['p']:.3g}", psi, f"{100 * r['margin']:.2f} pp", f"[{style}]{r['verdict']}[/]",
+                          f"{r['p']:.3g}", psi_text(r), margin_cell(r), mde_text(r), f"[{style}]{r['verdict']}[/]",
                           "; ".join(r["reasons"]))
         else:
             table.add_row(r["task"], "aggregate", "", ci, "unpaired", f"{r['p']:.3g}", "—",
-                          f"{100 * r['margin']:.2f} pp", f"[{style}]{r['verdict']}[/]", "; ".join(r["reasons"]))
+                          margin_cell(r), "—", f"[{style}]{r['verdict']}[/]", "; ".join(r["reasons"]))
     return table
 
 
 def markdown(verdict) -> str:
-    icon = "✅" if verdict.verdict == "PASS" else "❌"
+    icon = ICONS.get(verdict.verdict, "❌")
     lines = [f"# evalgate: {icon} {verdict.verdict}", ""]
     cmp = verdict.comparison
     if cmp is not None:
@@ -47,17 +76,17 @@ def markdown(verdict) -> str:
     lines += [f"- policy: `{verdict.thresholds.path}` (sha256 `{verdict.thresholds.sha256[:12]}`), "
               f"α = {verdict.thresholds.alpha}, {verdict.thresholds.multiple_comparisons}, gate CI {verdict.thresholds.ci_method}"]
     lines += [f"- note: {n}" for n in verdict.notes]
-    lines += ["", "| task | n | baseline | candidate | Δ pp | 95% CI (Tango) | b / c | p (McNemar) | ψ / ψ0 | margin | verdict |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| task | n | baseline | candidate | Δ pp | 95% CI (Tango) | b / c | p (McNemar) | ψ / ψ0 | margin | "
+                  "MDE (80% power) | verdict |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in task_rows(verdict):
         if r["paired"]:
-            psi0 = f"{100 * r['psi0']:.1f}%" if r["psi0"] is not None else "—"
             lines.append(f"| {r['task']} | {r['n']} | {r['baseline']:.4f} | {r['candidate']:.4f} | {pp(r['delta'])} | "
                          f"[{pp(r['ci'][0])}, {pp(r['ci'][1])}] | {r['b']} / {r['c']} | {r['p']:.3g} | "
-                         f"{100 * r['psi']:.1f}% / {psi0} | {100 * r['margin']:.2f} pp | **{r['verdict']}** |")
+                         f"{psi_text(r)} | {margin_cell(r)} | {mde_text(r)} | **{r['verdict']}** |")
         else:
             lines.append(f"| {r['task']} | — | aggregate | — | {pp(r['delta'])} | [{pp(r['ci'][0])}, {pp(r['ci'][1])}] | "
-                         f"unpaired | {r['p']:.3g} | — | {100 * r['margin']:.2f} pp | **{r['verdict']}** |")
+                         f"unpaired | {r['p']:.3g} | — | {margin_cell(r)} | — | **{r['verdict']}** |")
     lines.append("")
     for r in task_rows(verdict):
         for reason in r["reasons"]:
@@ -93,10 +122,12 @@ def junit_xml(verdict) -> str:
            f'  <testsuite name="evalgate.gate" tests="{len(rows)}" failures="{failures}" errors="0">']
     for r in rows:
         out.append(f'    <testcase classname="evalgate.gate" name={quoteattr(r["task"])}>')
-        if r["verdict"] != "PASS":
+        if r["verdict"] != "PASS":  # INCONCLUSIVE is not a pass either: a failure of type INCONCLUSIVE
             message = "; ".join(r["reasons"])
-            out.append(f'      <failure message={quoteattr(message)}>{escape(message)}</failure>')
+            out.append(f'      <failure type={quoteattr(r["verdict"])} message={quoteattr(message)}>{escape(message)}</failure>')
         details = f"delta {pp(r['delta'])} pp, CI [{pp(r['ci'][0])}, {pp(r['ci'][1])}], p {r['p']:.4g}"
+        if r.get("mde") is not None:
+            details += f", MDE {100 * r['mde']:.2f} pp (80% power, k = {r['k']})"
         out.append(f"      <system-out>{escape(details)}</system-out>")
         out.append("    </testcase>")
     out += ["  </testsuite>", "</testsuites>"]

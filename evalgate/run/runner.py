@@ -156,38 +156,129 @@ def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progres
         requests.reverse()
     writer = RecordWriter(path)
     bar = progress.task(f"{task.name} [{adapter.kernel.name}]", total=len(items), done=len(done))
-    gen_s = score_s = 0.0
+    times = {"generate_s": 0.0, "score_s": 0.0}
 
     def score_and_write(batch: list[Request], generations) -> None:
+        t0 = time.perf_counter()
         batch_items = [by_id[r.doc_id] for r in batch]
         records = task.score_batch(batch_items, batch, generations, resolved)
         for record in records:
             record["profile_id"] = resolved.profile_id
         writer.append(records)
+        times["score_s"] += time.perf_counter() - t0
+        bar.advance(len(batch))
 
+    dispatch = getattr(adapter, "dispatch", None)  # a server adapter: continuous dispatch
+    stats = None
     try:
-        for start in range(0, len(requests), spec.batch_size):
-            batch: list[Request] = requests[start:start + spec.batch_size]
-            t0 = time.perf_counter()
-            try:
-                generations = adapter.generate(batch)
-            except BaseException as exc:
-                # A server adapter hands back the items that finished before the fault ({index: Generation}):
-                # keep them, so a resume redoes only what was lost.
-                finished = getattr(exc, "finished", None) or {}
-                if finished:
-                    score_and_write([batch[i] for i in sorted(finished)], [finished[i] for i in sorted(finished)])
-                    bar.advance(len(finished))
-                raise
-            t1 = time.perf_counter()
-            score_and_write(batch, generations)
-            t2 = time.perf_counter()
-            gen_s += t1 - t0
-            score_s += t2 - t1
-            bar.advance(len(batch))
+        if dispatch is not None and requests:
+            stats = _dispatch_continuously(dispatch, requests, score_and_write, times)
+        else:
+            _run_in_batches(adapter, requests, spec.batch_size, score_and_write, times)
     finally:
         writer.close()
+        restore_item_order(path, [item["doc_id"] for item in items])
         timings = manifest["timings"].setdefault(task.name, {})
-        timings["generate_s"] = round(timings.get("generate_s", 0.0) + gen_s, 3)
-        timings["score_s"] = round(timings.get("score_s", 0.0) + score_s, 3)
+        timings["generate_s"] = round(timings.get("generate_s", 0.0) + times["generate_s"], 3)
+        timings["score_s"] = round(timings.get("score_s", 0.0) + times["score_s"], 3)
+        if stats is not None:
+            timings["mean_in_flight"] = float(stats["mean_in_flight_until_tail"])
         entry["complete"] = len(read_records(path)[0]) == len(items)
+
+
+def _run_in_batches(adapter, requests: list[Request], batch_size: int, score_and_write, times: dict) -> None:
+    """The in-process model: one batch of ``--batch-size`` at a time, scored and stored after each."""
+    for start in range(0, len(requests), batch_size):
+        batch: list[Request] = requests[start:start + batch_size]
+        t0 = time.perf_counter()
+        try:
+            generations = adapter.generate(batch)
+        except BaseException as exc:
+            # A server adapter hands back the items that finished before the fault ({index: Generation}):
+            # keep them, so a resume redoes only what was lost.
+            finished = getattr(exc, "finished", None) or {}
+            if finished:
+                score_and_write([batch[i] for i in sorted(finished)], [finished[i] for i in sorted(finished)])
+            raise
+        finally:
+            times["generate_s"] += time.perf_counter() - t0
+        score_and_write(batch, generations)
+
+
+# Records of a server run are appended as they finish, grouped so that one write (one fsync, ~5 ms) serves
+# many: at most every WRITE_EVERY_S seconds or WRITE_AT_MOST records, and always before an error propagates.
+WRITE_EVERY_S = 0.5
+WRITE_AT_MOST = 256
+
+
+def _dispatch_continuously(dispatch, requests: list[Request], score_and_write, times: dict) -> dict:
+    """A server: every request handed to the adapter's pool at once; records are scored and stored as they
+    finish (in completion order; ``restore_item_order`` puts the file back in item order afterwards). The
+    generation time is the wall time minus the time spent scoring, which overlaps the requests in flight."""
+    t0 = time.perf_counter()
+    score_before = times["score_s"]
+    pending: list = []
+    last_write = time.perf_counter()
+
+    def write() -> None:
+        nonlocal last_write
+        if pending:
+            score_and_write([r for r, _ in pending], [g for _, g in pending])
+            pending.clear()
+        last_write = time.perf_counter()
+
+    run = dispatch(requests)
+    try:
+        for chunk in run:
+            pending.extend(chunk)
+            if len(pending) >= WRITE_AT_MOST or time.perf_counter() - last_write >= WRITE_EVERY_S:
+                write()
+        write()
+    except BaseException:
+        pending.extend(run.close())  # finished, not handed over yet (Ctrl-C while scoring): keep them
+        write()
+        raise
+    finally:
+        times["generate_s"] += (time.perf_counter() - t0) - (times["score_s"] - score_before)
+    return run.stats()
+
+
+def restore_item_order(path: Path, doc_ids: list) -> None:
+    """Rewrite ``<task>.jsonl`` with its records in item order (continuous dispatch and the reversed A/A run
+    append them in the order they finish). The record lines are moved as they are, never re-serialized;
+    the file is replaced atomically (temp file, fsync, rename), and left alone when already in order."""
+    import os
+    import tempfile
+
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    lines, good = [], 0
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break  # a torn tail is dropped, as the store does on read
+        lines.append(line)
+        good += len(line)
+    records, _ = read_records(path)
+    if len(records) != len(lines):
+        return  # an unreadable line: leave the file for the store to report
+    rank = {doc_id: i for i, doc_id in enumerate(doc_ids)}
+    keys = [rank.get(r["doc_id"], len(rank)) for r in records]
+    if keys == sorted(keys) and good == len(data):
+        return
+    order = sorted(range(len(lines)), key=lambda i: keys[i])  # stable: unknown ids keep their place at the end
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"".join(lines[i] for i in order))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,4 +1,5 @@
-"""The smallest non-inferiority margin that A/A noise lets a paired comparison demonstrate."""
+"""Margins and noise: the minimum detectable effect, the A/A flip structure's upper bound, the samples a
+margin needs, and (for the record of the rule before issue 14) the A/A margin floor."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import numpy as np
 from scipy.special import gammaln, xlogy
-from scipy.stats import binom
+from scipy.stats import beta, binom, norm
 
 from evalgate.stats.paired import _check_alpha, tango_lower_bound
 
@@ -15,6 +16,9 @@ from evalgate.stats.paired import _check_alpha, tango_lower_bound
 @functools.lru_cache(maxsize=512)
 def aa_margin_floor(psi0: float, n: int, alpha: float = 0.05, share: float = 0.02) -> float:
     """The smallest NI margin a candidate exactly as good as the baseline can live with, given the A/A noise.
+
+    No longer part of the gate's rule (docs/gate.md#before-issue-14: the margin is never raised now);
+    benchmarks/simulate_gate.py uses it to show the previous rule beside the current one.
 
     Under the A/A null (Δ = 0, flip rate ψ₀: P(b) = P(c) = ψ₀/2 per item, a trinomial over the n items)
     this task's accuracy checks fail when the exact McNemar p ≤ ``share`` or the one-sided (1 − α) Tango
@@ -54,3 +58,110 @@ def aa_margin_floor(psi0: float, n: int, alpha: float = 0.05, share: float = 0.0
         return 0.0
     # that cell must pass: L > −M, so M must exceed −L there
     return float(math.floor(-lower[order[first_kept]] * 1e6) / 1e6 + 1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The A/A flip structure with its uncertainty
+# --------------------------------------------------------------------------------------------------------
+
+
+def psi_upper_bound(psi: float, n: int, alpha: float = 0.05) -> float:
+    """One-sided (1 − α) upper confidence bound for a flip structure ψ measured on n items.
+
+    Clopper–Pearson on x = n·ψ "flips" out of n: U = Beta⁻¹(1 − α; x + 1, n − x), exact for binary scores
+    (ψ = (b + c)/n). For k-sample scores ψ = mean(D_i²) is a mean of values in [0, 1] and x need not be whole;
+    the same formula, continuous in x, is used (its coverage is checked by simulation, tests/test_scores.py).
+    Several A/A runs pool by summing x and n (``pooled_psi``).
+    """
+    _check_alpha(alpha)
+    if n <= 0:
+        raise ValueError("n must be positive")
+    if not 0.0 <= psi <= 1.0:
+        raise ValueError(f"psi must be in [0, 1], got {psi}")
+    x = psi * n
+    if x >= n:
+        return 1.0
+    return float(beta.ppf(1 - alpha, x + 1, n - x))
+
+
+def pooled_psi(runs) -> tuple[float, int]:
+    """(ψ, n) of several A/A runs, each (ψ_r, n_r), pooled item-weighted: Σ ψ_r·n_r / Σ n_r."""
+    runs = list(runs)
+    total = sum(n for _, n in runs)
+    if total <= 0:
+        raise ValueError("no A/A items to pool")
+    return sum(psi * n for psi, n in runs) / total, total
+
+
+# --------------------------------------------------------------------------------------------------------
+# The minimum detectable effect, and the samples a margin needs
+# --------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=512)
+def mde_binary(psi: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest margin M that a candidate exactly as good as the baseline (Δ = 0, flip rate ψ, binary
+    scores, n items) demonstrates — one-sided (1 − α) Tango bound L > −M — with probability ≥ ``power``.
+
+    Exact: sums the trinomial distribution of (b, c), P(b) = P(c) = ψ/2, over every cell with mass > 1e-12.
+    With ψ = 0 it is −L(0, 0) = z²/(n + z²).
+    """
+    _check_alpha(alpha)
+    if not 0.0 < power < 1.0:
+        raise ValueError(f"power must be in (0, 1), got {power}")
+    if not 0.0 <= psi <= 1.0:
+        raise ValueError(f"psi must be a flip rate in [0, 1], got {psi}")
+    if n <= 0:
+        raise ValueError("n must be positive")
+    half = psi / 2
+    if half > 0:
+        span = binom.ppf(1e-12, n, half), binom.isf(1e-12, n, half)
+        counts = np.arange(int(span[0]), int(span[1]) + 1)
+    else:
+        counts = np.array([0])
+    b, c = (x.ravel() for x in np.meshgrid(counts, counts))
+    keep = b + c <= n
+    b, c = b[keep], c[keep]
+    log_pmf = (gammaln(n + 1) - gammaln(b + 1) - gammaln(c + 1) - gammaln(n - b - c + 1)
+               + xlogy(b + c, half) + xlogy(n - b - c, 1 - psi))
+    pmf = np.exp(log_pmf)
+    lower = np.atleast_1d(tango_lower_bound(b, c, n, alpha))
+    order = np.argsort(lower, kind="stable")
+    # P(L ≤ −M) ≤ 1 − power: M must exceed −L at the first cell past that mass
+    first = int(np.searchsorted(np.cumsum(pmf[order]), 1 - power, side="right"))
+    first = min(first, order.size - 1)
+    return float(math.floor(-lower[order[first]] * 1e6) / 1e6 + 1e-6)
+
+
+def mde_normal(lower_symmetric: float, psi: float, n: int, power: float = 0.8) -> float:
+    """The normal-approximation MDE for any flip structure: M = −L_sym + z_power·√(ψ/n), where L_sym is
+    the one-sided bound of the structure at Δ̂ = 0 (``evalgate.stats.scores.symmetrised``) and ψ = mean(D²).
+
+    Within 0.3 pp of ``mde_binary`` for binary scores at n = 164 and 0.02 pp at n = 1319.
+    """
+    if not 0.0 < power < 1.0:
+        raise ValueError(f"power must be in (0, 1), got {power}")
+    return float(-lower_symmetric + norm.ppf(power) * math.sqrt(max(psi, 0.0) / n))
+
+
+def project_samples(mde: float, margin: float, psi: float, k: int, within: float | None,
+                    k_max: int = 64) -> tuple[int | None, float, bool]:
+    """The fewest samples per item K for which the MDE reaches ``margin``, from the MDE measured at k.
+
+    The per-item variance at k' samples is V(k') = B + W/k' (W: the mean within-item variance of one sample's
+    paired difference; B: what averaging cannot remove — items the kernel helps or hurts). B = ψ − W/k, where
+    ψ = mean(D²) at k. The MDE scales as √V. Without ``within`` (k = 1, or no per-sample scores) W = k·ψ,
+    B = 0: every item's variation averages out, so K is a lower bound.
+
+    Returns (K or None when even k_max does not reach the margin, the MDE as k → ∞, whether K is a bound).
+    """
+    bound = within is None
+    w = k * psi if bound else max(float(within), 0.0)
+    b = max(psi - w / k, 0.0)
+    if psi <= 0 or mde <= margin:
+        return (k if mde <= margin else None), (mde if psi <= 0 else mde * math.sqrt(b / psi)), bound
+    limit = mde * math.sqrt(b / psi)
+    for kk in range(1, k_max + 1):
+        if mde * math.sqrt((b + w / kk) / psi) <= margin:
+            return kk, limit, bound
+    return None, limit, bound

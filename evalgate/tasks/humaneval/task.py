@@ -167,7 +167,9 @@ class HumanEval:
             for j, completion in enumerate(completions[i]):
                 if completion.strip():
                     jobs.append((i, j, build_program(item, completion), timeouts[item["task_id"]]))
-        outcomes = sandbox.run_programs([j[2] for j in jobs], [j[3] for j in jobs], workers=workers)
+        # the completion runs in the sandbox; the dataset's test runs in the trusted judge (sandbox.Program)
+        outcomes = sandbox.run_programs([sandbox.humaneval_program(items[i], completions[i][j]) for i, j, _, _ in jobs],
+                                        [j[3] for j in jobs], workers=workers)
         by_key = {(i, j): (program, timeout, outcome) for (i, j, program, timeout), outcome in zip(jobs, outcomes)}
         return [self._record(item, request, samples[i], completions[i], by_key, i)
                 for i, (item, request) in enumerate(zip(items, requests))]

