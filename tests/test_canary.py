@@ -121,7 +121,7 @@ def test_evalgate_gate_with_no_arguments(tmp_path, data_dir):
     """The README's main job: canary, candidate w4a4_packed, stored canary W4A8 baseline, both tasks."""
     out = tmp_path / "default"
     proc = _gate(["--out", str(out)], tmp_path, data_dir)
-    documented = re.search(r"The main job prints \*\*(PASS|FAIL)\*\* \(exit code (\d)\)", README.read_text(encoding="utf-8"))
+    documented = re.search(r"The main job prints \*\*(PASS|FAIL|INCONCLUSIVE)\*\* \(exit code (\d)\)", README.read_text(encoding="utf-8"))
     assert documented, "the README states the main job's verdict"
     assert (f"verdict: {documented[1]}" in proc.stdout, proc.returncode) == (True, int(documented[2])), proc.stdout + proc.stderr
     gate = json.loads((out / "gate/gate.json").read_text())
