@@ -15,60 +15,13 @@ contiguous range of experts with grouped matmuls (no Python loop over experts); 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from . import formats
+from . import canonical, formats
 from .formats import EPILOGUE, SCALE_RULES, bf16_round
+from .exact import SIG_BITS, GemmWeights, exact_matmul
 from .recipe import Recipe
 from .weights import check_shapes, expert_chunks, fp4_weights
-
-# --- exact FP32 matmuls -----------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def exact_fp32_matmul():
-    """TF32 off for the duration (docs/kernels.md#the-moe-forward step 3: FP32 accumulation). CPU matmuls are FP32 already."""
-    if not torch.cuda.is_available():
-        yield
-        return
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def grouped_matmul(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows a[offs[g-1]:offs[g]] times w[g]^T: a [S, K], w [G, N, K] (out x in), offsets int32 [G].
-
-    Row-major w (as dequantized) goes through one padded bmm, which BLAS reads transposed without a
-    copy; w stored in-major (`weights.in_major`) through torch's grouped_mm. On CPU grouped_mm copies a
-    row-major weight on every call (~3x slower). Both accumulate in FP32; their summation orders may
-    differ at FP32 rounding level (spec docs/kernels.md#the-moe-forward step 3 allows it)."""
-    if a.shape[0] == 0:
-        return a.new_zeros(0, w.shape[1])
-    fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if fn is not None and w.transpose(-2, -1).is_contiguous():
-        try:
-            return fn(a, w.transpose(-2, -1), offs=offsets)
-        except (RuntimeError, NotImplementedError):  # e.g. a CUDA build without FP32 grouped_mm
-            pass
-    return _padded_bmm(a, w, offsets)
-
-
-def _padded_bmm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Fallback: scatter rows into a [G, max_rows, K] block, one bmm, gather back."""
-    offsets = offsets.long()
-    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-    group = torch.repeat_interleave(torch.arange(len(counts), device=a.device), counts)
-    pos = torch.arange(a.shape[0], device=a.device) - (offsets - counts)[group]
-    block = a.new_zeros(len(counts), int(counts.max()), a.shape[1])
-    block[group, pos] = a
-    return torch.bmm(block, w.transpose(-2, -1))[group, pos]
-
 
 # --- the steps of docs/kernels.md#the-moe-forward --------------------------------------------------------------------------------
 
@@ -106,8 +59,9 @@ def gate_up_to_bf16(acc: torch.Tensor, limit: float | None) -> tuple[torch.Tenso
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """docs/kernels.md#the-moe-forward step 5, FP32: silu = g / (1 + exp(-g)), then silu * u."""
-    return (g / (1.0 + torch.exp(-g))) * u
+    """docs/kernels.md#the-moe-forward step 5, FP32: silu = g / (1 + exp(-g)), then silu * u. exp(-g) is
+    correctly rounded (`canonical.exp`): libm and SLEEF's vector exp differ in the last bit."""
+    return (g / (1.0 + canonical.exp(-g))) * u
 
 
 def requantize_intermediate(v: torch.Tensor, recipe: Recipe) -> torch.Tensor:
@@ -145,7 +99,15 @@ def combine(slot_out: torch.Tensor, skip_last_slot: bool = False) -> torch.Tenso
 
 class ExpertRows:
     """The (token, slot) rows of one layer call, sorted by expert, and the stages a chunk of experts goes
-    through: `l1_input` -> L1 GEMM -> `l2_input` -> L2 GEMM -> `store`. Subclasses define the stages."""
+    through: `l1_input` -> L1 GEMM -> `l2_input` -> L2 GEMM -> `store`. Subclasses define the stages.
+
+    Both GEMMs accumulate canonically (`exact.py`, docs/kernels.md#accumulation): the exact dot product,
+    rounded once to FP32, for each row on its own, so a row's result never depends on the other rows of
+    the call. `l1_sig`/`l2_sig` are the significant bits of the GEMM inputs' elements (the certificate
+    needs them); references, which are not kernels, set `exact = False` and take the float64 products."""
+
+    l1_sig = l2_sig = SIG_BITS["fp32"]
+    exact = True
 
     def __init__(self, x, top_k_index, top_k_weights, num_experts):
         t, k = top_k_index.shape
@@ -168,15 +130,34 @@ class ExpertRows:
         """Rows [begin, end) of experts lo..hi-1."""
         return int(self.starts[lo]), int(self.starts[hi - 1] + self.counts[hi - 1])
 
-    def run_chunk(self, lo: int, hi: int, w1: torch.Tensor, w2: torch.Tensor) -> None:
-        """Rows routed to experts lo..hi-1, with their FP32 weights w1 [n, 2I, H], w2 [n, H, I]."""
+    def run_chunk(self, lo: int, hi: int, w1, w2) -> None:
+        """Rows routed to experts lo..hi-1, with their weights w1 [n, 2I, H], w2 [n, H, I]: exact values as
+        tensors, or `exact.GemmWeights`."""
         begin, end = self.span(lo, hi)
         if end == begin:
             return
-        offsets = torch.cumsum(self.counts[lo:hi], 0).to(torch.int32)
-        with exact_fp32_matmul():
-            acc = grouped_matmul(self.l1_input(begin, end), w1, offsets)
-            self.store(begin, end, grouped_matmul(self.l2_input(begin, end, acc), w2, offsets))
+        w1, w2 = as_gemm_weights(w1), as_gemm_weights(w2)
+        group = self.expert[begin:end] - lo
+        acc = exact_matmul(self.l1_input(begin, end), self.l1_sig, w1, group, self.exact)
+        self.store(begin, end, exact_matmul(self.l2_input(begin, end, acc), self.l2_sig, w2, group, self.exact))
+
+
+def as_gemm_weights(w) -> GemmWeights:
+    return w if isinstance(w, GemmWeights) else GemmWeights.of(w, fp32=False)
+
+
+def input_sig(recipe: Recipe) -> int:
+    """Significant bits of the L1 input's elements (E2M1 2, E4M3 4, the BF16 input itself 8)."""
+    if recipe.fault == "fp8_layout_read_as_packed_fp4":
+        return SIG_BITS["e2m1"]
+    return {"e2m1": SIG_BITS["e2m1"], "e4m3": SIG_BITS["e4m3"], "none": SIG_BITS["bf16"]}[recipe.activations]
+
+
+def intermediate_sig(recipe: Recipe) -> int:
+    """Significant bits of the L2 input's elements (w * quantize(h) under fault (c) is any FP32 value)."""
+    if recipe.fault == "router_weight_after_requant":
+        return SIG_BITS["fp32"]
+    return {"e2m1": SIG_BITS["e2m1"], "e4m3": SIG_BITS["e4m3"], "none": SIG_BITS["fp32"]}[recipe.intermediate]
 
 
 class MoEEmulation(ExpertRows):
@@ -185,6 +166,7 @@ class MoEEmulation(ExpertRows):
     def __init__(self, x, top_k_index, top_k_weights, recipe: Recipe, num_experts: int, limit, routed_scaling_factor=1.0):
         super().__init__(x, top_k_index, top_k_weights, num_experts)
         self.recipe = recipe
+        self.l1_sig, self.l2_sig = input_sig(recipe), intermediate_sig(recipe)
         self.limit = limit
         self.rsf = float(routed_scaling_factor)
         if recipe.routed_scaling == "unfused":  # SGLang: the kernel sees unscaled weights (docs/kernels.md#open-choices)
@@ -209,32 +191,32 @@ class MoEEmulation(ExpertRows):
         return y
 
 
-def run_chunk_together(runners: list[ExpertRows], lo: int, hi: int, w1: torch.Tensor, w2: torch.Tensor) -> None:
+def run_chunk_together(runners: list[ExpertRows], lo: int, hi: int, w1, w2) -> None:
     """`run_chunk` for several runners that share weights, with one L1 and one L2 grouped matmul: each
     expert's rows from every runner sit together, so each weight is read once (skinny GEMMs are
-    memory-bound). Row results are identical to separate `run_chunk` calls up to FP32 summation order."""
+    memory-bound). Row results are identical to separate `run_chunk` calls (canonical accumulation)."""
     spans = [(r, *r.span(lo, hi)) for r in runners]
     spans = [(r, b, e) for r, b, e in spans if e > b]
     if not spans:
         return
+    w1, w2 = as_gemm_weights(w1), as_gemm_weights(w2)
     sizes = [e - b for _, b, e in spans]
     runner = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor(sizes))
     expert = torch.cat([r.expert[b:e] for r, b, e in spans]) - lo
     order = torch.argsort(expert * len(spans) + runner.to(expert.device), stable=True)
-    counts = sum(r.counts[lo:hi] for r, _, _ in spans)
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    checked = torch.tensor([r.exact for r, _, _ in spans])[runner][order]
 
-    def together(parts, w):
-        out = grouped_matmul(torch.cat(parts)[order], w, offsets)
+    def together(parts, w, sigs):
+        sig = torch.tensor(sigs)[runner][order]
+        out = exact_matmul(torch.cat(parts)[order], sig, w, expert[order], checked)
         back = torch.empty_like(out)
         back[order] = out
         return back.split(sizes)
 
-    with exact_fp32_matmul():
-        acc = together([r.l1_input(b, e) for r, b, e in spans], w1)
-        v = [r.l2_input(b, e, a) for (r, b, e), a in zip(spans, acc)]
-        for (r, b, e), o in zip(spans, together(v, w2)):
-            r.store(b, e, o)
+    acc = together([r.l1_input(b, e) for r, b, e in spans], w1, [r.l1_sig for r, _, _ in spans])
+    v = [r.l2_input(b, e, x) for (r, b, e), x in zip(spans, acc)]
+    for (r, b, e), o in zip(spans, together(v, w2, [r.l2_sig for r, _, _ in spans])):
+        r.store(b, e, o)
 
 
 def experts_limit(module) -> float | None:

@@ -80,14 +80,22 @@ def ue8m0_bytes(amax: torch.Tensor, fmax: float, rule: ScaleRule) -> torch.Tenso
     return byte.clamp(0, 255).to(torch.uint8)
 
 
+def _pow2_f32(e: torch.Tensor) -> torch.Tensor:
+    """2^e in FP32 for integer e (2^128 and above: inf), built from the bits (exact on every CPU; exp2 comes from
+    libm or SLEEF depending on the instruction set)."""
+    from .canonical import pow2
+
+    return pow2(e).to(torch.float32)
+
+
 def scale_from_byte(byte: torch.Tensor) -> torch.Tensor:
     """2^(byte - 127) in FP32 (exact for every byte 0-254; 255 is NaN and must not occur)."""
-    return torch.exp2(byte.to(torch.float32) - 127.0)
+    return _pow2_f32(byte.to(torch.int64) - 127)
 
 
 def inverse_scale_from_byte(byte: torch.Tensor) -> torch.Tensor:
     """2^(127 - byte): the sf_inv a kernel multiplies by. Byte 0 gives 2^127, as in the epilogue (docs/kernels.md#ue8m0-scales)."""
-    return torch.exp2(127.0 - byte.to(torch.float32))
+    return _pow2_f32(127 - byte.to(torch.int64))
 
 
 def group_amax(x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,11 @@ from dataclasses import asdict, dataclass
 
 from .formats import SCALE_RULES, TIES
 
+# The accumulation scheme, recorded with every kernel: runs made with another one are not comparable
+# (docs/kernels.md#accumulation). "canonical-v1": exact dot products rounded once to FP32, in a forward pass
+# with canonical numerics (docs/kernels.md#canonical-numerics).
+ACCUMULATION = "canonical-v1"
+
 ELEMENT_FORMATS = ("e2m1", "e4m3", "none")  # "none": no quantization (FP32 from the BF16 input)
 
 FAULTS = (
@@ -52,6 +57,7 @@ class Recipe:
         d["group_size"] = 32
         d["scale_rule"] = "ue8m0 rceil"
         d["router_weight"] = "after_requant" if self.fault == "router_weight_after_requant" else "before_requant"
-        d["accumulate"] = "fp32 (TF32 off)"
+        d["accumulate"] = "exact sum of the products, rounded once to fp32"  # docs/kernels.md#accumulation
+        d["accumulation"] = ACCUMULATION
         d["combine"] = "fp32 in slot order, then bf16"
         return d

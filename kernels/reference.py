@@ -17,6 +17,7 @@ from .emulator import ExpertRows
 
 class Fp32Reference(ExpertRows):
     recipe = None
+    exact = False  # a reference, not a kernel: float64 products, rounded to FP32
 
     def __init__(self, x, top_k_index, top_k_weights, num_experts, limit):
         super().__init__(x, top_k_index, top_k_weights, num_experts)
@@ -44,11 +45,12 @@ class Fp32Reference(ExpertRows):
 class Bf16GroupedMM(ExpertRows):
     """transformers `grouped_mm_experts_forward` + DeepseekV4Experts._apply_gate, in BF16.
 
-    The GEMMs run as FP32 GEMMs on BF16-valued operands, rounded to BF16: what a BF16 GEMM with FP32
-    accumulation computes (products of BF16 values are exact in FP32), so this runner can share FP32
-    weights and a batched matmul with the others. Summation order may differ from torch's BF16 kernel."""
+    The GEMMs run in float64 on BF16-valued operands, rounded to FP32 and then BF16: what a BF16 GEMM with
+    FP32 accumulation computes up to summation order, so this runner can share weights and a batched matmul
+    with the others."""
 
     recipe = None
+    exact = False
 
     def __init__(self, x, top_k_index, top_k_weights, num_experts, limit):
         super().__init__(x, top_k_index, top_k_weights, num_experts)

@@ -9,7 +9,7 @@ Three sources, in order of preference:
 
 The cache sits on the module (a plain attribute, not a buffer: it never reaches a state dict) and is keyed
 by the weight tensors' identity and version counters, so loading or editing weights invalidates it.
-Dequantized FP32 copies are cached too (per fault variant), unless they would exceed a memory budget;
+Dequantized float64 and FP32 copies (`exact.GemmWeights`) are cached too (per fault variant), unless they would exceed a memory budget;
 then they are dequantized per forward, a chunk of experts at a time, only for experts that are hit.
 """
 
@@ -25,9 +25,9 @@ from .formats import GROUP
 
 _CACHE_ATTR = "_evalgate_fp4_cache"
 _STORED_ATTR = "_evalgate_fp4_stored"
-# FP32 dequantized weights bigger than this are not kept; they are rebuilt chunk by chunk per forward.
+# Dequantized weights (float64 + FP32) bigger than this are not kept; they are rebuilt chunk by chunk per forward.
 DEQUANT_CACHE_BYTES = int(os.environ.get("EVALGATE_DEQUANT_CACHE_BYTES", 8 << 30))
-CHUNK_BYTES = 1 << 30  # FP32 weight bytes dequantized at once when not cached
+CHUNK_BYTES = 1 << 30  # dequantized weight bytes (float64 + FP32) at once when not cached
 
 
 @dataclass
@@ -64,30 +64,18 @@ class Fp4ExpertWeights:
     def intermediate(self) -> int:
         return self.w2.shape[2] * 2
 
-    def dequantize(self, lo: int = 0, hi: int | None = None, fault: str | None = None, layout: str = "row"):
-        """FP32 (W1 [n, 2I, H], W2 [n, H, I]) for experts lo..hi-1; exact (spec docs/kernels.md#the-moe-forward step 1).
-
-        layout "row": row-major, as stored (the layer check's padded bmm reads it without a copy);
-        "in_major": the same tensors stored transposed, which CPU grouped_mm reads ~3x faster (one
-        transposing copy, worth it for weights cached across forwards)."""
+    def dequantize(self, lo: int = 0, hi: int | None = None, fault: str | None = None):
+        """FP32 (W1 [n, 2I, H], W2 [n, H, I]) for experts lo..hi-1; exact (spec docs/kernels.md#the-moe-forward step 1)."""
         hi = self.num_experts if hi is None else hi
         s1, s2 = self.w1_scale[lo:hi], self.w2_scale[lo:hi]
         if fault == "weight_scale_exponent_plus_one":
             s1, s2 = scale_exponent_plus_one(s1), scale_exponent_plus_one(s2)
         w1 = formats.dequantize_packed_e2m1(self.w1[lo:hi], s1)
         w2 = formats.dequantize_packed_e2m1(self.w2[lo:hi], s2)
-        if layout == "in_major":
-            return in_major(w1), in_major(w2)
         return w1, w2
 
     def to(self, device) -> "Fp4ExpertWeights":
         return replace(self, **{n: getattr(self, n).to(device) for n in ("w1", "w1_scale", "w2", "w2_scale")})
-
-
-def in_major(w: torch.Tensor) -> torch.Tensor:
-    """Same [n, out, in] tensor, stored with `in` outermost: grouped_mm reads W^T contiguously and is
-    ~3x faster on CPU than with the row-major layout (it would copy per call)."""
-    return w.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
 def double_one_group_per_row(w: torch.Tensor) -> torch.Tensor:
@@ -139,7 +127,7 @@ def weights_key(module) -> tuple:
 class _Cache:
     key: tuple
     fp4: Fp4ExpertWeights
-    dequantized: dict = field(default_factory=dict)  # fault -> (W1, W2) FP32
+    dequantized: dict = field(default_factory=dict)  # fault -> (W1, W2) exact.GemmWeights
 
 
 def _is_fp4_storage(module) -> bool:
@@ -181,29 +169,32 @@ def attach_stored(module, fp4: Fp4ExpertWeights) -> None:
 
 
 def expert_chunks(module, fp4: Fp4ExpertWeights, hit: torch.Tensor, fault: str | None):
-    """Yield (lo, hi, W1, W2) FP32 for ranges of experts that cover every hit expert.
+    """Yield (lo, hi, W1, W2) `exact.GemmWeights` for ranges of experts that cover every hit expert.
 
-    With the FP32 copy cached (small models): one range, all experts, no work per forward. Otherwise
-    ranges of at most CHUNK_BYTES of FP32 weights, skipping experts nobody was routed to."""
+    With the dequantized copies cached (small models): one range, all experts, no work per forward.
+    Otherwise ranges of at most CHUNK_BYTES of weights, skipping experts nobody was routed to."""
+    from .exact import GemmWeights
+
     cache = module.__dict__.get(_CACHE_ATTR)
     e, h, i = fp4.num_experts, fp4.hidden, fp4.intermediate
-    per_expert = 3 * h * i * 4
+    per_expert = 3 * h * i * 12  # float64 + FP32 copies
     if cache is not None and per_expert * e <= DEQUANT_CACHE_BYTES:
         if fault not in cache.dequantized:
-            cache.dequantized[fault] = fp4.dequantize(fault=fault, layout="in_major")
+            cache.dequantized[fault] = tuple(GemmWeights.of(w) for w in fp4.dequantize(fault=fault))
         yield (0, e, *cache.dequantized[fault])
         return
-    yield from dequantized_ranges(fp4, hit, fault, max(1, CHUNK_BYTES // per_expert))
+    for lo, hi, w1, w2 in dequantized_ranges(fp4, hit, fault, max(1, CHUNK_BYTES // per_expert)):
+        yield (lo, hi, GemmWeights.of(w1), GemmWeights.of(w2))
 
 
 def dequantized_ranges(fp4: Fp4ExpertWeights, hit: torch.Tensor, fault: str | None, experts_per_chunk: int):
-    """(lo, hi, W1, W2) for consecutive ranges of up to `experts_per_chunk` experts that contain a hit."""
+    """(lo, hi, W1, W2) FP32 for consecutive ranges of up to `experts_per_chunk` experts that contain a hit."""
     hit_ids = torch.nonzero(hit).flatten().tolist()
     while hit_ids:
         lo = hit_ids[0]
         hi = min(lo + experts_per_chunk, fp4.num_experts)
         hit_ids = [x for x in hit_ids if x >= hi]
-        yield (lo, hi, *fp4.dequantize(lo, hi, fault=fault, layout="in_major"))
+        yield (lo, hi, *fp4.dequantize(lo, hi, fault=fault))
 
 
 def check_shapes(fp4: Fp4ExpertWeights, hidden: int) -> None:

@@ -2,8 +2,13 @@
 
 A small loop of our own instead of ``model.generate``: every row gets explicit position ids from its own
 attention mask (so left padding never shifts positions), each row stops on its own stop strings or EOS,
-and the loop ends when all rows are done. What a row produces does not depend on what else is in its batch
-beyond floating-point reduction order, which ``tests/test_adapter.py`` checks on the tiny model.
+and the loop ends when all rows are done. Only the last position's logits are computed, and the next
+token is their argmax (the lowest index among equal maxima).
+
+With canonical numerics (``invariant.install``, what ``hf.load_model`` does by default) what a row produces
+is a function of its prompt alone: not of its batch neighbours, the padding, the thread count or the CPU's
+instruction set (``tests/test_invariance.py``). With PyTorch's own numerics it can differ in the last bits,
+and a near-tie can flip.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def greedy_generate(model, tokenizer, prompts: list[str], stops: list[tuple[str,
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     for _ in range(limit):
         out = model(input_ids=step_ids, attention_mask=attn_mask, position_ids=positions,
-                    past_key_values=past, use_cache=True)
+                    past_key_values=past, use_cache=True, logits_to_keep=1)
         past = out.past_key_values
         next_ids = out.logits[:, -1, :].float().argmax(-1)
         for i in range(batch):

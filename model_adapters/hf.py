@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -40,10 +41,19 @@ def check_model_dir(path: str | Path) -> Path:
     return d
 
 
-def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: str | None = None):
-    """(model, tokenizer) with ``kernel_name`` serving every MoE experts module."""
-    import sys
+NUMERICS = ("canonical", "native")
 
+
+def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: str | None = None,
+               numerics: str = "canonical"):
+    """(model, tokenizer) with ``kernel_name`` serving every MoE experts module.
+
+    ``numerics="canonical"`` (default) gives the model a batch-, thread- and instruction-set-invariant
+    forward pass (``invariant.install``; docs/kernels.md#canonical-numerics); a model it does not cover
+    (another architecture, compressed-attention layers) keeps PyTorch's numerics, with a warning on stderr,
+    and ``invariant.numerics(model)`` says which one it got. ``"native"``: PyTorch's own numerics."""
+    if numerics not in NUMERICS:
+        raise UserError(f"numerics {numerics!r}; choose one of: {', '.join(NUMERICS)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -67,7 +77,16 @@ def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: s
     prepare = getattr(kernel, "prepare_model", None)
     if prepare is not None:  # e.g. attach the stored FP4 codes of an FP4 checkpoint
         prepare(model, d)
-    return model.to(device).eval(), tokenizer
+    model = model.to(device).eval()
+    if numerics == "canonical":
+        from evalgate.model_adapters import invariant
+
+        try:
+            invariant.install(model)
+        except NotImplementedError as exc:
+            print(f"evalgate: PyTorch's own numerics for this model, outputs may depend on the batch: {exc}",
+                  file=sys.stderr)
+    return model, tokenizer
 
 
 class HFAdapter:
@@ -76,23 +95,29 @@ class HFAdapter:
     kind = "hf"
 
     def __init__(self, path: str | Path, kernel_name: str, device: str = "cpu", dtype: str | None = None,
-                 batch_size: int = 8):
+                 batch_size: int = 8, numerics: str = "canonical"):
         t0 = time.perf_counter()
         self.path = check_model_dir(path)
         self.kernel = get_kernel(kernel_name)
         self.device = device
         self.batch_size = batch_size
-        self.model, self.tokenizer = load_model(self.path, kernel_name, device, dtype)
+        self.model, self.tokenizer = load_model(self.path, kernel_name, device, dtype, numerics)
         self.load_s = time.perf_counter() - t0
 
     def info(self) -> dict:
+        """The model's identity and serving settings, as the run manifest records them. ``numerics`` is
+        ``canonical-v1`` (invariant forward, exact kernel accumulation) or ``native``: runs of different
+        numerics are not comparable (docs/kernels.md#canonical-numerics)."""
         import transformers
+
+        from evalgate.model_adapters.invariant import numerics
 
         return {
             "adapter": self.kind,
             "path": str(self.path),
             **model_fingerprint(self.path),
             "dtype": str(self.model.dtype).replace("torch.", ""),
+            "numerics": numerics(self.model),
             "device": self.device,
             "batch_size": self.batch_size,
             "torch": torch.__version__,

@@ -1,5 +1,6 @@
 """The in-process adapter: kernel chosen through transformers' experts interface, batch-invariant greedy
-decoding, stop strings per sequence, cached decoding equal to a full forward pass."""
+decoding (canonical numerics, tests/test_invariance.py), stop strings per sequence, cached decoding equal to
+a full forward pass."""
 
 from __future__ import annotations
 
@@ -88,3 +89,15 @@ def test_bad_model_dirs(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
         load_model(tmp_path, "bf16")
+
+
+def test_numerics_are_canonical_by_default_and_recorded(tiny_model):
+    from evalgate.model_adapters.invariant import numerics
+
+    adapter = HFAdapter(tiny_model, "w4a4_packed", batch_size=2)
+    assert adapter.info()["numerics"] == "canonical-v1"
+    native, _ = load_model(tiny_model, "w4a4_packed", numerics="native")
+    assert numerics(native) == "native" and native.config._attn_implementation != "evalgate_canonical"
+    with pytest.raises(UserError, match="numerics"):
+        load_model(tiny_model, "bf16", numerics="fast")
+
