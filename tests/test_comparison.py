@@ -152,3 +152,26 @@ def test_compare_takes_a_gates_output_and_per_task_baselines(runs, tmp_path):
         assert list(from_gate.flips("humaneval")["doc_id"]) == list(direct.flips("humaneval")["doc_id"])
     with pytest.raises(UserError, match="gate's output folder"):
         evalgate.compare(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["forward", "accumulation"])
+def test_a_run_with_other_numerics_is_not_comparable(tmp_path, field):
+    """A baseline recorded before canonical numerics (no scheme in its manifest) is refused against a
+    canonical-v1 candidate, in words that say to re-record it (docs/kernels.md#accumulation)."""
+    from evalgate.errors import NotComparable
+
+    base, cand = write_pair(tmp_path)
+    m = json.loads((cand / "manifest.json").read_text())
+    if field == "forward":
+        m["model"]["numerics"] = "canonical-v1"
+    else:
+        m["kernel"]["recipe"] = {"accumulation": "canonical-v1"}
+    (cand / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(NotComparable, match="re-record the baseline"):
+        evalgate.compare(base, cand)
+    # the same scheme on both sides is comparable again
+    mb = json.loads((base / "manifest.json").read_text())
+    mb["model"].update({k: v for k, v in m["model"].items() if k == "numerics"})
+    mb["kernel"]["recipe"] = m["kernel"].get("recipe", {})
+    (base / "manifest.json").write_text(json.dumps(mb))
+    evalgate.compare(base, cand)

@@ -18,6 +18,16 @@ from evalgate.tasks import get_task
 # Run-level keys that must match for two runs to be comparable; the kernel is what may differ (docs/scoring.md#comparability).
 MODEL_KEYS = ("fingerprint", "config_sha256", "safetensors_headers_sha256", "tokenizer_sha256")
 SERVING_KEYS = ("adapter", "dtype")
+LEGACY = "fp32 in BLAS order (before canonical-v1)"  # what a run recorded before the scheme was named used
+
+
+def numerics_of(manifest: dict) -> tuple[str, str]:
+    """(forward-pass numerics, kernel accumulation) a run was made with (docs/kernels.md#accumulation).
+    In-process runs recorded before canonical-v1 carry neither; a server run has no forward-pass numerics
+    of evalgate's and says "server"."""
+    model, recipe = manifest.get("model", {}), manifest.get("kernel", {}).get("recipe") or {}
+    forward = model.get("numerics") or ("server" if model.get("adapter") not in (None, "hf") else LEGACY)
+    return forward, recipe.get("accumulation") or LEGACY
 
 
 def _as_run(run) -> Run:
@@ -50,18 +60,27 @@ def comparability_problems(base: Run, cand: Run, tasks: list[str]) -> list[str]:
         b, c = bm.get("model", {}).get(key), cm.get("model", {}).get(key)
         if b != c:
             problems.append(f"serving {key} differs ({b} vs {c})")
+    (bf, ba), (cf, ca) = numerics_of(bm), numerics_of(cm)
+    if bf != cf:
+        problems.append(f"forward-pass numerics differ ({bf} vs {cf}): re-record the baseline with this evalgate")
+    if ba != ca and "server" not in (bf, cf):
+        problems.append(f"kernel accumulation differs ({ba} vs {ca}): re-record the baseline with this evalgate")
     for task in tasks:
         bt, ct = bm.get("tasks", {}).get(task), cm.get("tasks", {}).get(task)
         if bt is None or ct is None:
             problems.append(f"task {task} is missing from the {'baseline' if bt is None else 'candidate'}")
             continue
-        for key in ("profile_id", "name"):
-            if bt.get(key) != ct.get(key):
-                problems.append(f"{task} profile {key} differs ({_short(bt.get(key))} vs {_short(ct.get(key))})")
+        bd, cd = bt.get("decoding") or {}, ct.get("decoding") or {}
+        if bd != cd:
+            # the profile id covers the decoding: name the settings a user passes, not two hashes
+            problems.append(f"{task} sampling settings differ ({_sampling(bd)} vs {_sampling(cd)}); runs with "
+                            "different --samples/--temperature/--seed are not comparable")
+        else:
+            for key in ("profile_id", "name"):
+                if bt.get(key) != ct.get(key):
+                    problems.append(f"{task} profile {key} differs ({_short(bt.get(key))} vs {_short(ct.get(key))})")
         if bt.get("dataset_sha256") != ct.get("dataset_sha256"):
             problems.append(f"{task} dataset sha256 differs")
-        if bt.get("decoding") != ct.get("decoding"):
-            problems.append(f"{task} decoding settings differ ({bt.get('decoding')} vs {ct.get('decoding')})")
         for label, run in (("baseline", base), ("candidate", cand)):
             expected = run.manifest["tasks"][task].get("n_items")
             got = {r["doc_id"] for r in run.records.get(task, [])}
@@ -72,6 +91,12 @@ def comparability_problems(base: Run, cand: Run, tasks: list[str]) -> list[str]:
         if b_ids != c_ids:
             problems.append(f"{task}: item ids differ ({len(b_ids - c_ids)} only in baseline, {len(c_ids - b_ids)} only in candidate)")
     return problems
+
+
+def _sampling(decoding: dict) -> str:
+    if not decoding.get("temperature"):
+        return f"greedy, k = {decoding.get('n', 1)}"
+    return f"k = {decoding.get('n', 1)}, T = {decoding.get('temperature')}, seed {decoding.get('seed')}"
 
 
 def _short(value) -> str:
