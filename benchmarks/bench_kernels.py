@@ -2,15 +2,22 @@
 
     python benchmarks/bench_kernels.py                                   # CPU, small shape
     python benchmarks/bench_kernels.py --device cuda --shape dsv4-flash --tokens 16,512
+    python benchmarks/bench_kernels.py --device cuda --shape dsv4-flash --tokens 16,512,4096 --backend triton
+    python benchmarks/bench_kernels.py --device cuda --identity --shape dsv4-flash --tokens 64
 
-Prints numbers; not a test. The first call of an emulated kernel on a module quantizes the BF16 weights
-to FP4 and caches them (and their FP32 dequantization); it is reported apart ("first call") from the
+Prints numbers; not a test. --backend picks the emulated kernels' implementation (EVALGATE_KERNEL_BACKEND:
+auto = Triton on CUDA). On CUDA each row also gives the peak memory the call allocates beyond what was
+resident before it, next to the experts' packed FP4 bytes. --identity checks the Triton kernels against
+the emulator (on the same device) bit for bit on `check.synthetic_layer`, instead of timing; --sweep times
+the Triton GEMM tilings of `gemm.SETTINGS`. The first call of an emulated kernel on a module quantizes the
+BF16 weights to FP4 and caches them (and their FP32 dequantization); it is reported apart ("first call") from the
 steady-state time per call. Router: sqrt-softplus top-k, as DeepseekV4TopKRouter (spec docs/kernels.md#routing).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -58,6 +65,9 @@ def sync(device: str):
 def time_kernel(module, name, x, idx, w, repeat, device):
     module.config._experts_implementation = name
     sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     with torch.no_grad():
         module(x, idx, w)
@@ -70,7 +80,67 @@ def time_kernel(module, name, x, idx, w, repeat, device):
             module(x, idx, w)
         sync(device)
         times.append(time.perf_counter() - t0)
-    return first, statistics.median(times)
+    extra = torch.cuda.max_memory_allocated() - resident if device == "cuda" else 0
+    return first, statistics.median(times), extra
+
+
+def breakdown(module, x, idx, w) -> None:
+    """GPU time per operation of one call (torch.profiler), the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
+        module(x, idx, w)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
+TILINGS = [{"nb": 1, "warps": 8, "bn": 64}, {"nb": 1, "warps": 8, "bn": 128}, {"nb": 2, "warps": 4, "bn": 64}]
+
+
+def sweep(module, name, x, idx, w, repeat, base) -> None:
+    """ms per call of `name` under each GEMM tiling of the Triton path (gemm.SETTINGS)."""
+    from evalgate.kernels.triton import gemm
+
+    keep = dict(gemm.SETTINGS)
+    for tiling in TILINGS:
+        gemm.SETTINGS.update(tiling)
+        try:
+            _, per_call, _ = time_kernel(module, name, x, idx, w, repeat, "cuda")
+            print(f"  tiling {tiling}: {per_call * 1e3:8.2f} ms  x bf16 {per_call / base:5.2f}", flush=True)
+        except Exception as exc:  # noqa: BLE001  (a tiling this Triton cannot compile)
+            print(f"  tiling {tiling}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+    gemm.SETTINGS.update(keep)
+
+
+def packed_bytes(module) -> int:
+    """Bytes of the experts' FP4 codes and scale bytes (what the Triton kernels keep resident)."""
+    from evalgate.kernels.weights import fp4_weights
+
+    fp4 = fp4_weights(module)
+    return sum(t.numel() * t.element_size() for t in (fp4.w1, fp4.w1_scale, fp4.w2, fp4.w2_scale))
+
+
+def identity(args) -> int:
+    """The Triton kernels vs the emulator, both on --device, on check.synthetic_layer (FP4 weights)."""
+    from evalgate.kernels import check
+
+    check_shape = {"small": "small", "dsv4-flash": "dsv4-flash"}[args.shape]
+    kernels = [k for k in args.kernels.split(",") if k.strip() and k != "bf16"] if args.kernels_given else None
+    ok = True
+    for t in [int(v) for v in args.tokens.split(",")]:
+        t0 = time.perf_counter()
+        case = check.synthetic_layer(check_shape, t, args.seed)
+        print(f"synthetic layer {check_shape}, {t} tokens: built in {time.perf_counter() - t0:.1f} s", flush=True)
+        rows = check.triton_layer_check(check_shape, t, args.seed, kernels, case=case, device=args.device,
+                                        reference_device=args.device)
+        print(f"{'kernel':42s} {'tokens':>6s} {'identical':>9s} {'differ':>7s} {'host rows':>9s} "
+              f"{'triton s':>8s}")
+        for r in rows:
+            ok &= r["identical"]
+            print(f"{r['kernel']:42s} {r['tokens']:6d} {r['identical']!s:>9s} {r['differing']:7d} "
+                  f"{r['host_rows']:9d} {r['triton_seconds']:8.3f}")
+        print(f"emulator (all kernels, {args.device}): {rows[0]['emulator_seconds_all']:.1f} s", flush=True)
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:
@@ -78,18 +148,28 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--shape", default="small", choices=list(SHAPES))
     p.add_argument("--tokens", default="16,128", help="comma-separated token counts")
-    p.add_argument("--kernels", default="bf16,w4a8,w4a4,w4a4_packed,w4a4_te")
+    p.add_argument("--kernels", default=None, help="default: bf16,w4a8,w4a4,w4a4_packed,w4a4_te (--identity: all)")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="implementation of the emulated kernels (EVALGATE_KERNEL_BACKEND)")
+    p.add_argument("--identity", action="store_true", help="check bit-identity of Triton vs the emulator instead")
+    p.add_argument("--breakdown", action="store_true", help="CUDA: also print where each emulated kernel's time goes")
+    p.add_argument("--sweep", action="store_true", help="CUDA, Triton: time each emulated kernel under several GEMM tilings")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_kernels: --device cuda, but torch sees no CUDA device; run on a GPU host", file=sys.stderr)
         return 2
+    args.kernels_given = args.kernels is not None
+    args.kernels = args.kernels or "bf16,w4a8,w4a4,w4a4_packed,w4a4_te"
+    os.environ["EVALGATE_KERNEL_BACKEND"] = args.backend
+    if args.identity:
+        return identity(args)
 
     import evalgate.kernels  # noqa: F401  (registers the kernels)
     from evalgate.kernels import weights
 
-    if args.device == "cuda":  # keep the FP32 dequantized experts resident (25.7 GB at dsv4-flash)
+    if args.device == "cuda" and args.backend == "torch":  # keep the emulator's FP32 experts resident (25.7 GB)
         weights.DEQUANT_CACHE_BYTES = 64 << 30
 
     shape = SHAPES[args.shape]
@@ -97,18 +177,24 @@ def main(argv=None) -> int:
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     print(f"device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else f" ({torch.get_num_threads()} threads)")
-          + f", torch {torch.__version__}, shape {args.shape} {shape}")
-    print(f"{'kernel':14s} {'tokens':>6s} {'first call s':>12s} {'ms/call':>10s} {'x bf16':>7s}")
+          + f", torch {torch.__version__}, shape {args.shape} {shape}, backend {args.backend}")
+    if any(k != "bf16" for k in kernels):
+        print(f"experts packed FP4 (codes + scale bytes): {packed_bytes(module) / 2**30:.3f} GiB")
+    print(f"{'kernel':14s} {'tokens':>6s} {'first call s':>12s} {'ms/call':>10s} {'x bf16':>7s} {'peak extra GiB':>14s}")
     for t in [int(v) for v in args.tokens.split(",")]:
         g = torch.Generator(device=args.device).manual_seed(args.seed + t)
         x = torch.randn(t, shape["hidden"], generator=g, device=args.device).bfloat16()
         idx, w = route(x, shape["experts"], shape["top_k"], args.seed)
         base = None
         for name in kernels:
-            first, per_call = time_kernel(module, name, x, idx, w, args.repeat, args.device)
+            first, per_call, extra = time_kernel(module, name, x, idx, w, args.repeat, args.device)
             base = per_call if name == "bf16" else base
-            ratio = f"{per_call / base:7.1f}" if base else "      -"
-            print(f"{name:14s} {t:6d} {first:12.3f} {per_call * 1e3:10.2f} {ratio}")
+            ratio = f"{per_call / base:7.2f}" if base else "      -"
+            print(f"{name:14s} {t:6d} {first:12.3f} {per_call * 1e3:10.2f} {ratio} {extra / 2**30:14.3f}", flush=True)
+            if args.breakdown and args.device == "cuda" and name != "bf16":
+                breakdown(module, x, idx, w)
+            if args.sweep and args.device == "cuda" and name != "bf16":
+                sweep(module, name, x, idx, w, args.repeat, base)
     if args.device == "cuda":
         print(f"peak CUDA memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     return 0

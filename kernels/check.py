@@ -21,7 +21,7 @@ import torch
 from evalgate.errors import UserError
 
 from . import formats
-from .emulator import MoEEmulation, run_chunk_together, weight_fault
+from .emulator import MoEEmulation, as_gemm_weights, run_chunk_together, weight_fault
 from .reference import Bf16GroupedMM, Fp32Reference
 from .registry import get_kernel, kernel_names
 from .weights import Fp4ExpertWeights, double_one_group_per_row
@@ -30,6 +30,8 @@ SHAPES = {
     # spec docs/kernels.md#dsv4-flash-defaults defaults
     "dsv4-flash": dict(hidden=4096, intermediate=2048, experts=256, top_k=6, routed_scaling=1.5, swiglu_limit=10.0),
     "tiny": dict(hidden=256, intermediate=128, experts=16, top_k=4, routed_scaling=1.5, swiglu_limit=10.0),
+    # benchmarks/bench_kernels.py's small shape: big enough for several K blocks and N tiles per GEMM
+    "small": dict(hidden=1024, intermediate=512, experts=32, top_k=6, routed_scaling=1.5, swiglu_limit=10.0),
 }
 CHUNK_WEIGHT_BYTES = 768 << 20  # FP32 weights dequantized at once
 
@@ -238,4 +240,86 @@ def model_check(model, tokenizer, pairs: list[tuple[str, str]], kernels: list[st
     finally:
         if original:
             model.set_experts_implementation(original)
+    return rows
+
+
+# --- Triton backend vs the emulator, bit for bit -----------------------------------------------------
+
+
+def emulated_outputs(case: LayerCase, names: list[str], device="cpu") -> dict[str, torch.Tensor]:
+    """The emulator's output for each emulated kernel on `case`, computed on `device` (its numerics are
+    canonical: the same bits on any device); runners sharing weights run together, as in `layer_check`."""
+    dev = torch.device(device)
+    on = LayerCase(case.x.to(dev), case.top_k_index.to(dev), case.top_k_weights.to(dev), case.weights.to(dev),
+                   case.limit, case.routed_scaling)
+    runners = {n: _runner(n, on) for n in names}
+    groups: dict = {}
+    for r in runners.values():
+        groups.setdefault(weight_fault(r.recipe), []).append(r)
+    hit = torch.bincount(on.top_k_index.flatten(), minlength=on.weights.num_experts) > 0
+    step = max(1, CHUNK_WEIGHT_BYTES // (3 * on.weights.hidden * on.weights.intermediate * 4))
+    for lo in range(0, on.weights.num_experts, step):
+        hi = min(lo + step, on.weights.num_experts)
+        if not bool(hit[lo:hi].any()):
+            continue
+        w1, w2 = on.weights.dequantize(lo, hi)
+        for fault, members in groups.items():
+            f1, f2 = (w1, w2) if fault is None else (double_one_group_per_row(w1), double_one_group_per_row(w2))
+            if dev.type == "cpu":
+                run_chunk_together(members, lo, hi, f1, f2)
+            else:  # run_chunk_together builds CPU index tensors; one runner at a time is device-agnostic
+                g1, g2 = as_gemm_weights(f1), as_gemm_weights(f2)
+                for r in members:
+                    r.run_chunk(lo, hi, g1, g2)
+        del w1, w2
+    return {n: r.finish().cpu() for n, r in runners.items()}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous().view(torch.int32)
+
+
+def triton_layer_check(shape: str = "tiny", tokens: int = 64, seed: int = 0, kernels: list[str] | None = None,
+                       case: LayerCase | None = None, device: str | None = None,
+                       reference_device: str = "cpu") -> list[dict]:
+    """Every emulated kernel (default: all) on one synthetic layer: the Triton kernels on `device` (CUDA when
+    there is one, else the CPU under TRITON_INTERPRET=1) against the emulator on `reference_device`, bit
+    for bit. One row per kernel: identical, differing elements, rows the host recomputed, seconds."""
+    from .triton.dispatch import supports, unavailable_reason
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    reason = unavailable_reason(torch.device(device).type)
+    if reason:
+        raise UserError(f"--backend triton: {reason}")
+    from .triton import moe
+
+    case = case or synthetic_layer(shape, tokens, seed)
+    names = [n for n in (kernels or sorted(kernel_names(), key=lambda n: (get_kernel(n).faulty, n)))
+             if getattr(get_kernel(n).experts_forward, "recipe", None) is not None]
+    unsupported = [n for n in names if not supports(get_kernel(n).experts_forward.recipe)]
+    if unsupported:
+        raise UserError(f"the Triton backend does not compute {', '.join(unsupported)}")
+    t0 = time.perf_counter()
+    reference = emulated_outputs(case, names, reference_device)
+    reference_seconds = time.perf_counter() - t0
+    dev = torch.device(device)
+    x, idx, w = case.x.to(dev), case.top_k_index.to(dev), case.top_k_weights.to(dev)
+    weights = case.weights.to(dev)
+    rows = []
+    for n in names:
+        recipe = get_kernel(n).experts_forward.recipe
+        before = dict(moe.STATS)
+        t0 = time.perf_counter()
+        out = moe.moe_forward(x, idx, w, weights, recipe, case.limit, case.routed_scaling)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        out = out.cpu()
+        differ = int((_bits(out) != _bits(reference[n])).sum())
+        rows.append({"kernel": n, "faulty": get_kernel(n).faulty, "shape": shape, "tokens": case.x.shape[0],
+                     "device": device, "reference_device": reference_device, "identical": differ == 0,
+                     "differing": differ, "max_abs_diff": float((out - reference[n]).abs().max()),
+                     "gemm_rows": moe.STATS["rows"] - before["rows"],
+                     "host_rows": moe.STATS["host_rows"] - before["host_rows"],
+                     "triton_seconds": round(seconds, 3), "emulator_seconds_all": round(reference_seconds, 2)})
     return rows

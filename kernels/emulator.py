@@ -201,13 +201,14 @@ def run_chunk_together(runners: list[ExpertRows], lo: int, hi: int, w1, w2) -> N
         return
     w1, w2 = as_gemm_weights(w1), as_gemm_weights(w2)
     sizes = [e - b for _, b, e in spans]
-    runner = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor(sizes))
     expert = torch.cat([r.expert[b:e] for r, b, e in spans]) - lo
-    order = torch.argsort(expert * len(spans) + runner.to(expert.device), stable=True)
-    checked = torch.tensor([r.exact for r, _, _ in spans])[runner][order]
+    dev = expert.device  # every index tensor on the rows' device (CUDA indexing needs it)
+    runner = torch.repeat_interleave(torch.arange(len(spans), device=dev), torch.tensor(sizes, device=dev))
+    order = torch.argsort(expert * len(spans) + runner, stable=True)
+    checked = torch.tensor([r.exact for r, _, _ in spans], device=dev)[runner][order]
 
     def together(parts, w, sigs):
-        sig = torch.tensor(sigs)[runner][order]
+        sig = torch.tensor(sigs, device=dev)[runner][order]
         out = exact_matmul(torch.cat(parts)[order], sig, w, expert[order], checked)
         back = torch.empty_like(out)
         back[order] = out

@@ -35,8 +35,14 @@ KERNELS: dict[str, Kernel] = {}
 
 
 def register_kernel(kernel: Kernel) -> Kernel:
+    from dataclasses import replace
+
     from transformers.integrations.moe import ExpertsInterface
 
+    from .triton.dispatch import with_backend_choice
+
+    # emulated kernels run the Triton kernels on CUDA (same bits; EVALGATE_KERNEL_BACKEND overrides)
+    kernel = replace(kernel, experts_forward=with_backend_choice(kernel.experts_forward))
     KERNELS[kernel.name] = kernel
     ExpertsInterface.register(kernel.name, kernel.experts_forward)
     try:

@@ -3,6 +3,7 @@
     evalgate kernels list [--json]
     evalgate kernels check --shape dsv4-flash --tokens 512      # one layer, every kernel vs FP32
     evalgate kernels check --model PATH --tasks gsm8k --limit 32  # teacher-forced KL / top-1 vs bf16
+    evalgate kernels check --backend triton --shape small --tokens 64  # Triton kernels vs emulator, bit for bit
 """
 
 from __future__ import annotations
@@ -91,12 +92,15 @@ def _print_rows(rows: list[dict], columns: list[tuple[str, str, str]], title: st
 LAYER_COLUMNS = [("kernel", "kernel", ""), ("rel_rmse", "rel RMSE", ".4f"), ("cosine", "cosine", ".6f"),
                  ("max_abs_err", "max |err|", ".4g"), ("calc_diff", "calc_diff", ".2e"),
                  ("bf16_identical", "bf16 ==", ".3f"), ("calc_diff_vs_twin", "calc_diff vs twin", ".2e")]
+TRITON_COLUMNS = [("kernel", "kernel", ""), ("identical", "bit-identical", ""), ("differing", "differing", "d"),
+                  ("gemm_rows", "GEMM rows", "d"), ("host_rows", "host rows", "d"),
+                  ("triton_seconds", "Triton s", ".2f")]
 MODEL_COLUMNS = [("kernel", "kernel", ""), ("mean_kl", "mean KL vs bf16", ".3e"),
                  ("top1_agreement", "top-1 agree", ".4f"), ("tokens", "tokens", "d"), ("seconds", "s", ".1f")]
 
 
 @kernels_group.command("check")
-@click.option("--shape", default=None, help="Layer-level check at a named shape: dsv4-flash or tiny.")
+@click.option("--shape", default=None, help="Layer-level check at a named shape: dsv4-flash, small or tiny.")
 @click.option("--tokens", default="512", show_default=True, help="Tokens routed through the layer (layer-level).")
 @click.option("--model", "model_path", default=None, help="Model-level check: a local checkpoint directory.")
 @click.option("--tasks", default="gsm8k", show_default=True, help="Tasks whose prompts feed the model-level check.")
@@ -106,13 +110,18 @@ MODEL_COLUMNS = [("kernel", "kernel", ""), ("mean_kl", "mean KL vs bf16", ".3e")
               help="Offline copy of the task data (model-level).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic layer.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result rows as JSON.")
-def check(shape, tokens, model_path, tasks, limit, kernel_list, data_dir, seed, as_json):
+@click.option("--backend", type=click.Choice(["torch", "triton"]), default="torch", show_default=True,
+              help="triton: run the emulated kernels' Triton implementation on the layer (--shape) and compare it "
+                   "with the PyTorch emulator bit for bit (on a CPU needs TRITON_INTERPRET=1).")
+def check(shape, tokens, model_path, tasks, limit, kernel_list, data_dir, seed, as_json, backend):
     """Numerics of every kernel: one synthetic layer vs FP32 (--shape), or a model vs bf16 (--model)."""
     from evalgate.kernels import check as checks
     from evalgate.kernels import get_kernel
 
     if (shape is None) == (model_path is None):
         raise UserError("kernels check needs exactly one of --shape (layer-level) or --model PATH (model-level)")
+    if backend == "triton" and shape is None:
+        raise UserError("--backend triton checks one synthetic layer: pass --shape (tiny, small or dsv4-flash)")
     kernels = _parse_list(kernel_list, "kernels")
     for k in kernels or []:
         get_kernel(k)
@@ -123,9 +132,15 @@ def check(shape, tokens, model_path, tasks, limit, kernel_list, data_dir, seed, 
             n_tokens = int(tokens)
         except ValueError:
             raise UserError(f"--tokens must be an integer, got {tokens!r}") from None
-        rows = checks.layer_check(shape, n_tokens, seed, kernels)
-        title = f"layer check: {shape}, {n_tokens} tokens, vs FP32 reference"
-        columns = LAYER_COLUMNS
+        if backend == "triton":
+            rows = checks.triton_layer_check(shape, n_tokens, seed, kernels)
+            title = (f"Triton kernels vs the emulator, bit for bit: {shape}, {n_tokens} tokens, "
+                     f"Triton on {rows[0]['device'] if rows else '-'}, emulator on cpu")
+            columns = TRITON_COLUMNS
+        else:
+            rows = checks.layer_check(shape, n_tokens, seed, kernels)
+            title = f"layer check: {shape}, {n_tokens} tokens, vs FP32 reference"
+            columns = LAYER_COLUMNS
     else:
         if limit < 1:
             raise UserError(f"--limit must be at least 1 (got {limit})")
@@ -145,6 +160,9 @@ def check(shape, tokens, model_path, tasks, limit, kernel_list, data_dir, seed, 
         return
     _print_rows(rows, columns, title)
     click.echo(f"wall {wall:.1f} s, peak RSS {peak_gb:.2f} GB")
+    if backend == "triton" and not all(r["identical"] for r in rows):
+        click.echo("NOT bit-identical: the Triton kernels differ from the emulator", err=True)
+        sys.exit(1)
 
 
 def task_pairs(tasks: list[str], limit: int | None, data_dir=None) -> list[tuple[str, str]]:

@@ -1,0 +1,18 @@
+"""Triton kernels for the emulated FP4 recipes (docs/kernels.md#triton-kernels).
+
+Same outputs as the PyTorch emulator (`emulator.MoEEmulation`), bit for bit, with the expert weights read
+as packed E2M1 codes and UE8M0 bytes inside the kernels. Importing this package does not import Triton:
+`dispatch` decides per call whether the Triton path runs, and only then loads `moe`.
+
+Modules: `dispatch` (backend choice), `quantize` (activations to E2M1 codes), `gemm` (the grouped
+GEMMs on packed weights), `certify` (which rows the fast path computes exactly; the host fallback for
+the rest), `moe` (the forward, step by step).
+"""
+
+from .dispatch import (  # noqa: F401
+    BACKEND_ENV,
+    available,
+    backend,
+    unavailable_reason,
+    with_backend_choice,
+)

@@ -1,0 +1,218 @@
+"""The Triton kernels (evalgate.kernels.triton) against the PyTorch emulator, bit for bit, under Triton's
+interpreter (TRITON_INTERPRET=1: the same kernels on the CPU). Skipped where Triton does not import."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed: pip install triton (its interpreter runs the kernels on a CPU)",
+                allow_module_level=True)
+# Triton reads TRITON_INTERPRET when it is imported (triton.language's own jit functions are made then):
+# set it first. When something imported Triton earlier in this process without it (transformers can, in a
+# full test session), the interpreter cannot run here and test_in_a_fresh_process reruns this file.
+IN_PROCESS = (torch.cuda.is_available() or "triton" not in sys.modules
+              or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+here = pytest.mark.skipif(not IN_PROCESS, reason="Triton was imported without TRITON_INTERPRET=1; see "
+                                                 "test_in_a_fresh_process")
+
+import evalgate.kernels as K
+from evalgate.kernels import check, formats
+from evalgate.kernels.emulator import MoEEmulation, weight_fault
+from evalgate.kernels.triton import certify, dispatch, moe
+from evalgate.kernels.triton.quantize import quantize_rows, values_from_codes
+
+from evalgate.errors import UserError
+
+EMULATED = [n for n in K.kernel_names() if getattr(K.get_kernel(n).experts_forward, "recipe", None) is not None]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _bits(t):
+    return t.to(torch.float32).contiguous().view(torch.int32)
+
+
+def _emulate(case, recipe):
+    """The emulator's output for one recipe on a synthetic layer (CPU)."""
+    em = MoEEmulation(case.x, case.top_k_index, case.top_k_weights, recipe, case.weights.num_experts, case.limit,
+                      case.routed_scaling)
+    hit = torch.bincount(case.top_k_index.flatten(), minlength=case.weights.num_experts) > 0
+    for lo in range(case.weights.num_experts):
+        if hit[lo]:
+            em.run_chunk(lo, lo + 1, *case.weights.dequantize(lo, lo + 1, fault=weight_fault(recipe)))
+    return em.finish()
+
+
+def _triton(case, recipe):
+    dev = torch.device(DEVICE)
+    return moe.moe_forward(case.x.to(dev), case.top_k_index.to(dev), case.top_k_weights.to(dev),
+                           case.weights.to(dev), recipe, case.limit, case.routed_scaling).cpu()
+
+
+@pytest.fixture(scope="module")
+def tiny_case():
+    return check.synthetic_layer("tiny", 24, seed=5)
+
+
+# --- quantization ------------------------------------------------------------------------------------
+
+
+@here
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
+@pytest.mark.parametrize("rule", [formats.PRE_DISPATCH, formats.SGLANG_FP8, formats.EPILOGUE], ids=lambda r: r.name)
+def test_quantizer_gives_the_codes_and_bytes_of_formats_quantize(fmt, rule):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 128, generator=g) * torch.exp(3 * torch.randn(8, 4, 1, generator=g)).repeat_interleave(32, 1).view(8, 128)
+    x[0, :32] = torch.tensor([7, -1.5, 3.5, 0.5, 2.5, -5, 1, 0, 1.25, -0.75, 4, 6, -7, 0.625, 2, -3, 0.375, 1.5,
+                              -2.5, 5.5, 0.125, -0.25, 3, -6.5, 1.75, -1, 0.875, 2.25, -4.5, 0.0625, -0.5, 4.5])  # T2
+    x[1] = 0  # all-zero groups: the floor, or byte 0 at the epilogue
+    x[2, 32:64] = 1e-30  # tiny groups
+    for ties in ("zero", "even"):
+        q, byte, hi, lo = quantize_rows(x.to(DEVICE), fmt, rule, ties)
+        _, want_byte = formats.quantize(x, fmt, rule, ties)
+        assert torch.equal(byte.cpu(), want_byte)
+        assert torch.equal(values_from_codes(q.cpu(), byte.cpu(), fmt), formats.fake_quantize(x, fmt, rule, ties))
+        assert hi[1] == -1 and lo[1] == 512  # no non-zero group: no term to certify
+    if fmt == "e2m1":  # T2's tie elements: the two modes differ exactly where the spec says
+        zero = quantize_rows(x[:1].to(DEVICE), fmt, formats.WEIGHTS, "zero")[0].cpu()
+        even = quantize_rows(x[:1].to(DEVICE), fmt, formats.WEIGHTS, "even")[0].cpu()
+        assert (zero[0, 0, :32] != even[0, 0, :32]).nonzero().flatten().tolist() == [0, 1, 2, 12, 17]
+
+
+# --- the whole forward, every recipe ----------------------------------------------------------------
+
+
+@here
+def test_every_emulated_kernel_is_bit_identical_on_a_tiny_layer(tiny_case):
+    rows = check.triton_layer_check("tiny", case=tiny_case, device=DEVICE)
+    assert sorted(r["kernel"] for r in rows) == sorted(EMULATED)
+    for r in rows:
+        assert r["identical"], r
+        assert r["gemm_rows"] == 2 * 24 * 4  # both GEMMs, every (token, slot) row
+
+
+@here
+def test_the_faults_change_the_output(tiny_case):
+    """Bit-identity is not vacuous: each faulty twin differs from w4a4_packed, on the Triton path too."""
+    healthy = _triton(tiny_case, K.get_kernel("w4a4_packed").experts_forward.recipe)
+    for name in EMULATED:
+        if K.get_kernel(name).faulty:
+            assert not torch.equal(_triton(tiny_case, K.get_kernel(name).experts_forward.recipe), healthy), name
+
+
+@here
+@pytest.mark.parametrize("name", ["w4a4_packed", "w4a8"])
+def test_rows_the_certificate_refuses_are_recomputed_on_the_host(tiny_case, name):
+    """A token whose groups' scales differ by 2^50: its rows fail the certificate, go through
+    exact.exact_matmul on the host, and still give the emulator's bits."""
+    x = tiny_case.x.clone()
+    x[3, :32] *= 2.0**40  # (2^-10: above the input amax floor, so the group keeps non-zero codes)
+    x[3, 32:64] *= 2.0**-10
+    case = check.LayerCase(x, tiny_case.top_k_index, tiny_case.top_k_weights, tiny_case.weights, tiny_case.limit,
+                           tiny_case.routed_scaling)
+    recipe = K.get_kernel(name).experts_forward.recipe
+    before = moe.STATS["host_rows"]
+    out = _triton(case, recipe)
+    assert moe.STATS["host_rows"] - before >= 1
+    assert torch.equal(_bits(out), _bits(_emulate(case, recipe)))
+
+
+@here
+def test_host_path_alone_gives_the_same_bits(tiny_case, monkeypatch):
+    monkeypatch.setattr(certify, "FORCE_HOST_ROWS", True)
+    recipe = K.get_kernel("w4a4_te").experts_forward.recipe
+    before = moe.STATS["host_rows"]
+    out = _triton(tiny_case, recipe)
+    assert moe.STATS["host_rows"] - before == 2 * 24 * 4
+    assert torch.equal(_bits(out), _bits(_emulate(tiny_case, recipe)))
+
+
+@here
+def test_the_triton_path_never_dequantizes_the_experts(tiny_case, monkeypatch):
+    """Weights stay packed: the kernels read codes and scale bytes; no dequantized copy is made."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton path dequantized the experts")
+
+    monkeypatch.setattr(type(tiny_case.weights), "dequantize", refuse)
+    monkeypatch.setattr(formats, "dequantize_packed_e2m1", refuse)
+    _triton(tiny_case, K.get_kernel("w4a4_packed").experts_forward.recipe)
+
+
+# --- backend choice ---------------------------------------------------------------------------------
+
+
+@here
+def test_registered_kernels_choose_their_backend(monkeypatch):
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    fn = K.get_kernel("w4a4_packed").experts_forward
+    assert ALL_EXPERTS_FUNCTIONS["w4a4_packed"] is fn and fn.torch_forward is not None
+    assert fn.recipe == fn.torch_forward.recipe
+    assert K.get_kernel("bf16").experts_forward.__dict__.get("torch_forward") is None  # no recipe: unchanged
+    x = torch.zeros(2, 8, device=DEVICE)
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "torch")
+    assert not dispatch.use_triton(x, fn.recipe)
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "auto")
+    assert dispatch.use_triton(x, fn.recipe) == (DEVICE == "cuda")
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
+    assert dispatch.use_triton(x, fn.recipe)
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "fast")
+    with pytest.raises(UserError, match="EVALGATE_KERNEL_BACKEND"):
+        dispatch.backend()
+
+
+@here
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU needs the interpreter; a GPU does not")
+def test_triton_backend_on_a_cpu_without_the_interpreter_says_how(monkeypatch):
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(UserError, match="TRITON_INTERPRET=1"):
+        dispatch.use_triton(torch.zeros(1, 8), K.get_kernel("w4a4").experts_forward.recipe)
+
+
+@here
+def test_a_tiny_model_generates_the_same_tokens_on_both_backends(monkeypatch):
+    """Through transformers' experts interface: the Triton backend, chosen by the environment, gives the
+    emulator's logits exactly."""
+    from evalgate.kernels.tiny_model import tiny_deepseek_v4
+
+    model = tiny_deepseek_v4(seed=2)
+    model.set_experts_implementation("w4a4_packed")
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        monkeypatch.setenv(dispatch.BACKEND_ENV, "torch")
+        emulated = model(input_ids=ids).logits
+        monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
+        before = moe.STATS["rows"]
+        tritoned = model.to(DEVICE)(input_ids=ids.to(DEVICE)).logits.cpu()
+    assert moe.STATS["rows"] > before
+    assert torch.equal(_bits(emulated), _bits(tritoned))
+
+
+@here
+def test_cli_reports_bit_identity():
+    from click.testing import CliRunner
+
+    from evalgate.cli import main
+
+    result = CliRunner().invoke(main, ["kernels", "check", "--backend", "triton", "--shape", "tiny", "--tokens", "8",
+                                       "--kernels", "w4a4_packed,faulty/w4a4_packed-fp8-layout", "--json"])
+    assert result.exit_code == 0, result.output
+    import json
+
+    rows = json.loads(result.output[result.output.index("{"):])["rows"]
+    assert [r["identical"] for r in rows] == [True, True]
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the tests above ran in this process")
+def test_in_a_fresh_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
