@@ -20,8 +20,16 @@ simulated A/A run of the same items, never given:
   (τ = 0.25: the kernel helps some items and hurts others — what averaging samples cannot remove).
   A drop D: q_i = (p_i + ε_i)(1 − r), r set so that the mean per-item difference is D.
   φ̄ = 1 is independent sampling (no coupling); the uncoupled per-sample flip rate here is E[2p(1−p)] = 9.4%.
-- ``--runs BASE CAND``: the per-item structure of two stored runs instead (any k): items are resampled, with
-  random signs for Δ = 0 and extra losses for a drop.
+- ``--from-runs BASE CAND`` (or ``--runs``): the per-item structure of two stored runs (e.g. the canary's
+  w4a8 baseline and a candidate made with ``evalgate run``). Greedy runs: items are resampled, a resampled
+  item flips with its observed flip indicator, random signs for Δ = 0, extra losses for a drop. Sampled runs
+  (k paired samples per item, ``evalgate run --samples K --temperature T``): each item's pass rate p_i and
+  how often the kernel moves one of its samples, φ_i = (observed per-sample flip rate) / 2p_i(1 − p_i), feed
+  the coupled model above at every k of the table. Either way ψ₀ comes from a simulated A/A run of the same
+  structure (greedy: each item flips with its observed indicator; sampled: the same keys and batch-invariant
+  numerics reproduce every sample, ψ̂₀ = 0), never from the runs' own ψ.
+- ``--cost N``: time the in-process canary generating N HumanEval items at k = 1, 4, 8, 16 (tokens capped by
+  ``--cost-tokens``): the generation cost per k of the table.
 
 Rules compared: ours (the policy in thresholds.yaml: evalgate.gate.rule, vectorised here and cross-checked
 verdict by verdict against decide_task/decide_overall on a sample of replicates; the mismatch count must be
@@ -29,13 +37,15 @@ verdict by verdict against decide_task/decide_overall on a sample of replicates;
 issue 14); "before": the rule before issue 14 (McNemar FAIL, NI at max(M, A/A floor of the plug-in ψ̂₀),
 two outcomes); "original" (docs/gate.md#the-original-rule); flat rules like vLLM's (rtol 0.05, 0.08).
 
-Run:  python benchmarks/simulate_gate.py [--reps 5000] [--seed 12345] [--runs BASE CAND]   (~2.5 min on 2 cores)
+Run:  python benchmarks/simulate_gate.py [--reps 5000] [--seed 12345] [--from-runs BASE CAND] [--cost N]
+      (~2.5 min on 2 cores without --cost)
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,6 +124,25 @@ class Coupled:
         self.p = rng.beta(0.5, 0.088, size=self.n)
         self.phi = (np.ones(self.n) if self.phi_mean >= 1 else
                     rng.beta(1.0, 1.0 / self.phi_mean - 1.0, size=self.n))
+        self._shifts(rng)
+
+    label: str = ""
+
+    @classmethod
+    def from_structure(cls, k: int, p: np.ndarray, phi: np.ndarray, label: str, n: int = N_HUMANEVAL,
+                       tau: float = 0.25) -> "Coupled":
+        """The coupled model with per-item pass rates and move probabilities measured on real runs; the
+        measured items are resampled (pairs (p_i, φ_i) kept together) to ``n`` items when their count differs."""
+        rng = np.random.default_rng(len(p))
+        idx = np.arange(len(p)) if len(p) == n else rng.integers(0, len(p), size=n)
+        world = cls.__new__(cls)
+        world.n, world.k, world.tau, world.label = n, k, tau, label
+        world.p, world.phi = np.asarray(p, float)[idx], np.asarray(phi, float)[idx]
+        world.phi_mean = float(np.mean(world.phi))
+        world._shifts(rng)
+        return world
+
+    def _shifts(self, rng) -> None:
         signs = rng.choice((-1.0, 1.0), size=self.n)
         eps = self.tau * 4 * self.p * (1 - self.p) * signs
         w = self.phi * eps  # make the shifts cancel exactly on average: Δ = 0
@@ -124,7 +153,8 @@ class Coupled:
         self.psi_sample = float(np.mean(self.phi * (self.p * (1 - self.q0) + self.q0 * (1 - self.p))))
 
     def describe(self) -> str:
-        coupling = "independent samples" if self.phi_mean >= 1 else f"coupled, φ̄ = {self.phi_mean:g}"
+        coupling = ("independent samples" if self.phi_mean >= 1 else
+                    f"{self.label}, φ̄ = {self.phi_mean:.3g}" if self.label else f"coupled, φ̄ = {self.phi_mean:g}")
         return f"k = {self.k}, {coupling} (per-sample flip rate {100 * self.psi_sample:.1f}%)"
 
     def q(self, drop: float) -> np.ndarray:
@@ -185,15 +215,44 @@ class FromRuns:
         return out
 
     def draw_aa(self, reps: int, rng) -> np.ndarray:
-        return np.full(reps, float(np.mean(self.diffs ** 2)))
+        """ψ̂₀ of one simulated A/A run of the same structure: n items resampled, each flipping with its
+        observed flip indicator |D_i| (a per-item flip probability); estimated, never the runs' own ψ."""
+        out = np.empty(reps)
+        flip = np.abs(self.diffs)
+        for start in range(0, reps, CHUNK):
+            r = min(CHUNK, reps - start)
+            idx = rng.integers(0, self.n, size=(r, self.n))
+            out[start:start + r] = (rng.random((r, self.n)) < flip[idx]).mean(axis=1)
+        return out
 
 
-def load_runs(base_path: str, cand_path: str, task: str) -> FromRuns:
+def load_runs(base_path: str, cand_path: str, task: str | None = None):
+    """The structure of two stored runs for ``task`` (HumanEval when both have it, else their first task):
+    ``FromRuns`` for greedy runs; for sampled runs the measured p_i and φ_i (``sampled_structure``)."""
     from evalgate.gate.compare import compare
 
-    pairs = compare(base_path, cand_path, tasks=[task]).pairs[task]
+    pairing = compare(base_path, cand_path, tasks=[task] if task else None)
+    task = task or ("humaneval" if "humaneval" in pairing.pairs else pairing.tasks[0])
+    pairs = pairing.pairs[task]
     base, cand = np.array(pairs.scores("base")), np.array(pairs.scores("cand"))
-    return FromRuns(len(base), pairs.k, base, cand - base, f"{base_path} vs {cand_path} ({task})")
+    label = f"measured: {Path(base_path).name} vs {Path(cand_path).name} ({task})"
+    if pairs.k == 1:
+        return task, FromRuns(len(base), 1, base, cand - base, label)
+    return task, sampled_structure(pairs, label)
+
+
+def sampled_structure(pairs, label: str):
+    """Per item: the baseline pass rate p_i and φ_i, the probability that the kernel moves a sample, from the
+    observed per-sample flip rate f_i = φ_i·(p_i(1 − q_i) + q_i(1 − p_i)) with q_i ≈ p_i."""
+    base = np.array(pairs.sample_scores("base"), dtype=float)
+    cand = np.array(pairs.sample_scores("cand"), dtype=float)
+    p = base.mean(axis=1)
+    flips = np.abs(cand - base).mean(axis=1)
+    print(f"measured structure, {label}: {len(p)} items × k = {base.shape[1]}, mean pass rate {p.mean():.3f}, "
+          f"per-sample flip rate {flips.mean():.3f}, items with a moved sample {np.mean(flips > 0):.2f}")
+    spread = 2 * p * (1 - p)
+    phi = np.where(spread > 0, np.clip(flips / np.maximum(spread, 1e-12), 0.0, 1.0), flips)
+    return p, phi, label
 
 
 # ------------------------------------------------------------------------------------------- the rule, vectorised
@@ -356,13 +415,56 @@ def mde_of(world, reps: int, rng) -> float:
     return float(np.median(-lower + norm.ppf(0.8) * np.sqrt(psi / world.n)))
 
 
+K_TABLE = (1, 4, 8, 16)  # samples per item in the target table
+
+
+def generation_cost(items: int, tokens: int) -> None:
+    """Wall time of the in-process canary (w4a8, canonical numerics) generating ``items`` HumanEval canary
+    prompts at k = 1, 4, 8, 16 samples each (T = 0.8, one batch per item: its k samples), ``tokens`` new
+    tokens at most."""
+    from evalgate.canary import HUMANEVAL_PROFILE, canary_path
+    from evalgate.model_adapters.generation import decode
+    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.sampling import SampleKey, sample_seed
+    from evalgate.tasks.humaneval import task as humaneval
+
+    model, tok = load_model(canary_path(), "w4a8")
+    loaded, resolved = humaneval.TASK.load(humaneval.PROFILES[HUMANEVAL_PROFILE], None, items)
+    requests = humaneval.TASK.requests(loaded, resolved)
+    print(f"generation cost on the canary (CPU, {torch_threads()} threads): {items} HumanEval item(s), ≤ {tokens} "
+          "new tokens, one batch of k rows per item")
+    base = None
+    for k in K_TABLE:
+        t0 = time.perf_counter()
+        generated = 0
+        for r in requests:
+            keys = [SampleKey(sample_seed(0, r.doc_id, j), 0.8) for j in range(k)]
+            out = decode(model, tok, [r.prompt] * k, [r.stop] * k, [tokens] * k, keys=keys)
+            generated += sum(len(g.token_ids) for g in out)
+        wall = time.perf_counter() - t0
+        base = base or wall
+        print(f"  k = {k:2d}: {wall:7.1f} s ({wall / items:6.1f} s per item, {generated} tokens, "
+              f"{wall / base:4.1f}× k = 1)")
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5_000)
     parser.add_argument("--seed", type=int, default=12345)
     parser.add_argument("--check", type=int, default=40, help="replicates per row re-decided with decide_overall")
-    parser.add_argument("--runs", nargs=2, metavar=("BASE", "CAND"), help="take HumanEval's structure from two stored runs")
+    parser.add_argument("--from-runs", "--runs", dest="runs", nargs=2, metavar=("BASE", "CAND"),
+                        help="also take the per-item structure from two stored runs (HumanEval if they have it)")
+    parser.add_argument("--cost", type=int, default=0, metavar="N", help="time N canary HumanEval items at each k")
+    parser.add_argument("--cost-tokens", type=int, default=32, help="token limit of the --cost generations")
     args = parser.parse_args()
+    if args.cost:
+        generation_cost(args.cost, args.cost_tokens)
     if POLICY.multiple_comparisons != "holm" or POLICY.ci_method != "tango":
         raise SystemExit("the vectorised twin implements holm + tango only; adjust it for this policy")
     rng = np.random.default_rng(args.seed)
@@ -392,9 +494,13 @@ def main() -> None:
     print(f"{'task':10} {'setting':52} {'MDE':>7} {'PASS':>6} {'INC':>6} {'FAIL':>6} │ {'Δ':>6} {'PASS':>6} {'INC':>6} "
           f"{'FAIL':>6} {'met':>4}")
     targets = [("gsm8k", Greedy(N_GSM8K, 0.04), -0.02, quiet_he)]
-    he_worlds = [Greedy(N_HUMANEVAL, 0.085)] + [Coupled(N_HUMANEVAL, k, 0.5) for k in (1, 2, 4, 8, 16)]
-    if args.runs:
-        he_worlds.append(load_runs(*args.runs, "humaneval"))
+    he_worlds = [Greedy(N_HUMANEVAL, 0.085)] + [Coupled(N_HUMANEVAL, k, 0.5) for k in K_TABLE]
+    if args.runs:  # the measured structure: greedy as it is, sampled at every k of the table
+        task, measured = load_runs(*args.runs)
+        if isinstance(measured, FromRuns):  # greedy: that task's own target
+            (he_worlds.append(measured) if task == "humaneval" else targets.append((task, measured, -0.02, quiet_he)))
+        else:  # sampled: the coupled HumanEval target (n = 164, M = 5 pp) with the measured p_i, φ_i
+            he_worlds += [Coupled.from_structure(k, *measured) for k in K_TABLE]
     targets += [("humaneval", w, -0.05, quiet_gsm) for w in he_worlds]
     for task, world, drop, other in targets:
         null, _ = row(task, world, 0.0, other, "null", check=args.check if world.k <= 4 else 0)

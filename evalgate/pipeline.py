@@ -13,10 +13,10 @@ from evalgate.gate.compare import compare
 from evalgate.gate.decide import decide, gate_runs
 from evalgate.gate.policy import load_thresholds
 from evalgate.gate.verdict import Verdict
-from evalgate.run.baselines import DEFAULT_ROOT, find_baseline, record, write_aa
-from evalgate.run.runner import RunSpec, execute, with_overrides
+from evalgate.run.baselines import ROOT_ENV, find_stored_baseline, lookup_roots, record, user_root, write_aa
+from evalgate.run.runner import RunSpec, execute, load_task
 from evalgate.run.store import MANIFEST, load_run
-from evalgate.tasks import get_task, resolve_profile
+from evalgate.tasks import get_task
 
 
 def planned_profile_ids(spec: RunSpec) -> dict[str, str]:
@@ -26,9 +26,7 @@ def planned_profile_ids(spec: RunSpec) -> dict[str, str]:
     data_dir = resolve_data_dir(spec.data_dir)
     ids = {}
     for name in spec.tasks:
-        task = get_task(name)
-        profile = with_overrides(resolve_profile(task, spec.profiles.get(name)), spec)
-        _, resolved = task.load(profile, data_dir, spec.limit)
+        _, resolved = load_task(get_task(name), spec, data_dir)  # the same profile id execute() will record
         ids[name] = resolved.profile_id
     return ids
 
@@ -43,9 +41,13 @@ def model_fingerprint_of(spec: RunSpec, adapter=None) -> str:
     return model_fingerprint(check_model_dir(spec.model))["fingerprint"]
 
 
-def stored_baselines(spec: RunSpec, kernel: str, root: Path, adapter=None) -> dict[str, Path | None]:
+def stored_baselines(spec: RunSpec, kernel: str, root: Path | None = None, adapter=None,
+                     packaged: bool = True) -> dict[str, Path | None]:
+    """task -> its stored baseline or None: the user's root first, then (``packaged``) the canary's baselines
+    shipped in the package. ``calibrate`` looks in the user's root only: it writes next to what it finds."""
     fingerprint = model_fingerprint_of(spec, adapter)
-    return {task: find_baseline(root, fingerprint, pid, kernel) for task, pid in planned_profile_ids(spec).items()}
+    roots = lookup_roots(root) if packaged else [user_root(root)]
+    return {task: find_stored_baseline(roots, fingerprint, pid, kernel) for task, pid in planned_profile_ids(spec).items()}
 
 
 def _stamp() -> str:
@@ -65,19 +67,23 @@ def gate_out(kernel: str) -> Path:
     return Path("results/runs") / f"gate-{_stamp()}-{kernel.replace('/', '_')}"
 
 
-def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path = DEFAULT_ROOT, out: Path | None = None,
+def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path | None = None, out: Path | None = None,
                thresholds_path: str | None = None, allow_uncalibrated: bool = False,
                adapter=None) -> tuple[Verdict, Path]:
     load_thresholds(thresholds_path)  # a bad policy file fails before anything runs
     baselines = stored_baselines(spec, baseline_kernel, root, adapter)
     missing = [t for t, d in baselines.items() if d is None]
     if missing:
-        how = (f"`evalgate calibrate --model {spec.model} --kernel {baseline_kernel}` (runs it twice and records it)"
-               if adapter is None else
-               f"`evalgate calibrate --server URL --kernel {baseline_kernel}` (or --launch ENGINE; runs it twice "
-               "on the server and records it)")
+        # a sampled baseline must be sampled the same way
+        sampled = ("" if spec.sampling().greedy else
+                   f" --samples {spec.samples} --temperature {spec.temperature:g} --seed {spec.seed}")
+        how = (f"`evalgate calibrate --model {spec.model} --kernel {baseline_kernel}{sampled}` (runs it twice and "
+               "records it)" if adapter is None else
+               f"`evalgate calibrate --server URL --kernel {baseline_kernel}{sampled}` (or --launch ENGINE; runs it "
+               "twice on the server and records it)")
         raise UserError(f"no stored {baseline_kernel} baseline for this model and the {', '.join(missing)} profile(s) "
-                        f"under {root}; create one with {how}")
+                        f"under {user_root(root)} (nor packaged with the canary); create one with {how}, or point "
+                        f"--baselines-root or ${ROOT_ENV} at the folder that holds it")
     out = out or gate_out(spec.kernel)
     run_dir = run_or_resume(spec, out, adapter)
     verdict = gate_runs([baselines[t] for t in spec.tasks], run_dir, thresholds_path, allow_uncalibrated)
@@ -89,7 +95,7 @@ def calibration_stamp() -> str:
     return _stamp()
 
 
-def calibrate(spec: RunSpec, root: Path = DEFAULT_ROOT, runs_dir: Path = Path("results/runs"),
+def calibrate(spec: RunSpec, root: Path | None = None, runs_dir: Path = Path("results/runs"),
               thresholds_path: str | None = None, second_batch_size: int | None = None, adapter=None,
               stamp: str | None = None) -> dict:
     """A/A: the baseline kernel twice (the second time with the items in reverse order and another batch
@@ -100,7 +106,8 @@ def calibrate(spec: RunSpec, root: Path = DEFAULT_ROOT, runs_dir: Path = Path("r
     import copy
 
     thresholds = load_thresholds(thresholds_path)
-    baselines = stored_baselines(spec, spec.kernel, root, adapter)
+    root = user_root(root)  # never the packaged canary baselines: they are read-only
+    baselines = stored_baselines(spec, spec.kernel, root, adapter, packaged=False)
     stamp = stamp or _stamp()
     name = f"calibrate-{stamp}-{spec.kernel.replace('/', '_')}"
     if any(d is None for d in baselines.values()):
@@ -125,8 +132,9 @@ def calibrate(spec: RunSpec, root: Path = DEFAULT_ROOT, runs_dir: Path = Path("r
         cmp = compare(base_dir, second, tasks=[task], metrics={task: thresholds.task(task).metric})
         verdict = decide(cmp, thresholds, require_aa=False)
         dec = verdict.decision.tasks[task]
-        flips = [d for d, b, c in zip(cmp.pairs[task].doc_ids, cmp.pairs[task].correct("base"),
-                                      cmp.pairs[task].correct("cand")) if b != c]
+        # an item flips when its score moves (k > 1: the mean over its samples, not "all samples right")
+        flips = [d for d, b, c in zip(cmp.pairs[task].doc_ids, cmp.pairs[task].scores("base"),
+                                      cmp.pairs[task].scores("cand")) if b != c]
         entry = {"psi0": dec.flip_rate, "delta0": dec.delta, "n": dec.counts.n, "b": dec.counts.b,
                  "c": dec.counts.c, "flips": flips, "verdict": dec.verdict, "reasons": list(dec.reasons),
                  "second_run": {"path": str(second), **second_run},

@@ -88,6 +88,11 @@ class Request:
     stop: tuple[str, ...]
     max_new_tokens: int
     messages: tuple = ()  # chat mode: ({"role": ..., "content": ...}, ...); empty in completion mode
+    # sampled runs (docs/scoring.md#k-samples): sample j of the item, at temperature > 0, drawing from the
+    # stream ``seed`` = sample_seed(run seed, doc_id, j); greedy requests keep 0, 0.0 and None
+    sample: int = 0
+    temperature: float = 0.0
+    seed: int | None = None
 
 
 @dataclass

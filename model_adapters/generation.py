@@ -1,9 +1,11 @@
-"""Batched greedy decoding with left padding and per-sequence stop strings.
+"""Batched decoding with left padding and per-sequence stop strings: greedy, or keyed (coupled) sampling.
 
 A small loop of our own instead of ``model.generate``: every row gets explicit position ids from its own
 attention mask (so left padding never shifts positions), each row stops on its own stop strings or EOS,
 and the loop ends when all rows are done. Only the last position's logits are computed, and the next
-token is their argmax (the lowest index among equal maxima).
+token is their argmax (the lowest index among equal maxima). A row given a ``SampleKey`` samples instead:
+argmax(logits / T + Gumbel noise keyed by its stream seed and position), ``evalgate.model_adapters.sampling``;
+its tokens depend on its prompt, seed and temperature alone, like a greedy row's on its prompt.
 
 With canonical numerics (``invariant.install``, what ``hf.load_model`` does by default) what a row produces
 is a function of its prompt alone: not of its batch neighbours, the padding, the thread count or the CPU's
@@ -16,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from evalgate.model_adapters.sampling import SampleKey, next_tokens
 
 
 @dataclass
@@ -37,9 +41,16 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
     return text[:best], hit
 
 
-@torch.no_grad()
 def greedy_generate(model, tokenizer, prompts: list[str], stops: list[tuple[str, ...]], max_new_tokens: list[int],
                     device: str = "cpu") -> list[RawGeneration]:
+    """Every row greedy (argmax)."""
+    return decode(model, tokenizer, prompts, stops, max_new_tokens, device)
+
+
+@torch.no_grad()
+def decode(model, tokenizer, prompts: list[str], stops: list[tuple[str, ...]], max_new_tokens: list[int],
+           device: str = "cpu", keys: list[SampleKey | None] | None = None) -> list[RawGeneration]:
+    """One generation per prompt; row i samples with ``keys[i]``, or is greedy when that is None (or no keys)."""
     enc = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos_ids = set(_eos_ids(model, tokenizer))
@@ -60,11 +71,12 @@ def greedy_generate(model, tokenizer, prompts: list[str], stops: list[tuple[str,
     past = None
     step_ids, attn_mask = input_ids, mask  # attn_mask covers the cache and the current step
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    for _ in range(limit):
+    for step in range(limit):  # step = the index of the token being generated, the same for every live row
         out = model(input_ids=step_ids, attention_mask=attn_mask, position_ids=positions,
                     past_key_values=past, use_cache=True, logits_to_keep=1)
         past = out.past_key_values
-        next_ids = out.logits[:, -1, :].float().argmax(-1)
+        live_keys = [None if done[i] else keys[i] for i in range(batch)] if keys else None  # no noise for finished rows
+        next_ids = next_tokens(out.logits[:, -1, :].float(), live_keys, step)
         for i in range(batch):
             if done[i]:
                 continue

@@ -1,4 +1,5 @@
-"""In-process transformers adapter: load a local checkpoint with the chosen kernel, generate greedily.
+"""In-process transformers adapter: load a local checkpoint with the chosen kernel, generate (greedy, or the
+keyed sampler of ``sampling.py`` for requests at temperature > 0).
 
 The kernel reaches the model through transformers' experts interface (``experts_implementation=<name>``),
 never by monkeypatching: ``evalgate.kernels`` registers every kernel name on it at import.
@@ -17,7 +18,8 @@ import torch
 from evalgate.errors import UserError
 from evalgate.kernels import get_kernel
 from evalgate.model_adapters.fingerprint import model_fingerprint
-from evalgate.model_adapters.generation import greedy_generate
+from evalgate.model_adapters.generation import decode
+from evalgate.model_adapters.sampling import SampleKey
 from evalgate.types import Generation, Request
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -78,6 +80,9 @@ def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: s
     if prepare is not None:  # e.g. attach the stored FP4 codes of an FP4 checkpoint
         prepare(model, d)
     model = model.to(device).eval()
+    from evalgate.cores import configure_torch  # the cores we may use, not the machine's
+
+    configure_torch(getattr(model.config, "hidden_size", None))
     if numerics == "canonical":
         from evalgate.model_adapters import invariant
 
@@ -130,8 +135,10 @@ class HFAdapter:
         if any(r.messages for r in requests):
             raise UserError("chat profiles need a chat template; use a completion profile with a local checkpoint")
         t0 = time.perf_counter()
-        raw = greedy_generate(self.model, self.tokenizer, [r.prompt for r in requests], [r.stop for r in requests],
-                              [r.max_new_tokens for r in requests], device=self.device)
+        # a sampled request carries its own stream seed: its samples do not depend on the batch it lands in
+        keys = [SampleKey(r.seed, r.temperature) if r.temperature > 0 else None for r in requests]
+        raw = decode(self.model, self.tokenizer, [r.prompt for r in requests], [r.stop for r in requests],
+                     [r.max_new_tokens for r in requests], device=self.device, keys=keys)
         per_item = (time.perf_counter() - t0) / max(len(requests), 1)
         return [Generation(text=g.text, finish_reason=g.finish_reason, stop_hit=g.stop_hit,
                            n_prompt_tokens=g.n_prompt_tokens, n_tokens=len(g.token_ids), latency_s=per_item)

@@ -1,10 +1,13 @@
 """OpenAI-compatible server adapter (SGLang, vLLM, `evalgate serve`): same interface as ``HFAdapter``.
 
-Greedy completions (chat completions for chat profiles) from a bounded pool of in-flight requests that
+Completions (chat completions for chat profiles), greedy or sampled, from a bounded pool of in-flight requests that
 refills as each request finishes (``dispatch``: continuous, never batch-synchronous), retries with
 exponential backoff on what a restart or a retry can fix (connection errors, timeouts, 5xx, 429, malformed
 JSON), then one clear error. Every request carries its own seed, derived from the run seed, the item and
-the sample index (``request_seed``). Items that finished before a failure are handed over as they finish
+the sample index (``request_seed``); a sampled request also its temperature, and its seed is the stream seed
+``evalgate serve`` keys its sampler with, so a served run draws the samples an in-process run draws
+(vLLM and SGLang take the seed too; whether their samples stay coupled across kernels:
+docs/serving.md#per-request-seeds). Items that finished before a failure are handed over as they finish
 (``dispatch``) or on the exception (``generate``: ``exc.finished``), so the runner stores them and
 ``--resume`` redoes only the rest.
 
@@ -34,6 +37,7 @@ from evalgate.version import __version__
 from evalgate.errors import UserError
 from evalgate.kernels import get_kernel
 from evalgate.model_adapters.generation import cut_at_stop
+from evalgate.model_adapters.sampling import SEED_RULE, sample_seed
 from evalgate.types import Generation, Request
 
 # Server settings that can change numerics; hashed into the fingerprint. Ports, seeds, paths of logs and
@@ -65,14 +69,10 @@ class _Aborted(Exception):
 
 
 def request_seed(run_seed: int, doc_id, sample: int = 0) -> int:
-    """The seed sent with one (item, sample) request: a stable 31-bit hash of the run seed, the item's doc id
-    and the sample index, so a sample draws the same randomness whatever the batch, order or kernel (on
-    engines that honour per-request seeds: docs/serving.md#per-request-seeds)."""
-    digest = hashlib.sha256(f"evalgate-seed-1:{run_seed}:{doc_id!r}:{sample}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
-
-
-SEED_RULE = "sha256('evalgate-seed-1:{run seed}:{doc_id!r}:{sample}')[:4] & 0x7fffffff"
+    """The seed sent with one (item, sample) request: ``sampling.sample_seed``, a stable 31-bit hash of the run
+    seed, the item's doc id and the sample index, so a sample draws the same randomness whatever the batch,
+    order or kernel (on engines that honour per-request seeds: docs/serving.md#per-request-seeds)."""
+    return sample_seed(run_seed, doc_id, sample)
 
 
 def normalize_url(url: str) -> str:
@@ -289,9 +289,11 @@ class OpenAIAdapter:
 
     def _complete(self, request: Request, abort: threading.Event) -> Generation:
         chat = bool(request.messages)
-        sample = getattr(request, "sample", 0) or 0
-        payload = {"model": self.served_model, "max_tokens": request.max_new_tokens, "temperature": 0.0,
-                   "top_p": 1.0, "n": 1, "seed": request_seed(self.seed, request.doc_id, sample), "stream": False}
+        # a sampled request carries its stream seed (the runner derived it from the run seed); a greedy one
+        # gets the adapter's, which the engine ignores at temperature 0
+        seed = request.seed if request.seed is not None else request_seed(self.seed, request.doc_id, request.sample)
+        payload = {"model": self.served_model, "max_tokens": request.max_new_tokens,
+                   "temperature": float(request.temperature), "top_p": 1.0, "n": 1, "seed": seed, "stream": False}
         if chat:
             payload["messages"] = [dict(m) for m in request.messages]
         else:

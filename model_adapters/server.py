@@ -2,10 +2,12 @@
 
 A minimal ASGI app on uvicorn: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``
 and ``/get_server_info`` (SGLang's name; it also says which evalgate kernel and model fingerprint serve).
-Greedy only. Concurrent requests are collected for a few milliseconds into one ``greedy_generate`` call
-(bounded by the batch size) on a single generation thread, so concurrency helps and the model is never
-entered twice at once; decoding is batch-invariant (``tests/test_adapter.py``), so batching does not
-change any answer.
+Greedy at temperature 0; at temperature > 0 only with a per-request ``seed``, which keys evalgate's coupled
+sampler (``sampling.py``): the seed evalgate's client sends is the stream seed of that (item, sample), so a
+served run draws the samples an in-process run draws. Concurrent requests are collected for a few
+milliseconds into one ``decode`` call (bounded by the batch size) on a single generation thread, so
+concurrency helps and the model is never entered twice at once; decoding and the sampler are batch-invariant
+(``tests/test_adapter.py``, ``tests/test_sampling.py``), so batching does not change any answer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from evalgate.model_adapters.sampling import MAX_SEED, SampleKey
 from evalgate.version import __version__
 
 MAX_BODY = 8 * 1024 * 1024
@@ -34,6 +37,7 @@ class _Job:
     prompt: str
     stop: tuple[str, ...]
     max_tokens: int
+    key: SampleKey | None  # None: greedy
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future = field(repr=False)
 
@@ -44,19 +48,19 @@ class BatchingGenerator:
     def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 8, window_s: float = 0.005):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.batch_size, self.window_s = batch_size, window_s
-        self.batches = 0  # how many greedy_generate calls ran (tests check that concurrency batches)
+        self.batches = 0  # how many decode calls ran (tests check that concurrency batches)
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="evalgate-generate")
         self._thread.start()
 
-    async def submit(self, prompt: str, stop: tuple[str, ...], max_tokens: int):
+    async def submit(self, prompt: str, stop: tuple[str, ...], max_tokens: int, key: SampleKey | None = None):
         loop = asyncio.get_running_loop()
-        job = _Job(prompt, stop, max_tokens, loop, loop.create_future())
+        job = _Job(prompt, stop, max_tokens, key, loop, loop.create_future())
         self._jobs.put(job)
         return await job.future
 
     def _loop(self) -> None:
-        from evalgate.model_adapters.generation import greedy_generate
+        from evalgate.model_adapters.generation import decode
 
         while True:
             batch = [self._jobs.get()]
@@ -67,8 +71,8 @@ class BatchingGenerator:
                 except queue.Empty:
                     break
             try:
-                outs = greedy_generate(self.model, self.tokenizer, [j.prompt for j in batch], [j.stop for j in batch],
-                                       [j.max_tokens for j in batch], device=self.device)
+                outs = decode(self.model, self.tokenizer, [j.prompt for j in batch], [j.stop for j in batch],
+                              [j.max_tokens for j in batch], device=self.device, keys=[j.key for j in batch])
                 self.batches += 1
                 for job, out in zip(batch, outs):
                     job.loop.call_soon_threadsafe(_settle, job.future, out, None)
@@ -144,8 +148,10 @@ class OpenAIApp:
             prompts = [prompts]
         if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
             raise BadRequest("prompt must be a string or a list of strings (token ids are not supported)")
-        stop, max_tokens = _decoding(req)
-        outs = await asyncio.gather(*(self.generator.submit(p, stop, max_tokens) for p in prompts))
+        stop, max_tokens, key = _decoding(req)
+        if key is not None and len(prompts) > 1:
+            raise BadRequest("a sampled request takes one prompt: its seed keys one sample")
+        outs = await asyncio.gather(*(self.generator.submit(p, stop, max_tokens, key) for p in prompts))
         choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason,
                     "matched_stop": o.stop_hit} for i, o in enumerate(outs)]
         return 200, self._envelope("text_completion", "cmpl", choices, outs)
@@ -160,8 +166,8 @@ class OpenAIApp:
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("this model has no chat template; use /v1/completions with a completion profile")
         prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        stop, max_tokens = _decoding(req)
-        out = await self.generator.submit(prompt, stop, max_tokens)
+        stop, max_tokens, key = _decoding(req)
+        out = await self.generator.submit(prompt, stop, max_tokens, key)
         choices = [{"index": 0, "message": {"role": "assistant", "content": out.text},
                     "finish_reason": out.finish_reason, "matched_stop": out.stop_hit}]
         return 200, self._envelope("chat.completion", "chatcmpl", choices, [out])
@@ -187,13 +193,22 @@ class OpenAIApp:
                           "total_tokens": prompt_tokens + completion_tokens}}
 
 
-def _decoding(req: dict) -> tuple[tuple[str, ...], int]:
-    """Stops and token limit of a greedy request; anything that is not greedy decoding is refused."""
+def _decoding(req: dict) -> tuple[tuple[str, ...], int, SampleKey | None]:
+    """Stops, token limit and sampler key of a request: greedy at temperature 0, evalgate's keyed sampler at
+    temperature > 0 with a seed. Anything else (no seed, top_p, n > 1, logprobs...) is refused."""
     temperature = req.get("temperature", 0)
-    if not isinstance(temperature, (int, float)) or temperature > 0:
-        raise BadRequest(f"temperature {temperature!r}: this server decodes greedily only; send temperature 0")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 100:
+        raise BadRequest(f"temperature must be a number from 0 to 100, not {temperature!r}")
+    key = None
+    if temperature > 0:
+        seed = req.get("seed")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise BadRequest(f"temperature {temperature!r} needs a seed (an integer from 0 to 2^63 - 1), not "
+                             f"{seed!r}: this server samples only with per-request seeds, so samples are reproducible")
+        key = SampleKey(seed, float(temperature))
     if req.get("top_p", 1) != 1 or req.get("n", 1) != 1 or req.get("best_of", 1) != 1:
-        raise BadRequest("top_p, n and best_of must be 1: this server decodes greedily only")
+        raise BadRequest("top_p, n and best_of must be 1: this server draws one sample per request, from the full "
+                         "distribution")
     if req.get("stream"):
         raise BadRequest("stream is not supported; send stream false")
     if req.get("logprobs") or req.get("echo"):
@@ -205,7 +220,7 @@ def _decoding(req: dict) -> tuple[tuple[str, ...], int]:
     max_tokens = req.get("max_tokens", req.get("max_completion_tokens", 16))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 32768:
         raise BadRequest(f"max_tokens must be an integer from 1 to 32768, not {max_tokens!r}")
-    return tuple(stop), max_tokens
+    return tuple(stop), max_tokens, key
 
 
 def _error(message: str, status: int) -> dict:

@@ -79,15 +79,16 @@ def test_original_rule_decisions_pinned():
 
 
 def test_stored_greedy_runs_are_decided_as_their_aa_record_says():
-    # the committed canary baselines and their A/A run (greedy, schema 1): the gate's numbers are the ones
-    # stored in aa.json when they were recorded
+    # canary baselines and their A/A run recorded before k-sample scores existed (greedy, schema 1): the
+    # gate's numbers are the ones stored in aa.json when they were recorded
     from pathlib import Path
 
     from evalgate.canary import policy_for
     from evalgate.gate.decide import gate_runs
     from evalgate.run.store import load_run
 
-    root = Path(__file__).resolve().parent.parent / "results" / "baselines"
+    root = Path(__file__).resolve().parent / "fixtures" / "v1-baselines"
+
     dirs = sorted(p.parent for p in root.glob("*/*/w4a8/manifest.json"))
     assert len(dirs) == 2
     aa_run = dirs[0] / "aa"

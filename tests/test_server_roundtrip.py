@@ -103,7 +103,8 @@ def test_concurrent_requests_get_the_answers_of_single_ones(served):
 
 
 @pytest.mark.parametrize("body, status, message", [
-    ({"prompt": "x", "temperature": 0.7}, 400, "greedily only"),
+    ({"prompt": "x", "temperature": 0.7}, 400, "needs a seed"),  # sampling is keyed: no seed, no sample
+    ({"prompt": "x", "temperature": 0.7, "seed": 1, "top_p": 0.9}, 400, "top_p, n and best_of must be 1"),
     ({"prompt": "x", "stream": True}, 400, "stream is not supported"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "is not served here"),

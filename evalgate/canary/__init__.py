@@ -4,7 +4,7 @@ capability (see ``model/MODEL_CARD.md``).
 
 ``canary_path()`` is where the checkpoint lives; ``evalgate run`` and ``evalgate gate`` use it when no
 ``--model`` is given. The training recipe is ``train.py`` beside this file; ``data.py`` builds the exact
-prompts and targets the canary profiles use.
+prompts and targets the canary profiles use. ``BASELINES`` holds its stored W4A8 baselines.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from evalgate.errors import UserError
 
 CANARY_DIR = Path(__file__).resolve().parent / "model"
 THRESHOLDS = Path(__file__).resolve().parent / "thresholds-canary.yaml"
+# The canary's stored W4A8 baselines (and A/A), shipped as package data: read-only to the gate, which
+# looks here after the user's baselines root (evalgate.run.baselines.lookup_roots).
+BASELINES = Path(__file__).resolve().parent / "baselines"
 GSM8K_PROFILE = "gsm8k-canary-v1"
 HUMANEVAL_PROFILE = "humaneval-canary-v1"
 PROFILES = {"gsm8k": GSM8K_PROFILE, "humaneval": HUMANEVAL_PROFILE}

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from evalgate.cli.options import DEFAULT_BASELINES
+from evalgate.cli.options import baselines_root_option
 
 
 @click.group()
@@ -16,7 +16,7 @@ def baseline():
 
 @baseline.command("record")
 @click.argument("run", type=click.Path())
-@click.option("--root", type=click.Path(), default=DEFAULT_BASELINES, show_default=True)
+@baselines_root_option("--root", "root")
 @click.option("--force", is_flag=True, help="Replace an existing baseline.")
 def baseline_record(run, root, force):
     """Store a complete run as the baseline for its model, profile(s) and kernel."""
@@ -34,7 +34,7 @@ def baseline_record(run, root, force):
 @click.option("--profile", required=True, help="The profile the score was measured with, as far as known.")
 @click.option("--kernel", default="w4a8", show_default=True)
 @click.option("--source", default="", help="Where the score comes from.")
-@click.option("--root", type=click.Path(), default=DEFAULT_BASELINES, show_default=True)
+@baselines_root_option("--root", "root")
 @click.option("--force", is_flag=True)
 def baseline_import(task, score, n_items, model_id, profile, kernel, source, root, force):
     """Store a published aggregate score (no per-item records): usable only by the weaker unpaired test."""
@@ -45,7 +45,7 @@ def baseline_import(task, score, n_items, model_id, profile, kernel, source, roo
 
 
 @baseline.command("list")
-@click.option("--root", type=click.Path(), default=DEFAULT_BASELINES, show_default=True)
+@baselines_root_option("--root", "root")
 @click.option("--json", "as_json", is_flag=True)
 def baseline_list(root, as_json):
     """Stored baselines."""

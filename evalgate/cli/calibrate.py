@@ -7,21 +7,22 @@ from pathlib import Path
 
 import click
 
-from evalgate.cli.options import (DEFAULT_BASELINES, canary_thresholds, run_options, run_spec, served_model_name,
-                                  server_adapter, server_options)
+from evalgate.cli.options import (baselines_root_option, canary_thresholds, run_options, run_spec, sampling_options,
+                                  sampling_settings, served_model_name, server_adapter, server_options)
 
 
 @click.command()
 @run_options
 @click.option("--kernel", default="w4a8", show_default=True, help="The baseline kernel to calibrate.")
-@click.option("--baselines-root", type=click.Path(), default=DEFAULT_BASELINES, show_default=True)
+@baselines_root_option()
 @click.option("--thresholds", "thresholds_path", type=click.Path(), default=None)
 @click.option("--second-batch-size", type=click.IntRange(min=1), default=None, help="Batch size of the second in-process run (default: another one).")
 @click.option("--runs-dir", type=click.Path(), default="results/runs", show_default=True, help="Where the two A/A runs (and a launched server's log) go.")
+@sampling_options
 @server_options
 def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel,
-              baselines_root, thresholds_path, second_batch_size, runs_dir, server, model_id, launch, launch_timeout,
-              request_timeout, concurrency, retries, server_args):
+              baselines_root, thresholds_path, second_batch_size, runs_dir, samples, temperature, seed, server,
+              model_id, launch, launch_timeout, request_timeout, concurrency, retries, server_args):
     """A/A: run the baseline kernel twice and store how often it disagrees with itself next to the baseline.
 
     With --server or --launch both runs go to an OpenAI-compatible server (one launched server serves both);
@@ -33,7 +34,8 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
     served = bool(server or launch)
     thresholds_path = thresholds_path if served else canary_thresholds(model, thresholds_path)
     name = served_model_name(model, server, launch, model_id) if served else None
-    spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name)
+    spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name,
+                    sampling_settings(samples, temperature, seed))
     stamp = calibration_stamp()
     runs = Path(runs_dir)
     if launch:  # one server for both runs; its log beside them

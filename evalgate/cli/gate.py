@@ -7,8 +7,9 @@ from pathlib import Path
 
 import click
 
-from evalgate.cli.options import (DEFAULT_BASELINES, canary_thresholds, default_out, policy_file, run_options, run_spec,
-                                  served_model_name, server_adapter, server_options)
+from evalgate.cli.options import (baselines_root_option, canary_thresholds, default_out, policy_file, run_options, run_spec,
+                                  sampling_options, sampling_settings, served_model_name, server_adapter,
+                                  server_options)
 from evalgate.errors import UserError
 
 
@@ -37,20 +38,23 @@ def _finish(verdict, report_dir: Path) -> None:
 @click.option("--candidate", type=click.Path(), default=None, help="Decide from this stored run (no model needed).")
 @click.option("--baseline", "baselines", type=click.Path(), multiple=True, help="Baseline folder(s); default: the stored baseline for the model.")
 @click.option("--baseline-kernel", default="w4a8", show_default=True)
-@click.option("--baselines-root", type=click.Path(), default=DEFAULT_BASELINES, show_default=True)
+@baselines_root_option()
 @click.option("--thresholds", "thresholds_path", type=click.Path(), default=None, help="Policy file (default: the packaged policy; the canary's own for canary runs).")
 @click.option("--out", type=click.Path(), default=None, help="Candidate run folder (default: results/runs/gate-<time>-<kernel>).")
 @click.option("--report-dir", type=click.Path(), default=None, help="Where gate.json, report.md, junit.xml go (default: <run>/gate).")
 @click.option("--allow-uncalibrated", is_flag=True, help="Decide even if the baseline has no A/A calibration (recorded).")
+@sampling_options
 @server_options
 def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel, candidate,
          baselines, baseline_kernel, baselines_root, thresholds_path, out, report_dir, allow_uncalibrated,
-         server, model_id, launch, launch_timeout, request_timeout, concurrency, retries, server_args):
+         samples, temperature, seed, server, model_id, launch, launch_timeout, request_timeout, concurrency, retries,
+         server_args):
     """Compare a candidate kernel with the stored W4A8 baseline: PASS (exit 0) or FAIL (exit 1); 2 = error.
 
     With --server or --launch, the candidate runs on an OpenAI-compatible server; server arguments follow `--`."""
     from evalgate.gate.decide import gate_runs
 
+    sampling = sampling_settings(samples, temperature, seed)
     if not (candidate or server or launch):
         thresholds_path = canary_thresholds(model, thresholds_path)
     if candidate:
@@ -58,6 +62,9 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
             raise UserError("--candidate needs --baseline: the baseline folder(s) to compare with")
         if server or launch:
             raise UserError("--candidate decides from a stored run; drop --server/--launch")
+        if sampling != sampling_settings(1, 0.0, None):
+            raise UserError("--candidate decides from a stored run, made with its own sampling settings; drop "
+                            "--samples/--temperature/--seed")
         verdict = gate_runs(list(baselines), candidate, policy_file(thresholds_path, candidate), allow_uncalibrated)
         run_dir = Path(candidate)
     else:
@@ -66,7 +73,8 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
 
         get_kernel(kernel)
         name = served_model_name(model, server, launch, model_id) if (server or launch) else None
-        spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name)
+        spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name,
+                        sampling)
         run_out = Path(out) if out else (default_out(kernel) if baselines else gate_out(kernel))
         with server_adapter(server, launch, model, kernel, run_out, model_id, server_args, launch_timeout,
                             request_timeout, concurrency, retries, batch_size) as adapter:

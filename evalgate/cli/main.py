@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from evalgate.cli import baseline, calibrate, gate, kernels, report, run, selftest, serve
+from evalgate.cli import baseline, calibrate, gate, kernels, report, run, selfcheck, selftest, serve
 from evalgate.errors import UserError
 
 # Import-time chatter of optional third-party parts (torchao's CUDA extensions on a CPU machine, torch's
@@ -44,6 +44,7 @@ main.add_command(baseline.baseline)
 main.add_command(report.report)
 main.add_command(kernels.kernels_group)
 main.add_command(selftest.selftest_group)
+main.add_command(selfcheck.selfcheck)
 main.add_command(serve.serve)
 
 if __name__ == "__main__":

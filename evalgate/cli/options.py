@@ -9,7 +9,25 @@ import click
 
 from evalgate.errors import UserError
 
-DEFAULT_BASELINES = "results/baselines"
+DEFAULT_BASELINES = "results/baselines"  # relative to the current directory
+
+
+def baselines_root_option(flag: str = "--baselines-root", dest: str = "baselines_root"):
+    """The user's baselines root (``--baselines-root``, ``baseline --root``); the gate then falls back to the
+    canary's packaged baselines (evalgate.run.baselines.lookup_roots)."""
+    return click.option(flag, dest, type=click.Path(), default=DEFAULT_BASELINES, show_default=True,
+                        envvar="EVALGATE_BASELINES",
+                        help="Your baselines: where calibrate and `baseline record` write, and where the gate looks "
+                             "first, before the built-in canary's (shipped with evalgate) [env: EVALGATE_BASELINES].")
+
+
+def _request_threads(ctx, param, value):
+    """--threads is kept process-wide (the commands' signatures do not carry it); the model's loader reads it."""
+    if value is not None:
+        from evalgate.cores import request_threads
+
+        request_threads(value)
+    return value
 
 
 def parse_tasks(value: str | None, default: str = "gsm8k") -> list[str]:
@@ -55,10 +73,34 @@ def run_options(f):
         click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None, help="Override the checkpoint dtype."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="Override every profile's token limit (changes the profile id; for smoke runs)."),
         click.option("--data-dir", type=click.Path(), default=None, envvar="EVALGATE_DATA_DIR", help="Offline data folder laid out as in docs/scoring.md#data-directory [env: EVALGATE_DATA_DIR]."),
+        click.option("--threads", type=click.IntRange(min=1), default=None, expose_value=False, callback=_request_threads,
+                     help="CPU threads of the in-process model [default: OMP_NUM_THREADS, else the cores this process may use, as many as the model's size profits from]."),
     ]
     for d in reversed(decorators):
         f = d(f)
     return f
+
+
+def sampling_options(f):
+    """k samples per item at temperature T from run seed S (``run`` and ``gate``; docs/scoring.md#k-samples)."""
+    decorators = [
+        click.option("--samples", type=click.IntRange(min=1), default=1, show_default=True, help="Samples per item (k); an item scores the mean over its samples. More than 1 needs --temperature > 0."),
+        click.option("--temperature", type=click.FloatRange(min=0.0, max=100.0), default=0.0, show_default=True, help="Sampling temperature; 0 is greedy decoding. Samples are coupled across kernels: each (item, sample, position) draws keyed randomness."),
+        click.option("--seed", type=click.IntRange(min=0), default=None, help="Run seed of the sampler [default: 0 when --temperature > 0]. Runs with different --samples, --temperature or --seed are not comparable."),
+    ]
+    for d in reversed(decorators):
+        f = d(f)
+    return f
+
+
+def sampling_settings(samples: int, temperature: float, seed: int | None) -> dict:
+    """RunSpec's sampling fields, checked (one line, exit 2, for settings that cannot be run)."""
+    from evalgate.run.samples import Sampling
+
+    if seed is not None and temperature == 0:
+        raise UserError("--seed only applies to sampling; add --temperature > 0 or drop --seed")
+    sampling = Sampling(samples, float(temperature), 0 if seed is None else seed).check()
+    return {"samples": sampling.samples, "temperature": sampling.temperature, "seed": sampling.seed}
 
 
 def server_options(f):
@@ -146,7 +188,9 @@ def served_model_name(model, server, launch, model_id) -> str:
     return resolve_model(model)
 
 
-def run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name=None):
+def run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name=None,
+             sampling: dict | None = None):
+    """The RunSpec of ``gate`` and ``calibrate``; ``sampling`` is ``sampling_settings(...)`` (default greedy)."""
     from evalgate.run.runner import RunSpec
 
     task_list = parse_tasks(tasks, default="gsm8k,humaneval")
@@ -155,7 +199,7 @@ def run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, m
         chosen = with_canary_profiles(model, task_list, chosen)
     return RunSpec(model=name or resolve_model(model), kernel=kernel, tasks=task_list,
                    profiles=chosen, limit=limit, batch_size=batch_size,
-                   device=device, dtype=dtype, data_dir=data_dir, max_new_tokens=max_new_tokens)
+                   device=device, dtype=dtype, data_dir=data_dir, max_new_tokens=max_new_tokens, **(sampling or {}))
 
 
 def policy_file(thresholds_path: str | None, candidate) -> str | None:

@@ -7,6 +7,12 @@ place, so a killed ``record`` leaves no baseline (only a ``.tmp-*`` folder that 
 An aggregate-only baseline (a published score and an item count) has ``"aggregate_only": true`` in its
 manifest and no records; everything that shows it says so.
 
+Where baselines are looked up (``lookup_roots``): first the user's root (``--baselines-root``, else the
+``EVALGATE_BASELINES`` environment variable, else ``./results/baselines`` in the current directory), then the
+built-in canary's baselines shipped inside the package (``evalgate.canary.BASELINES``). The packaged ones are
+read-only: everything that writes (``record``, ``write_aa``, ``import_aggregate``, ``evalgate calibrate``) writes
+to the user's root, and refuses a packaged folder inside an installed (site-packages) copy.
+
 Manifests and ``aa.json`` are written through ``evalgate.records`` (``"schema_version": 2``) and validated on
 read; the committed version-1 baselines (no ``schema_version``) are read as they are, never rewritten.
 """
@@ -22,9 +28,51 @@ from evalgate.errors import UserError
 from evalgate.records import SCHEMA_VERSION, AARecord, dump_aa, dump_manifest, load_aa, load_manifest
 from evalgate.run.store import MANIFEST, Run, load_run, read_records, write_json_atomic
 
-DEFAULT_ROOT = Path("results/baselines")
+DEFAULT_ROOT = Path("results/baselines")  # relative: the current directory's
+ROOT_ENV = "EVALGATE_BASELINES"
 AA_FILE = "aa.json"
 AA_DIR = "aa"
+
+
+def user_root(root: str | Path | None = None) -> Path:
+    """The user's baselines root: ``root`` if given, else ``$EVALGATE_BASELINES``, else ./results/baselines."""
+    if root:
+        return Path(root)
+    return Path(os.environ.get(ROOT_ENV) or DEFAULT_ROOT)
+
+
+def packaged_root() -> Path:
+    """The built-in canary's baselines, shipped with the package (read-only)."""
+    from evalgate.canary import BASELINES
+
+    return BASELINES
+
+
+def lookup_roots(root: str | Path | None = None) -> list[Path]:
+    """Where the gate looks for a stored baseline, first match wins: the user's root, then the packaged one."""
+    roots = [user_root(root)]
+    packaged = packaged_root()
+    if packaged.is_dir() and not any(_same(packaged, r) for r in roots):
+        roots.append(packaged)
+    return roots
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def check_writable(root: str | Path) -> None:
+    """Refuse to write into the packaged baselines of an installed copy (they change with the package only;
+    in a source checkout they are recorded on purpose, with --baselines-root pointing there)."""
+    target = Path(root).resolve()
+    packaged = packaged_root().resolve()
+    inside = target == packaged or packaged in target.parents
+    if inside and any(part in ("site-packages", "dist-packages") for part in packaged.parts):
+        raise UserError(f"{root} holds the canary's packaged baselines of an installed evalgate, which are read-only; "
+                        f"write to another --baselines-root (default ./results/baselines, or ${ROOT_ENV})")
 
 
 def _slug(text: str) -> str:
@@ -83,6 +131,7 @@ def _install(tmp: Path, final: Path, force: bool) -> None:
 def record(run_path: str | Path, root: str | Path = DEFAULT_ROOT, force: bool = False,
            tasks: list[str] | None = None) -> list[Path]:
     """Store a complete run as the baseline for its model, each task's profile and its kernel."""
+    check_writable(root)
     run = load_run(run_path)
     _check_complete(run)
     tasks = tasks or run.tasks
@@ -114,6 +163,7 @@ def record(run_path: str | Path, root: str | Path = DEFAULT_ROOT, force: bool = 
 def import_aggregate(task: str, score: float, n_items: int, model_id: str, profile: str, kernel: str = "w4a8",
                      source: str = "", root: str | Path = DEFAULT_ROOT, force: bool = False) -> Path:
     """A published score with no per-item records, stored as an aggregate-only baseline."""
+    check_writable(root)
     if not 0.0 <= score <= 1.0:
         raise UserError(f"--score must be a fraction in [0, 1], got {score}")
     if n_items <= 0:
@@ -153,9 +203,19 @@ def list_baselines(root: str | Path = DEFAULT_ROOT) -> list[dict]:
 
 
 def find_baseline(root: str | Path, fingerprint: str, profile_id: str, kernel: str) -> Path | None:
+    """The baseline under this one root, or None."""
     for row in list_baselines(root):
         if row["model"] == fingerprint and row["profile_id"] == profile_id and row["kernel"] == kernel:
             return Path(row["path"])
+    return None
+
+
+def find_stored_baseline(roots: list[Path], fingerprint: str, profile_id: str, kernel: str) -> Path | None:
+    """The first root's baseline (``lookup_roots`` order: a user's own baseline wins over the packaged one)."""
+    for root in roots:
+        found = find_baseline(root, fingerprint, profile_id, kernel)
+        if found is not None:
+            return found
     return None
 
 
@@ -174,6 +234,7 @@ def read_aa(baseline: str | Path) -> dict | None:
 def write_aa(baseline: str | Path, aa: dict, second_run: str | Path) -> None:
     """Attach an A/A calibration: the statistics (``aa.json``) and the second run's records (``aa/``)."""
     baseline, second = Path(baseline), Path(second_run)
+    check_writable(baseline)
     aa_json = dump_aa(aa)  # validated before anything is touched
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-aa-", dir=baseline))
     for f in second.iterdir():

@@ -10,6 +10,7 @@ from pathlib import Path
 from evalgate.version import __version__
 from evalgate.errors import UserError
 from evalgate.run.progress import Progress
+from evalgate.run.samples import SampleGroups, Sampling
 from evalgate.records import SCHEMA_VERSION
 from evalgate.run.store import MANIFEST, RecordWriter, load_run, read_records, write_manifest
 from evalgate.tasks import get_task, resolve_profile
@@ -31,6 +32,13 @@ class RunSpec:
     data_dir: str | None = None
     order: str = "doc"  # "doc" or "reverse": the A/A second run decodes items in another order
     max_new_tokens: int | None = None  # override of the profile's limit; changes the profile id (smoke runs)
+    # k samples per item at temperature T from run seed S (docs/scoring.md#k-samples); 1, 0.0: greedy
+    samples: int = 1
+    temperature: float = 0.0
+    seed: int = 0
+
+    def sampling(self) -> Sampling:
+        return Sampling(self.samples, self.temperature, self.seed).check()
 
 
 def _now() -> str:
@@ -46,6 +54,16 @@ def with_overrides(profile, spec: RunSpec):
     settings = {**profile.settings, "max_new_tokens": spec.max_new_tokens,
                 "overrides": {"max_new_tokens": spec.max_new_tokens}}
     return replace(profile, settings=settings)
+
+
+def load_task(task, spec: RunSpec, data_dir):
+    """(items, resolved profile) of ``task`` for ``spec``: overrides folded into the settings, the run's
+    sampling settings into the decoding settings (both hashed into the profile id)."""
+    from dataclasses import replace
+
+    profile = with_overrides(resolve_profile(task, spec.profiles.get(task.name)), spec)
+    items, resolved = task.load(profile, data_dir, spec.limit)
+    return items, replace(resolved, decoding=spec.sampling().decoding(resolved.decoding))
 
 
 # Files a run's own helpers may write before the run starts (the launched server's log).
@@ -78,11 +96,9 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
     previous = prepare_out(out, resume)
     data_dir = resolve_data_dir(spec.data_dir)
     tasks = [get_task(name) for name in spec.tasks]
-    profiles = {t.name: with_overrides(resolve_profile(t, spec.profiles.get(t.name)), spec) for t in tasks}
     loaded = {}
     for task in tasks:  # load and validate all data before the (slow) model
-        items, resolved = task.load(profiles[task.name], data_dir, spec.limit)
-        loaded[task.name] = (items, resolved)
+        loaded[task.name] = load_task(task, spec, data_dir)
 
     if adapter is None:
         from evalgate.model_adapters.hf import HFAdapter
@@ -154,11 +170,17 @@ def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progres
     requests = [r for r in task.requests(items, resolved) if r.doc_id not in done]
     if spec.order == "reverse":
         requests.reverse()
+    sampling = spec.sampling()
+    groups = SampleGroups(sampling, requests)  # an item is scored once all its k samples are in
+    requests = sampling.expand(requests)
     writer = RecordWriter(path)
     bar = progress.task(f"{task.name} [{adapter.kernel.name}]", total=len(items), done=len(done))
     times = {"generate_s": 0.0, "score_s": 0.0}
 
-    def score_and_write(batch: list[Request], generations) -> None:
+    def score_and_write(samples: list[Request], sample_generations) -> None:
+        batch, generations = groups.add(samples, sample_generations)
+        if not batch:
+            return
         t0 = time.perf_counter()
         batch_items = [by_id[r.doc_id] for r in batch]
         records = task.score_batch(batch_items, batch, generations, resolved)

@@ -201,9 +201,31 @@ class GSM8K:
     def prepare(self, resolved: ResolvedProfile, data_dir: Path | None) -> dict:
         return {}  # scoring is pure text: nothing to check before it
 
-    def score_batch(self, items: list[dict], requests: list[Request], generations: list[Generation],
+    def score_batch(self, items: list[dict], requests: list[Request], generations: list,
                     resolved: ResolvedProfile) -> list[dict]:
-        return [self.score(i, r, g, resolved) for i, r, g in zip(items, requests, generations)]
+        """One record per item. An entry of ``generations`` that is a list holds the item's k samples (a
+        sampled run): the record then scores their mean (``score_samples``)."""
+        return [self.score_samples(i, r, g, resolved) if isinstance(g, (list, tuple)) else self.score(i, r, g, resolved)
+                for i, r, g in zip(items, requests, generations)]
+
+    def score_samples(self, item: dict, request: Request, generations: list[Generation],
+                      resolved: ResolvedProfile) -> dict:
+        """The record of an item with k samples (docs/scoring.md#k-samples): ``exact_match`` and its flat
+        ``"exact_match,<filter>"`` keys are the mean over the samples (what the gate scores), ``n_samples``
+        is k, ``samples`` holds each sample's own answer, score, validity and finish reason, ``resps`` every
+        response; the other per-response fields (extraction, finish reason, tokens) are sample 0's."""
+        per = [self.score(item, request, g, resolved) for g in generations]
+        k = len(per)
+        record = {**per[0], "exact_match": dict(per[0]["exact_match"])}
+        for name in record["exact_match"]:
+            mean = sum(p["exact_match"][name] for p in per) / k
+            record["exact_match"][name] = mean
+            record[f"exact_match,{name}"] = mean
+        record["numeric_disagrees"] = any(p["numeric_disagrees"] for p in per)
+        record["resps"] = [p["resps"] for p in per]
+        record["n_samples"] = k
+        record["samples"] = [{key: p[key] for key in SAMPLE_FIELDS} for p in per]
+        return record
 
     def score(self, item: dict, request: Request, generation: Generation, resolved: ResolvedProfile) -> dict:
         name = resolved.profile.name
@@ -268,6 +290,13 @@ def _known(rel: str) -> str:
     from evalgate.tasks.data import KNOWN_FILES
 
     return KNOWN_FILES[rel]
+
+
+# what each entry of a sampled record's ``samples`` keeps (the gate reads the gated metric, the invalid flag
+# and finish_reason per sample: evalgate.gate.compare)
+SAMPLE_FIELDS = ("resps", "filtered_resps", "extracted", "exact_match,strict-match", "exact_match,flexible-extract",
+                 "invalid,strict-match", "invalid,flexible-extract", "numeric_match", "finish_reason", "stop_hit",
+                 "n_tokens", "latency_s")
 
 
 def _generation_fields(g: Generation) -> dict:

@@ -149,7 +149,11 @@ def settings(limits: Limits = Limits()) -> dict:
 
 
 def default_workers() -> int:
-    return max(1, os.cpu_count() or 1)
+    """One program per core this process may use (affinity, cgroup quota), not per core of the machine. In
+    process, programs run between generation batches, never beside them, so they do not share those cores."""
+    from evalgate.cores import available_cores
+
+    return available_cores()
 
 
 # ---- uids: a block per harness, held with flock ------------------------------------------------------------

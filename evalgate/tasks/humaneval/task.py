@@ -156,10 +156,13 @@ class HumanEval:
                     resolved: ResolvedProfile, workers: int | None = None) -> list[dict]:
         """Records for a batch; every program of the batch runs on one bounded pool.
 
-        An entry of ``generations`` may be a list of n samples: the record then carries n, c and pass@k.
+        An entry of ``generations`` may be a list of k samples (a sampled run): every sample's program runs,
+        and the record carries n_samples = n = k, c (samples passed), pass@1 = c / k (the mean over the
+        samples, what the gate scores), pass@k and each sample's outcome (docs/scoring.md#k-samples).
         """
         timeouts = require_selftest(self._data_dir)["timeouts_s"]
-        samples = [g if isinstance(g, (list, tuple)) else [g] for g in generations]
+        sampled = [isinstance(g, (list, tuple)) for g in generations]
+        samples = [list(g) if is_list else [g] for g, is_list in zip(generations, sampled)]
         jobs = []  # (item index, sample index, program, timeout) for every completion that holds code
         completions = []
         for i, (item, gens) in enumerate(zip(items, samples)):
@@ -171,10 +174,10 @@ class HumanEval:
         outcomes = sandbox.run_programs([sandbox.humaneval_program(items[i], completions[i][j]) for i, j, _, _ in jobs],
                                         [j[3] for j in jobs], workers=workers)
         by_key = {(i, j): (program, timeout, outcome) for (i, j, program, timeout), outcome in zip(jobs, outcomes)}
-        return [self._record(item, request, samples[i], completions[i], by_key, i)
+        return [self._record(item, request, samples[i], completions[i], by_key, i, sampled[i])
                 for i, (item, request) in enumerate(zip(items, requests))]
 
-    def _record(self, item, request, gens, completions, by_key, i) -> dict:
+    def _record(self, item, request, gens, completions, by_key, i, sampled: bool = False) -> dict:
         per_sample = [_sample_record(item, g, c, by_key.get((i, j))) for j, (g, c) in enumerate(zip(gens, completions))]
         first = per_sample[0]
         n, c = len(per_sample), sum(s["passed"] for s in per_sample)
@@ -202,6 +205,10 @@ class HumanEval:
             for k in (1, 5, 10, 100):
                 if k <= n:
                     record[f"pass@{k}"] = pass_at_k(n, c, k)
+        if sampled:  # the gate's per-item score is the mean over the samples, exactly
+            record["pass@1"] = c / n
+            record["n_samples"] = n
+        if n > 1 or sampled:
             record["samples"] = per_sample
         return record
 

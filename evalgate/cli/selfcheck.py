@@ -1,0 +1,175 @@
+"""`evalgate selfcheck`: the gate proves itself on the built-in canary. Every healthy kernel must PASS against
+the canary's stored W4A8 baseline (w4a8 itself at another batch size: an A/A) and every fault-injected kernel
+must FAIL; one row per kernel, exit 0 only when every row is as expected.
+
+Each row is exactly `evalgate gate --kernel K` with no --model (``pipeline.gate_model``); its run and its
+reports (gate.json, report.md, ...) are kept under --runs-dir, and a finished run there is reused.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import click
+
+from evalgate.cli.options import baselines_root_option, canary_thresholds, parse_tasks, run_spec
+
+# The healthy kernels of the canary's table (w4a8_sglang is w4a8 behind a server's scale rule: opt in with
+# --kernels); the faulty ones are every registered faulty/ kernel.
+HEALTHY = ("bf16", "w4a8", "w4a4", "w4a4_packed", "w4a4_te")
+BATCH_SIZE = 16  # the gate's default; not the stored baseline's 32, so the w4a8 row is a real A/A
+
+
+@dataclass
+class Row:
+    kernel: str
+    expected: str  # "PASS" (healthy) or "FAIL" (faulty)
+    verdict: str  # overall: PASS, FAIL, INCONCLUSIVE
+    tasks: dict[str, str] = field(default_factory=dict)  # task -> its verdict
+    seconds: float = 0.0
+    run_dir: str = ""
+    error: str = ""  # why the gate gave no verdict (verdict "ERROR")
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == self.expected
+
+
+def default_kernels() -> list[str]:
+    from evalgate.kernels import get_kernel, kernel_names
+
+    names = kernel_names()
+    return [k for k in HEALTHY if k in names] + [k for k in names if get_kernel(k).faulty]
+
+
+def expected_verdict(kernel: str) -> str:
+    from evalgate.kernels import get_kernel
+
+    return "FAIL" if get_kernel(kernel).faulty else "PASS"
+
+
+def check(kernels: list[str], gate_one: Callable[[str], tuple[object, Path]],
+          expected: Callable[[str], str] = expected_verdict, on_row: Callable[[Row], None] = lambda row: None) -> list[Row]:
+    """One row per kernel: ``gate_one(kernel)`` gives (verdict, run folder) as ``pipeline.gate_model`` does;
+    a kernel whose gate stops with an error is an ERROR row (never as expected) and the others still run."""
+    from evalgate.errors import UserError
+
+    rows = []
+    for kernel in kernels:
+        t0 = time.perf_counter()
+        try:
+            verdict, run_dir = gate_one(kernel)
+        except UserError as exc:
+            row = Row(kernel, expected(kernel), "ERROR", {}, round(time.perf_counter() - t0, 1), "", str(exc))
+            rows.append(row)
+            on_row(row)
+            continue
+        tasks = {t: d.verdict for t, d in verdict.decision.tasks.items()} if verdict.decision else {}
+        row = Row(kernel, expected(kernel), verdict.verdict, tasks, round(time.perf_counter() - t0, 1), str(run_dir))
+        rows.append(row)
+        on_row(row)
+    return rows
+
+
+def table(rows: list[Row], tasks: list[str]) -> str:
+    columns = ["kernel", "expected", *tasks, "overall", "time", "match"]
+    cells = [[r.kernel, r.expected, *(r.tasks.get(t, "-") for t in tasks), r.verdict, f"{r.seconds:.1f} s",
+              "yes" if r.ok else "NO"] for r in rows]
+    widths = [max(len(row[i]) for row in [columns, *cells]) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *cells]]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def same_answers(a: Path, b: Path, tasks: list[str]) -> bool:
+    """Whether two runs answered every item identically (w4a4 and w4a4_packed share their numerics)."""
+    from evalgate.run.store import load_run
+
+    ra, rb = load_run(a), load_run(b)
+    return all({r["doc_id"]: r["resps"] for r in ra.records[t]} == {r["doc_id"]: r["resps"] for r in rb.records[t]}
+               for t in tasks)
+
+
+def check_baselines(tasks: list[str], batch_size: int, baselines_root, data_dir: str | None) -> list[Path]:
+    """The stored canary W4A8 baseline of every task, each with its A/A: checked once, before any kernel
+    runs (the gate itself would find a missing A/A only after each run)."""
+    from evalgate.errors import UserError
+    from evalgate.pipeline import stored_baselines
+    from evalgate.run.baselines import read_aa_record
+
+    spec = run_spec(None, "w4a8", ",".join(tasks), (), None, batch_size, "cpu", None, None, data_dir)
+    found = stored_baselines(spec, "w4a8", Path(baselines_root) if baselines_root else None)
+    missing = [t for t, d in found.items() if d is None]
+    if missing:
+        raise UserError(f"no stored canary w4a8 baseline for {', '.join(missing)} under {baselines_root} or packaged "
+                        "with evalgate; record one with `evalgate calibrate` (or point --baselines-root / "
+                        "$EVALGATE_BASELINES at it)")
+    uncalibrated = [str(d) for d in found.values() if read_aa_record(d) is None]
+    if uncalibrated:
+        raise UserError(f"the canary baseline {', '.join(uncalibrated)} has no A/A calibration; run `evalgate calibrate` "
+                        "with the same --baselines-root")
+    return list(found.values())
+
+
+def canary_gate(tasks: list[str], batch_size: int, runs_dir: Path, baselines_root: str | Path | None,
+                data_dir: str | None, device: str = "cpu") -> Callable[[str], tuple[object, Path]]:
+    """``evalgate gate --kernel K`` on the canary, its run in ``runs_dir/K`` and its reports beside it."""
+
+    def gate_one(kernel: str):
+        from evalgate.pipeline import gate_model
+        from evalgate.report.outputs import write_outputs
+
+        spec = run_spec(None, kernel, ",".join(tasks), (), None, batch_size, device, None, None, data_dir)
+        out = runs_dir / kernel.replace("/", "_")
+        verdict, run_dir = gate_model(spec, "w4a8", baselines_root, out, canary_thresholds(None, None))
+        write_outputs(verdict, Path(run_dir) / "gate")
+        return verdict, run_dir
+
+    return gate_one
+
+
+@click.command()
+@click.option("--kernels", default=None, help="Comma-separated kernels [default: the healthy ones and every faulty/ kernel].")
+@click.option("--tasks", default="gsm8k,humaneval", show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=BATCH_SIZE, show_default=True,
+              help="Not the stored baseline's 32, so that the w4a8 row is an A/A.")
+@click.option("--runs-dir", type=click.Path(), default=None, help="Where the runs go (default: results/runs/selfcheck-<time>); finished runs there are reused.")
+@baselines_root_option()
+@click.option("--data-dir", type=click.Path(), default=None, envvar="EVALGATE_DATA_DIR", help="Offline data folder [env: EVALGATE_DATA_DIR].")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the rows here.")
+def selfcheck(kernels, tasks, batch_size, runs_dir, baselines_root, data_dir, device, json_path):
+    """Gate every kernel on the canary: healthy ones must PASS, faulty ones FAIL. Exit 0 when all do, else 1."""
+    from evalgate.kernels import get_kernel
+
+    names = [k.strip() for k in kernels.split(",") if k.strip()] if kernels else default_kernels()
+    for name in names:
+        get_kernel(name)  # an unknown name fails before anything runs
+    task_list = parse_tasks(tasks)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    runs = Path(runs_dir) if runs_dir else Path("results/runs") / f"selfcheck-{stamp}"
+    for baseline in check_baselines(task_list, batch_size, baselines_root, data_dir):
+        click.echo(f"baseline: {baseline}", err=True)
+    gate_one = canary_gate(task_list, batch_size, runs, baselines_root, data_dir, device)
+
+    def progress(row: Row) -> None:
+        tasks_text = ", ".join(f"{t} {v}" for t, v in row.tasks.items()) or row.error
+        click.echo(f"{row.kernel}: {row.verdict} ({tasks_text}), expected {row.expected}, {row.seconds:.1f} s", err=True)
+
+    rows = check(names, gate_one, on_row=progress)
+    click.echo(table(rows, task_list))
+    by_kernel = {r.kernel: Path(r.run_dir) for r in rows if r.run_dir}
+    if "w4a4" in by_kernel and "w4a4_packed" in by_kernel:
+        click.echo(f"w4a4 and w4a4_packed answer identically: {same_answers(by_kernel['w4a4'], by_kernel['w4a4_packed'], task_list)}")
+    if json_path:
+        Path(json_path).write_text(json.dumps([asdict(r) | {"ok": r.ok} for r in rows], indent=2))
+    bad = [r.kernel for r in rows if not r.ok]
+    click.echo(f"selfcheck: {'all ' + str(len(rows)) + ' kernels as expected' if not bad else 'NOT as expected: ' + ', '.join(bad)} "
+               f"(runs in {runs})")
+    sys.exit(1 if bad else 0)
