@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
 import pytest
+from serve_helpers import running_server
 import torch
 
 import evalgate.kernels as K
@@ -262,28 +263,10 @@ def canary_server(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "evalgate", "serve", "--kernel", "w4a4_packed", "--port",
-                                 str(port), "--batch-size", "8", "--batch-window-ms", "20"],
-                                stdout=f, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"evalgate serve did not start:\n{log.read_text()[-2000:]}")
-            time.sleep(0.2)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    argv = [sys.executable, "-m", "evalgate", "serve", "--kernel", "w4a4_packed", "--port", str(port), "--batch-size",
+            "8", "--batch-window-ms", "20"]
+    with running_server(argv, port, log, env, "evalgate serve") as url:
+        yield url
 
 
 def _complete(url: str, prompt: str, delay: float) -> str:

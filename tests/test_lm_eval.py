@@ -14,11 +14,10 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from serve_helpers import running_server
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -e '.[test]' (lm-eval==0.4.13)")
 
@@ -47,28 +46,10 @@ def lm_eval_gsm8k_yaml(data_dir: Path) -> str:
 def served(tiny_model, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "evalgate", "serve", "--model", str(tiny_model), "--kernel",
-                                 KERNEL, "--port", str(port), "--batch-size", "4"], stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"evalgate serve did not start:\n{log.read_text()[-2000:]}")
-            time.sleep(0.2)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    argv = [sys.executable, "-m", "evalgate", "serve", "--model", str(tiny_model), "--kernel", KERNEL, "--port",
+            str(port), "--batch-size", "4"]
+    with running_server(argv, port, log, {**os.environ, "HF_HUB_OFFLINE": "1"}, "evalgate serve") as url:
+        yield url
 
 
 @pytest.mark.slow

@@ -7,12 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from serve_helpers import running_server
 
 from evalgate.errors import UserError
 from evalgate.model_adapters.launcher import free_port
@@ -29,28 +29,10 @@ def served(tiny_model, tmp_path_factory, data_dir):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "evalgate", "serve", "--model", str(tiny_model), "--kernel",
-                                 KERNEL, "--port", str(port), "--batch-size", "4"], stdout=f, stderr=subprocess.STDOUT,
-                                env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"evalgate serve did not start:\n{log.read_text()[-2000:]}")
-            time.sleep(0.2)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    argv = [sys.executable, "-m", "evalgate", "serve", "--model", str(tiny_model), "--kernel", KERNEL, "--port",
+            str(port), "--batch-size", "4"]
+    with running_server(argv, port, log, env, "evalgate serve") as url:
+        yield url
 
 
 def post(url: str, body: dict) -> tuple[int, dict]:

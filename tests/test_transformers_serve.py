@@ -12,10 +12,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
+from serve_helpers import running_server
 
 for _module in ("fastapi", "uvicorn", "openai"):
     pytest.importorskip(_module, reason=f"transformers serve needs {_module}: pip install -e '.[test]' "
@@ -37,28 +36,10 @@ def transformers_serve(tiny_model, tmp_path_factory):
     log = home / "serve.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
            "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "transformers.cli.transformers", "serve", str(tiny_model),
-                                 "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--format", "quiet"],
-                                stdout=f, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"transformers serve did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.3)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    argv = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(tiny_model), "--host", "127.0.0.1",
+            "--port", str(port), "--device", "cpu", "--format", "quiet"]
+    with running_server(argv, port, log, env, "transformers serve", start_timeout_s=240) as url:
+        yield url
 
 
 def by_id(records: list[dict]) -> dict:
