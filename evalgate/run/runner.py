@@ -12,7 +12,7 @@ from evalgate.errors import UserError
 from evalgate.run.progress import Progress
 from evalgate.run.samples import SampleGroups, Sampling
 from evalgate.records import SCHEMA_VERSION
-from evalgate.run.store import MANIFEST, RecordWriter, load_run, read_records, write_manifest
+from evalgate.run.store import MANIFEST, RecordWriter, load_run, read_records, write_bytes_atomic, write_manifest
 from evalgate.tasks import get_task, resolve_profile
 from evalgate.types import Request
 
@@ -269,9 +269,6 @@ def restore_item_order(path: Path, doc_ids: list) -> None:
     """Rewrite ``<task>.jsonl`` with its records in item order (continuous dispatch and the reversed A/A run
     append them in the order they finish). The record lines are moved as they are, never re-serialized;
     the file is replaced atomically (temp file, fsync, rename), and left alone when already in order."""
-    import os
-    import tempfile
-
     if not path.exists():
         return
     data = path.read_bytes()
@@ -289,18 +286,4 @@ def restore_item_order(path: Path, doc_ids: list) -> None:
     if keys == sorted(keys) and good == len(data):
         return
     order = sorted(range(len(lines)), key=lambda i: keys[i])  # stable: unknown ids keep their place at the end
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(b"".join(lines[i] for i in order))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_bytes_atomic(path, b"".join(lines[i] for i in order))

@@ -23,13 +23,14 @@ from evalgate.records import ItemRecord, RunManifest, dump_item, dump_manifest, 
 MANIFEST = "manifest.json"
 
 
-def write_json_atomic(path: Path, obj) -> None:
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically: a temp file beside it, fsync, rename, fsync the folder.
+    A crash leaves the old file or the new one, never a mix."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=True, ensure_ascii=False)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -37,6 +38,11 @@ def write_json_atomic(path: Path, obj) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:

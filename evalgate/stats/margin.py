@@ -13,6 +13,23 @@ from scipy.stats import beta, binom, norm
 from evalgate.stats.paired import _check_alpha, tango_lower_bound
 
 
+def trinomial_cells(psi: float, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every (b, c) with non-negligible mass under P(b) = P(c) = ψ/2 per item over n items (a trinomial),
+    and its probability: (b, c, pmf), flat arrays. Each count's range leaves tails < 1e-12."""
+    half = psi / 2
+    if half > 0:
+        span = binom.ppf(1e-12, n, half), binom.isf(1e-12, n, half)
+        counts = np.arange(int(span[0]), int(span[1]) + 1)
+    else:
+        counts = np.array([0])
+    b, c = (x.ravel() for x in np.meshgrid(counts, counts))
+    keep = b + c <= n
+    b, c = b[keep], c[keep]
+    log_pmf = (gammaln(n + 1) - gammaln(b + 1) - gammaln(c + 1) - gammaln(n - b - c + 1)
+               + xlogy(b + c, half) + xlogy(n - b - c, 1 - psi))
+    return b, c, np.exp(log_pmf)
+
+
 @functools.lru_cache(maxsize=512)
 def aa_margin_floor(psi0: float, n: int, alpha: float = 0.05, share: float = 0.02) -> float:
     """The smallest NI margin a candidate exactly as good as the baseline can live with, given the A/A noise.
@@ -35,18 +52,7 @@ def aa_margin_floor(psi0: float, n: int, alpha: float = 0.05, share: float = 0.0
         raise ValueError(f"psi0 must be a flip rate in [0, 1], got {psi0}")
     if n <= 0:
         raise ValueError("n must be positive")
-    half = psi0 / 2
-    if half > 0:
-        span = binom.ppf(1e-12, n, half), binom.isf(1e-12, n, half)  # each count's range, tails < 1e-12
-        counts = np.arange(int(span[0]), int(span[1]) + 1)
-    else:
-        counts = np.array([0])
-    b, c = (x.ravel() for x in np.meshgrid(counts, counts))
-    keep = b + c <= n
-    b, c = b[keep], c[keep]
-    log_pmf = (gammaln(n + 1) - gammaln(b + 1) - gammaln(c + 1) - gammaln(n - b - c + 1)
-               + xlogy(b + c, half) + xlogy(n - b - c, 1 - psi0))
-    pmf = np.exp(log_pmf)
+    b, c, pmf = trinomial_cells(psi0, n)
     mcnemar_fails = np.where(b + c > 0, binom.sf(b - 1, b + c, 0.5), 1.0) <= share
     lower = np.atleast_1d(tango_lower_bound(b, c, n, alpha))
     # NI may additionally fail on the lowest-L cells the McNemar test passes, while the union stays ≤ share
@@ -113,18 +119,7 @@ def mde_binary(psi: float, n: int, alpha: float = 0.05, power: float = 0.8) -> f
         raise ValueError(f"psi must be a flip rate in [0, 1], got {psi}")
     if n <= 0:
         raise ValueError("n must be positive")
-    half = psi / 2
-    if half > 0:
-        span = binom.ppf(1e-12, n, half), binom.isf(1e-12, n, half)
-        counts = np.arange(int(span[0]), int(span[1]) + 1)
-    else:
-        counts = np.array([0])
-    b, c = (x.ravel() for x in np.meshgrid(counts, counts))
-    keep = b + c <= n
-    b, c = b[keep], c[keep]
-    log_pmf = (gammaln(n + 1) - gammaln(b + 1) - gammaln(c + 1) - gammaln(n - b - c + 1)
-               + xlogy(b + c, half) + xlogy(n - b - c, 1 - psi))
-    pmf = np.exp(log_pmf)
+    b, c, pmf = trinomial_cells(psi, n)
     lower = np.atleast_1d(tango_lower_bound(b, c, n, alpha))
     order = np.argsort(lower, kind="stable")
     # P(L ≤ −M) ≤ 1 − power: M must exceed −L at the first cell past that mass
