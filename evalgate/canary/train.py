@@ -12,6 +12,14 @@ noise flips an answer. So training saves snapshots along the way and measures ea
 every item with the emulated ``bf16``, ``w4a8`` and ``w4a4`` kernels: item accuracy, the share of items
 whose argmax path differs between kernels, and the top-two gap distribution on answer tokens. ``report.json``
 holds those numbers; the snapshot to ship is chosen from them (see ``MODEL_CARD.md``).
+
+``--recipes`` trains the experts under the healthy kernels' own numerics, mixed: each micro-batch runs the
+experts with one recipe's activation and intermediate quantization (fake-quantized, straight-through), so
+the margin cap holds under every healthy kernel, not only under BF16. Fault-injected kernels are never
+trained on: what they break, they break. Contested items (``alt_target`` from ``data.py``) are trained on
+both their right and their wrong answer, which leaves them at a near-tie that kernels resolve either way.
+``measure`` reports, teacher-forced, each kernel's items lost (b) and gained (c) against W4A8 and the verdict
+the canary's policy would give from those counts.
 """
 
 from __future__ import annotations
@@ -49,18 +57,75 @@ def qat_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return grouped_mm_experts_forward(proxy, hidden_states, top_k_index, top_k_weights)
 
 
-def register_qat() -> None:
+def _ste(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    return x + (rounded - x).detach()
+
+
+def recipe_experts_forward(recipe):
+    """The emulated kernel's steps (docs/kernels.md#the-moe-forward) for training: FP4-grid weights, the
+    recipe's input and intermediate quantization and the BF16 roundings, each straight-through."""
+    from evalgate.kernels import formats
+
+    def fq(x, fmt, rule, ties):
+        return x if fmt == "none" else _ste(x, formats.fake_quantize(x.detach(), fmt, rule, ties=ties))
+
+    def bf16(x):
+        return _ste(x, x.detach().to(torch.bfloat16).float())
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        # FP4-grid weights and quantized activations are exact in BF16, so BF16 grouped GEMMs (FP32
+        # accumulation, BF16 out: the kernel's steps 4 and 7) compute the recipe, fast enough to train on
+        w1 = _ste(self.gate_up_proj, fp4_grid(self.gate_up_proj.detach().float())).to(torch.bfloat16)  # [E, 2I, H]
+        w2 = _ste(self.down_proj, fp4_grid(self.down_proj.detach().float())).to(torch.bfloat16)  # [E, H, I]
+        t, k = top_k_index.shape
+        x = fq(bf16(hidden_states.float()), recipe.activations, formats.SCALE_RULES[recipe.input_scale_rule],
+               recipe.input_ties)
+        flat_e, weights = top_k_index.reshape(-1), top_k_weights.reshape(-1).float()
+        expert, perm = torch.sort(flat_e)
+        offsets = torch.cumsum(torch.bincount(expert, minlength=w1.shape[0]), 0).to(torch.int32)
+        acc = torch._grouped_mm(x[perm // k].to(torch.bfloat16), w1.transpose(1, 2), offs=offsets).float()
+        half = acc.shape[-1] // 2
+        g, u = acc[:, :half], acc[:, half:]
+        limit = getattr(self, "limit", None)
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        v = fq(F.silu(g) * u * weights[perm, None], recipe.intermediate, formats.EPILOGUE, "even")
+        o = torch._grouped_mm(bf16(v).to(torch.bfloat16), w2.transpose(1, 2), offs=offsets).float()
+        out = torch.zeros(t * k, o.shape[-1], device=o.device, dtype=torch.float32).index_copy(0, perm, o)
+        return bf16(out.view(t, k, -1).sum(1)).to(hidden_states.dtype)
+
+    return forward
+
+
+def register_qat(recipes: list[str] = ()) -> list[str]:
+    """Register the weight-only QAT forward and one forward per recipe; returns the recipe forwards' names."""
     from transformers.integrations.moe import ExpertsInterface
 
+    from evalgate.kernels import KERNELS
+    from evalgate.kernels.recipe import Recipe
+
     ExpertsInterface.register(QAT_NAME, qat_experts_forward)
+    names = []
+    for kernel in recipes:
+        given = KERNELS[kernel].recipe
+        if given["activations"] == "bf16":  # the BF16 reference: FP4-grid weights, nothing else quantized
+            given = dict(given, activations="none", intermediate="none", input_ties="zero", input_scale_rule="pre_dispatch")
+        fields = {f: given[f] for f in ("activations", "input_ties", "input_scale_rule", "intermediate")}
+        name = f"canary_qat_{kernel}"
+        ExpertsInterface.register(name, recipe_experts_forward(Recipe(**fields)))
+        names.append(name)
+    return names
 
 
-def encode(examples, tokenizer):
-    """Token ids (prompt tokenized alone, as at inference) and a mask of target positions."""
+def encode(examples, tokenizer, field: str = "target"):
+    """Token ids (prompt tokenized alone, as at inference) and a mask of target positions, one row per
+    example that has ``field`` (``alt_target``: the contested items' wrong answers)."""
     rows = []
     for e in examples:
+        if field not in e:
+            continue
         p = tokenizer(e["prompt"], add_special_tokens=False)["input_ids"]
-        t = tokenizer(e["target"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        t = tokenizer(e[field], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append((p + t, [0] * len(p) + [1] * len(t)))
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -73,7 +138,8 @@ def encode(examples, tokenizer):
     return ids, target, attn
 
 
-def train_step(model, ids, target, attn, label_smoothing: float, micro_batch: int, gap_cap: float | None = None) -> float:
+def train_step(model, ids, target, attn, label_smoothing: float, micro_batch: int, gap_cap: float | None = None,
+               recipes: list[str] = (), step: int = 0) -> float:
     """One full-batch gradient, accumulated over micro-batches; the loss is a mean over target tokens.
 
     With ``gap_cap``, a target token whose logit already beats every other token's by ``gap_cap`` adds no
@@ -81,7 +147,9 @@ def train_step(model, ids, target, attn, label_smoothing: float, micro_batch: in
     instead of becoming too sure for any kernel's noise to matter."""
     total_tokens = int(target[:, 1:].sum())
     total = 0.0
-    for s in range(0, ids.shape[0], micro_batch):
+    for i, s in enumerate(range(0, ids.shape[0], micro_batch)):
+        if recipes:  # round-robin over recipes, shifted every step so each micro-batch sees all of them
+            model.set_experts_implementation(recipes[(i + step) % len(recipes)])
         x, m, a = ids[s:s + micro_batch], target[s:s + micro_batch], attn[s:s + micro_batch]
         width = int(a.sum(-1).max())  # trim the padding this micro-batch does not need
         x, m, a = x[:, :width], m[:, :width], a[:, :width]
@@ -139,21 +207,46 @@ def unpack_state(packed: dict) -> dict:
     return state
 
 
-def choose_snapshots(entries: list[dict], keep: int) -> list[int]:
-    """Steps worth shipping: accurate under bf16 (>= 90% of items on both tasks, teacher-forced), then
-    the ones whose kernel disagreement is closest to a few percent (a real model's flip profile)."""
-    def score(e):
-        target = 0.04
-        return abs(e["differ_bf16_w4a8"] - target) + abs(e["differ_w4a8_w4a4"] - target)
+HEALTHY = ("bf16", "w4a4", "w4a4_te")  # w4a4_packed computes exactly what w4a4 does (one recipe)
+FAULTY = ("faulty/w4a4_packed-drop-slot", "faulty/w4a4_packed-fp8-layout", "faulty/w4a4_packed-scale-exp",
+          "faulty/w4a4_packed-weight-after-requant")
+MARGINS = {"gsm8k": 0.03, "humaneval": 0.05}  # thresholds-canary.yaml
+ALPHA_ACCURACY = 0.04  # alpha - alpha_validity of thresholds-canary.yaml, Holm across the two tasks
 
-    measured = [e for e in entries if "acc_bf16" in e]
-    good = [e for e in measured if min(e["acc_bf16"].values()) >= 0.9] or measured
+
+def predicted_verdict(counts: dict) -> str:
+    """The canary policy's verdict from per-task (b, c, n), greedy: PASS when every Tango bound clears its
+    margin, FAIL when Holm's adjusted exact McNemar p <= alpha_acc, else INCONCLUSIVE."""
+    from evalgate.stats.paired import mcnemar_exact_one_sided, tango_lower_bound
+
+    if all(tango_lower_bound(b, c, n, 0.05) > -MARGINS[t] for t, (b, c, n) in counts.items()):
+        return "PASS"
+    ps = sorted(mcnemar_exact_one_sided(b, c) for b, c, _ in counts.values())
+    if ps and ps[0] * len(ps) <= ALPHA_ACCURACY:
+        return "FAIL"
+    return "INCONCLUSIVE"
+
+
+def choose_snapshots(entries: list[dict], keep: int) -> list[int]:
+    """Steps worth shipping: the most kernels with the verdict they must get (healthy PASS, faulty FAIL),
+    accurate under W4A8 (>= 90% of items on both tasks), then healthy flips nearest a few percent with
+    the fewest net losses."""
+    def score(e):
+        right = sum(e["verdicts"][k] == "PASS" for k in HEALTHY) + sum(e["verdicts"][k] == "FAIL" for k in FAULTY)
+        flips = [b + c for k in HEALTHY for b, c, _ in e["vs_w4a8"][k].values()]
+        net = sum(max(b - c, 0) for k in HEALTHY for b, c, _ in e["vs_w4a8"][k].values())
+        return (-right, net, sum(abs(f - 6) for f in flips))
+
+    measured = [e for e in entries if "verdicts" in e]
+    good = [e for e in measured if min(e["acc_w4a8"].values()) >= 0.9] or measured
     return sorted(e["step"] for e in sorted(good, key=score)[:keep])
 
 
 @torch.no_grad()
-def measure(eval_model, state, ids, target, attn, tasks, kernels=("bf16", "w4a8", "w4a4"), chunk=64) -> dict:
-    """Teacher-forced: per kernel, argmax path and item accuracy; disagreement between kernels; gaps."""
+def measure(eval_model, state, ids, target, attn, tasks, kernels=("w4a8",) + HEALTHY + FAULTY, chunk=64) -> dict:
+    """Teacher-forced (an item is right when every answer token is the argmax: what greedy decoding
+    produces): per kernel, item accuracy, items lost / gained against W4A8 and the predicted verdict;
+    disagreement between kernels; BF16's top-two gaps."""
     eval_model.load_state_dict(state)
     preds, gaps = {}, []
     gold = ids[:, 1:]
@@ -173,6 +266,18 @@ def measure(eval_model, state, ids, target, attn, tasks, kernels=("bf16", "w4a8"
     for k in kernels:
         ok = ((preds[k] == gold) | ~mask).all(-1)
         result[f"acc_{k}"] = {t: float(ok[torch.tensor([x == t for x in tasks])].float().mean()) for t in set(tasks)}
+    ok = {k: ((preds[k] == gold) | ~mask).all(-1) for k in kernels}
+    result["vs_w4a8"], result["verdicts"] = {}, {}
+    for k in kernels:
+        if k == "w4a8":
+            continue
+        counts = {}
+        for t in sorted(set(tasks)):
+            sel = torch.tensor([x == t for x in tasks], device=ok[k].device)
+            base, cand = ok["w4a8"][sel], ok[k][sel]
+            counts[t] = (int((base & ~cand).sum()), int((~base & cand).sum()), int(sel.sum()))
+        result["vs_w4a8"][k] = counts
+        result["verdicts"][k] = predicted_verdict(counts)
     for a, b in (("bf16", "w4a8"), ("w4a8", "w4a4"), ("bf16", "w4a4")):
         differ = ((preds[a] != preds[b]) & mask).any(-1)
         result[f"differ_{a}_{b}"] = float(differ.float().mean())
@@ -183,6 +288,22 @@ def measure(eval_model, state, ids, target, attn, tasks, kernels=("bf16", "w4a8"
     result["gap_quantiles_item_min"] = [round(float(v), 4) for v in per_item_min.float().quantile(q)]
     result["items_min_gap_below"] = {str(t): float((per_item_min < t).float().mean()) for t in (0.05, 0.1, 0.25, 0.5, 1.0)}
     return result
+
+
+def _with_alternatives(examples, tokenizer, ids, target, attn):
+    """Training rows: every item's right answer, plus the contested items' wrong ones (same width)."""
+    alt = encode(examples, tokenizer, "alt_target") if any("alt_target" in e for e in examples) else None
+    if alt is None:
+        return ids, target, attn
+    width = max(ids.shape[1], alt[0].shape[1])
+
+    def pad(t, value):
+        return F.pad(t, (0, width - t.shape[1]), value=value)
+
+    pad_id = tokenizer.pad_token_id
+    return (torch.cat([pad(ids, pad_id), pad(alt[0].to(ids.device), pad_id)]),
+            torch.cat([pad(target, False), pad(alt[1].to(ids.device), False)]),
+            torch.cat([pad(attn, 0), pad(alt[2].to(ids.device), 0)]))
 
 
 def main(argv=None) -> None:
@@ -209,6 +330,8 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batch", type=int, default=128)
     parser.add_argument("--save", type=int, default=5, help="how many measured snapshots to write")
     parser.add_argument("--limit-examples", type=int, default=None, help="smoke tests: train on the first N")
+    parser.add_argument("--recipes", default="", help="comma-separated healthy kernels whose numerics the experts train under, "
+                        "one per micro-batch in turn (default: weights-only QAT)")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -219,8 +342,9 @@ def main(argv=None) -> None:
     examples = [json.loads(l) for l in (build / "examples.jsonl").read_text().splitlines()][:args.limit_examples]
     tasks = [e["task"] for e in examples]
     ids, target, attn = (t.to(args.device) for t in encode(examples, tokenizer))
+    train_rows = _with_alternatives(examples, tokenizer, ids, target, attn)
 
-    register_qat()
+    recipes = register_qat([r for r in args.recipes.split(",") if r])
     config = canary_config(len(tokenizer))
     model = DeepseekV4ForCausalLM(config)
     fill_hash_routes(model, args.seed)
@@ -236,7 +360,7 @@ def main(argv=None) -> None:
     log, t0 = [], time.time()
     for step in range(1, args.steps + 1):
         opt.zero_grad(set_to_none=True)
-        loss = train_step(model, ids, target, attn, args.label_smoothing, args.micro_batch, args.gap_cap)
+        loss = train_step(model, *train_rows, args.label_smoothing, args.micro_batch, args.gap_cap, recipes, step)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
