@@ -10,21 +10,24 @@ record when it has one, and no refusal for a missing calibration.
 from __future__ import annotations
 
 import dataclasses
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from evalgate.canary import policy_for
-from evalgate.errors import UserError
+from evalgate.errors import NotComparable, UserError
 from evalgate.gate.compare import Pairing
 from evalgate.gate.compare import compare as pair_runs
 from evalgate.gate.decide import decide as decide_pairing
 from evalgate.gate.decide import gate_runs
 from evalgate.gate.policy import Thresholds, load_thresholds
 from evalgate.gate.verdict import OverallDecision, Verdict
-from evalgate.report.html import ItemView, comparison_html
+from evalgate.report.html import ItemView, comparison_html, display_question
 from evalgate.records import load_verdict
 from evalgate.run.baselines import aa_for_baseline, assemble
-from evalgate.run.store import Run, load_run
+from evalgate.run.store import MANIFEST, Run, load_run
+from evalgate.tasks.humaneval.runtime import python_warnings
+from evalgate.types import canonical_json, sha256_text
 
 SUMMARY_COLUMNS = ["task", "n", "baseline", "candidate", "delta", "ci_low", "ci_high", "b", "c", "p", "verdict"]
 
@@ -52,7 +55,8 @@ class Comparison(Pairing):
     """A ``Pairing`` with statistics for notebooks: ``summary``, ``show``, and an HTML summary."""
 
     thresholds: object = None  # a policy file, a ``Thresholds``, or None for the default
-    notes: list[str] = field(default_factory=list)  # how the statistics were decided
+    notes: list[str] = field(default_factory=list)  # how the runs were paired and the statistics decided
+    baseline_dirs: list[Path] = field(default_factory=list)  # the baseline folder(s), for their A/A records
     stats_problem: str | None = None  # why statistics could not be decided (not retried)
     _verdict: Verdict | None = field(default=None, repr=False)
 
@@ -61,7 +65,7 @@ class Comparison(Pairing):
         """The gate's verdict on this pair (decided once, on first use); None when it cannot be decided."""
         if self._verdict is None and self.stats_problem is None:
             try:
-                aa = aa_for_baseline([self.baseline.path])
+                aa = aa_for_baseline(self.baseline_dirs or [self.baseline.path])
             except (OSError, ValueError):  # an unreadable aa.json must not stop anyone looking at flips
                 aa = {}
             try:
@@ -109,6 +113,16 @@ class Comparison(Pairing):
         columns = SUMMARY_COLUMNS + [k for k in rows[0] if k not in SUMMARY_COLUMNS] if rows else SUMMARY_COLUMNS
         return pd.DataFrame(rows, columns=columns)
 
+    def flips(self, task: str | None = None, direction: str | None = None, failure_class: str | None = None):
+        """Items whose score differs (``Pairing.flips``); a HumanEval item's ``question`` is its signature and
+        the first line of its docstring, as in the report."""
+        df = super().flips(task, direction, failure_class)
+        if len(df):
+            names = [task] * len(df) if task is not None else list(df["task"])
+            records = {t: {str(d): r for d, r in zip(p.doc_ids, p.base)} for t, p in self.pairs.items()}
+            df["question"] = [display_question(records[t][str(d)]) for t, d in zip(names, df["doc_id"])]
+        return df
+
     def show(self, task: str, doc_id) -> ItemView:
         """One item side by side: question, gold, both completions diffed, answers highlighted (HTML in Jupyter)."""
         if task not in self.pairs:
@@ -133,40 +147,272 @@ def _gate_file(path: Path) -> Path | None:
     return None
 
 
-def _sides(baseline, candidate) -> tuple[Run | list[Path], Run | Path]:
-    """What ``compare`` was given, as (baseline run or baseline folders, candidate): a gate's output folder
-    stands for both sides it decided on."""
+def _is_path(x) -> bool:
+    return isinstance(x, (str, Path))
+
+
+def _is_run_dir(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def _is_baselines_root(path: Path) -> bool:
+    """A folder of stored baselines, ``<model>/<profile>/<kernel>/manifest.json`` (e.g. ``evalgate.canary.BASELINES``)."""
+    return path.is_dir() and not _is_run_dir(path) and next(path.glob(f"*/*/*/{MANIFEST}"), None) is not None
+
+
+def _gate_record(path: Path):
+    found = _gate_file(path)
+    if found is None:
+        return None
+    record = load_verdict(found)
+    if record.candidate is None:
+        raise UserError(f"{found} decided against an aggregate-only baseline: there are no items to pair")
+    return record
+
+
+def _candidate(candidate) -> Run:
+    """A ``Run``, a run folder, or a gate's report folder (``<run>/gate``): the run it decided on."""
+    if isinstance(candidate, Run):
+        return candidate
+    path = Path(candidate)
+    if not _is_run_dir(path):
+        record = _gate_record(path) if path.is_dir() else None
+        if record is not None:
+            return load_run(record.candidate.path)
+    return load_run(path)
+
+
+def _sides(baseline, candidate):
+    """What ``compare`` was given, as (baseline: a Run, a run folder, a list of folders or a baselines root;
+    candidate: a Run); a gate's output folder alone stands for both sides it decided on."""
     if candidate is None:
-        found = _gate_file(Path(baseline)) if not isinstance(baseline, (list, tuple, Run)) else None
-        if found is None:
+        record = _gate_record(Path(baseline)) if _is_path(baseline) else None
+        if record is None:
             raise UserError(f"compare needs a baseline and a candidate, or a gate's output folder (with gate.json); "
                             f"{baseline!r} is neither")
-        record = load_verdict(found)
-        if record.candidate is None:
-            raise UserError(f"{found} decided against an aggregate-only baseline: there are no items to pair")
         dirs = record.baseline_dirs or [record.baseline.path]
-        return [Path(d) for d in dirs], Path(record.candidate.path)
+        return [Path(d) for d in dirs], load_run(record.candidate.path)
+    cand = _candidate(candidate)
     if isinstance(baseline, (list, tuple)):
-        return [Path(b) for b in baseline], candidate
-    return baseline, candidate
+        return [Path(b) for b in baseline], cand
+    if _is_path(baseline):
+        path = Path(baseline)
+        if not _is_run_dir(path) and path.is_dir():
+            record = _gate_record(path)
+            if record is not None:  # a gate's output folder: the baselines it decided with
+                return [Path(d) for d in (record.baseline_dirs or [record.baseline.path])], cand
+    return baseline, cand
+
+
+def find_baselines(root, candidate: Run, tasks: list[str] | None = None, kernel: str = "w4a8") -> list[Path]:
+    """The stored baseline folder of every task of ``candidate`` under a baselines ``root``: same model
+    fingerprint, same profile (by id; by name where no id matches, e.g. a candidate run on a subset of
+    the items, which ``compare(..., items=...)`` then checks item by item), ``kernel``."""
+    from evalgate.run.baselines import list_baselines
+
+    root = Path(root)
+    fingerprint = candidate.manifest.get("model", {}).get("fingerprint")
+    rows = [r for r in list_baselines(root) if r["model"] == fingerprint and r["kernel"] == kernel]
+    found = []
+    for task in tasks or candidate.tasks:
+        summary = candidate.manifest["tasks"][task]
+        same = [r for r in rows if r["task"] == task and r["profile_id"] == summary.get("profile_id")]
+        named = [r for r in rows if r["task"] == task and r["profile"] == summary.get("name")]
+        pick = same or named
+        if not pick:
+            have = sorted({f"{r['task']} {r['profile']} [{r['kernel']}]" for r in list_baselines(root)
+                           if r["model"] == fingerprint}) or ["none for this model"]
+            raise NotComparable(f"no stored {kernel} baseline of task {task} (profile {summary.get('name')}, model "
+                                f"{fingerprint}) under {root}; there: {', '.join(have)}")
+        if len(pick) > 1:
+            raise UserError(f"{len(pick)} stored {kernel} baselines of {task} ({summary.get('name')}) under {root} match "
+                            f"by name and none by id; pass the one to use: {', '.join(r['path'] for r in pick)}")
+        found.append(Path(pick[0]["path"]))
+    return found
+
+
+def _settings_key(settings: dict | None) -> dict:
+    """A profile's settings as compared on a subset: the sandbox's Python aside (a recorded property of the
+    run, warned about, not part of the profile: evalgate/tasks/humaneval/runtime.py)."""
+    settings = dict(settings or {})
+    if isinstance(settings.get("sandbox"), dict):
+        settings["sandbox"] = {k: v for k, v in settings["sandbox"].items() if k != "python"}
+    return settings
+
+
+def _item_lists(items, base: Run, cand: Run, tasks: list[str] | None) -> dict[str, list]:
+    """``items`` as task -> doc_ids: "candidate" (the candidate's items), one list for every task, or a dict."""
+    names = tasks or [t for t in cand.tasks if t in cand.records]
+    if isinstance(items, str):
+        if items != "candidate":
+            raise UserError(f'items must be "candidate", a list of item ids or a dict task -> ids, not {items!r}')
+        return {t: [r["doc_id"] for r in cand.records.get(t, [])] for t in names}
+    if isinstance(items, dict):
+        unknown = [t for t in items if t not in cand.manifest.get("tasks", {})]
+        if unknown:
+            raise UserError(f"items names task(s) the candidate did not run: {', '.join(unknown)}")
+        return {t: list(ids) for t, ids in items.items() if t in names}
+    return {t: list(items) for t in names}
+
+
+def restrict(base: Run, cand: Run, items: dict[str, list]) -> tuple[Run, Run, list[str]]:
+    """Both runs cut down to the given items of each task, after checking item by item what the profile id
+    would have covered: the same profile (name, version, settings, dataset sha256, decoding) and, for every
+    item, present on both sides and prompted identically (``prompt_hash``). Refuses (``NotComparable``) on
+    any mismatch, so a subset never pairs items that were asked differently. Returns (baseline, candidate,
+    notes)."""
+    problems, notes = [], []
+    base_manifest, cand_manifest = dict(base.manifest), dict(cand.manifest)
+    base_manifest["tasks"], cand_manifest["tasks"] = dict(base.manifest.get("tasks", {})), dict(cand.manifest.get("tasks", {}))
+    base_records, cand_records = dict(base.records), dict(cand.records)
+    for task, ids in items.items():
+        bt, ct = base_manifest["tasks"].get(task), cand_manifest["tasks"].get(task)
+        if bt is None or ct is None:
+            problems.append(f"task {task} is missing from the {'baseline' if bt is None else 'candidate'}")
+            continue
+        if not ids:
+            problems.append(f"{task}: no items given")
+            continue
+        if len(set(map(str, ids))) != len(ids):
+            problems.append(f"{task}: an item is listed twice")
+            continue
+        for key in ("name", "version", "dataset_sha256", "decoding"):
+            if bt.get(key) != ct.get(key):
+                problems.append(f"{task} profile {key} differs ({bt.get(key)!r} vs {ct.get(key)!r})")
+        if _settings_key(bt.get("settings")) != _settings_key(ct.get("settings")):
+            changed = sorted(k for k in set(_settings_key(bt.get("settings"))) | set(_settings_key(ct.get("settings")))
+                             if _settings_key(bt.get("settings")).get(k) != _settings_key(ct.get("settings")).get(k))
+            problems.append(f"{task} profile settings differ ({', '.join(changed)})")
+        b = {str(r["doc_id"]): r for r in base.records.get(task, [])}
+        c = {str(r["doc_id"]): r for r in cand.records.get(task, [])}
+        for label, side in (("baseline", b), ("candidate", c)):
+            missing = [i for i in ids if str(i) not in side]
+            if missing:
+                problems.append(f"{task}: {len(missing)} of the {len(ids)} items are not in the {label} "
+                                f"(first: {missing[0]!r})")
+        shared = [str(i) for i in ids if str(i) in b and str(i) in c]
+        unchecked = [i for i in shared if not b[i].get("prompt_hash") or not c[i].get("prompt_hash")]
+        asked = [i for i in shared if i not in unchecked and b[i]["prompt_hash"] != c[i]["prompt_hash"]]
+        if unchecked:
+            problems.append(f"{task}: item {unchecked[0]!r} has no prompt_hash on one side; cannot check it was "
+                            "asked the same way")
+        if asked:
+            problems.append(f"{task}: {len(asked)} item(s) were prompted differently in the two runs (first: "
+                            f"{asked[0]!r}, prompt_hash differs)")
+        if problems:
+            continue
+        subset_id = sha256_text(canonical_json({"subset_of": bt.get("name"), "version": bt.get("version"),
+                                                "settings": _settings_key(bt.get("settings")),
+                                                "dataset_sha256": bt.get("dataset_sha256"),
+                                                "decoding": bt.get("decoding"), "items": shared}))
+        for manifest, summary in ((base_manifest, bt), (cand_manifest, ct)):
+            manifest["tasks"][task] = {**summary, "profile_id": subset_id, "n_items": len(shared),
+                                       "subset": {"n_items": summary.get("n_items"),
+                                                  "profile_id": summary.get("profile_id")}}
+        keep = set(shared)
+        base_records[task] = [r for r in base.records[task] if str(r["doc_id"]) in keep]
+        cand_records[task] = [r for r in cand.records[task] if str(r["doc_id"]) in keep]
+        if len(shared) < (bt.get("n_items") or 0):
+            notes.append(f"{task}: {len(shared)} of the baseline's {bt.get('n_items')} items, checked item by item "
+                         "(same profile settings, dataset, decoding and prompts); statistics on a subset are not the "
+                         "gate's verdict, which needs every item")
+        elif bt.get("profile_id") != ct.get("profile_id"):
+            notes.append(f"{task}: the profile ids differ ({str(bt.get('profile_id'))[:12]} vs "
+                         f"{str(ct.get('profile_id'))[:12]}) but what they cover matches, item by item (the sandbox's "
+                         "Python version is compared on its own)")
+    if problems:
+        raise NotComparable("runs are not comparable on these items: " + "; ".join(problems))
+    return (Run(base.path, base_manifest, base_records), Run(cand.path, cand_manifest, cand_records), notes)
+
+
+def _subset_hint(base: Run, cand: Run, tasks: list[str]) -> str:
+    """What to pass when the baseline lacks some of the candidate's tasks (baselines are stored one task per
+    folder), or the candidate holds some of the baseline's items (a ``--limit`` run)."""
+    held = [t for t in tasks if t in base.manifest.get("tasks", {})]
+    if len(held) < len(tasks):
+        has = ", ".join(base.manifest.get("tasks", {})) or "no task"
+        only = f"tasks={held!r}, " if held else ""
+        return (f"; the baseline holds {has} (stored baselines are one folder per task): pass {only}every task's "
+                "baseline folder as a list, or the baselines root (e.g. evalgate.canary.BASELINES)")
+    for task in tasks:
+        b = {str(r["doc_id"]) for r in base.records.get(task, [])}
+        c = {str(r["doc_id"]) for r in cand.records.get(task, [])}
+        if c and c < b:
+            return (f"; the candidate holds {len(c)} of the baseline's {len(b)} {task} items: pass "
+                    'items="candidate" to compare on those items (checked item by item)')
+    return ""
 
 
 def compare(baseline, candidate=None, tasks: list[str] | None = None, metrics: dict[str, str] | None = None,
-            aa_flips: dict[str, set] | None = None, thresholds=None) -> Comparison:
+            aa_flips: dict[str, set] | None = None, thresholds=None, items=None,
+            baseline_kernel: str = "w4a8") -> Comparison:
     """Pair two stored runs; refuses (``NotComparable``) when they must not be compared.
 
-    ``baseline`` is a run or baseline folder, a ``Run``, or a list of per-task baseline folders (as stored
-    by ``evalgate calibrate``); ``compare(gate_dir)`` alone pairs what a gate decided on (its ``gate/``
-    folder or the run folder holding it). ``thresholds`` (a policy file or ``Thresholds``) is used when
-    ``summary`` needs statistics.
+    ``baseline``: a run or baseline folder, a ``Run``, a list of per-task baseline folders (as stored by
+    ``evalgate calibrate``), a baselines root such as ``evalgate.canary.BASELINES`` (the ``baseline_kernel``
+    baseline of the candidate's model and profiles is looked up there), or a gate's output folder (the
+    baselines it decided with). ``candidate``: a run folder, a ``Run`` or a gate's output folder (the run it
+    decided on); ``compare(gate_dir)`` alone pairs what a gate decided on.
+
+    ``items`` compares on a subset: ``"candidate"`` (the items the candidate ran, e.g. with ``limit``), a list
+    of item ids, or a dict task -> ids. Both runs are cut to those items after checking, item by item, what
+    the profile id covers (profile, settings, dataset, decoding, each item's prompt); without it the item
+    sets must be equal. ``thresholds`` (a policy file or ``Thresholds``) is used when ``summary`` needs
+    statistics.
     """
-    baseline, candidate = _sides(baseline, candidate)
+    baseline, cand = _sides(baseline, candidate)
+    baseline_dirs: list[Path] = []
+    if _is_path(baseline) and _is_baselines_root(Path(baseline)):
+        baseline = find_baselines(baseline, cand, tasks or (list(items) if isinstance(items, dict) else None),
+                                  baseline_kernel)
     if isinstance(baseline, list):
+        baseline_dirs = baseline
         if aa_flips is None:
             aa_flips = {t: a["flips"] for t, a in aa_for_baseline(baseline).items()}
         baseline = assemble(baseline)
-    pairing = pair_runs(baseline, candidate, tasks=tasks, metrics=metrics, aa_flips=aa_flips)
-    return Comparison(pairing.baseline, pairing.candidate, pairing.pairs, pairing.aa_flips, thresholds=thresholds)
+    base = baseline if isinstance(baseline, Run) else load_run(baseline)
+    baseline_dirs = baseline_dirs or [base.path]
+    notes: list[str] = []
+    if items is not None:
+        lists = _item_lists(items, base, cand, tasks)
+        base, cand, notes = restrict(base, cand, lists)
+        tasks = list(lists)
+    names = tasks or [t for t in cand.tasks if t in cand.records]
+    try:
+        pairing = pair_runs(base, cand, tasks=tasks, metrics=metrics, aa_flips=aa_flips)
+    except NotComparable as exc:
+        hint = _subset_hint(base, cand, names) if items is None else ""
+        raise NotComparable(f"{exc}{hint}") from None
+    notes += python_warnings(base.manifest, cand.manifest, list(pairing.pairs))
+    return Comparison(pairing.baseline, pairing.candidate, pairing.pairs, pairing.aa_flips, thresholds=thresholds,
+                      notes=notes, baseline_dirs=baseline_dirs)
+
+
+def run_kernel(kernel: str, out, model: str | None = None, tasks=("gsm8k", "humaneval"), limit: int | None = None,
+               batch_size: int = 16, profiles: dict[str, str] | None = None, resume: bool = False,
+               progress: bool = False) -> Run:
+    """Run ``kernel`` in process into the folder ``out``, as ``evalgate run`` does, and return the stored run.
+
+    ``model`` None is the built-in canary with its own profiles. ``limit`` runs the first N items of each
+    task (its profile id then covers those items only: compare such a run with a full baseline through
+    ``compare(..., items="candidate")``). ``resume`` continues or reuses a run already in ``out``.
+    """
+    from evalgate.canary import PROFILES as CANARY_PROFILES
+    from evalgate.canary import canary_path
+    from evalgate.run.progress import Progress
+    from evalgate.run.runner import RunSpec, execute
+
+    tasks = [tasks] if isinstance(tasks, str) else list(tasks)
+    chosen = dict(profiles or {})
+    if model is None:
+        chosen = {t: chosen.get(t, CANARY_PROFILES[t]) for t in tasks if t in CANARY_PROFILES} | chosen
+    spec = RunSpec(model=str(model or canary_path()), kernel=kernel, tasks=tasks, profiles=chosen, limit=limit,
+                   batch_size=batch_size)
+    out = Path(out)
+    if resume and (out / MANIFEST).is_file() and load_run(out).manifest.get("status") == "complete":
+        return load_run(out)
+    bar = None if progress else Progress(enabled=False, stream=io.StringIO())  # no lines in a notebook's output
+    return load_run(execute(spec, out, resume=resume and (out / MANIFEST).is_file(), progress=bar))
 
 
 def decide(baseline, candidate, thresholds=None, allow_uncalibrated: bool = False) -> Verdict:
@@ -175,4 +421,4 @@ def decide(baseline, candidate, thresholds=None, allow_uncalibrated: bool = Fals
     return gate_runs(baseline, cand, _policy(thresholds, cand), allow_uncalibrated)
 
 
-__all__ = ["Comparison", "Run", "compare", "decide", "load_run"]
+__all__ = ["Comparison", "Run", "compare", "decide", "find_baselines", "load_run", "run_kernel"]

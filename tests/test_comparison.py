@@ -52,10 +52,12 @@ def test_flips_filter_by_task_direction_and_failure_class(cmp, runs):
     assert len(cmp.flips("gsm8k", direction="gained")) == gained
     syntax = cmp.flips("humaneval", failure_class="failed:syntax")
     assert len(syntax) > 0 and (syntax["cand_failure_class"] == "failed:syntax").all()
-    # HumanEval rows name the function (not the id twice) and what it is checked with
+    # HumanEval rows name the function by its signature and docstring line (the id is a column of its own)
+    # and what it is checked with
     row = syntax.iloc[0]
     i = row["doc_id"].split("/")[1]
-    assert (row["question"], row["gold"]) == (f"HumanEval/{i}: def f_{i}(xs: list) -> int:", f"check(f_{i})")
+    assert (row["question"], row["gold"]) == (f"def f_{i}(xs: list) -> int: Sum of xs. <script>doc</script>",
+                                              f"check(f_{i})")
     every = cmp.flips()
     assert every.columns[0] == "task" and len(every) == sum(a + b for a, b in runs[2].values())
     assert set(every["task"]) == {"gsm8k", "humaneval"}

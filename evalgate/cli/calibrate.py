@@ -24,6 +24,7 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
               baselines_root, thresholds_path, second_batch_size, runs_dir, samples, temperature, seed, server,
               model_id, launch, launch_timeout, request_timeout, concurrency, retries, server_args):
     """A/A: run the baseline kernel twice and store how often it disagrees with itself next to the baseline.
+    Exit 0 when every task's A/A pair passes, 1 when one fails, 3 when one is inconclusive, 2 on an error.
 
     With --server or --launch both runs go to an OpenAI-compatible server (one launched server serves both);
     the second run sends the items in reverse order with half the concurrency. Server arguments follow `--`."""
@@ -56,4 +57,19 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
     for task, r in results.items():
         click.echo(f"{task}: A/A flip rate ψ0 = {100 * r['psi0']:.2f}% ({r['b'] + r['c']} of {r['n']} items), "
                    f"Δ0 = {100 * r['delta0']:+.2f} pp, A/A verdict {r['verdict']}; stored in {r['baseline']}")
-    sys.exit(0 if all(r["verdict"] == "PASS" for r in results.values()) else 1)
+    sys.exit(exit_code(results))
+
+
+def exit_code(results: dict) -> int:
+    """As the gate's: 1 when some task's A/A pair FAILed (the baseline is not reproducible, or degrades against
+    itself), else 3 when some task's was INCONCLUSIVE (too few items to show the pair within the margin; the
+    gate still accepts such a calibration), else 0."""
+    verdicts = {r["verdict"] for r in results.values()}
+    if verdicts - {"PASS", "INCONCLUSIVE"}:
+        return 1
+    if "INCONCLUSIVE" in verdicts:
+        inconclusive = ", ".join(t for t, r in results.items() if r["verdict"] == "INCONCLUSIVE")
+        click.echo(f"calibration INCONCLUSIVE ({inconclusive}): stored, and the gate uses it; the A/A pair could not "
+                   "show the baseline within its margin of itself (exit 3)")
+        return 3
+    return 0

@@ -13,18 +13,12 @@ from evalgate.cli.options import (baselines_root_option, canary_thresholds, defa
 from evalgate.errors import UserError
 
 
-def _console():
-    from rich.console import Console
-
-    return Console(stderr=False, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
-
-
 def _finish(verdict, report_dir: Path) -> None:
     from evalgate.report.outputs import write_outputs
-    from evalgate.report.text import console_table
+    from evalgate.report.text import print_verdict
 
     paths = write_outputs(verdict, report_dir)
-    _console().print(console_table(verdict))
+    print_verdict(verdict)  # a table that fits a terminal, or a CI log without wrapped cells
     for task, rows in (verdict.to_dict().get("flips") or {}).items():
         lost = sum(r["direction"] == "lost" for r in rows)
         click.echo(f"{task}: {lost} lost, {len(rows) - lost} gained (see {paths['markdown']})")

@@ -16,11 +16,12 @@ from pathlib import Path
 
 from evalgate.gate.compare import extracted_answer, item_gold, item_question
 from evalgate.gate.verdict import run_identity as verdict_identity
-from evalgate.report.rows import paired_rows, task_rows
+from evalgate.report.rows import paired_rows, report_notes, task_rows
 
 TEMPLATES = Path(__file__).parent / "templates"
 STDERR_LINES = 25  # the end of a traceback says what went wrong
 WORD = re.compile(r"\s+|\w+|[^\w\s]")  # diff by words, spaces and single symbols
+VERDICT_COLORS = {"PASS": "#1a7f37", "INCONCLUSIVE": "#9a6700", "FAIL": "#cf222e"}  # the interval chart's stroke
 
 
 @lru_cache(maxsize=1)
@@ -100,6 +101,35 @@ def response_text(record: dict) -> str:
 
 
 
+def humaneval_heading(record: dict) -> str | None:
+    """A HumanEval item in one line: the entry point's signature and the first line of its docstring, read
+    from the stored program (the prompt is its beginning); None when the record is not HumanEval's."""
+    entry = record.get("entry_point")
+    lines = (record.get("program") or "").splitlines()
+    start = next((i for i, line in enumerate(lines) if entry and line.startswith(f"def {entry}(")), None)
+    if start is None:
+        return None
+    end = next((j for j in range(start, min(start + 8, len(lines))) if lines[j].rstrip().endswith(":")), start)
+    signature = " ".join(line.strip() for line in lines[start:end + 1])
+    doc = None
+    for line in lines[end + 1:end + 6]:
+        text = line.strip()
+        for quote in ('"""', "'''"):
+            if text.startswith(quote):
+                text = text[len(quote):].strip().removesuffix(quote).strip()
+                break
+        if text:
+            doc = text
+            break
+    return f"{signature} {doc}" if doc else signature
+
+
+def display_question(record: dict) -> str | None:
+    """What a row names the item by: GSM8K's question; HumanEval's signature and docstring line (its id is
+    in a column of its own)."""
+    return humaneval_heading(record) or item_question(record)
+
+
 def prompt_of(record: dict) -> str | None:
     """The prompt when the record holds it; for HumanEval, the program before the completion."""
     if record.get("prompt"):
@@ -132,7 +162,7 @@ def item_data(task: str, doc_id, base: dict, cand: dict, metric: str, flips_in_a
             "segments": mark_span(segments, answer_span(response_text(record), answer)),
         }
     bs, cs = sides["base"]["score"], sides["cand"]["score"]
-    return {"task": task, "doc_id": doc_id, "question": item_question(base), "gold": item_gold(base),
+    return {"task": task, "doc_id": doc_id, "question": display_question(base), "gold": item_gold(base),
             "prompt": prompt_of(base), "metric": metric, "flips_in_aa": flips_in_aa,
             "direction": "lost" if bs > cs else "gained" if cs > bs else "same",
             "same_text": response_text(base) == response_text(cand), "base": sides["base"], "cand": sides["cand"]}
@@ -155,8 +185,8 @@ class ItemView:
         for name, label in (("base", "baseline"), ("cand", "candidate")):
             s = d[name]
             extra = f", {s['failure_class']}" if s["failure_class"] else ""
-            lines.append(f"{label}: {d['metric']} = {s['score']:g}, answer {s['extracted']!r}, "
-                         f"finish {s['finish_reason']}{extra}")
+            answer = f", answer {s['extracted']!r}" if s["extracted"] is not None else ""
+            lines.append(f"{label}: {d['metric']} = {s['score']:g}{answer}, finish {s['finish_reason']}{extra}")
         diff = difflib.unified_diff(response_text(self.base).splitlines(), response_text(self.cand).splitlines(),
                                     "baseline", "candidate", lineterm="")
         lines += list(diff) or ["(identical completions)"]
@@ -190,7 +220,7 @@ def ci_chart(delta: float, ci: tuple[float, float], lower: float | None, margin:
             "x_lo": x(ci[0]), "x_hi": x(ci[1]), "x_delta": x_delta,
             "x_zero": x(0.0), "x_margin": x(-margin),
             "zero_anchor": "start" if close else "middle", "margin_anchor": "end" if close else "middle", "x_lower": x(lower) if lower is not None else None,
-            "ok": verdict == "PASS", "left": left, "right": right, "delta_label": f"{100 * delta:+.2f}",
+            "ok": verdict == "PASS", "color": VERDICT_COLORS.get(verdict, VERDICT_COLORS["FAIL"]), "left": left, "right": right, "delta_label": f"{100 * delta:+.2f}",
             "title": f"Δ {100 * delta:+.2f} pp, 95% CI [{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}], "
                      f"−margin {-100 * margin:.2f} pp"}
 
@@ -254,7 +284,8 @@ def manifest_rows(base: dict, cand: dict) -> list[dict]:
     rows = [{"section": s, "key": k, "base": get(base, *p), "cand": get(cand, *p)} for s, k, p in fields]
     for task in sorted(set(base.get("tasks", {})) | set(cand.get("tasks", {}))):
         for key, path in (("profile", ("name",)), ("profile id", ("profile_id",)), ("items", ("n_items",)),
-                          ("dataset sha256", ("dataset_sha256",)), ("decoding", ("decoding",))):
+                          ("dataset sha256", ("dataset_sha256",)), ("decoding", ("decoding",)),
+                          ("sandbox python", ("prepare", "python"))):
             rows.append({"section": f"task {task}", "key": key, "base": get(base, "tasks", task, *path),
                          "cand": get(cand, "tasks", task, *path)})
     for r in rows:
@@ -287,6 +318,7 @@ def report_html(verdict) -> str:
     failure_classes = sorted({s[k]["failure_class"] for s in items for k in ("base", "cand")} - {None, "passed"})
     return render(
         "report.html.j2", verdict=verdict, rows=rows, items=items, failure_classes=failure_classes,
+        notes=report_notes(verdict),
         tasks=cmp.tasks if cmp is not None else [], flips=flip_counts(cmp) if cmp is not None else {},
         base=run_identity(cmp.baseline) if cmp is not None else None,
         cand=run_identity(cmp.candidate) if cmp is not None else None,

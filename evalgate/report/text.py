@@ -6,7 +6,7 @@ import os
 from xml.sax.saxutils import escape, quoteattr
 
 from evalgate.formatting import pp as _pp_unit
-from evalgate.report.rows import task_rows
+from evalgate.report.rows import report_notes, task_rows
 
 MAX_FLIPS_MD = 50
 
@@ -44,24 +44,97 @@ def margin_cell(r: dict) -> str:
     return f"{100 * r['margin']:.2f} pp"
 
 
-def console_table(verdict):
+# Piped into a file or a CI log there is no terminal width to fit: the table is drawn as wide as its
+# contents (no cell wraps), up to this many columns, and reasons follow as plain lines that never wrap.
+LOG_WIDTH = 200
+
+
+def console(stream=None):
+    """A Rich console for verdict tables: the terminal's width on a terminal; otherwise a fixed, wide one
+    with soft wrapping (a log line is never broken inside a table cell or a sentence)."""
+    import sys
+
+    from rich.console import Console
+
+    stream = stream or sys.stdout
+    tty = stream.isatty()
+    return Console(file=stream, soft_wrap=not tty, width=None if tty else LOG_WIDTH, highlight=False)
+
+
+def console_table(verdict, log: bool = False):
+    """The per-task table (numbers and verdicts; the reasons are ``verdict_lines``). ``log``: for a file or
+    CI log — a light box, no cell wrapping."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=f"evalgate verdict: {verdict.verdict}", title_style=f"bold {STYLES.get(verdict.verdict, 'red')}")
-    for col in ("task", "baseline", "candidate", "Δ pp [95% CI]", "b / c", "p", "ψ / ψ0", "margin", "MDE (80%)",
-                "verdict", "reason"):
-        table.add_column(col, overflow="fold")
+    table = Table(title=f"evalgate verdict: {verdict.verdict}", title_style=f"bold {STYLES.get(verdict.verdict, 'red')}",
+                  title_justify="left", box=box.SIMPLE_HEAD if log else box.HEAVY_HEAD, show_edge=not log)
+    for col in ("task", "n", "baseline", "candidate", "Δ pp [95% CI]", "b / c", "p", "ψ / ψ0", "margin",
+                "MDE (80%)", "verdict"):
+        table.add_column(col, no_wrap=log, overflow="ignore" if log else "fold")
     for r in task_rows(verdict):
         ci = f"{pp(r['delta'])} [{pp(r['ci'][0])}, {pp(r['ci'][1])}]"
         style = STYLES.get(r["verdict"], "red")
         if r["paired"]:
-            table.add_row(r["task"], f"{r['baseline']:.4f}", f"{r['candidate']:.4f}", ci, f"{r['b']} / {r['c']}",
-                          f"{r['p']:.3g}", psi_text(r), margin_cell(r), mde_text(r), f"[{style}]{r['verdict']}[/]",
-                          "; ".join(r["reasons"]))
+            table.add_row(r["task"], str(r["n"]), f"{r['baseline']:.4f}", f"{r['candidate']:.4f}", ci,
+                          f"{r['b']} / {r['c']}", f"{r['p']:.3g}", psi_text(r), margin_cell(r), mde_text(r),
+                          f"[{style}]{r['verdict']}[/]")
         else:
-            table.add_row(r["task"], "aggregate", "", ci, "unpaired", f"{r['p']:.3g}", "—",
-                          margin_cell(r), "—", f"[{style}]{r['verdict']}[/]", "; ".join(r["reasons"]))
+            table.add_row(r["task"], "—", "aggregate", "", ci, "unpaired", f"{r['p']:.3g}", "—",
+                          margin_cell(r), "—", f"[{style}]{r['verdict']}[/]")
     return table
+
+
+def task_blocks(verdict):
+    """The per-task table turned on its side (field, value; one block per task), for narrow terminals."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=f"evalgate verdict: {verdict.verdict}", title_style=f"bold {STYLES.get(verdict.verdict, 'red')}",
+                  title_justify="left", box=box.SIMPLE, show_header=False)
+    table.add_column("field", style="dim", no_wrap=True)
+    table.add_column("value")
+    for i, r in enumerate(task_rows(verdict)):
+        if i:
+            table.add_section()
+        style = STYLES.get(r["verdict"], "red")
+        table.add_row("task", f"[bold]{r['task']}[/] [{style}]{r['verdict']}[/]")
+        table.add_row("Δ pp [95% CI]", f"{pp(r['delta'])} [{pp(r['ci'][0])}, {pp(r['ci'][1])}]")
+        if r["paired"]:
+            table.add_row("baseline → candidate", f"{r['baseline']:.4f} → {r['candidate']:.4f} (n = {r['n']})")
+            table.add_row("b / c, p", f"{r['b']} / {r['c']}, p = {r['p']:.3g}")
+            table.add_row("ψ / ψ0", psi_text(r))
+            table.add_row("MDE (80%)", mde_text(r))
+        table.add_row("margin", margin_cell(r))
+    return table
+
+
+def verdict_lines(verdict) -> list[str]:
+    """Under the table: every task's reasons and warnings, then the notes, one plain line each."""
+    lines = []
+    for r in task_rows(verdict):
+        lines += [f"{r['task']} {r['verdict']}: {reason}" for reason in r["reasons"]]
+        lines += [f"{r['task']} warning: {w}" for w in r["warnings"]]
+    return lines + [f"note: {n}" for n in report_notes(verdict)]
+
+
+def print_verdict(verdict, stream=None) -> None:
+    """The verdict on stdout: the table, then its reasons, warnings and notes as plain lines."""
+    from rich.markup import escape as markup_escape
+
+    from rich.measure import Measurement
+
+    out = console(stream)
+    if out.is_terminal:
+        table = console_table(verdict)
+        fits = Measurement.get(out, out.options, console_table(verdict, log=True)).maximum + 12 <= out.width
+        out.print(table if fits else task_blocks(verdict))  # a narrow terminal: one block per task, nothing folded
+    else:  # drawn as wide as it is, without the blank edge rows and trailing blanks a box pads with
+        with out.capture() as captured:
+            out.print(console_table(verdict, log=True))
+        out.file.write("\n".join(line.rstrip() for line in captured.get().splitlines() if line.strip()) + "\n")
+    for line in verdict_lines(verdict):
+        out.print(markup_escape(line), soft_wrap=True)
 
 
 def markdown(verdict) -> str:
@@ -75,7 +148,7 @@ def markdown(verdict) -> str:
                   f"- model: `{c['model'].get('fingerprint')}` ({c['model'].get('model_type')})"]
     lines += [f"- policy: `{verdict.thresholds.path}` (sha256 `{verdict.thresholds.sha256[:12]}`), "
               f"α = {verdict.thresholds.alpha}, {verdict.thresholds.multiple_comparisons}, gate CI {verdict.thresholds.ci_method}"]
-    lines += [f"- note: {n}" for n in verdict.notes]
+    lines += [f"- note: {n}" for n in report_notes(verdict)]
     lines += ["", "| task | n | baseline | candidate | Δ pp | 95% CI (Tango) | b / c | p (McNemar) | ψ / ψ0 | margin | "
                   "MDE (80% power) | verdict |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]

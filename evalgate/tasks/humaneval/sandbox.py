@@ -131,16 +131,19 @@ def sandbox_mode() -> str:
 
 
 def settings(limits: Limits = Limits()) -> dict:
-    """What the profile hashes about the sandbox: limits, interpreter flags, hash seed, Python version.
+    """What the profile hashes about the sandbox: limits, interpreter flags, hash seed.
 
     Frozen: it is part of every HumanEval profile id. The "marker" entry names the verdict mechanism of
     the first executor; the judge that replaced it gives the same verdict on honest programs, so the id
-    was kept (docs/humaneval-sandbox.md#what-changed-with-the-judge).
+    was kept (docs/humaneval-sandbox.md#what-changed-with-the-judge). The Python version the programs run
+    under is not part of it: it is a recorded property of the run (the executor self-test's ``python``, in
+    the manifest's ``tasks.humaneval.prepare``), and a comparison across Python minors warns instead of
+    refusing. Profile ids recorded while it was hashed (``"python": "3.11"`` here) are migrated by
+    ``evalgate.tasks.humaneval.profile_migration``.
     """
     return {
         "interpreter_flags": ["-s", "-S"],
         "hash_seed": 0,
-        "python": "%d.%d" % sys.version_info[:2],
         "limits": asdict(limits),
         "module_name": "__sandbox__",
         "network": "none",
