@@ -30,6 +30,14 @@ def _request_threads(ctx, param, value):
     return value
 
 
+def _request_device_map(ctx, param, value):
+    """--device-map is kept process-wide like --threads; ``hf.load_model`` reads it."""
+    from evalgate.model_adapters.placement import request_device_map
+
+    request_device_map(value)
+    return value
+
+
 def parse_tasks(value: str | None, default: str = "gsm8k") -> list[str]:
     value = default if value is None else value
     tasks = [t.strip() for t in value.split(",") if t.strip()]
@@ -73,6 +81,9 @@ def run_options(f):
         click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None, help="Override the checkpoint dtype."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="Override every profile's token limit (changes the profile id; for smoke runs)."),
         click.option("--data-dir", type=click.Path(), default=None, envvar="EVALGATE_DATA_DIR", help="Offline data folder laid out as in docs/scoring.md#data-directory [env: EVALGATE_DATA_DIR]."),
+        click.option("--device-map", default=None, expose_value=False, callback=_request_device_map,
+                     help="Stream an FP4 checkpoint onto devices, experts kept packed: auto (every visible GPU), cpu, "
+                          "or cuda:0,cuda:1; refused before loading, with the bytes needed and available, when it does not fit."),
         click.option("--threads", type=click.IntRange(min=1), default=None, expose_value=False, callback=_request_threads,
                      help="CPU threads of the in-process model [default: OMP_NUM_THREADS, else the cores this process may use, as many as the model's size profits from]."),
     ]

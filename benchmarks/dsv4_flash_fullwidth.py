@@ -1,0 +1,281 @@
+"""A full-width DeepSeek-V4-Flash, random weights in DeepSeek-V4's FP4 checkpoint format: write, stream onto
+the GPUs, generate GSM8K items in-process with ``w4a4_packed``, and print the figures (issue 15, item 3).
+
+    python benchmarks/dsv4_flash_fullwidth.py --out /local/dsv4-flash            # H200: as many layers as fit
+    python benchmarks/dsv4_flash_fullwidth.py --out /tmp/x --scale 0.02 --layers 2 --experts 8 --device-map cpu
+
+Steps: (1) the whole model's bytes from its config (packed experts at their stored size, dense weights in
+BF16) and how many H200s it needs; (2) the layers to write: ``--layers``, else as many as fit on the visible
+devices and on the output disk; (3) write them shard by shard (``model_adapters/random_fp4.py``; never the
+whole model in memory); (4) load them streamed (``model_adapters/streamed.py``: planned first, experts kept
+packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's 8-shot prompts) for
+``--max-new-tokens`` tokens at batch ``--batch-size``; (6) print tokens/s, the projected time of a 1,319-item
+GSM8K run, and peak memory per device against the packed expert bytes.
+
+The configuration is DeepSeek-V4-Flash's (``flash_config``); each value names its source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+GiB = 1 << 30
+H200_BYTES = 139 * GiB  # what one H200 offers torch (about 139 GiB of its 141 GB)
+GSM8K_ITEMS = 1319
+
+
+def compress_ratios(layers: int) -> list[int]:
+    """DeepSeek-V4-Flash's per-layer attention: layers 0 and 1 sliding-window only (ratio 0), then CSA (ratio 4)
+    on even and HCA (ratio 128) on odd layers. Source: the DeepSeek-V4-Flash config.json ``compress_ratios``,
+    as quoted by antirez/ds4 MODEL_CARD.md ("0, 1: none; even layers from 2 onward: 4") and the
+    5-layer excerpt of that config published as inference-optimization/DeepSeek-V4-Flash-bf16-dequantized-5layers
+    ([0, 0, 4, 128, 4]). transformers' own default without ``compress_ratios`` is V4-Pro's schedule."""
+    return [0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(layers)]
+
+
+LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+def flash_config(layers: int | None = None, experts: int | None = None, scale: float = 1.0, vocab: int | None = None):
+    """DeepSeek-V4-Flash. Every field below is transformers 5.23's ``DeepseekV4Config`` default, documented
+    there for checkpoint deepseek-ai/DeepSeek-V4-Flash-Base (print(DeepseekV4Config())): vocab 129280, hidden
+    4096, moe_intermediate 2048, 43 layers, 64 heads of head_dim 512, 1 KV head, q_lora_rank 1024,
+    o_groups 8 x o_lora_rank 1024, 256 routed experts + 1 shared, top-6, sqrtsoftplus scoring,
+    routed_scaling_factor 1.5, swiglu_limit 10, hc_mult 4 (20 Sinkhorn iterations), sliding_window 128,
+    indexer 64 heads x 128 (top 512), compress rates 4 / 128, rope theta 10000 / 160000, 3 hash-routed
+    layers (``default_num_hash_layers``) -- except ``layer_types`` (``compress_ratios`` above).
+    The compressed layers' YaRN RoPE (factor 16 over 65536 positions, beta 32 / 1) is from the
+    ``compress_rope_parameters`` of the DeepSeek-V4 config as mirrored in trl-internal-testing/tiny-DeepseekV4ForCausalLM.
+    ``num_nextn_predict_layers`` (the MTP layer) is not instantiated by transformers and not written.
+
+    ``layers`` / ``experts`` override the counts; ``scale`` < 1 shrinks the widths (hidden, intermediate,
+    ranks, heads) for a CPU smoke run, keeping every structural feature."""
+    from transformers import DeepseekV4Config
+
+    base = DeepseekV4Config()
+    n = base.num_hidden_layers if layers is None else layers
+
+    def width(x: int, multiple: int) -> int:
+        return max(multiple, int(round(x * scale / multiple)) * multiple)
+
+    rotary = base.default_partial_rotary_factor  # qk_rope_head_dim 64 of head_dim 512
+    heads = max(base.o_groups, int(round(base.num_attention_heads * scale / base.o_groups)) * base.o_groups)
+    cfg = dict(
+        vocab_size=vocab or base.vocab_size,
+        hidden_size=width(base.hidden_size, 32),
+        moe_intermediate_size=width(base.moe_intermediate_size, 32),
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=base.num_key_value_heads,
+        head_dim=width(base.head_dim, 64),
+        q_lora_rank=width(base.q_lora_rank, 32),
+        o_groups=base.o_groups,
+        o_lora_rank=width(base.o_lora_rank, 32),
+        index_n_heads=max(2, int(round(base.index_n_heads * scale))),
+        index_head_dim=width(base.index_head_dim, 16),
+        index_topk=base.index_topk,
+        n_routed_experts=experts or base.n_routed_experts,
+        n_shared_experts=base.n_shared_experts,
+        num_experts_per_tok=min(base.num_experts_per_tok, experts or base.n_routed_experts),
+        layer_types=[LAYER_TYPE[r] for r in compress_ratios(n)],
+        mlp_layer_types=["hash_moe"] * min(n, base.default_num_hash_layers) + ["moe"] * max(0, n - base.default_num_hash_layers),
+        rope_parameters={"main": {"rope_type": "default", "rope_theta": base.rope_theta, "partial_rotary_factor": rotary},
+                         "compress": {"rope_type": "yarn", "rope_theta": base.compress_rope_theta, "factor": 16.0,
+                                      "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1,
+                                      "attention_factor": 1.0, "partial_rotary_factor": rotary}},
+        partial_rotary_factor=rotary,
+        bos_token_id=0, eos_token_id=1, pad_token_id=None,
+        max_position_embeddings=base.max_position_embeddings,
+    )
+    return DeepseekV4Config(**cfg)
+
+
+def unit_bytes_of(config) -> dict[str, int]:
+    """Placement unit -> loaded bytes, from the config alone (a meta model: shapes, no memory)."""
+    from evalgate.model_adapters.checkpoint_bytes import unit_of
+    from evalgate.model_adapters.random_fp4 import _meta_model
+
+    model = _meta_model(config)
+    sizes: dict[str, int] = {}
+    h, i = config.hidden_size, config.moe_intermediate_size
+    for key, t in model.state_dict().items():
+        unit = unit_of(key)
+        if key.endswith("experts.gate_up_proj"):
+            n = config.n_routed_experts * 2 * i * (h // 2 + h // 32)
+        elif key.endswith("experts.down_proj"):
+            n = config.n_routed_experts * h * (i // 2 + i // 32)
+        else:
+            n = t.numel() * (2 if t.dtype.is_floating_point else t.element_size())
+        sizes[unit] = sizes.get(unit, 0) + n
+    return sizes
+
+
+def h200s_needed(sizes: dict[str, int], reserve) -> int:
+    from evalgate.errors import UserError
+    from evalgate.model_adapters.placement import plan
+
+    for k in range(1, 65):
+        try:
+            plan(sizes, [(f"cuda:{j}", H200_BYTES) for j in range(k)], reserve)
+            return k
+        except UserError:
+            continue
+    return -1
+
+
+def layers_that_fit(sizes_per_layer: int, fixed: int, devices: list[tuple[str, int]], reserve, disk_free: int,
+                    total_layers: int) -> int:
+    from evalgate.errors import UserError
+    from evalgate.model_adapters.placement import plan
+
+    best = 0
+    for n in range(1, total_layers + 1):
+        sizes = {"prefix": fixed // 2, **{f"layer.{j}": sizes_per_layer for j in range(n)}, "suffix": fixed - fixed // 2}
+        if sum(sizes.values()) > disk_free:
+            break
+        try:
+            plan(sizes, devices, reserve)
+        except UserError:
+            break
+        best = n
+    return best
+
+
+def gsm8k_prompts(n: int) -> tuple[list[str], list[tuple[str, ...]]]:
+    from evalgate.tasks import get_task, resolve_profile
+
+    task = get_task("gsm8k")
+    items, resolved = task.load(resolve_profile(task, None), None, n)
+    reqs = task.requests(items, resolved)
+    return [r.prompt for r in reqs], [tuple(r.stop) for r in reqs]
+
+
+def tokenizer_for(out: Path):
+    from evalgate.model_adapters.tiny import build_tokenizer
+    from evalgate.tasks.gsm8k import load_split
+
+    rows = load_split("train", None)[:2000]
+    return build_tokenizer([r["question"] + "\n" + r["answer"] for r in rows], vocab_size=4096)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="/tmp/dsv4-flash-fp4", help="checkpoint folder (on a local disk)")
+    p.add_argument("--layers", type=int, default=None, help="write only the first N layers [default: as many as fit]")
+    p.add_argument("--experts", type=int, default=None, help="routed experts per layer [default: 256]")
+    p.add_argument("--scale", type=float, default=1.0, help="width factor (< 1 for a CPU smoke run)")
+    p.add_argument("--device-map", default="auto", help="auto (every visible GPU, else the CPU), cpu, cuda:0,cuda:1")
+    p.add_argument("--items", type=int, default=16, help="GSM8K test items to generate")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--profile-tokens", type=int, default=256, help="the GSM8K profile's token limit, for the projection")
+    p.add_argument("--kernel", default="w4a4_packed")
+    p.add_argument("--reuse", action="store_true", help="keep a checkpoint already in --out written with the same config")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards (default: delete it)")
+    p.add_argument("--json", default=None, help="also write the figures here")
+    args = p.parse_args(argv)
+
+    import evalgate.kernels  # noqa: F401  (registers the kernels)
+    from evalgate.model_adapters.generation import decode
+    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.placement import gib
+    from evalgate.model_adapters.random_fp4 import write_random_fp4_checkpoint
+    from evalgate.model_adapters.streamed import default_reserve, device_capacities, resolve_devices
+
+    out = Path(args.out)
+    full = flash_config(experts=args.experts, scale=args.scale)
+    full_sizes = unit_bytes_of(full)
+    reserve = default_reserve(full.to_dict(), "bfloat16", tokens=args.batch_size * 2048)
+    per_layer = max(v for k, v in full_sizes.items() if k.startswith("layer."))
+    fixed = full_sizes["prefix"] + full_sizes["suffix"]
+    whole = sum(full_sizes.values())
+    expert_layer = full.n_routed_experts * 3 * full.hidden_size * full.moe_intermediate_size * 17 // 32
+    figures = {"config": {k: getattr(full, k) for k in ("hidden_size", "moe_intermediate_size", "num_hidden_layers",
+                                                         "n_routed_experts", "num_experts_per_tok", "vocab_size")},
+               "whole_model_bytes": whole, "whole_model_gib": round(whole / GiB, 2),
+               "per_layer_gib": round(per_layer / GiB, 3), "experts_per_layer_gib": round(expert_layer / GiB, 3),
+               "h200s_needed": h200s_needed(full_sizes, reserve)}
+    print(f"whole model ({full.num_hidden_layers} layers): {gib(whole)} loaded (packed FP4 experts "
+          f"{gib(expert_layer)} per layer, dense BF16 {gib(per_layer - expert_layer)} per layer, embedding + "
+          f"head {gib(fixed)}); {reserve.describe()}: needs {figures['h200s_needed']} H200(s) of 139 GiB")
+
+    devices = device_capacities(resolve_devices(args.device_map))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    disk_free = shutil.disk_usage(out.parent).free - 2 * GiB
+    fit = layers_that_fit(per_layer, fixed, devices, reserve, disk_free, full.num_hidden_layers)
+    layers = args.layers if args.layers is not None else fit
+    if layers < 1:
+        sys.exit(f"not even one layer fits: {gib(per_layer)} per layer + {gib(fixed)}, devices "
+                 f"{', '.join(f'{d} {gib(c)}' for d, c in devices)}, disk {gib(disk_free)} free")
+    print(f"writing {layers} of {full.num_hidden_layers} layers (fit: {fit} on "
+          f"{', '.join(f'{d} {gib(c)} free' for d, c in devices)}; disk {gib(disk_free)} free) to {out}")
+    config = flash_config(layers=layers, experts=args.experts, scale=args.scale)
+    t0 = time.perf_counter()
+    stamp = out / "config.json"
+    if args.reuse and stamp.is_file() and json.loads(stamp.read_text()).get("num_hidden_layers") == layers:
+        print("reusing the checkpoint in", out)
+    else:
+        if out.exists():
+            shutil.rmtree(out)
+        write_random_fp4_checkpoint(out, config, tokenizer_for(out), log=lambda s: print("  " + s, flush=True))
+    figures["write_s"] = round(time.perf_counter() - t0, 1)
+    figures["layers"] = layers
+
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(out, args.kernel, numerics="native", device_map=args.device_map)
+    figures["load_s"] = round(time.perf_counter() - t0, 1)
+    placement = model._evalgate_placement
+    print(f"loaded in {figures['load_s']} s: {placement.summary()}")
+    bad = [n for n, p_ in model.named_parameters() if ".experts." in n and p_.dtype.is_floating_point]
+    assert not bad, f"dequantized expert parameters: {bad[:3]}"
+
+    prompts, stops = gsm8k_prompts(args.items)
+    first = placement.devices[0]
+    for d in placement.devices:
+        if d.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(d)
+    decode(model, tokenizer, prompts[:1], stops[:1], [2], device=first)  # warm-up: Triton compiles
+    tokens, t0 = 0, time.perf_counter()
+    for b in range(0, len(prompts), args.batch_size):
+        batch = prompts[b:b + args.batch_size]
+        gens = decode(model, tokenizer, batch, stops[b:b + args.batch_size], [args.max_new_tokens] * len(batch), device=first)
+        tokens += sum(len(g.token_ids) for g in gens)
+    wall = time.perf_counter() - t0
+    batches = math.ceil(len(prompts) / args.batch_size)
+    per_batch = wall / batches
+    # a 1,319-item run at this batch size, every item running to the profile's limit (decode time grows with
+    # tokens; prefill is counted once per batch, so this slightly overstates it); full model: x layers ratio
+    project = per_batch * math.ceil(GSM8K_ITEMS / args.batch_size) * args.profile_tokens / args.max_new_tokens
+    project_full = project * full.num_hidden_layers / layers
+    figures.update(tokens=tokens, generate_s=round(wall, 2), tokens_per_s=round(tokens / wall, 2),
+                   projected_gsm8k_s_these_layers=round(project), projected_gsm8k_s_full_model=round(project_full))
+    peaks = {d: torch.cuda.max_memory_allocated(d) for d in placement.devices if d.startswith("cuda")}
+    packed = layers * expert_layer
+    figures["peak_memory_gib"] = {d: round(v / GiB, 2) for d, v in peaks.items()}
+    figures["packed_expert_gib"] = round(packed / GiB, 2)
+    print(f"generated {tokens} tokens for {len(prompts)} GSM8K items (batch {args.batch_size}, "
+          f"{args.max_new_tokens} new tokens) in {wall:.1f} s: {tokens / wall:.1f} tokens/s")
+    print(f"projected 1,319-item GSM8K run ({args.profile_tokens} tokens per item, batch {args.batch_size}): "
+          f"{project / 60:.1f} min with these {layers} layers, {project_full / 60:.1f} min for all "
+          f"{full.num_hidden_layers} (x layers)")
+    if peaks:
+        print("peak memory: " + ", ".join(f"{d} {gib(v)}" for d, v in peaks.items())
+              + f"; packed FP4 experts {gib(packed)} ({sum(peaks.values()) / packed:.2f}x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    if not args.keep:
+        shutil.rmtree(out, ignore_errors=True)
+    print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
