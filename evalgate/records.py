@@ -114,6 +114,7 @@ class ModelInfo(Part):
     model_id: str | None = None
     config_sha256: str | None = None
     safetensors_headers_sha256: str | None = None
+    weights_hashed: str | None = None  # "bytes" (weight values covered) or "headers" (large checkpoints)
     tokenizer_sha256: str | None = None
     dtype: str | None = None
     device: str | None = None

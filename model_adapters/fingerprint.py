@@ -2,8 +2,10 @@
 
 The safetensors header lists every tensor's name, dtype, shape and byte offsets, so two checkpoints that
 differ in layout or precision differ here; the tokenizer and chat template are hashed whole (they are
-small). Weight values are not covered: the fingerprint assumes a checkpoint directory is not edited in
-place with the same shapes.
+small). A checkpoint up to ``WEIGHT_BYTES_LIMIT`` (the canary, test models) is hashed whole, weight values
+included, so a retrained model of the same shapes never matches a baseline recorded for the old one; a larger
+one by its headers only (``weights_hashed``), which assumes its directory is not edited in place with the same
+shapes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import struct
 from pathlib import Path
 
+WEIGHT_BYTES_LIMIT = 1 << 30  # about a second of sha256; a 150 GB checkpoint would take minutes
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt")
 
@@ -34,8 +37,10 @@ def model_fingerprint(model_dir: str | Path) -> dict:
         config.pop(volatile, None)
     config_sha = _sha(json.dumps(config, sort_keys=True).encode())
     headers = hashlib.sha256()
-    for shard in sorted(d.glob("*.safetensors")):
-        headers.update(shard.name.encode() + b"\0" + _safetensors_header(shard))
+    shards = sorted(d.glob("*.safetensors"))
+    whole = sum(shard.stat().st_size for shard in shards) <= WEIGHT_BYTES_LIMIT
+    for shard in shards:
+        headers.update(shard.name.encode() + b"\0" + (shard.read_bytes() if whole else _safetensors_header(shard)))
     tokenizer = hashlib.sha256()
     for name in TOKENIZER_FILES:
         if (d / name).is_file():
@@ -45,7 +50,8 @@ def model_fingerprint(model_dir: str | Path) -> dict:
     return {
         "fingerprint": _sha(f"{config_sha}:{weights_sha}:{tokenizer_sha}".encode())[:16],
         "config_sha256": config_sha,
-        "safetensors_headers_sha256": weights_sha,
+        "safetensors_headers_sha256": weights_sha,  # the name predates whole-file hashing of small checkpoints
+        "weights_hashed": "bytes" if whole else "headers",
         "tokenizer_sha256": tokenizer_sha,
         "model_type": config.get("model_type"),
     }

@@ -101,3 +101,23 @@ def test_numerics_are_canonical_by_default_and_recorded(tiny_model):
     with pytest.raises(UserError, match="numerics"):
         load_model(tiny_model, "bf16", numerics="fast")
 
+
+
+def test_a_small_checkpoint_is_fingerprinted_by_its_weight_values(tmp_path):
+    """A retrained canary has the same shapes: its fingerprint must still differ, or a baseline recorded for
+    the old weights would be compared with the new ones."""
+    import shutil
+
+    from evalgate.canary import canary_path
+    from evalgate.model_adapters.fingerprint import model_fingerprint
+
+    copy = tmp_path / "canary"
+    shutil.copytree(canary_path(), copy)
+    before = model_fingerprint(copy)
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[-1] ^= 0x01  # one weight bit, past the header
+    (copy / "model.safetensors").write_bytes(bytes(data))
+    after = model_fingerprint(copy)
+    assert before["weights_hashed"] == after["weights_hashed"] == "bytes"
+    assert after["fingerprint"] != before["fingerprint"]
+    assert model_fingerprint(canary_path())["fingerprint"] == before["fingerprint"]  # a copy is the same model
