@@ -166,8 +166,11 @@ def test_a_run_with_other_numerics_is_not_comparable(tmp_path, field):
     m = json.loads((cand / "manifest.json").read_text())
     if field == "forward":
         m["model"]["numerics"] = "canonical-v1"
-    else:
-        m["kernel"]["recipe"] = {"accumulation": "canonical-v1"}
+    else:  # two emulated recipes (group_size: evalgate's own), one recorded before the scheme was named
+        m["kernel"]["recipe"] = {"group_size": 32, "accumulation": "canonical-v1"}
+        mb = json.loads((base / "manifest.json").read_text())
+        mb["kernel"]["recipe"] = {"group_size": 32}
+        (base / "manifest.json").write_text(json.dumps(mb))
     (cand / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(NotComparable, match="re-record the baseline"):
         evalgate.compare(base, cand)
@@ -176,4 +179,18 @@ def test_a_run_with_other_numerics_is_not_comparable(tmp_path, field):
     mb["model"].update({k: v for k, v in m["model"].items() if k == "numerics"})
     mb["kernel"]["recipe"] = m["kernel"].get("recipe", {})
     (base / "manifest.json").write_text(json.dumps(mb))
+    evalgate.compare(base, cand)
+
+
+def test_the_bf16_reference_is_comparable_with_an_emulated_baseline(tmp_path):
+    """The BF16 reference (transformers' experts, no emulated recipe) accumulates its own way: that is what the
+    gate compares, not a stale scheme (evalgate selfcheck's bf16 row)."""
+    from evalgate.kernels import KERNELS
+
+    base, cand = write_pair(tmp_path)
+    for folder, kernel in ((base, "w4a8"), (cand, "bf16")):
+        m = json.loads((folder / "manifest.json").read_text())
+        m["model"]["numerics"] = "canonical-v1"
+        m["kernel"]["recipe"] = KERNELS[kernel].recipe
+        (folder / "manifest.json").write_text(json.dumps(m))
     evalgate.compare(base, cand)

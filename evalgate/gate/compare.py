@@ -19,14 +19,18 @@ from evalgate.tasks import get_task
 MODEL_KEYS = ("fingerprint", "config_sha256", "safetensors_headers_sha256", "tokenizer_sha256")
 SERVING_KEYS = ("adapter", "dtype")
 LEGACY = "fp32 in BLAS order (before canonical-v1)"  # what a run recorded before the scheme was named used
+OWN = "the kernel's own"  # not an evalgate emulation (the BF16 reference, a real kernel): nothing to match
 
 
 def numerics_of(manifest: dict) -> tuple[str, str]:
     """(forward-pass numerics, kernel accumulation) a run was made with (docs/kernels.md#accumulation).
     In-process runs recorded before canonical-v1 carry neither; a server run has no forward-pass numerics
-    of evalgate's and says "server"."""
+    of evalgate's and says "server". The accumulation scheme is a property of evalgate's emulated recipes
+    (those with a ``group_size``); another kernel accumulates its own way, which is what a gate compares."""
     model, recipe = manifest.get("model", {}), manifest.get("kernel", {}).get("recipe") or {}
     forward = model.get("numerics") or ("server" if model.get("adapter") not in (None, "hf") else LEGACY)
+    if "group_size" not in recipe:
+        return forward, OWN
     return forward, recipe.get("accumulation") or LEGACY
 
 
@@ -63,7 +67,7 @@ def comparability_problems(base: Run, cand: Run, tasks: list[str]) -> list[str]:
     (bf, ba), (cf, ca) = numerics_of(bm), numerics_of(cm)
     if bf != cf:
         problems.append(f"forward-pass numerics differ ({bf} vs {cf}): re-record the baseline with this evalgate")
-    if ba != ca and "server" not in (bf, cf):
+    if ba != ca and "server" not in (bf, cf) and OWN not in (ba, ca):
         problems.append(f"kernel accumulation differs ({ba} vs {ca}): re-record the baseline with this evalgate")
     for task in tasks:
         bt, ct = bm.get("tasks", {}).get(task), cm.get("tasks", {}).get(task)
