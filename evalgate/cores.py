@@ -156,3 +156,23 @@ def configure_torch(hidden_size: int | None = None) -> dict:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return {"threads": threads, "why": why, "available_cores": available_cores()}
+
+
+ENV_WORKERS = "EVALGATE_WORKERS"
+MAX_WORKERS = 4  # decoding processes of one in-process run (the canary saturates well before)
+
+
+def generation_workers(threads: int | None = None) -> tuple[int, str]:
+    """(processes, why) for in-process decoding: ``EVALGATE_WORKERS``, else the available cores divided by the
+    intra-op threads each process uses, at most MAX_WORKERS. Processes, unlike threads, share no barrier: a
+    co-tenant busy on one core slows the process it shares that core with, never the other one
+    (``benchmarks/bench_contention.py --workers``)."""
+    env = _positive_int(os.environ.get(ENV_WORKERS))
+    if env is not None:
+        return env, ENV_WORKERS
+    if threads is None:
+        import torch
+
+        threads = torch.get_num_threads()
+    cores = available_cores()
+    return max(1, min(MAX_WORKERS, cores // max(1, threads))), f"{cores} available cores, {threads} thread(s) each"

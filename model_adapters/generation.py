@@ -15,6 +15,9 @@ and a near-tie can flip.
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +32,7 @@ class RawGeneration:
     finish_reason: str  # "stop" | "length"
     stop_hit: str | None
     n_prompt_tokens: int
+    latency_s: float | None = None  # from the start of its prefill to its last token
 
 
 def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
@@ -50,61 +54,359 @@ def greedy_generate(model, tokenizer, prompts: list[str], stops: list[tuple[str,
 @torch.no_grad()
 def decode(model, tokenizer, prompts: list[str], stops: list[tuple[str, ...]], max_new_tokens: list[int],
            device: str = "cpu", keys: list[SampleKey | None] | None = None) -> list[RawGeneration]:
-    """One generation per prompt; row i samples with ``keys[i]``, or is greedy when that is None (or no keys)."""
+    """One generation per prompt; row i samples with ``keys[i]``, or is greedy when that is None (or no keys).
+    All rows start together; a row that finishes leaves the batch (``decode_stream``)."""
+    out: list[RawGeneration | None] = [None] * len(prompts)
+    for finished in decode_stream(model, tokenizer, prompts, stops, max_new_tokens, device, keys):
+        for i, g in finished:
+            out[i] = g
+    return out
+
+
+REFILL_FRACTION = 4  # continuous batching: new prompts are admitted once a quarter of the slots is free
+
+
+@dataclass
+class _Row:
+    index: int  # the prompt's index in the call
+    generated: list[int]
+    t0: float  # when its prefill started
+    text: str = ""
+    reason: str = "length"
+    hit: str | None = None
+    done: bool = False
+
+
+@torch.no_grad()
+def decode_stream(model, tokenizer, prompts: list[str], stops: list[tuple[str, ...]], max_new_tokens: list[int],
+                  device: str = "cpu", keys: list[SampleKey | None] | None = None, batch_size: int | None = None,
+                  refill: int | None = None, workers: int = 1):
+    """``decode`` as a stream with continuous batching: yields lists of (prompt index, RawGeneration) as rows
+    finish. At most ``batch_size`` rows (default: all) decode together; a finished row leaves the batch
+    (its rows of the KV cache, mask and positions are dropped, and padding no live row needs is cut), and
+    once ``refill`` slots (default: a quarter of the batch) are free the next prompts, longest first, are
+    prefilled in groups of like length and joined to the batch, left-padded to the cache's length.
+    ``workers`` > 1 forks that many - 1 more processes (one thread each) that take prompts from the same
+    queue (``_parallel``).
+
+    With canonical numerics a row's tokens are a function of its prompt alone, so none of this changes what
+    a row produces (``tests/test_invariance.py``). With PyTorch's own numerics, and for caches this does not
+    know how to splice, the batches are static: the next one starts when every row of the last one is done,
+    and finished rows keep decoding a pad token, as they always did (and there is one worker)."""
     enc = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    n = len(enc)
+    if n == 0:
+        return
+    if max(max_new_tokens) <= 0:  # nothing to generate (a row with 0 still got one token beside others)
+        yield [(i, RawGeneration([], "", "length", None, len(enc[i]))) for i in range(n)]
+        return
+    dynamic = _dynamic(model, enc, max_new_tokens)
+    # longest prompt first: prompts of like length are prefilled together and the short ones make the tail
+    order = sorted(range(n), key=lambda i: -len(enc[i])) if dynamic else list(range(n))
+    args = (model, tokenizer, enc, stops, max_new_tokens, device, keys, batch_size, refill, dynamic)
+    if dynamic and workers > 1 and n > 1 and hasattr(os, "fork"):
+        yield from _parallel(args, order, workers)
+    else:
+        yield from _decode_queue(*args, _LocalQueue(order))
+
+
+@torch.no_grad()
+def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, batch_size, refill, dynamic, queue):
+    n = len(enc)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos_ids = set(_eos_ids(model, tokenizer))
-    batch, width = len(enc), max(len(e) for e in enc)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((batch, width), dtype=torch.long)
-    for i, ids in enumerate(enc):  # left padding: real tokens end at the right edge
-        input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        mask[i, width - len(ids):] = 1
-    input_ids, mask = input_ids.to(device), mask.to(device)
+    batch_size = max(1, batch_size or n)
+    refill = max(1, refill or batch_size // REFILL_FRACTION)
+    state = None  # (past, mask [b, T], last positions [b, 1], last tokens [b, 1]) of the rows in ``live``
+    live: list[_Row] = []
+    while True:
+        free = batch_size - len(live)
+        take = queue.take(free) if not live or (dynamic and free >= refill) else []
+        if take:
+            groups = _like_lengths(take, enc) if dynamic else [take]
+            parts = []
+            for group in groups:
+                rows = [_Row(i, [], time.perf_counter()) for i in group]
+                logits, new_state = _prefill(model, [enc[i] for i in group], pad_id, device)
+                state = new_state if not live else _join(state, new_state)
+                live.extend(rows)
+                parts.append(logits)
+            stepped = live[len(live) - len(take):]
+            logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+        elif live:
+            past, mask, last_pos, last_tok = state
+            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=mask.device)], -1)
+            positions = last_pos + 1
+            out = model(input_ids=last_tok, attention_mask=mask, position_ids=positions, past_key_values=past,
+                        use_cache=True, logits_to_keep=1)
+            state = (out.past_key_values, mask, positions, last_tok)
+            logits = out.logits[:, -1, :].float()
+            stepped = live
+        else:
+            return
+        tokens = _choose(logits, stepped, keys)
+        finished = []
+        for r, tok in zip(stepped, tokens):
+            if r.done:
+                continue
+            _advance(r, tok, tokenizer, eos_ids, stops[r.index], max_new_tokens[r.index])
+            if r.done:
+                finished.append((r.index, RawGeneration(r.generated, r.text, r.reason, r.hit, len(enc[r.index]),
+                                                        time.perf_counter() - r.t0)))
+        feed = [pad_id if r.done else r.generated[-1] for r in live]
+        past, mask, last_pos, _ = state
+        state = (past, mask, last_pos, torch.tensor(feed, dtype=torch.long, device=mask.device).unsqueeze(-1))
+        if dynamic and finished:
+            keep = [j for j, r in enumerate(live) if not r.done]
+            live = [live[j] for j in keep]
+            state = _select(state, keep) if live else None
+        elif all(r.done for r in live):
+            live, state = [], None
+        if finished:
+            yield finished
 
-    generated: list[list[int]] = [[] for _ in range(batch)]
-    done = [False] * batch
-    texts = [""] * batch
-    reasons = ["length"] * batch
-    hits: list[str | None] = [None] * batch
-    limit = max(max_new_tokens)
-    past = None
-    step_ids, attn_mask = input_ids, mask  # attn_mask covers the cache and the current step
+
+class _LocalQueue:
+    """Prompt indices in the order they are admitted."""
+
+    def __init__(self, order: list[int]):
+        self.order, self.next = order, 0
+
+    def take(self, k: int) -> list[int]:
+        out = self.order[self.next:self.next + k]
+        self.next += len(out)
+        return out
+
+
+class _SharedQueue(_LocalQueue):
+    """The same order shared by forked workers: a counter in shared memory says how far it has been taken."""
+
+    def __init__(self, order: list[int], ctx):
+        super().__init__(order)
+        self.counter = ctx.Value("q", 0)
+
+    def take(self, k: int) -> list[int]:
+        with self.counter.get_lock():
+            start = self.counter.value
+            end = min(len(self.order), start + k)
+            self.counter.value = end
+        return self.order[start:end]
+
+
+def _worker(args, queue, conn) -> None:
+    """A forked worker: decodes what it takes from the shared queue, sends each finished list back."""
+    try:
+        for finished in _decode_queue(*args, queue):
+            conn.send(("items", finished))
+        conn.send(("done", None))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
+        try:
+            import traceback
+
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        except Exception:  # noqa: BLE001 - the parent is gone
+            pass
+        sys.exit(1)
+    finally:
+        conn.close()
+
+
+def _parallel(args, order: list[int], workers: int):
+    """``workers`` processes decode from one queue: this one and ``workers - 1`` forked from it (the model is
+    shared copy-on-write; each keeps its own thread count). A row's tokens do not depend on which process
+    decoded it beside which others; their lists are yielded as they arrive."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    queue = _SharedQueue(order, ctx)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer's pool does not survive a fork
+    children = []
+    try:
+        for _ in range(workers - 1):
+            receive, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker, args=(args, queue, send), daemon=True, name="evalgate-decode")
+            proc.start()
+            send.close()
+            children.append([proc, receive, False])
+        for finished in _decode_queue(*args, queue):
+            yield finished
+            yield from _drain(children, block=False)
+        yield from _drain(children, block=True)
+    finally:
+        for proc, receive, _ in children:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
+            receive.close()
+
+
+def _drain(children: list, block: bool):
+    for child in children:
+        proc, receive, _ = child
+        while not child[2] and (block or receive.poll()):
+            try:
+                kind, value = receive.recv()
+            except EOFError:
+                raise RuntimeError(f"a decoding worker (pid {proc.pid}) died without reporting (exit code "
+                                   f"{proc.exitcode})") from None
+            if kind == "items":
+                yield value
+            elif kind == "done":
+                child[2] = True
+            else:
+                raise RuntimeError(f"a decoding worker failed: {value}")
+
+
+def _dynamic(model, enc, max_new_tokens) -> bool:
+    """Whether rows may leave and join the batch: canonical numerics, a cache of plain dynamic layers, and
+    every row shorter than the sliding window (beyond it the window would count a row's padding)."""
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    longest = max(len(e) + m for e, m in zip(enc, max_new_tokens))
+    return _canonical(model) and (window is None or longest < window - 1) and _spliceable(model)
+
+
+PREFILL_PADDING = 0.15  # a prompt joins a prefill group while it is at least 85% as long as the group's longest
+
+
+def _like_lengths(take: list[int], enc) -> list[list[int]]:
+    """``take`` (longest prompt first) cut into groups of like length, each prefilled as one batch: a pad
+    token costs as much as a real one, a call costs little."""
+    groups: list[list[int]] = []
+    for i in take:
+        if groups and len(enc[i]) >= (1 - PREFILL_PADDING) * len(enc[groups[-1][0]]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _canonical(model) -> bool:
+    """Whether the model's rows are batch-invariant (``invariant.install``): only then may rows leave and join."""
+    from evalgate.model_adapters.invariant import numerics
+
+    return numerics(model) != "native"
+
+
+def _prefill(model, ids: list[list[int]], pad_id: int, device):
+    """The prompts as one left-padded batch: (last-position logits [k, V] FP32, state)."""
+    k, width = len(ids), max(len(e) for e in ids)
+    input_ids = torch.full((k, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((k, width), dtype=torch.long)
+    for i, e in enumerate(ids):  # left padding: real tokens end at the right edge
+        input_ids[i, width - len(e):] = torch.tensor(e, dtype=torch.long)
+        mask[i, width - len(e):] = 1
+    input_ids, mask = input_ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    for step in range(limit):  # step = the index of the token being generated, the same for every live row
-        out = model(input_ids=step_ids, attention_mask=attn_mask, position_ids=positions,
-                    past_key_values=past, use_cache=True, logits_to_keep=1)
-        past = out.past_key_values
-        live_keys = [None if done[i] else keys[i] for i in range(batch)] if keys else None  # no noise for finished rows
-        next_ids = next_tokens(out.logits[:, -1, :].float(), live_keys, step)
-        for i in range(batch):
-            if done[i]:
-                continue
-            tok = int(next_ids[i])
-            generated[i].append(tok)
-            if tok in eos_ids:
-                done[i], reasons[i] = True, "stop"
-                generated[i].pop()  # EOS is not part of the response text
-                texts[i] = tokenizer.decode(generated[i], skip_special_tokens=True)
-                generated[i].append(tok)
-                continue
-            text = tokenizer.decode(generated[i], skip_special_tokens=True)
-            cut, hit = cut_at_stop(text, stops[i])
-            if hit is not None:
-                done[i], reasons[i], hits[i], texts[i] = True, "stop", hit, cut
-            elif len(generated[i]) >= max_new_tokens[i]:
-                done[i], texts[i] = True, text
-        if all(done):
-            break
-        # finished rows keep decoding a pad token (masked out) so the batch stays rectangular
-        feed = torch.tensor([pad_id if done[i] else int(next_ids[i]) for i in range(batch)], device=device)
-        step_ids = feed.unsqueeze(-1)
-        attn_mask = torch.cat([attn_mask, torch.ones((batch, 1), dtype=torch.long, device=device)], -1)
-        positions = positions[:, -1:] + 1
-    for i in range(batch):
-        if not done[i]:
-            texts[i] = tokenizer.decode(generated[i], skip_special_tokens=True)
-    return [RawGeneration(generated[i], texts[i], reasons[i], hits[i], len(enc[i])) for i in range(batch)]
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1, :].float(), (out.past_key_values, mask, positions[:, -1:], None)
+
+
+def _choose(logits: torch.Tensor, rows: list[_Row], keys) -> list[int]:
+    """Each row's next token: argmax, or for a sampled row the keyed sample at its own position."""
+    chosen = logits.argmax(-1)
+    if keys:
+        by_step: dict[int, list[int]] = {}
+        for j, r in enumerate(rows):
+            if not r.done and keys[r.index] is not None:
+                by_step.setdefault(len(r.generated), []).append(j)
+        for step, js in by_step.items():
+            picked = next_tokens(logits[js], [keys[rows[j].index] for j in js], step)
+            chosen[js] = picked
+    return chosen.tolist()
+
+
+def _advance(r: _Row, tok: int, tokenizer, eos_ids: set, stops: tuple[str, ...], max_new: int) -> None:
+    r.generated.append(tok)
+    if tok in eos_ids:  # EOS is not part of the response text
+        r.done, r.reason = True, "stop"
+        r.text = tokenizer.decode(r.generated[:-1], skip_special_tokens=True)
+        return
+    text = tokenizer.decode(r.generated, skip_special_tokens=True)
+    cut, hit = cut_at_stop(text, stops)
+    if hit is not None:
+        r.done, r.reason, r.hit, r.text = True, "stop", hit, cut
+    elif len(r.generated) >= max_new:
+        r.done, r.text = True, text
+
+
+# --- splicing the KV cache along the batch ---------------------------------------------------------------
+
+
+def _layers(past):
+    return getattr(past, "layers", None)
+
+
+def _spliceable(model) -> bool:
+    """Whether the model's cache is made of plain dynamic layers (keys and values [B, H, T, D] and a length),
+    which rows can leave and join."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # noqa: BLE001 - a config DynamicCache cannot read: no splicing
+        return False
+    return bool(layers) and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
+
+
+def _check_layers(past) -> list:
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    layers = _layers(past)
+    if not layers or any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) or not layer.is_initialized
+                         or getattr(layer, "record_past", False) for layer in layers):
+        raise RuntimeError("continuous batching met a KV cache it cannot splice; decode with batch_size=None")
+    return layers
+
+
+def _set_length(layer) -> None:
+    if hasattr(layer, "cumulative_length"):
+        layer.cumulative_length = layer.keys.shape[-2]
+
+
+def _select(state, keep: list[int]):
+    """The state of the rows ``keep`` only, without the leading columns none of them attends to."""
+    past, mask, last_pos, last_tok = state
+    index = torch.tensor(keep, dtype=torch.long, device=mask.device)
+    mask = mask.index_select(0, index)
+    opened = mask.any(0).nonzero()
+    cut = int(opened[0]) if len(opened) else 0
+    mask = mask[:, cut:]
+    for layer in _check_layers(past):
+        layer.keys = layer.keys.index_select(0, index)[:, :, cut:]
+        layer.values = layer.values.index_select(0, index)[:, :, cut:]
+        kept = layer.__dict__.get("_evalgate_kv")  # invariant.KeptOperands
+        if kept is not None:
+            kept.select(index, cut)
+        _set_length(layer)
+    return past, mask, last_pos.index_select(0, index), last_tok.index_select(0, index)
+
+
+def _left_pad(t: torch.Tensor, dim: int, n: int, value: float) -> torch.Tensor:
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t.new_full(shape, value), t], dim)
+
+
+def _join(state, new):
+    """Two states side by side along the batch, the shorter one left-padded (masked keys: exact zeros)."""
+    past, mask, last_pos, last_tok = state
+    past2, mask2, last_pos2, _ = new
+    t1, t2 = mask.shape[-1], mask2.shape[-1]
+    t = max(t1, t2)
+    mask = torch.cat([_left_pad(mask, 1, t - t1, 0), _left_pad(mask2, 1, t - t2, 0)])
+    for layer, other in zip(_check_layers(past), _check_layers(past2)):
+        a, b = t - layer.keys.shape[-2], t - other.keys.shape[-2]
+        layer.keys = torch.cat([_left_pad(layer.keys, 2, a, 0), _left_pad(other.keys, 2, b, 0)])
+        layer.values = torch.cat([_left_pad(layer.values, 2, a, 0), _left_pad(other.values, 2, b, 0)])
+        mine, theirs = layer.__dict__.get("_evalgate_kv"), other.__dict__.get("_evalgate_kv")
+        if mine is not None and theirs is not None:  # invariant.KeptOperands
+            mine.join(theirs, a, b)
+        else:
+            layer.__dict__.pop("_evalgate_kv", None)  # rebuilt from the full cache on the next step
+        _set_length(layer)
+    return past, mask, torch.cat([last_pos, last_pos2]), last_tok
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

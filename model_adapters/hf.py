@@ -18,7 +18,7 @@ import torch
 from evalgate.errors import UserError
 from evalgate.kernels import get_kernel
 from evalgate.model_adapters.fingerprint import model_fingerprint
-from evalgate.model_adapters.generation import decode
+from evalgate.model_adapters.generation import decode, decode_stream
 from evalgate.model_adapters.sampling import SampleKey
 from evalgate.types import Generation, Request
 
@@ -47,8 +47,13 @@ NUMERICS = ("canonical", "native")
 
 
 def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: str | None = None,
-               numerics: str = "canonical"):
+               numerics: str = "canonical", device_map: str | None = None):
     """(model, tokenizer) with ``kernel_name`` serving every MoE experts module.
+
+    An FP4 checkpoint with ``device_map`` (``auto``, ``cpu``, ``cuda:0,cuda:1``; the CLI's ``--device-map``),
+    or on a GPU with an emulated kernel, is planned and streamed onto its devices with the experts kept packed
+    (``streamed.py``; a model that does not fit is refused before loading). Otherwise transformers loads it
+    on the CPU, dequantized, and the stored codes are attached.
 
     ``numerics="canonical"`` (default) gives the model a batch-, thread- and instruction-set-invariant
     forward pass (``invariant.install``; docs/kernels.md#canonical-numerics); a model it does not cover
@@ -63,6 +68,9 @@ def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: s
         hf_logging.disable_progress_bar()  # keep CI logs clean
     d = check_model_dir(path)
     kernel = get_kernel(kernel_name)
+    device_map = streamed_device_map(d, kernel, device, device_map)
+    if device_map is not None:
+        return _load_streamed(d, kernel, device_map, dtype, numerics)
     kwargs = {"experts_implementation": kernel.name}
     if dtype is not None:
         kwargs["dtype"] = DTYPES[dtype]
@@ -80,6 +88,11 @@ def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: s
     if prepare is not None:  # e.g. attach the stored FP4 codes of an FP4 checkpoint
         prepare(model, d)
     model = model.to(device).eval()
+    _finish(model, numerics)
+    return model, tokenizer
+
+
+def _finish(model, numerics: str) -> None:
     from evalgate.cores import configure_torch  # the cores we may use, not the machine's
 
     configure_torch(getattr(model.config, "hidden_size", None))
@@ -91,7 +104,36 @@ def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: s
         except NotImplementedError as exc:
             print(f"evalgate: PyTorch's own numerics for this model, outputs may depend on the batch: {exc}",
                   file=sys.stderr)
-    return model, tokenizer
+
+
+def streamed_device_map(d: Path, kernel, device: str, device_map: str | None) -> str | None:
+    """The device map to stream with, or None for transformers' loader: ``device_map`` (else the CLI's
+    ``--device-map``) when given; an FP4 checkpoint on a GPU with an emulated kernel streams onto ``device``."""
+    from evalgate.kernels.checkpoint import is_fp4_checkpoint
+    from evalgate.model_adapters.placement import requested_device_map
+
+    device_map = device_map or requested_device_map()
+    if device_map is not None:
+        return device_map
+    emulated = getattr(kernel.experts_forward, "recipe", None) is not None
+    if device != "cpu" and emulated and is_fp4_checkpoint(d):
+        return device
+    return None
+
+
+def _load_streamed(d: Path, kernel, device_map: str, dtype: str | None, numerics: str):
+    from transformers import AutoTokenizer
+
+    from evalgate.model_adapters.streamed import dispatch, load_streamed
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(d)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot load the tokenizer from {str(d)!r}: {first}") from None
+    model = load_streamed(d, kernel.name, device_map, dtype)
+    _finish(model, numerics)
+    return dispatch(model), tokenizer
 
 
 class HFAdapter:
@@ -107,6 +149,9 @@ class HFAdapter:
         self.device = device
         self.batch_size = batch_size
         self.model, self.tokenizer = load_model(self.path, kernel_name, device, dtype, numerics)
+        placement = getattr(self.model, "_evalgate_placement", None)
+        if placement is not None:  # streamed: inputs go to the device of the first part
+            self.device = placement.devices[0]
         self.load_s = time.perf_counter() - t0
 
     def info(self) -> dict:
@@ -125,11 +170,16 @@ class HFAdapter:
             "numerics": numerics(self.model),
             "device": self.device,
             "batch_size": self.batch_size,
+            **self._placement(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "machine": {"platform": platform.platform(), "python": platform.python_version(),
                         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
         }
+
+    def _placement(self) -> dict:
+        placement = getattr(self.model, "_evalgate_placement", None)
+        return {} if placement is None else {"placement": placement.summary()}
 
     def generate(self, requests: list[Request]) -> list[Generation]:
         if any(r.messages for r in requests):
@@ -143,3 +193,23 @@ class HFAdapter:
         return [Generation(text=g.text, finish_reason=g.finish_reason, stop_hit=g.stop_hit,
                            n_prompt_tokens=g.n_prompt_tokens, n_tokens=len(g.token_ids), latency_s=per_item)
                 for g in raw]
+
+    def generate_stream(self, requests: list[Request], batch_size: int | None = None):
+        """Continuous batching over all ``requests``: yields lists of (request index, Generation) as items
+        finish, at most ``batch_size`` (default: the adapter's) decoding at once in each of the decoding
+        processes (``cores.generation_workers``: on a CPU, one per available core beyond the threads). What an item produces does
+        not depend on when it ran beside which others (canonical numerics, ``generation.decode_stream``)."""
+        if any(r.messages for r in requests):
+            raise UserError("chat profiles need a chat template; use a completion profile with a local checkpoint")
+        keys = [SampleKey(r.seed, r.temperature) if r.temperature > 0 else None for r in requests]
+        from evalgate.cores import generation_workers
+
+        workers = generation_workers()[0] if self.device == "cpu" else 1
+        stream = decode_stream(self.model, self.tokenizer, [r.prompt for r in requests], [r.stop for r in requests],
+                               [r.max_new_tokens for r in requests], device=self.device, keys=keys,
+                               batch_size=batch_size or self.batch_size, workers=workers)
+        for finished in stream:
+            yield [(i, Generation(text=g.text, finish_reason=g.finish_reason, stop_hit=g.stop_hit,
+                                  n_prompt_tokens=g.n_prompt_tokens, n_tokens=len(g.token_ids),
+                                  latency_s=g.latency_s or 0.0))
+                   for i, g in finished]

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from evalgate.kernels import canonical
-from evalgate.kernels.canonical import fixed_matmul, fixed_operand, ordered_sum
+from evalgate.kernels.canonical import FixedOperand, fixed_matmul, fixed_operand, ordered_sum
 
 NUMERICS = canonical.VERSION
 ATTENTION = "evalgate_canonical"
@@ -243,14 +243,89 @@ def _with_cache(layer, full, keys, values):
     ones, or all of ``full`` afresh when the cache is not the continuation of the last call."""
     kept = layer.__dict__.get("_evalgate_kv")
     new = keys.q.shape[-1]
-    if kept is not None and kept[0].q.shape[-1] + new == full.shape[-2] and kept[0].q.shape[0] == full.shape[0]:
-        keys, values = kept[0].cat(keys, -1), kept[1].cat(values, -2)
-    elif full.shape[-2] != new:
-        keys, values = fixed_operand(full.transpose(-1, -2), "columns"), fixed_operand(full, "rows")
+    if kept is not None and kept.length + new == full.shape[-2] and kept.batch == full.shape[0]:
+        kept.append(keys, values)
+    else:
+        if full.shape[-2] != new:
+            keys, values = fixed_operand(full.transpose(-1, -2), "columns"), fixed_operand(full, "rows")
+        kept = layer._evalgate_kv = KeptOperands(keys, values)
+    keys, values = kept.operands()
     stays = layer.keys.shape[-2]  # what the cache layer keeps (a sliding window keeps a suffix)
-    total = full.shape[-2]
-    layer._evalgate_kv = (keys.narrow(-1, total - stays, stays), values.narrow(-2, total - stays, stays))
+    if stays != kept.length:
+        layer._evalgate_kv = KeptOperands(keys.narrow(-1, kept.length - stays, stays),
+                                          values.narrow(-2, kept.length - stays, stays))
     return keys, values
+
+
+class KeptOperands:
+    """The fixed-point operands of a cache layer's keys (columns of the scores' right operand) and values
+    (rows of the output's), kept beside the cache in buffers with room to grow along the keys, so that a
+    decoding step writes only its new key (each key's grid is its own) instead of copying the cache.
+
+    Stored key-major, [B, 1, capacity, D] (scales [B, 1, capacity, 1]); ``operands()`` are views of the
+    first ``length`` keys. ``select`` and ``join`` (``generation.decode_stream``) let rows leave and join:
+    a padding key has q = 0 (and scale 1), which a masked key multiplies by an exact zero."""
+
+    GROW = 64  # spare keys allocated beyond the current length
+
+    def __init__(self, keys: FixedOperand, values: FixedOperand, capacity: int | None = None):
+        parts = self._parts(keys, values)
+        self.length = parts[0].shape[2]
+        self._alloc(parts, capacity or self.length + self.GROW)
+
+    @staticmethod
+    def _parts(keys: FixedOperand, values: FixedOperand) -> list[torch.Tensor]:
+        """key-major tensors: keys' q, scale, values; values' q, scale."""
+        return [keys.q.transpose(-1, -2), keys.scale.transpose(-1, -2), keys.values.transpose(-1, -2),
+                values.q, values.scale]
+
+    def _alloc(self, parts: list[torch.Tensor], capacity: int) -> None:
+        self.bufs = []
+        for t in parts:
+            buf = t.new_empty(t.shape[0], t.shape[1], capacity, t.shape[3])  # read only up to ``length``
+            buf[:, :, :t.shape[2]] = t
+            self.bufs.append(buf)
+
+    @property
+    def batch(self) -> int:
+        return self.bufs[0].shape[0]
+
+    def _views(self) -> list[torch.Tensor]:
+        return [b[:, :, :self.length] for b in self.bufs]
+
+    def operands(self) -> tuple[FixedOperand, FixedOperand]:
+        kq, ks, kv, vq, vs = self._views()
+        return (FixedOperand(kq.transpose(-1, -2), ks.transpose(-1, -2), "columns", kv.transpose(-1, -2)),
+                FixedOperand(vq, vs, "rows"))
+
+    def append(self, keys: FixedOperand, values: FixedOperand) -> None:
+        parts = self._parts(keys, values)
+        new = parts[0].shape[2]
+        if self.length + new > self.bufs[0].shape[2]:
+            self._alloc(self._views(), 2 * (self.length + new) + self.GROW)
+        for buf, t in zip(self.bufs, parts):
+            buf[:, :, self.length:self.length + new] = t
+        self.length += new
+
+    def select(self, index: torch.Tensor, cut: int) -> None:
+        """Keep the rows ``index`` and drop the first ``cut`` keys."""
+        self.length -= cut
+        self._alloc([v.index_select(0, index)[:, :, cut:] for v in self._views_from(cut)], self.length + self.GROW)
+
+    def _views_from(self, cut: int) -> list[torch.Tensor]:
+        return [b[:, :, :cut + self.length] for b in self.bufs]
+
+    def join(self, other: "KeptOperands", pad_self: int, pad_other: int) -> None:
+        """``other``'s rows after these, each left-padded to a common length."""
+        length = self.length + pad_self
+        parts = []
+        for j, (a, b) in enumerate(zip(self._views(), other._views())):
+            fill = 1.0 if j in (1, 4) else 0.0
+            pa = a.new_full((a.shape[0], a.shape[1], pad_self, a.shape[3]), fill)
+            pb = b.new_full((b.shape[0], b.shape[1], pad_other, b.shape[3]), fill)
+            parts.append(torch.cat([torch.cat([pa, a], 2), torch.cat([pb, b], 2)]))
+        self.length = length
+        self._alloc(parts, length + self.GROW)
 
 
 def _attend(query, keys, values, mask, sinks, scaling):

@@ -196,7 +196,7 @@ def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progres
         if dispatch is not None and requests:
             stats = _dispatch_continuously(dispatch, requests, score_and_write, times)
         else:
-            _run_in_batches(adapter, requests, spec.batch_size, score_and_write, times)
+            run_in_process(adapter, requests, spec.batch_size, score_and_write, times)
     finally:
         writer.close()
         restore_item_order(path, [item["doc_id"] for item in items])
@@ -208,8 +208,66 @@ def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progres
         entry["complete"] = len(read_records(path)[0]) == len(items)
 
 
+def run_in_process(adapter, requests: list[Request], batch_size: int, score_and_write, times: dict) -> None:
+    """The in-process model: continuous batching where the adapter streams (``generate_stream``), else one
+    batch of ``--batch-size`` at a time."""
+    stream = getattr(adapter, "generate_stream", None)
+    if stream is None or not requests:
+        _run_in_batches(adapter, requests, batch_size, score_and_write, times)
+    else:
+        _run_streaming(stream, requests, batch_size, score_and_write, times)
+
+
+def _run_streaming(stream, requests: list[Request], batch_size: int, score_and_write, times: dict) -> None:
+    """Every request handed to the adapter's stream at once (at most ``batch_size`` decode together, a
+    finished item's slot is refilled); finished items are scored and stored on one background thread while
+    the model goes on (HumanEval's programs run in the sandbox beside the decoding). A chunk goes to the
+    scorer when it is idle or ``batch_size`` items wait; after an error or Ctrl-C the items that finished are
+    still scored and stored before it propagates, so a resume redoes only what was lost."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pending: list[tuple[Request, object]] = []
+    queued: list = []  # futures of the chunks handed to the scorer, in order
+
+    def settle(wait: bool) -> None:
+        while queued and (wait or queued[0].done()):
+            queued.pop(0).result()  # a scoring error surfaces here
+
+    def hand_over(pool) -> None:
+        chunk = list(pending)
+        pending.clear()
+        queued.append(pool.submit(score_and_write, [r for r, _ in chunk], [g for _, g in chunk]))
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="evalgate-score") as pool:
+        generated = stream(requests, batch_size)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    finished = next(generated)
+                except StopIteration:
+                    break
+                finally:
+                    times["generate_s"] += time.perf_counter() - t0
+                pending.extend((requests[i], g) for i, g in finished)
+                settle(wait=False)
+                if not queued or len(pending) >= batch_size:
+                    hand_over(pool)
+        except BaseException:
+            generated.close()
+            try:
+                settle(wait=True)
+            finally:
+                if pending:
+                    score_and_write([r for r, _ in pending], [g for _, g in pending])
+            raise
+        if pending:
+            hand_over(pool)
+        settle(wait=True)
+
+
 def _run_in_batches(adapter, requests: list[Request], batch_size: int, score_and_write, times: dict) -> None:
-    """The in-process model: one batch of ``--batch-size`` at a time, scored and stored after each."""
+    """One batch of ``--batch-size`` at a time, scored and stored after each."""
     for start in range(0, len(requests), batch_size):
         batch: list[Request] = requests[start:start + batch_size]
         t0 = time.perf_counter()

@@ -1,0 +1,76 @@
+"""Continuous batching (``generation.decode_stream``): rows leave the batch when they finish, new prompts are
+prefilled and joined to a running batch, and forked workers share the queue, all without changing a single
+token of any row (canonical numerics make a row a function of its prompt alone)."""
+
+from __future__ import annotations
+
+import pytest
+
+from evalgate.model_adapters.generation import decode, decode_stream
+from evalgate.model_adapters.sampling import SampleKey, sample_seed
+
+PROMPTS = [
+    "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
+    "Question: A train travels 60 miles in 2 hours. What is its speed?\nAnswer:",
+    "Question: 7 times 8?\nAnswer:",
+    "Question: Sara reads 12 pages a day for a week, then 30 pages on Sunday. How many pages did she read "
+    "in total over the eight days, counting both the weekdays and the weekend?\nAnswer:",
+    "Question: What is 100 minus 37?\nAnswer:",
+    "Question: A box holds 24 pencils. How many boxes hold 96 pencils?\nAnswer:",
+    "Question: If a shirt costs $15 and is 20% off, what is the price?\nAnswer:",
+]
+MAX_NEW = [9, 4, 12, 7, 1, 10, 6]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    from evalgate.model_adapters.hf import load_model
+
+    return load_model(tiny_model, "w4a8")
+
+
+def _alone(model, tok, stops, keys=None):
+    return [decode(model, tok, [p], [s], [m], keys=None if keys is None else [keys[i]])[0]
+            for i, (p, s, m) in enumerate(zip(PROMPTS, stops, MAX_NEW))]
+
+
+def _streamed(model, tok, stops, keys=None, **kw):
+    out = {}
+    for finished in decode_stream(model, tok, PROMPTS, stops, MAX_NEW, keys=keys, **kw):
+        for i, g in finished:
+            assert i not in out
+            out[i] = g
+    return [out[i] for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("batch_size, refill, workers", [(None, None, 1), (2, 1, 1), (3, 2, 1), (3, 1, 2)])
+def test_rows_leaving_and_joining_the_batch_change_no_token(tiny, batch_size, refill, workers):
+    model, tok = tiny
+    stops = [("\n\n",)] * len(PROMPTS)
+    alone = _alone(model, tok, stops)
+    got = _streamed(model, tok, stops, batch_size=batch_size, refill=refill, workers=workers)
+    for a, b in zip(alone, got):
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_hit, a.n_prompt_tokens) == \
+               (b.token_ids, b.text, b.finish_reason, b.stop_hit, b.n_prompt_tokens)
+    assert [len(g.token_ids) for g in got] == MAX_NEW or any(g.finish_reason == "stop" for g in got)
+
+
+def test_sampled_rows_draw_at_their_own_positions_when_they_join_late(tiny):
+    model, tok = tiny
+    keys = [SampleKey(sample_seed(5, i), 0.8) if i % 2 else None for i in range(len(PROMPTS))]
+    stops = [()] * len(PROMPTS)
+    alone = _alone(model, tok, stops, keys)
+    got = _streamed(model, tok, stops, keys=keys, batch_size=2, refill=1)
+    assert [g.token_ids for g in got] == [a.token_ids for a in alone]
+
+
+def test_a_native_model_keeps_static_batches(tiny_model):
+    """PyTorch's own numerics are batch-dependent: its rows never leave or join a running batch."""
+    from evalgate.model_adapters.generation import _dynamic
+    from evalgate.model_adapters.hf import load_model
+
+    model, tok = load_model(tiny_model, "w4a8", numerics="native")
+    enc = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    assert not _dynamic(model, enc, MAX_NEW)
+    got = _streamed(model, tok, [()] * len(PROMPTS), batch_size=3, workers=2)
+    assert [len(g.token_ids) for g in got] == MAX_NEW
