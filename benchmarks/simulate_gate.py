@@ -28,6 +28,9 @@ simulated A/A run of the same items, never given:
   the coupled model above at every k of the table. Either way ψ₀ comes from a simulated A/A run of the same
   structure (greedy: each item flips with its observed indicator; sampled: the same keys and batch-invariant
   numerics reproduce every sample, ψ̂₀ = 0), never from the runs' own ψ.
+- ``--canary``: the measured structure of the canary's packed W4A4 kernel against the canary's packaged W4A8
+  baseline, both tasks (one command: it runs ``evalgate run --kernel w4a4_packed`` into
+  ``results/runs/simulate-canary-w4a4_packed`` first when that run is missing or incomplete, a few minutes).
 - ``--cost N``: time the in-process canary generating N HumanEval items at k = 1, 4, 8, 16 (tokens capped by
   ``--cost-tokens``): the generation cost per k of the table.
 
@@ -37,7 +40,7 @@ verdict by verdict against decide_task/decide_overall on a sample of replicates;
 issue 14); "before": the rule before issue 14 (McNemar FAIL, NI at max(M, A/A floor of the plug-in ψ̂₀),
 two outcomes); "original" (docs/gate.md#the-original-rule); flat rules like vLLM's (rtol 0.05, 0.08).
 
-Run:  python benchmarks/simulate_gate.py [--reps 5000] [--seed 12345] [--from-runs BASE CAND] [--cost N]
+Run:  python benchmarks/simulate_gate.py [--reps 5000] [--seed 12345] [--from-runs BASE CAND | --canary] [--cost N]
       (~2.5 min on 2 cores without --cost)
 """
 
@@ -239,6 +242,30 @@ def load_runs(base_path: str, cand_path: str, task: str | None = None):
     if pairs.k == 1:
         return task, FromRuns(len(base), 1, base, cand - base, label)
     return task, sampled_structure(pairs, label)
+
+
+CANARY_RUN = Path("results/runs/simulate-canary-w4a4_packed")
+
+
+def canary_structures(run_dir: Path = CANARY_RUN):
+    """(task, structure) for both canary tasks: the packaged W4A8 baseline against a w4a4_packed run (made
+    here when missing: canonical numerics make it the same run on any machine)."""
+    import json
+    import subprocess
+    import sys
+
+    from evalgate.canary import BASELINES, PROFILES
+
+    manifest = run_dir / "manifest.json"
+    tasks = json.loads(manifest.read_text()).get("tasks", {}) if manifest.is_file() else {}
+    if not all(tasks.get(t, {}).get("complete") for t in PROFILES):
+        print(f"running the canary with w4a4_packed into {run_dir} (a few minutes) ...", flush=True)
+        resume = ["--resume"] if manifest.is_file() else []
+        subprocess.run([sys.executable, "-m", "evalgate", "run", "--kernel", "w4a4_packed", "--tasks",
+                        ",".join(PROFILES), "--out", str(run_dir), *resume], check=True)
+    for task, profile in PROFILES.items():
+        base = next(BASELINES.glob(f"*/{profile}-*/w4a8"))
+        yield load_runs(str(base), str(run_dir), task)
 
 
 def sampled_structure(pairs, label: str):
@@ -460,6 +487,8 @@ def main() -> None:
     parser.add_argument("--check", type=int, default=40, help="replicates per row re-decided with decide_overall")
     parser.add_argument("--from-runs", "--runs", dest="runs", nargs=2, metavar=("BASE", "CAND"),
                         help="also take the per-item structure from two stored runs (HumanEval if they have it)")
+    parser.add_argument("--canary", action="store_true",
+                        help="also the measured structure of the canary's w4a4_packed against its packaged W4A8 baseline")
     parser.add_argument("--cost", type=int, default=0, metavar="N", help="time N canary HumanEval items at each k")
     parser.add_argument("--cost-tokens", type=int, default=32, help="token limit of the --cost generations")
     args = parser.parse_args()
@@ -495,8 +524,10 @@ def main() -> None:
           f"{'FAIL':>6} {'met':>4}")
     targets = [("gsm8k", Greedy(N_GSM8K, 0.04), -0.02, quiet_he)]
     he_worlds = [Greedy(N_HUMANEVAL, 0.085)] + [Coupled(N_HUMANEVAL, k, 0.5) for k in K_TABLE]
-    if args.runs:  # the measured structure: greedy as it is, sampled at every k of the table
-        task, measured = load_runs(*args.runs)
+    measured_runs = [load_runs(*args.runs)] if args.runs else []
+    if args.canary:
+        measured_runs += list(canary_structures())
+    for task, measured in measured_runs:  # the measured structure: greedy as it is, sampled at every k of the table
         if isinstance(measured, FromRuns):  # greedy: that task's own target
             (he_worlds.append(measured) if task == "humaneval" else targets.append((task, measured, -0.02, quiet_he)))
         else:  # sampled: the coupled HumanEval target (n = 164, M = 5 pp) with the measured p_i, φ_i
