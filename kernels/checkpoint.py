@@ -41,7 +41,7 @@ QUANTIZATION_CONFIG = {
 }
 
 
-def _experts_modules(model) -> dict[int, torch.nn.Module]:
+def experts_modules(model) -> dict[int, torch.nn.Module]:
     """layer index -> the routed experts module, for every MoE layer of a DeepseekV4 model."""
     out = {}
     for name, module in model.named_modules():
@@ -69,7 +69,7 @@ def save_fp4_checkpoint(model, path, *, safe_serialization: bool = True) -> Path
     from safetensors.torch import load_file, save_file
 
     path = Path(path)
-    experts = _experts_modules(model)
+    experts = experts_modules(model)
     if not experts:
         raise UserError("save_fp4_checkpoint needs a DeepSeek-V4 MoE model (no `layers.N.mlp.experts` found)")
     model.save_pretrained(path, safe_serialization=safe_serialization)
@@ -166,7 +166,7 @@ def attach_stored_fp4(model, path) -> int:
     number of layers attached. FP8Experts modules (GPU load) already hold the codes and are skipped."""
     stored = read_stored_experts(path)
     attached = 0
-    for layer, module in _experts_modules(model).items():
+    for layer, module in experts_modules(model).items():
         if module.gate_up_proj.dtype in (torch.int8, torch.uint8) or layer not in stored:
             continue
         fp4 = stored[layer].to(module.gate_up_proj.device)
@@ -185,7 +185,7 @@ def prepare_fp4_model(model, path) -> None:
     checkpoint's stored codes are attached; a BF16 checkpoint's experts are quantized now, once."""
     if is_fp4_checkpoint(path):
         attach_stored_fp4(model, path)
-    for module in _experts_modules(model).values():
+    for module in experts_modules(model).values():
         fp4_weights(module)
 
 

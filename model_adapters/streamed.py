@@ -140,15 +140,6 @@ def _skeleton(path: Path, kernel_name: str, load_dtype: torch.dtype):
     return model.eval()
 
 
-def experts_modules(model) -> dict[int, torch.nn.Module]:
-    out = {}
-    for name, module in model.named_modules():
-        m = re.search(r"layers\.(\d+)\.mlp\.experts$", name)
-        if m and hasattr(module, "gate_up_proj"):
-            out[int(m.group(1))] = module
-    return out
-
-
 def pack_experts(module, device) -> None:
     """Replace a routed-experts module's BF16 (meta) parameters with empty packed FP4 ones on ``device``."""
     e, two_i, h = module.gate_up_proj.shape
@@ -227,6 +218,8 @@ def stream_load(path: str | Path, kernel_name: str, load_plan: LoadPlan):
     load = TORCH_DTYPES[load_plan.load_dtype]
     model = _skeleton(path, kernel_name, load)
     units = load_plan.placement.units
+    from evalgate.kernels.checkpoint import experts_modules
+
     experts = experts_modules(model)
     for layer, module in experts.items():
         pack_experts(module, units[f"layer.{layer}"])

@@ -12,7 +12,8 @@ from evalgate.errors import UserError
 from evalgate.run.progress import Progress
 from evalgate.run.samples import SampleGroups, Sampling
 from evalgate.records import SCHEMA_VERSION
-from evalgate.run.store import MANIFEST, RecordWriter, load_run, read_records, write_bytes_atomic, write_manifest
+from evalgate.files import write_bytes_atomic
+from evalgate.run.store import MANIFEST, RecordWriter, load_run, read_records, write_manifest
 from evalgate.tasks import get_task, resolve_profile
 from evalgate.types import Request
 

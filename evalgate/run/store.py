@@ -13,31 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from evalgate.errors import UserError
+from evalgate.files import write_bytes_atomic
 from evalgate.records import ItemRecord, RunManifest, dump_item, dump_manifest, load_manifest, parse, parse_item
 
 MANIFEST = "manifest.json"
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically: a temp file beside it, fsync, rename, fsync the folder.
-    A crash leaves the old file or the new one, never a mix."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -48,14 +31,6 @@ def write_json_atomic(path: Path, obj) -> None:
 def write_manifest(run_dir: Path, manifest: dict) -> None:
     """Write ``<run_dir>/manifest.json`` through the RunManifest model (``"schema_version": 2``), atomically."""
     write_json_atomic(Path(run_dir) / MANIFEST, dump_manifest(manifest))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_records(path: Path) -> tuple[list[dict], int]:

@@ -29,10 +29,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evalgate.files import write_bytes_atomic
 from evalgate.types import canonical_json, sha256_text
 
 TASK = "humaneval"
@@ -133,19 +133,6 @@ def plan(run_dir: Path) -> Migration:
     return m
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _json_text(obj) -> str:
     """The run store's manifest format (``evalgate.run.store.write_json_atomic``)."""
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
@@ -164,8 +151,8 @@ def _rewrite(run_dir: Path, m: Migration) -> None:
     # records: only the id string changes, byte for byte (every other field stays as written)
     text = records_path.read_text(encoding="utf-8")
     needle = f'"profile_id": "{m.old_id}"'
-    _write_atomic(records_path, text.replace(needle, f'"profile_id": "{m.new_id}"').encode("utf-8"))
-    _write_atomic(manifest_path, _json_text(manifest).encode("utf-8"))
+    write_bytes_atomic(records_path, text.replace(needle, f'"profile_id": "{m.new_id}"').encode("utf-8"))
+    write_bytes_atomic(manifest_path, _json_text(manifest).encode("utf-8"))
     m.files += [records_path, manifest_path]
 
 
