@@ -81,7 +81,10 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tiny_model, cli_env, t
     evalgate(args + ["--out", str(killed), "--resume"], cli_env, tmp_path)
     resumed = [json.loads(l) for l in jsonl.read_text().splitlines()]
     assert len(resumed) == 8 and len({r["doc_id"] for r in resumed}) == 8  # nothing redone or duplicated
-    assert stable(resumed[: len(partial)]) == stable(partial)  # finished items were kept as they were
+    # finished items were kept as they were (records are written as items finish, put in item order at the end)
+    by_id = {r["doc_id"]: r for r in resumed}
+    assert stable([by_id[r["doc_id"]] for r in partial]) == stable(partial)
+    assert [r["doc_id"] for r in resumed] == [r["doc_id"] for r in load_run(full).records["gsm8k"]]
     assert stable(resumed) == stable(load_run(full).records["gsm8k"])
     assert json.loads((killed / "manifest.json").read_text())["status"] == "complete"
 
