@@ -336,23 +336,27 @@ def _layers(past):
     return getattr(past, "layers", None)
 
 
+def _plain_layer(layer) -> bool:
+    """A plain dynamic cache layer (keys and values [B, H, T, D] and a length), which rows can leave and join."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
+
+
 def _spliceable(model) -> bool:
-    """Whether the model's cache is made of plain dynamic layers (keys and values [B, H, T, D] and a length),
-    which rows can leave and join."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+    """Whether the model's cache is made of plain dynamic layers."""
+    from transformers.cache_utils import DynamicCache
 
     try:
         layers = DynamicCache(config=model.config).layers
     except Exception:  # noqa: BLE001 - a config DynamicCache cannot read: no splicing
         return False
-    return bool(layers) and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
+    return bool(layers) and all(_plain_layer(layer) for layer in layers)
 
 
 def _check_layers(past) -> list:
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
     layers = _layers(past)
-    if not layers or any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) or not layer.is_initialized
+    if not layers or any(not _plain_layer(layer) or not layer.is_initialized
                          or getattr(layer, "record_past", False) for layer in layers):
         raise RuntimeError("continuous batching met a KV cache it cannot splice; decode with batch_size=None")
     return layers

@@ -182,26 +182,19 @@ class HFAdapter:
         return {} if placement is None else {"placement": placement.summary()}
 
     def generate(self, requests: list[Request]) -> list[Generation]:
-        if any(r.messages for r in requests):
-            raise UserError("chat profiles need a chat template; use a completion profile with a local checkpoint")
+        keys = _sample_keys(requests)
         t0 = time.perf_counter()
-        # a sampled request carries its own stream seed: its samples do not depend on the batch it lands in
-        keys = [SampleKey(r.seed, r.temperature) if r.temperature > 0 else None for r in requests]
         raw = decode(self.model, self.tokenizer, [r.prompt for r in requests], [r.stop for r in requests],
                      [r.max_new_tokens for r in requests], device=self.device, keys=keys)
         per_item = (time.perf_counter() - t0) / max(len(requests), 1)
-        return [Generation(text=g.text, finish_reason=g.finish_reason, stop_hit=g.stop_hit,
-                           n_prompt_tokens=g.n_prompt_tokens, n_tokens=len(g.token_ids), latency_s=per_item)
-                for g in raw]
+        return [_generation(g, per_item) for g in raw]
 
     def generate_stream(self, requests: list[Request], batch_size: int | None = None):
         """Continuous batching over all ``requests``: yields lists of (request index, Generation) as items
         finish, at most ``batch_size`` (default: the adapter's) decoding at once in each of the decoding
         processes (``cores.generation_workers``: on a CPU, one per available core beyond the threads). What an item produces does
         not depend on when it ran beside which others (canonical numerics, ``generation.decode_stream``)."""
-        if any(r.messages for r in requests):
-            raise UserError("chat profiles need a chat template; use a completion profile with a local checkpoint")
-        keys = [SampleKey(r.seed, r.temperature) if r.temperature > 0 else None for r in requests]
+        keys = _sample_keys(requests)
         from evalgate.cores import generation_workers
 
         workers = generation_workers()[0] if self.device == "cpu" else 1
@@ -209,7 +202,17 @@ class HFAdapter:
                                [r.max_new_tokens for r in requests], device=self.device, keys=keys,
                                batch_size=batch_size or self.batch_size, workers=workers)
         for finished in stream:
-            yield [(i, Generation(text=g.text, finish_reason=g.finish_reason, stop_hit=g.stop_hit,
-                                  n_prompt_tokens=g.n_prompt_tokens, n_tokens=len(g.token_ids),
-                                  latency_s=g.latency_s or 0.0))
-                   for i, g in finished]
+            yield [(i, _generation(g, g.latency_s or 0.0)) for i, g in finished]
+
+
+def _sample_keys(requests: list[Request]) -> list[SampleKey | None]:
+    """Refuses chat requests; a sampled request carries its own stream seed, so its samples do not depend on
+    the batch it lands in (None: greedy)."""
+    if any(r.messages for r in requests):
+        raise UserError("chat profiles need a chat template; use a completion profile with a local checkpoint")
+    return [SampleKey(r.seed, r.temperature) if r.temperature > 0 else None for r in requests]
+
+
+def _generation(g, latency_s: float) -> Generation:
+    return Generation(text=g.text, finish_reason=g.finish_reason, stop_hit=g.stop_hit,
+                      n_prompt_tokens=g.n_prompt_tokens, n_tokens=len(g.token_ids), latency_s=latency_s)

@@ -309,11 +309,9 @@ class KeptOperands:
 
     def select(self, index: torch.Tensor, cut: int) -> None:
         """Keep the rows ``index`` and drop the first ``cut`` keys."""
+        views = self._views()
         self.length -= cut
-        self._alloc([v.index_select(0, index)[:, :, cut:] for v in self._views_from(cut)], self.length + self.GROW)
-
-    def _views_from(self, cut: int) -> list[torch.Tensor]:
-        return [b[:, :, :cut + self.length] for b in self.bufs]
+        self._alloc([v.index_select(0, index)[:, :, cut:] for v in views], self.length + self.GROW)
 
     def join(self, other: "KeptOperands", pad_self: int, pad_other: int) -> None:
         """``other``'s rows after these, each left-padded to a common length."""
