@@ -123,6 +123,19 @@ class ModelInfo(Part):
     machine: dict[str, Any] | None = None
 
 
+class ConformanceInfo(Part):
+    """``manifest["kernel"]["conformance"]``: the kernel against the one it declares it computes
+    (kernels/conformance.py)."""
+
+    kernel: str
+    reference: str
+    checked: bool
+    ok: bool
+    summary: str
+    calc_diff: float | None = None
+    limit: float | None = None
+
+
 class KernelInfo(Part):
     """``manifest["kernel"]``: the kernel the run used."""
 
@@ -133,6 +146,7 @@ class KernelInfo(Part):
     env: dict[str, str] | None = None
     recipe: dict[str, Any] | None = None
     faulty: bool | None = None
+    conformance: ConformanceInfo | None = None  # absent: a server run, or a run made before evalgate checked it
 
 
 class PrepareInfo(Part):
@@ -365,6 +379,7 @@ class VerdictRecord(Record):
     decision: DecisionRecord | None = None
     unpaired: dict[str, dict[str, Any]] = Field(default_factory=dict)  # aggregate-only baselines
     baseline_dirs: list[str] = Field(default_factory=list)  # every baseline folder (one per task); absent before
+    conformance: ConformanceInfo | None = None  # the candidate kernel's, from its run (absent: not recorded)
     baseline: RunIdentity | None = None  # absent when there was no paired comparison
     candidate: RunIdentity | None = None
     flips: dict[str, list[FlipRow]] | None = None

@@ -30,6 +30,12 @@ class Kernel:
     def id(self) -> str:
         return f"{self.name}@{self.version}"
 
+    @property
+    def reference(self) -> str:
+        """The kernel whose numerics this one declares it computes (kernels/conformance.py): a faulty kernel
+        claims its healthy twin's; an emulated recipe is its own."""
+        return self.twin or self.name
+
 
 KERNELS: dict[str, Kernel] = {}
 

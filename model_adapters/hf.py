@@ -177,6 +177,13 @@ class HFAdapter:
                         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
         }
 
+    def conformance(self) -> dict:
+        """The kernel against the kernel it declares it computes, on this model's experts (the run manifest
+        records it; the gate FAILs a kernel that does not conform, kernels/conformance.py)."""
+        from evalgate.kernels.conformance import model_conformance
+
+        return model_conformance(self.model, self.kernel.name).to_dict()
+
     def _placement(self) -> dict:
         placement = getattr(self.model, "_evalgate_placement", None)
         return {} if placement is None else {"placement": placement.summary()}

@@ -15,9 +15,9 @@ from evalgate.cli.main import main
 FAULTY = "faulty/w4a4_packed-drop-slot"
 
 
-def fake_verdict(overall: str, **tasks: str):
+def fake_verdict(overall: str, conformance: dict | None = None, **tasks: str):
     decision = SimpleNamespace(tasks={t: SimpleNamespace(verdict=v) for t, v in tasks.items()})
-    return SimpleNamespace(verdict=overall, decision=decision)
+    return SimpleNamespace(verdict=overall, decision=decision, conformance=conformance)
 
 
 def test_default_kernels_are_the_healthy_five_and_every_faulty_one():
@@ -32,7 +32,7 @@ def test_default_kernels_are_the_healthy_five_and_every_faulty_one():
 def test_rows_and_table_say_which_kernel_did_not_do_what_it_should():
     verdicts = {"w4a8": fake_verdict("PASS", gsm8k="PASS", humaneval="PASS"),
                 "w4a4_te": fake_verdict("INCONCLUSIVE", gsm8k="PASS", humaneval="INCONCLUSIVE"),
-                FAULTY: fake_verdict("FAIL", gsm8k="FAIL", humaneval="PASS")}
+                FAULTY: fake_verdict("FAIL", {"checked": True, "ok": False}, gsm8k="FAIL", humaneval="PASS")}
     seen = []
     rows = selfcheck.check(list(verdicts), lambda k: (verdicts[k], Path("runs") / k), on_row=seen.append)
     assert seen == rows
@@ -40,10 +40,10 @@ def test_rows_and_table_say_which_kernel_did_not_do_what_it_should():
         ("w4a8", "PASS", "PASS", True), ("w4a4_te", "PASS", "INCONCLUSIVE", False), (FAULTY, "FAIL", "FAIL", True)]
     text = selfcheck.table(rows, ["gsm8k", "humaneval"])
     lines = text.splitlines()
-    assert lines[0].split() == ["kernel", "expected", "gsm8k", "humaneval", "overall", "time", "match"]
-    assert lines[3].split()[:5] == ["w4a4_te", "PASS", "PASS", "INCONCLUSIVE", "INCONCLUSIVE"]
+    assert lines[0].split() == ["kernel", "expected", "conformance", "gsm8k", "humaneval", "overall", "time", "match"]
+    assert lines[3].split()[:6] == ["w4a4_te", "PASS", "-", "PASS", "INCONCLUSIVE", "INCONCLUSIVE"]
     assert lines[3].endswith("NO") and lines[2].endswith("yes") and lines[4].endswith("yes")
-    assert lines[4].split()[:5] == [FAULTY, "FAIL", "FAIL", "PASS", "FAIL"]
+    assert lines[4].split()[:6] == [FAULTY, "FAIL", "FAIL", "FAIL", "PASS", "FAIL"]
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ class Row:
     seconds: float = 0.0
     run_dir: str = ""
     error: str = ""  # why the gate gave no verdict (verdict "ERROR")
+    conformance: str = "-"  # the kernel vs the one it declares: PASS, FAIL, "own" (its own reference), "-" (not checked)
 
     @property
     def ok(self) -> bool:
@@ -71,16 +72,25 @@ def check(kernels: list[str], gate_one: Callable[[str], tuple[object, Path]],
             on_row(row)
             continue
         tasks = {t: d.verdict for t, d in verdict.decision.tasks.items()} if verdict.decision else {}
-        row = Row(kernel, expected(kernel), verdict.verdict, tasks, round(time.perf_counter() - t0, 1), str(run_dir))
+        row = Row(kernel, expected(kernel), verdict.verdict, tasks, round(time.perf_counter() - t0, 1), str(run_dir),
+                  conformance=conformance_cell(getattr(verdict, "conformance", None)))
         rows.append(row)
         on_row(row)
     return rows
 
 
+def conformance_cell(conformance: dict | None) -> str:
+    if not conformance:
+        return "-"
+    if not conformance.get("checked"):
+        return "own"
+    return "PASS" if conformance["ok"] else "FAIL"
+
+
 def table(rows: list[Row], tasks: list[str]) -> str:
-    columns = ["kernel", "expected", *tasks, "overall", "time", "match"]
-    cells = [[r.kernel, r.expected, *(r.tasks.get(t, "-") for t in tasks), r.verdict, f"{r.seconds:.1f} s",
-              "yes" if r.ok else "NO"] for r in rows]
+    columns = ["kernel", "expected", "conformance", *tasks, "overall", "time", "match"]
+    cells = [[r.kernel, r.expected, r.conformance, *(r.tasks.get(t, "-") for t in tasks), r.verdict,
+              f"{r.seconds:.1f} s", "yes" if r.ok else "NO"] for r in rows]
     widths = [max(len(row[i]) for row in [columns, *cells]) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *cells]]
     lines.insert(1, "-" * len(lines[0]))

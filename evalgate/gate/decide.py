@@ -16,11 +16,13 @@ from evalgate.errors import NotComparable
 from evalgate.gate.compare import Pairing, compare
 from evalgate.gate.policy import Thresholds, load_thresholds
 from evalgate.gate.rule import decide_overall, decide_task
-from evalgate.gate.verdict import Verdict
+from evalgate.gate.verdict import EXIT_CODES, Verdict
 from evalgate.run.baselines import aa_for_baseline, assemble
 from evalgate.run.store import Run, load_run
 from evalgate.stats.unpaired import unpaired_two_proportion
 
+CONFORMANCE_UNCHECKED = ("kernel conformance not checked: the candidate's kernel ran outside evalgate (a server) or "
+                         "its run predates the check; decided on accuracy alone")
 UNPAIRED_NOTE = "aggregate-only baseline: pairing ignored, much weaker than the paired McNemar/Tango gate"
 
 
@@ -115,11 +117,24 @@ def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = 
     cand_run = candidate if isinstance(candidate, Run) else load_run(candidate)
     policy = thresholds if isinstance(thresholds, Thresholds) else load_thresholds(thresholds)
     if base_run.manifest.get("aggregate_only"):
-        return replace(decide_unpaired(base_run, cand_run, policy), baseline_dirs=[str(d) for d in dirs])
+        return with_conformance(replace(decide_unpaired(base_run, cand_run, policy), baseline_dirs=[str(d) for d in dirs]),
+                                cand_run)
     tasks = [t for t in cand_run.tasks if t in base_run.manifest.get("tasks", {})]
     missing = [t for t in cand_run.tasks if t not in tasks]
     if missing:
         raise NotComparable(f"the baseline has no {', '.join(missing)}; record a baseline for every task the candidate ran")
     pairing = compare(base_run, cand_run, tasks=tasks, metrics={t: policy.task(t).metric for t in tasks})
     verdict = decide(pairing, policy, aa=aa_for_baseline(dirs), require_aa=not allow_uncalibrated)
-    return replace(verdict, baseline_dirs=[str(d) for d in dirs])
+    return with_conformance(replace(verdict, baseline_dirs=[str(d) for d in dirs]), cand_run)
+
+
+def with_conformance(verdict: Verdict, candidate: Run) -> Verdict:
+    """The candidate kernel's conformance (docs/gate.md#kernel-conformance), recorded in its run, joins the
+    verdict: a kernel that does not compute the numerics it declares FAILs, whatever its accuracy. A run
+    without the record (a server's kernel is out of reach) is decided on accuracy alone, with a note."""
+    conformance = candidate.manifest.get("kernel", {}).get("conformance")
+    if conformance is None:
+        return replace(verdict, notes=[*verdict.notes, CONFORMANCE_UNCHECKED])
+    if conformance.get("ok", True):
+        return replace(verdict, conformance=conformance)
+    return replace(verdict, verdict="FAIL", exit_code=EXIT_CODES["FAIL"], conformance=conformance)

@@ -228,6 +228,7 @@ class Verdict:
     notes: list[str] = field(default_factory=list)
     unpaired: dict = field(default_factory=dict)  # task -> UnpairedResult.to_dict() (aggregate-only baselines)
     baseline_dirs: list[str] = field(default_factory=list)  # every baseline folder decided against (one per task)
+    conformance: dict | None = None  # the candidate kernel vs the kernel it declares (kernels/conformance.py)
 
     def to_dict(self) -> dict:
         cmp = self.comparison
@@ -243,6 +244,7 @@ class Verdict:
             "decision": self.decision.to_dict() if self.decision is not None else None,
             "unpaired": self.unpaired,
             "baseline_dirs": self.baseline_dirs,
+            "conformance": self.conformance,
         }
         if cmp is not None:
             out["baseline"] = run_identity(cmp.baseline)

@@ -40,6 +40,15 @@ def task_rows(verdict) -> list[dict]:
     return paired_rows(verdict.decision, verdict.comparison, verdict.aa)
 
 
+def conformance_line(verdict) -> str | None:
+    """"kernel conformance PASS|FAIL: ..." when the candidate kernel was held against the kernel it declares
+    (kernels/conformance.py); None when it is its own reference or was not checked (then a note says so)."""
+    conf = verdict.conformance
+    if not conf or not conf.get("checked"):
+        return None
+    return f"kernel conformance {'PASS' if conf['ok'] else 'FAIL'}: {conf['summary']}"
+
+
 def report_notes(verdict) -> list[str]:
     """The verdict's notes, and one line per task whose two runs ran their programs under different Python
     minors (recorded in the runs, not part of the profile: compared, with this warning)."""

@@ -6,7 +6,7 @@ import os
 from xml.sax.saxutils import escape, quoteattr
 
 from evalgate.formatting import pp as _pp_unit
-from evalgate.report.rows import report_notes, task_rows
+from evalgate.report.rows import conformance_line, report_notes, task_rows
 
 MAX_FLIPS_MD = 50
 
@@ -110,8 +110,9 @@ def task_blocks(verdict):
 
 
 def verdict_lines(verdict) -> list[str]:
-    """Under the table: every task's reasons and warnings, then the notes, one plain line each."""
-    lines = []
+    """Under the table: the kernel's conformance, every task's reasons and warnings, then the notes, one plain
+    line each."""
+    lines = [line for line in [conformance_line(verdict)] if line]
     for r in task_rows(verdict):
         lines += [f"{r['task']} {r['verdict']}: {reason}" for reason in r["reasons"]]
         lines += [f"{r['task']} warning: {w}" for w in r["warnings"]]
@@ -149,6 +150,8 @@ def markdown(verdict) -> str:
     lines += [f"- policy: `{verdict.thresholds.path}` (sha256 `{verdict.thresholds.sha256[:12]}`), "
               f"α = {verdict.thresholds.alpha}, {verdict.thresholds.multiple_comparisons}, gate CI {verdict.thresholds.ci_method}"]
     lines += [f"- note: {n}" for n in report_notes(verdict)]
+    if conformance_line(verdict):
+        lines += [f"- **{conformance_line(verdict)}**"]
     lines += ["", "| task | n | baseline | candidate | Δ pp | 95% CI (Tango) | b / c | p (McNemar) | ψ / ψ0 | margin | "
                   "MDE (80% power) | verdict |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -189,10 +192,18 @@ def _cell(value) -> str:
 
 def junit_xml(verdict) -> str:
     rows = task_rows(verdict)
-    failures = sum(r["verdict"] != "PASS" for r in rows)
+    conformance = conformance_line(verdict)  # a test case of its own when the kernel was checked
+    tests = len(rows) + (conformance is not None)
+    failures = sum(r["verdict"] != "PASS" for r in rows) + (conformance is not None and not verdict.conformance["ok"])
     out = ['<?xml version="1.0" encoding="UTF-8"?>',
-           f'<testsuites name="evalgate" tests="{len(rows)}" failures="{failures}">',
-           f'  <testsuite name="evalgate.gate" tests="{len(rows)}" failures="{failures}" errors="0">']
+           f'<testsuites name="evalgate" tests="{tests}" failures="{failures}">',
+           f'  <testsuite name="evalgate.gate" tests="{tests}" failures="{failures}" errors="0">']
+    if conformance is not None:
+        out.append('    <testcase classname="evalgate.gate" name="kernel-conformance">')
+        if not verdict.conformance["ok"]:
+            out.append(f'      <failure type="FAIL" message={quoteattr(conformance)}>{escape(conformance)}</failure>')
+        out.append(f"      <system-out>{escape(conformance)}</system-out>")
+        out.append("    </testcase>")
     for r in rows:
         out.append(f'    <testcase classname="evalgate.gate" name={quoteattr(r["task"])}>')
         if r["verdict"] != "PASS":  # INCONCLUSIVE is not a pass either: a failure of type INCONCLUSIVE

@@ -122,6 +122,9 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
         "tasks": {name: {**resolved.summary(), "n_items": len(items)} for name, (items, resolved) in loaded.items()},
         "timings": {"load_model_s": round(adapter.load_s, 3)},
     }
+    conformance = getattr(adapter, "conformance", None)  # in-process kernels only: a server's is out of reach
+    if conformance is not None:
+        manifest["kernel"]["conformance"] = conformance()
     if previous is not None:
         _check_resumable(previous, manifest, out)
         manifest["timings"] = {**previous.get("timings", {}), **manifest["timings"]}

@@ -1,0 +1,111 @@
+"""Kernel conformance: a kernel held against the kernel it declares it computes, and what the gate does with it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from evalgate.gate.decide import CONFORMANCE_UNCHECKED, gate_runs
+from evalgate.kernels import get_kernel, kernel_names
+from synthetic_runs import write_pair
+
+FAULTY = sorted(n for n in kernel_names() if get_kernel(n).faulty)
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter_model(tiny_model):
+    from evalgate.model_adapters.hf import load_model
+
+    model, _ = load_model(tiny_model, "w4a4_packed")
+    return model
+
+
+@pytest.mark.parametrize("name", FAULTY)
+def test_a_faulty_kernel_does_not_conform_to_its_twin(tiny_adapter_model, name):
+    from evalgate.kernels.conformance import CALC_DIFF_LIMIT, model_conformance
+
+    c = model_conformance(tiny_adapter_model, name)
+    assert c.checked and c.reference == get_kernel(name).twin == "w4a4_packed"
+    assert not c.ok and not c.identical and c.differing > 0
+    assert c.calc_diff > CALC_DIFF_LIMIT
+    assert "does NOT compute w4a4_packed" in c.to_dict()["summary"]
+
+
+def test_a_kernel_that_computes_what_it_declares_conforms(tiny_adapter_model):
+    """A kernel registered under a new name that declares w4a4_packed and computes it: bit-identical."""
+    from dataclasses import replace
+
+    from evalgate.kernels.conformance import model_conformance
+    from evalgate.kernels.registry import KERNELS, register_kernel
+
+    healthy = get_kernel("w4a4_packed")
+    register_kernel(replace(healthy, name="test/wrapped-w4a4_packed", twin="w4a4_packed"))
+    try:
+        c = model_conformance(tiny_adapter_model, "test/wrapped-w4a4_packed")
+    finally:
+        KERNELS.pop("test/wrapped-w4a4_packed")
+    assert c.checked and c.ok and c.identical and c.differing == 0 and c.calc_diff == 0.0
+
+
+@pytest.mark.parametrize("name", ["bf16", "w4a8", "w4a4", "w4a4_packed", "w4a4_te"])
+def test_an_emulated_recipe_is_its_own_reference(tiny_adapter_model, name):
+    from evalgate.kernels.conformance import model_conformance
+
+    c = model_conformance(tiny_adapter_model, name)
+    assert (c.checked, c.ok, c.reference) == (False, True, name)
+
+
+def _with_conformance(run, ok: bool | None):
+    manifest = json.loads((run / "manifest.json").read_text())
+    if ok is not None:
+        manifest["kernel"]["conformance"] = {
+            "kernel": "w4a4_packed", "reference": "w4a4_packed" if ok else "w4a4", "checked": True, "ok": ok,
+            "summary": "test summary", "calc_diff": 0.0 if ok else 0.02, "limit": 1e-5}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _pass_pair(tmp_path):
+    from gate_helpers import policy
+
+    base, cand = write_pair(tmp_path, n_gsm8k=200, n_humaneval=0, lost_every=10 ** 6, gained_every=10 ** 6)
+    return base, cand, policy(tmp_path, margin=5.0)
+
+
+def test_a_non_conforming_kernel_fails_the_gate_whatever_its_accuracy(tmp_path):
+    base, cand, pol = _pass_pair(tmp_path)
+    assert gate_runs(base, cand, pol, allow_uncalibrated=True).verdict == "PASS"  # identical answers
+    _with_conformance(cand, ok=False)
+    v = gate_runs(base, cand, pol, allow_uncalibrated=True)
+    assert (v.verdict, v.exit_code) == ("FAIL", 1)
+    assert v.decision.tasks["gsm8k"].verdict == "PASS"  # accuracy alone still passes: the kernel fails it
+    out = v.to_dict()
+    assert out["conformance"]["ok"] is False
+    from evalgate.report.text import junit_xml, markdown, verdict_lines
+
+    assert verdict_lines(v)[0] == "kernel conformance FAIL: test summary"
+    assert "kernel conformance FAIL: test summary" in markdown(v)
+    assert 'name="kernel-conformance"' in junit_xml(v) and 'failures="1"' in junit_xml(v)
+
+
+def test_a_conforming_kernel_is_decided_on_accuracy_and_an_unchecked_one_says_so(tmp_path):
+    base, cand, pol = _pass_pair(tmp_path)
+    v = gate_runs(base, cand, pol, allow_uncalibrated=True)  # no record: a server run
+    assert v.verdict == "PASS" and CONFORMANCE_UNCHECKED in v.notes and v.conformance is None
+    _with_conformance(cand, ok=True)
+    v = gate_runs(base, cand, pol, allow_uncalibrated=True)
+    assert v.verdict == "PASS" and CONFORMANCE_UNCHECKED not in v.notes and v.conformance["ok"] is True
+
+
+def test_a_run_records_its_kernels_conformance(tiny_model, tmp_path, cli_env):
+    """`evalgate run` with a faulty kernel writes the failed check into the manifest, readable by the store."""
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "evalgate", "run", "--model", str(tiny_model), "--kernel",
+                    "faulty/w4a4_packed-weight-after-requant", "--tasks", "gsm8k", "--limit", "2",
+                    "--max-new-tokens", "4", "--out", str(out)], check=True, env=cli_env, capture_output=True)
+    from evalgate.run.store import load_run
+
+    conf = load_run(out).manifest["kernel"]["conformance"]
+    assert conf["checked"] and not conf["ok"] and conf["reference"] == "w4a4_packed" and conf["calc_diff"] > 1e-5
