@@ -1,3 +1,3 @@
-from evalgate.cli.main import main
+from evalgate.cli.main import entry
 
-main()
+entry()

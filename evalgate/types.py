@@ -120,6 +120,10 @@ class Task(Protocol):
     def requests(self, items: list[dict], resolved: ResolvedProfile) -> list[Request]:
         """One request per item, in item order."""
 
+    def prepare_ahead(self, resolved: ResolvedProfile, data_dir: Path | None) -> None:
+        """Start ``prepare``'s work in the background, now (before the model loads); ``prepare`` then takes its
+        result. Never raises: what goes wrong is ``prepare``'s to report. A no-op when there is nothing."""
+
     def prepare(self, resolved: ResolvedProfile, data_dir: Path | None) -> dict:
         """What must hold before any item is scored (HumanEval: the executor self-test); stored in the
         manifest. Raises UserError to refuse the run; ``{}`` when a task needs nothing."""

@@ -1,5 +1,5 @@
 """The ``evalgate`` command line: ``main`` is the click group; one module per command beside it."""
 
-from evalgate.cli.main import main
+from evalgate.cli.main import entry, main
 
-__all__ = ["main"]
+__all__ = ["entry", "main"]

@@ -62,13 +62,17 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
         verdict = gate_runs(list(baselines), candidate, policy_file(thresholds_path, candidate), allow_uncalibrated)
         run_dir = Path(candidate)
     else:
+        from evalgate.run.runner import prepare_ahead
+
+        name = served_model_name(model, server, launch, model_id) if (server or launch) else None
+        spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name,
+                        sampling)
+        prepare_ahead(spec)  # the executor self-test runs beside the imports and the model's load
+
         from evalgate.kernels import get_kernel
         from evalgate.pipeline import gate_model, gate_out  # imports torch: only when a model runs
 
         get_kernel(kernel)
-        name = served_model_name(model, server, launch, model_id) if (server or launch) else None
-        spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name,
-                        sampling)
         run_out = Path(out) if out else (default_out(kernel) if baselines else gate_out(kernel))
         with server_adapter(server, launch, model, kernel, run_out, model_id, server_args, launch_timeout,
                             request_timeout, concurrency, retries, batch_size) as adapter:

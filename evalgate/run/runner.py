@@ -83,6 +83,23 @@ def prepare_out(out: Path, resume: bool) -> dict | None:
     return None
 
 
+def prepare_ahead(spec: RunSpec) -> None:
+    """Start every task's preparation (HumanEval's executor self-test: ~6 s of sandboxed programs) now, in
+    the background, so that it runs beside the single-threaded imports and model load that follow; the
+    run's ``prepare`` takes the result or waits for it. Anything that goes wrong here is left for the run to
+    raise, where it always did."""
+    try:
+        from evalgate.tasks.data import resolve_data_dir
+
+        data_dir = resolve_data_dir(spec.data_dir)
+        for name in spec.tasks:
+            task = get_task(name)
+            _, resolved = load_task(task, spec, data_dir)
+            task.prepare_ahead(resolved, data_dir)
+    except Exception:  # noqa: BLE001 - raised again, with its message, by the run itself
+        pass
+
+
 def _dg_environment() -> dict[str, str]:
     from evalgate.kernels.environment import dg_environment  # imports torch: only when a run starts
 
@@ -133,9 +150,12 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
     progress = progress or Progress()
     try:
         with progress:
-            for task in tasks:
-                items, resolved = loaded[task.name]
-                _run_task(task, items, resolved, adapter, out, manifest, progress, spec, data_dir)
+            if getattr(adapter, "dispatch", None) is None and getattr(adapter, "generate_stream", None) is not None:
+                _run_tasks_in_one_stream(tasks, loaded, adapter, out, manifest, progress, spec, data_dir)
+            else:
+                for task in tasks:
+                    items, resolved = loaded[task.name]
+                    _run_task(task, items, resolved, adapter, out, manifest, progress, spec, data_dir)
     except BaseException:
         manifest["status"] = "interrupted"
         write_manifest(out, manifest)
@@ -162,54 +182,98 @@ def _check_resumable(previous: dict, current: dict, out: Path) -> None:
         raise UserError(f"--resume: {str(out)!r} was made with a different {', '.join(diffs)}; rerun into a new --out")
 
 
-def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progress: Progress, spec: RunSpec, data_dir) -> None:
-    entry = manifest["tasks"][task.name]
-    prepared = task.prepare(resolved, data_dir)  # e.g. HumanEval's executor self-test: refuses a broken executor
-    if prepared:
-        entry["prepare"] = prepared
-    path = out / f"{task.name}.jsonl"
-    existing, _ = read_records(path)
-    done = {r["doc_id"] for r in existing}
-    by_id = {item["doc_id"]: item for item in items}
-    requests = [r for r in task.requests(items, resolved) if r.doc_id not in done]
-    if spec.order == "reverse":
-        requests.reverse()
-    sampling = spec.sampling()
-    groups = SampleGroups(sampling, requests)  # an item is scored once all its k samples are in
-    requests = sampling.expand(requests)
-    writer = RecordWriter(path)
-    bar = progress.task(f"{task.name} [{adapter.kernel.name}]", total=len(items), done=len(done))
-    times = {"generate_s": 0.0, "score_s": 0.0}
+class _TaskRun:
+    """One task's share of a run: its prepared profile, the requests still to do (k samples each), its record
+    file, scorer and progress bar. ``score_and_write`` takes finished samples; ``close`` settles the file."""
 
-    def score_and_write(samples: list[Request], sample_generations) -> None:
-        batch, generations = groups.add(samples, sample_generations)
+    def __init__(self, task, items, resolved, adapter, out: Path, manifest: dict, progress: Progress, spec: RunSpec,
+                 data_dir):
+        self.task, self.items, self.resolved, self.manifest = task, items, resolved, manifest
+        self.entry = manifest["tasks"][task.name]
+        prepared = task.prepare(resolved, data_dir)  # e.g. HumanEval's executor self-test: refuses a broken executor
+        if prepared:
+            self.entry["prepare"] = prepared
+        self.path = out / f"{task.name}.jsonl"
+        existing, _ = read_records(self.path)
+        done = {r["doc_id"] for r in existing}
+        self.by_id = {item["doc_id"]: item for item in items}
+        requests = [r for r in task.requests(items, resolved) if r.doc_id not in done]
+        if spec.order == "reverse":
+            requests.reverse()
+        sampling = spec.sampling()
+        self.groups = SampleGroups(sampling, requests)  # an item is scored once all its k samples are in
+        self.requests = sampling.expand(requests)
+        self.writer = RecordWriter(self.path)
+        self.bar = progress.task(f"{task.name} [{adapter.kernel.name}]", total=len(items), done=len(done))
+        self.times = {"generate_s": 0.0, "score_s": 0.0}
+
+    def score_and_write(self, samples: list[Request], sample_generations) -> None:
+        batch, generations = self.groups.add(samples, sample_generations)
         if not batch:
             return
         t0 = time.perf_counter()
-        batch_items = [by_id[r.doc_id] for r in batch]
-        records = task.score_batch(batch_items, batch, generations, resolved)
+        records = self.task.score_batch([self.by_id[r.doc_id] for r in batch], batch, generations, self.resolved)
         for record in records:
-            record["profile_id"] = resolved.profile_id
-        writer.append(records)
-        times["score_s"] += time.perf_counter() - t0
-        bar.advance(len(batch))
+            record["profile_id"] = self.resolved.profile_id
+        self.writer.append(records)
+        self.times["score_s"] += time.perf_counter() - t0
+        self.bar.advance(len(batch))
 
+    def close(self, stats: dict | None = None, generate_s: bool = True) -> None:
+        """Close the record file, put it in item order, add the times (``generate_s`` False: the task shared
+        one decoding stream with others, whose time is the run's) and say whether the task is complete."""
+        self.writer.close()
+        restore_item_order(self.path, [item["doc_id"] for item in self.items])
+        timings = self.manifest["timings"].setdefault(self.task.name, {})
+        if generate_s:
+            timings["generate_s"] = round(timings.get("generate_s", 0.0) + self.times["generate_s"], 3)
+        timings["score_s"] = round(timings.get("score_s", 0.0) + self.times["score_s"], 3)
+        if stats is not None:
+            timings["mean_in_flight"] = float(stats["mean_in_flight_until_tail"])
+        self.entry["complete"] = len(read_records(self.path)[0]) == len(self.items)
+
+
+def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progress: Progress, spec: RunSpec, data_dir) -> None:
+    run = _TaskRun(task, items, resolved, adapter, out, manifest, progress, spec, data_dir)
     dispatch = getattr(adapter, "dispatch", None)  # a server adapter: continuous dispatch
     stats = None
     try:
-        if dispatch is not None and requests:
-            stats = _dispatch_continuously(dispatch, requests, score_and_write, times)
+        if dispatch is not None and run.requests:
+            stats = _dispatch_continuously(dispatch, run.requests, run.score_and_write, run.times)
         else:
-            run_in_process(adapter, requests, spec.batch_size, score_and_write, times)
+            run_in_process(adapter, run.requests, spec.batch_size, run.score_and_write, run.times)
     finally:
-        writer.close()
-        restore_item_order(path, [item["doc_id"] for item in items])
-        timings = manifest["timings"].setdefault(task.name, {})
-        timings["generate_s"] = round(timings.get("generate_s", 0.0) + times["generate_s"], 3)
-        timings["score_s"] = round(timings.get("score_s", 0.0) + times["score_s"], 3)
-        if stats is not None:
-            timings["mean_in_flight"] = float(stats["mean_in_flight_until_tail"])
-        entry["complete"] = len(read_records(path)[0]) == len(items)
+        run.close(stats)
+
+
+def _run_tasks_in_one_stream(tasks, loaded: dict, adapter, out: Path, manifest: dict, progress: Progress,
+                             spec: RunSpec, data_dir) -> None:
+    """Every task's requests in one continuous-batching stream (an in-process model): the decoding processes
+    never wait at a task's tail for the next task's first prompts. Each finished sample goes to its own
+    task's scorer and file; nothing an item produces depends on what it was batched with."""
+    runs = []
+    try:
+        for task in tasks:  # every task prepared (and its self-test passed) before anything decodes
+            items, resolved = loaded[task.name]
+            runs.append(_TaskRun(task, items, resolved, adapter, out, manifest, progress, spec, data_dir))
+        requests = [r for run in runs for r in run.requests]
+        owner = {id(r): run for run in runs for r in run.requests}
+        times = {"generate_s": 0.0, "score_s": 0.0}
+
+        def score_and_write(samples: list[Request], sample_generations) -> None:
+            parts: dict[int, tuple] = {}
+            for sample, generation in zip(samples, sample_generations):
+                run = owner[id(sample)]
+                parts.setdefault(id(run), (run, [], []))[1].append(sample)
+                parts[id(run)][2].append(generation)
+            for run, own_samples, own_generations in parts.values():
+                run.score_and_write(own_samples, own_generations)
+
+        run_in_process(adapter, requests, spec.batch_size, score_and_write, times)
+        manifest["timings"]["generate_s"] = round(manifest["timings"].get("generate_s", 0.0) + times["generate_s"], 3)
+    finally:
+        for run in runs:
+            run.close(generate_s=False)
 
 
 def run_in_process(adapter, requests: list[Request], batch_size: int, score_and_write, times: dict) -> None:

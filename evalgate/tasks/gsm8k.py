@@ -198,6 +198,9 @@ class GSM8K:
         return [Request(doc_id=item["doc_id"], prompt=self.prompt(item, resolved.profile), stop=tuple(s["stop"]),
                         max_new_tokens=s["max_new_tokens"]) for item in items]
 
+    def prepare_ahead(self, resolved: ResolvedProfile, data_dir: Path | None) -> None:
+        pass  # nothing to prepare
+
     def prepare(self, resolved: ResolvedProfile, data_dir: Path | None) -> dict:
         return {}  # scoring is pure text: nothing to check before it
 

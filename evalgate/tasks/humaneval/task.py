@@ -20,7 +20,7 @@ from evalgate.errors import UserError
 from evalgate.tasks.humaneval.passk import pass_at_k
 from evalgate.tasks.humaneval.problems import (DATA_FILE, N_PROBLEMS, PROGRAM_TEMPLATE, TIMEOUT_POLICY,  # noqa: F401 (public)
                                               build_program, load_problems)
-from evalgate.tasks.humaneval.selftest import require_selftest
+from evalgate.tasks.humaneval.selftest import require_selftest, start_selftest
 from evalgate.types import Generation, Profile, Request, ResolvedProfile, sha256_text
 
 SCORER_VERSION = "humaneval-scorer-1"
@@ -139,6 +139,10 @@ class HumanEval:
                 out.append(Request(doc_id=item["doc_id"], prompt=s["prompt_template"].format(prompt=item["prompt"]),
                                    stop=tuple(s["stop"]), max_new_tokens=s["max_new_tokens"]))
         return out
+
+    def prepare_ahead(self, resolved: ResolvedProfile, data_dir: Path | None) -> None:
+        """The executor self-test, started in a child interpreter beside whatever this process does next."""
+        start_selftest(data_dir if data_dir is not None else self._data_dir)
 
     def prepare(self, resolved: ResolvedProfile, data_dir: Path | None) -> dict:
         """The executor self-test (fail closed); what it returns is stored in the run manifest."""
