@@ -9,7 +9,7 @@ Prints numbers; not a test. --backend picks the emulated kernels' implementation
 auto = Triton on CUDA). On CUDA each row also gives the peak memory the call allocates beyond what was
 resident before it, next to the experts' packed FP4 bytes. --identity checks the Triton kernels against
 the emulator (on the same device) bit for bit on `check.synthetic_layer`, instead of timing; --sweep times
-the Triton GEMM tilings of `gemm.SETTINGS`. The first call of an emulated kernel on a module quantizes the
+the Triton fast-path tilings of `fast.FAST`. The first call of an emulated kernel on a module quantizes the
 BF16 weights to FP4 and caches them (and their FP32 dequantization); it is reported apart ("first call") from the
 steady-state time per call. Router: sqrt-softplus top-k, as DeepseekV4TopKRouter (spec docs/kernels.md#routing).
 """
@@ -63,16 +63,19 @@ def sync(device: str):
 
 
 def time_kernel(module, name, x, idx, w, repeat, device):
+    """(first call s, median s per call, peak bytes a steady-state call allocates beyond what was resident
+    before it). The first call (weights quantized and cached, kernels compiled) is timed apart, and the
+    peak is measured over the calls after it."""
     module.config._experts_implementation = name
     sync(device)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        resident = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     with torch.no_grad():
         module(x, idx, w)
     sync(device)
     first = time.perf_counter() - t0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated()
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -94,22 +97,53 @@ def breakdown(module, x, idx, w) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
-TILINGS = [{"nb": 1, "warps": 8, "bn": 64}, {"nb": 1, "warps": 8, "bn": 128}, {"nb": 2, "warps": 4, "bn": 64}]
+def cpu_profile(module, x, idx, w, device) -> None:
+    """Host time of 10 calls by function (cProfile), the largest own time first."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        prof.enable()
+        for _ in range(10):
+            module(x, idx, w)
+        sync(device)
+        prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+TILINGS = [{"split": False, "bn": 128, "warps": 4, "stages": 3}, {"split": False, "bm": 128, "bn": 128, "warps": 4, "stages": 3},
+           {"split": False, "bm": 128, "bn": 128, "warps": 8, "stages": 3},
+           {"split": False, "bm": 128, "bn": 256, "warps": 8, "stages": 3}, {"split": False, "bn": 64, "warps": 4, "stages": 3},
+           {"split": False, "bn": 128, "warps": 4, "stages": 2}, {"split": False, "bn": 128, "bk": 256, "warps": 4, "stages": 2},
+           {"split": True, "bm": 128, "bn": 128, "warps": 4, "stages": 3}]
 
 
 def sweep(module, name, x, idx, w, repeat, base) -> None:
-    """ms per call of `name` under each GEMM tiling of the Triton path (gemm.SETTINGS)."""
-    from evalgate.kernels.triton import gemm
+    """ms per call of `name` under each tiling of the Triton fast path (fast.FAST; bm 0 = by rows/expert)."""
+    from evalgate.kernels.triton import fast
 
-    keep = dict(gemm.SETTINGS)
+    keep = dict(fast.FAST)
     for tiling in TILINGS:
-        gemm.SETTINGS.update(tiling)
+        fast.FAST.update(keep)
+        fast.FAST.update(tiling)
         try:
             _, per_call, _ = time_kernel(module, name, x, idx, w, repeat, "cuda")
             print(f"  tiling {tiling}: {per_call * 1e3:8.2f} ms  x bf16 {per_call / base:5.2f}", flush=True)
         except Exception as exc:  # noqa: BLE001  (a tiling this Triton cannot compile)
             print(f"  tiling {tiling}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
-    gemm.SETTINGS.update(keep)
+    fast.FAST.clear()
+    fast.FAST.update(keep)
+
+
+def triton_stats() -> dict:
+    """Rows through the Triton GEMMs so far, and those the per-block path took (slow_rows; half of
+    rows are L1's)."""
+    try:
+        from evalgate.kernels.triton import moe
+    except Exception:  # noqa: BLE001  (no Triton)
+        return {}
+    return dict(moe.STATS)
 
 
 def packed_bytes(module) -> int:
@@ -153,6 +187,7 @@ def main(argv=None) -> int:
                    help="implementation of the emulated kernels (EVALGATE_KERNEL_BACKEND)")
     p.add_argument("--identity", action="store_true", help="check bit-identity of Triton vs the emulator instead")
     p.add_argument("--breakdown", action="store_true", help="CUDA: also print where each emulated kernel's time goes")
+    p.add_argument("--cpu-profile", action="store_true", help="also print where the host (Python) time of 10 calls goes")
     p.add_argument("--sweep", action="store_true", help="CUDA, Triton: time each emulated kernel under several GEMM tilings")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
@@ -180,19 +215,31 @@ def main(argv=None) -> int:
           + f", torch {torch.__version__}, shape {args.shape} {shape}, backend {args.backend}")
     if any(k != "bf16" for k in kernels):
         print(f"experts packed FP4 (codes + scale bytes): {packed_bytes(module) / 2**30:.3f} GiB")
-    print(f"{'kernel':14s} {'tokens':>6s} {'first call s':>12s} {'ms/call':>10s} {'x bf16':>7s} {'peak extra GiB':>14s}")
+    packed = packed_bytes(module) if any(k != "bf16" for k in kernels) else 0
+    print(f"{'kernel':14s} {'tokens':>6s} {'first call s':>12s} {'ms/call':>10s} {'x bf16':>7s} {'peak extra GiB':>14s}"
+          f" {'mem ratio':>9s} {'slow rows':>9s}")
     for t in [int(v) for v in args.tokens.split(",")]:
         g = torch.Generator(device=args.device).manual_seed(args.seed + t)
         x = torch.randn(t, shape["hidden"], generator=g, device=args.device).bfloat16()
         idx, w = route(x, shape["experts"], shape["top_k"], args.seed)
         base = None
         for name in kernels:
+            before = dict(triton_stats())
             first, per_call, extra = time_kernel(module, name, x, idx, w, args.repeat, args.device)
+            after = triton_stats()
             base = per_call if name == "bf16" else base
             ratio = f"{per_call / base:7.2f}" if base else "      -"
-            print(f"{name:14s} {t:6d} {first:12.3f} {per_call * 1e3:10.2f} {ratio} {extra / 2**30:14.3f}", flush=True)
+            # (packed experts + the call's peak extra) / (packed experts + input and output activations)
+            act = 2 * x.numel() * x.element_size()
+            mem = f"{(packed + extra) / (packed + act):9.3f}" if name != "bf16" and packed else "        -"
+            rows = after.get("rows", 0) - before.get("rows", 0)
+            slow = f"{(after['slow_rows'] - before['slow_rows']) / rows:9.3f}" if rows else "        -"
+            print(f"{name:14s} {t:6d} {first:12.3f} {per_call * 1e3:10.2f} {ratio} {extra / 2**30:14.3f} {mem} {slow}",
+                  flush=True)
             if args.breakdown and args.device == "cuda" and name != "bf16":
                 breakdown(module, x, idx, w)
+            if args.cpu_profile and name != "bf16":
+                cpu_profile(module, x, idx, w, args.device)
             if args.sweep and args.device == "cuda" and name != "bf16":
                 sweep(module, name, x, idx, w, args.repeat, base)
     if args.device == "cuda":

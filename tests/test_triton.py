@@ -25,7 +25,7 @@ here = pytest.mark.skipif(not IN_PROCESS, reason="Triton was imported without TR
 import evalgate.kernels as K
 from evalgate.kernels import check, formats
 from evalgate.kernels.emulator import MoEEmulation, weight_fault
-from evalgate.kernels.triton import certify, dispatch, moe
+from evalgate.kernels.triton import certify, dispatch, fast, moe
 from evalgate.kernels.triton.quantize import quantize_rows, values_from_codes
 
 from evalgate.errors import UserError
@@ -131,6 +131,54 @@ def test_host_path_alone_gives_the_same_bits(tiny_case, monkeypatch):
     out = _triton(tiny_case, recipe)
     assert moe.STATS["host_rows"] - before == 2 * 24 * 4
     assert torch.equal(_bits(out), _bits(_emulate(tiny_case, recipe)))
+
+
+# --- the fast path and the per-block path ----------------------------------------------------------
+
+
+def _same_bits(case, name):
+    recipe = K.get_kernel(name).experts_forward.recipe
+    assert torch.equal(_bits(_triton(case, recipe)), _bits(_emulate(case, recipe))), name
+
+
+@here
+@pytest.mark.parametrize("name", ["w4a4_packed", "w4a8", "faulty/w4a4_packed-weight-after-requant"])
+def test_the_per_block_path_in_small_chunks_gives_the_same_bits(tiny_case, monkeypatch, name):
+    """Every row through the per-block path (no fast rows), SLOW_CHUNK_ROWS rows at a time."""
+    monkeypatch.setattr(fast, "FORCE_SLOW_ROWS", True)
+    monkeypatch.setattr(moe, "SLOW_CHUNK_ROWS", 7)
+    before = moe.STATS["slow_rows"]
+    _same_bits(tiny_case, name)
+    if name != "faulty/w4a4_packed-weight-after-requant":  # that one takes the per-block path anyway
+        assert moe.STATS["slow_rows"] - before == 2 * 24 * 4
+
+
+@here
+@pytest.mark.parametrize("split", [False, True])
+def test_both_weight_decodes_give_the_same_bits(tiny_case, monkeypatch, split):
+    """The fast kernels' two decodes (joined tile; even/odd K tiles with the activations permuted)."""
+    monkeypatch.setitem(fast.FAST, "split", split)
+    for name in ("w4a4_packed", "w4a8", "faulty/w4a4_packed-scale-exp"):
+        _same_bits(tiny_case, name)
+
+
+@here
+def test_wide_rows_take_more_limbs_and_wide_experts_the_per_block_path(tiny_case):
+    """Token rows whose groups span 2^6 and 2^12 (2 and 3 activation limbs), and an expert with a weight
+    column spanning 2^5 (refused by the fast path: its rows go the per-block way), in one call."""
+    x = tiny_case.x.clone()
+    x[1, :32] *= 2.0**6
+    x[2, :32] *= 2.0**12
+    w = tiny_case.weights
+    s1 = w.w1_scale.clone()
+    s1[int(tiny_case.top_k_index[0, 0]), 0, 0] += 5
+    weights = type(w)(w.w1, s1, w.w2, w.w2_scale, source=w.source)
+    case = check.LayerCase(x, tiny_case.top_k_index, tiny_case.top_k_weights, weights, tiny_case.limit,
+                           tiny_case.routed_scaling)
+    limbs, slow = dict(fast.LIMB_LAUNCHES), moe.STATS["slow_rows"]
+    _same_bits(case, "w4a4_packed")
+    assert fast.LIMB_LAUNCHES[3] > limbs[3]
+    assert moe.STATS["slow_rows"] > slow
 
 
 @here

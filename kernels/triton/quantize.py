@@ -56,6 +56,29 @@ def e4m3_integer(y):
 
 
 @triton.jit
+def group_codes(x, E4M3: tl.constexpr, FLOOR: tl.constexpr, DIV: tl.constexpr, F: tl.constexpr,
+                INV_F: tl.constexpr, CLAMP_LO: tl.constexpr, CLAMP_HI: tl.constexpr, TIES_EVEN: tl.constexpr):
+    """FP32 groups x [BR, NG, 32] -> (integer codes int32 [BR, NG, 32]: E2M1 twice-values or E4M3 x 2^9,
+    UE8M0 bytes int32 [BR, NG]) by the scale rule (module docstring)."""
+    amax = tl.max(tl.abs(x), axis=2)
+    if FLOOR > 0:
+        amax = tl.maximum(amax, FLOOR)
+    if DIV:
+        q = tl.math.div_rn(amax, F)
+    else:
+        q = amax * INV_F
+    bits = q.to(tl.int32, bitcast=True)
+    byte = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    byte = tl.minimum(tl.maximum(byte, CLAMP_LO), CLAMP_HI)
+    y = x * pow2_f32(127 - byte)[:, :, None]
+    if E4M3:
+        v = e4m3_integer(y)
+    else:
+        v = e2m1_twice(y, TIES_EVEN)
+    return v, byte
+
+
+@triton.jit
 def _quantize_rows(X, Q, B, HI, LO, R, K: tl.constexpr, BR: tl.constexpr, NG: tl.constexpr, E4M3: tl.constexpr,
                    FLOOR: tl.constexpr, DIV: tl.constexpr, F: tl.constexpr, INV_F: tl.constexpr,
                    CLAMP_LO: tl.constexpr, CLAMP_HI: tl.constexpr, TIES_EVEN: tl.constexpr):
@@ -72,26 +95,14 @@ def _quantize_rows(X, Q, B, HI, LO, R, K: tl.constexpr, BR: tl.constexpr, NG: tl
         ok = live[:, None] & (groups < K // 32)[None, :]  # [BR, NG]
         offs = rows[:, None, None] * K + groups[None, :, None] * 32 + j[None, None, :]
         x = tl.load(X + offs, mask=ok[:, :, None], other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=2)
-        if FLOOR > 0:
-            amax = tl.maximum(amax, FLOOR)
-        if DIV:
-            q = tl.math.div_rn(amax, F)
-        else:
-            q = amax * INV_F
-        bits = q.to(tl.int32, bitcast=True)
-        byte = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        byte = tl.minimum(tl.maximum(byte, CLAMP_LO), CLAMP_HI)
-        y = x * pow2_f32(127 - byte)[:, :, None]
+        v, byte = group_codes(x, E4M3, FLOOR, DIV, F, INV_F, CLAMP_LO, CLAMP_HI, TIES_EVEN)
         if E4M3:
-            v = e4m3_integer(y)
             m = tl.abs(v)
             sign = tl.where(v < 0, -1, 1)
             tl.store(Q + offs, ((m & 127) * sign).to(tl.int8), mask=ok[:, :, None])
             tl.store(Q + R * K + offs, (((m >> 7) & 127) * sign).to(tl.int8), mask=ok[:, :, None])
             tl.store(Q + 2 * R * K + offs, ((m >> 14) * sign).to(tl.int8), mask=ok[:, :, None])
         else:
-            v = e2m1_twice(y, TIES_EVEN)
             tl.store(Q + offs, v.to(tl.int8), mask=ok[:, :, None])
         tl.store(B + rows[:, None] * (K // 32) + groups[None, :], byte.to(tl.uint8), mask=ok)
         nonzero = (tl.max(tl.abs(v), axis=2) > 0) & ok
