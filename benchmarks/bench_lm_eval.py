@@ -168,7 +168,7 @@ def evalgate_side(kernel: str, batch_size: int, n_items: int, out: Path, repeat:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=40)
-    parser.add_argument("--batch-size", type=int, default=16, help="both sides; the gate's default")
+    parser.add_argument("--batch-size", type=int, default=16, help="both sides (lm-eval decodes static batches)")
     parser.add_argument("--kernel", default="w4a4_packed")
     parser.add_argument("--repeat", type=int, default=1, help="runs per side, the fastest counts (a shared machine)")
     parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "evalgate" / "bench-lm-eval-venv")
