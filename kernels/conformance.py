@@ -65,7 +65,8 @@ def routed_case(module, tokens: int = TOKENS, seed: int = SEED):
     """Seeded BF16 hidden states [T, H] ~ N(0, 1) (what an RMS-normed layer input looks like), K distinct
     experts per token and softmax router weights x the routed scaling, on the module's device."""
     weight = module.gate_up_proj
-    experts, hidden = int(module.num_experts), int(weight.shape[-1])
+    # down_proj is [E, H, I] in BF16 and [E, H, I/2] packed (model_adapters/streamed.py): H either way
+    experts, hidden = int(module.num_experts), int(module.down_proj.shape[1])
     k = int(getattr(module.config, "num_experts_per_tok", 6)) if hasattr(module, "config") else 6
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)

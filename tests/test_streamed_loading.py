@@ -234,3 +234,15 @@ def test_fullwidth_config_is_dsv4_flash(monkeypatch):
     assert sizes["layer.3"] > per_layer_experts
     assert 150 * GiB < sum(sizes.values()) < 152 * GiB
     assert script.h200s_needed(sizes, default_reserve(cfg.to_dict(), "bfloat16", 16 * 2048)) == 2
+
+
+def test_conformance_reads_the_packed_experts_as_the_loaded_ones(canary_pair):
+    """The kernel conformance check on a streamed model (packed int8 experts): the same verdicts and numbers
+    as on transformers' load of the same checkpoint."""
+    from evalgate.kernels.conformance import model_conformance
+
+    ref, streamed, _, _ = canary_pair
+    for name in ("w4a4_packed", "faulty/w4a4_packed-weight-after-requant"):
+        a, b = model_conformance(ref, name), model_conformance(streamed, name)
+        assert (a.ok, a.calc_diff, a.differing) == (b.ok, b.calc_diff, b.differing), name
+    assert not model_conformance(streamed, "faulty/w4a4_packed-weight-after-requant").ok
