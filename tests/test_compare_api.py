@@ -133,6 +133,8 @@ def test_runs_under_different_python_minors_are_compared_with_a_warning(pair, tm
     verdict = gate_runs(base, cand, str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
     assert verdict.verdict in ("PASS", "FAIL", "INCONCLUSIVE")  # decided, not refused
     assert warning in markdown(verdict) and f"note: {warning}" in verdict_lines(verdict)
+    assert verdict_lines(verdict).count(f"note: {warning}") == 1
+    assert warning in verdict.to_dict()["notes"]  # gate.json says it too
     assert "ran under Python 3.11, the candidate&#39;s under 3.12" in report_html(verdict)
     # a patch release is not a warning
     _manifest(cand, lambda m: m["tasks"]["humaneval"]["prepare"].update(python="3.11.9"))

@@ -20,6 +20,7 @@ from evalgate.gate.verdict import EXIT_CODES, Verdict
 from evalgate.run.baselines import aa_for_baseline, assemble
 from evalgate.run.store import Run, load_run
 from evalgate.stats.unpaired import unpaired_two_proportion
+from evalgate.tasks.humaneval.runtime import python_warnings
 
 CONFORMANCE_UNCHECKED = ("kernel conformance not checked: the candidate's kernel ran outside evalgate (a server) or "
                          "its run predates the check; decided on accuracy alone")
@@ -125,7 +126,9 @@ def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = 
         raise NotComparable(f"the baseline has no {', '.join(missing)}; record a baseline for every task the candidate ran")
     pairing = compare(base_run, cand_run, tasks=tasks, metrics={t: policy.task(t).metric for t in tasks})
     verdict = decide(pairing, policy, aa=aa_for_baseline(dirs), require_aa=not allow_uncalibrated)
-    return with_conformance(replace(verdict, baseline_dirs=[str(d) for d in dirs]), cand_run)
+    # runs whose HumanEval programs ran under different Python minors: compared, said in the verdict (gate.json)
+    notes = [*verdict.notes, *python_warnings(base_run.manifest, cand_run.manifest, tasks)]
+    return with_conformance(replace(verdict, baseline_dirs=[str(d) for d in dirs], notes=notes), cand_run)
 
 
 def with_conformance(verdict: Verdict, candidate: Run) -> Verdict:
