@@ -16,7 +16,7 @@ from pathlib import Path
 
 from evalgate.gate.compare import extracted_answer, item_gold, item_question
 from evalgate.gate.verdict import run_identity as verdict_identity
-from evalgate.report.rows import conformance_line, paired_rows, report_notes, task_rows
+from evalgate.report.rows import conformance_line, paired_rows, task_rows
 
 TEMPLATES = Path(__file__).parent / "templates"
 STDERR_LINES = 25  # the end of a traceback says what went wrong
@@ -318,7 +318,7 @@ def report_html(verdict) -> str:
     failure_classes = sorted({s[k]["failure_class"] for s in items for k in ("base", "cand")} - {None, "passed"})
     return render(
         "report.html.j2", verdict=verdict, rows=rows, items=items, failure_classes=failure_classes,
-        notes=report_notes(verdict), conformance=conformance_line(verdict),
+        notes=verdict.notes, conformance=conformance_line(verdict),
         tasks=cmp.tasks if cmp is not None else [], flips=flip_counts(cmp) if cmp is not None else {},
         base=run_identity(cmp.baseline) if cmp is not None else None,
         cand=run_identity(cmp.candidate) if cmp is not None else None,

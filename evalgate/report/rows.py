@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from evalgate.tasks.humaneval.runtime import python_warnings
-
 
 def paired_rows(decision, pairing, aa: dict) -> list[dict]:
     """Rows of a paired decision (``OverallDecision``) over its ``Pairing``; ``aa``: task -> A/A summary."""
@@ -47,14 +45,3 @@ def conformance_line(verdict) -> str | None:
     if not conf or not conf.get("checked"):
         return None
     return f"kernel conformance {'PASS' if conf['ok'] else 'FAIL'}: {conf['summary']}"
-
-
-def report_notes(verdict) -> list[str]:
-    """The verdict's notes, and one line per task whose two runs ran their programs under different Python
-    minors (recorded in the runs, not part of the profile: compared, with this warning)."""
-    notes = list(verdict.notes)
-    cmp = verdict.comparison
-    if cmp is not None:
-        notes += [w for w in python_warnings(cmp.baseline.manifest, cmp.candidate.manifest, list(cmp.pairs))
-                  if w not in notes]
-    return notes

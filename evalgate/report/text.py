@@ -6,7 +6,7 @@ import os
 from xml.sax.saxutils import escape, quoteattr
 
 from evalgate.formatting import pp as _pp_unit
-from evalgate.report.rows import conformance_line, report_notes, task_rows
+from evalgate.report.rows import conformance_line, task_rows
 
 MAX_FLIPS_MD = 50
 
@@ -116,7 +116,7 @@ def verdict_lines(verdict) -> list[str]:
     for r in task_rows(verdict):
         lines += [f"{r['task']} {r['verdict']}: {reason}" for reason in r["reasons"]]
         lines += [f"{r['task']} warning: {w}" for w in r["warnings"]]
-    return lines + [f"note: {n}" for n in report_notes(verdict)]
+    return lines + [f"note: {n}" for n in verdict.notes]
 
 
 def print_verdict(verdict, stream=None) -> None:
@@ -149,9 +149,10 @@ def markdown(verdict) -> str:
                   f"- model: `{c['model'].get('fingerprint')}` ({c['model'].get('model_type')})"]
     lines += [f"- policy: `{verdict.thresholds.path}` (sha256 `{verdict.thresholds.sha256[:12]}`), "
               f"α = {verdict.thresholds.alpha}, {verdict.thresholds.multiple_comparisons}, gate CI {verdict.thresholds.ci_method}"]
-    lines += [f"- note: {n}" for n in report_notes(verdict)]
-    if conformance_line(verdict):
-        lines += [f"- **{conformance_line(verdict)}**"]
+    lines += [f"- note: {n}" for n in verdict.notes]
+    conformance = conformance_line(verdict)
+    if conformance:
+        lines += [f"- **{conformance}**"]
     lines += ["", "| task | n | baseline | candidate | Δ pp | 95% CI (Tango) | b / c | p (McNemar) | ψ / ψ0 | margin | "
                   "MDE (80% power) | verdict |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]

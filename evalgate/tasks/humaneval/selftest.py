@@ -124,35 +124,26 @@ def failure_line(result: dict) -> str:
             + " — refusing to score; run `evalgate selftest humaneval` and fix the sandbox first")
 
 
-_CHILD = """import json, sys
-from evalgate.tasks.humaneval.selftest import selftest_humaneval
-result = selftest_humaneval(sys.argv[1] or None)
-with open(sys.argv[2], "w", encoding="utf-8") as f:
-    json.dump(result, f)
-"""
-
-
 def start_selftest(data_dir: str | Path | None = None) -> None:
-    """Run the self-test in a fresh interpreter, waited on by a background thread that holds the cache's lock
-    until the result is cached, so ``require_selftest`` takes it (or waits for it). A child keeps the
-    self-test's Python work and forks off this process, which may be importing or loading a model (~2 s of
-    contention in-process). If the child fails, nothing is cached and ``require_selftest`` runs it here,
+    """Run the self-test in a fresh interpreter (``evalgate selftest humaneval --json``), waited on by a
+    background thread that holds the cache's lock until the result is cached, so ``require_selftest`` takes
+    it (or waits for it). A child keeps the self-test's Python work and forks off this process, which may be
+    importing or loading a model (~2 s of contention in-process). If the child fails, nothing is cached and ``require_selftest`` runs it here,
     where its error is raised as it always was. Does nothing when a result is cached or a run is under way."""
     import json
     import subprocess
-    import tempfile
 
     if "humaneval" in _cache or not _cache_lock.acquire(blocking=False):
         return
+    command = [sys.executable, "-m", "evalgate", "selftest", "humaneval", "--json"]
+    if data_dir is not None:
+        command += ["--data-dir", str(data_dir)]
 
     def wait() -> None:
         try:
-            with tempfile.TemporaryDirectory(prefix="evalgate-selftest-") as tmp:
-                out = Path(tmp) / "selftest.json"
-                done = subprocess.run([sys.executable, "-c", _CHILD, str(data_dir or ""), str(out)],
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                if done.returncode == 0 and "humaneval" not in _cache:
-                    _cache["humaneval"] = json.loads(out.read_text(encoding="utf-8"))
+            done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+            if done.returncode == 0 and "humaneval" not in _cache:  # exit 2: it failed; the run says why
+                _cache["humaneval"] = json.loads(done.stdout)
         except Exception:  # noqa: BLE001 - require_selftest runs it in-process and raises what it finds
             pass
         finally:
