@@ -112,11 +112,12 @@ def cpu_profile(module, x, idx, w, device) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
-TILINGS = [{"split": False, "bn": 128, "warps": 4, "stages": 3}, {"split": False, "bm": 128, "bn": 128, "warps": 4, "stages": 3},
-           {"split": False, "bm": 128, "bn": 128, "warps": 8, "stages": 3},
-           {"split": False, "bm": 128, "bn": 256, "warps": 8, "stages": 3}, {"split": False, "bn": 64, "warps": 4, "stages": 3},
-           {"split": False, "bn": 128, "warps": 4, "stages": 2}, {"split": False, "bn": 128, "bk": 256, "warps": 4, "stages": 2},
-           {"split": True, "bm": 128, "bn": 128, "warps": 4, "stages": 3}]
+TILINGS = [{"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 128, "bk2": 0, "warps": 0, "stages": 3},
+           {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 256, "bk2": 128, "warps": 0, "stages": 3},
+           {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 128, "bk2": 256, "warps": 0, "stages": 3},
+           {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 256, "bk2": 256, "warps": 0, "stages": 3},
+           {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 256, "bk2": 256, "warps": 0, "stages": 2},
+           {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 512, "bk2": 256, "warps": 0, "stages": 2}]
 
 
 def sweep(module, name, x, idx, w, repeat, base) -> None:
@@ -189,6 +190,9 @@ def main(argv=None) -> int:
     p.add_argument("--breakdown", action="store_true", help="CUDA: also print where each emulated kernel's time goes")
     p.add_argument("--cpu-profile", action="store_true", help="also print where the host (Python) time of 10 calls goes")
     p.add_argument("--sweep", action="store_true", help="CUDA, Triton: time each emulated kernel under several GEMM tilings")
+    p.add_argument("--fast", default="", help="Triton fast-path settings, KEY=VALUE,... (fast.FAST: bm, bn, bk, "
+                   "warps, stages, decode)")
+    p.add_argument("--sweep-tokens", default="", help="--sweep only at these token counts (default: all)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -198,6 +202,13 @@ def main(argv=None) -> int:
     args.kernels_given = args.kernels is not None
     args.kernels = args.kernels or "bf16,w4a8,w4a4,w4a4_packed,w4a4_te"
     os.environ["EVALGATE_KERNEL_BACKEND"] = args.backend
+    if args.fast:
+        from evalgate.kernels.triton import fast
+
+        for item in args.fast.split(","):
+            key, value = item.split("=")
+            fast.FAST[key.strip()] = value.strip() if key.strip() == "decode" else int(value)
+        print(f"fast path settings: {fast.FAST}")
     if args.identity:
         return identity(args)
 
@@ -240,7 +251,8 @@ def main(argv=None) -> int:
                 breakdown(module, x, idx, w)
             if args.cpu_profile and name != "bf16":
                 cpu_profile(module, x, idx, w, args.device)
-            if args.sweep and args.device == "cuda" and name != "bf16":
+            sweep_here = not args.sweep_tokens or str(t) in args.sweep_tokens.split(",")
+            if args.sweep and sweep_here and args.device == "cuda" and name != "bf16":
                 sweep(module, name, x, idx, w, args.repeat, base)
     if args.device == "cuda":
         print(f"peak CUDA memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")

@@ -154,10 +154,11 @@ def test_the_per_block_path_in_small_chunks_gives_the_same_bits(tiny_case, monke
 
 
 @here
-@pytest.mark.parametrize("split", [False, True])
-def test_both_weight_decodes_give_the_same_bits(tiny_case, monkeypatch, split):
-    """The fast kernels' two decodes (joined tile; even/odd K tiles with the activations permuted)."""
-    monkeypatch.setitem(fast.FAST, "split", split)
+@pytest.mark.parametrize("decode", sorted(fast.DECODES))
+def test_every_weight_decode_gives_the_same_bits(tiny_case, monkeypatch, decode):
+    """The fast kernels' decodes (joined tile; even/odd K tiles; the halves of each word of 8 codes), each
+    with the activations permuted to match."""
+    monkeypatch.setitem(fast.FAST, "decode", decode)
     for name in ("w4a4_packed", "w4a8", "faulty/w4a4_packed-scale-exp"):
         _same_bits(tiny_case, name)
 

@@ -19,6 +19,13 @@ and finite: RN_fp32 of the exact dot product, as the canonical accumulation defi
 (a row's byte range above 7 * LIMBS - 4 for E2M1, an expert whose columns span more than 3 binades, the
 exponent out of range) are left to the per-block path (`gemm.int_gemm`) by the caller.
 
+Decoding the weights (FAST["decode"], default "words"): each 32-bit word of packed codes (8 K) becomes two
+words of int8 weights, its first 4 K and its last 4 K, with two byte permutes per half (`_WORDS_ASM`);
+the activations are folded in the same K order (`fold_rows`), so the sums are the same integers. A tile's
+rows take the limbs its widest row needs: each GEMM is launched once per limb count and a tile runs in the
+launch that matches (`plan_rows` sets the rows' needs on the device; no host sync). L1 decodes gate and up
+columns as one tile of 2 BN columns.
+
 Epilogues (no FP32 accumulator is ever written to memory):
 
 - L1 (`l1_gemm`): a program holds matching gate and up columns; BF16 rounding, the upper-only gate clamp,
@@ -42,12 +49,19 @@ from ..formats import EPILOGUE, format_max
 from .availability import interpreted
 from .quantize import group_codes, pow2_f32
 
-# GPU tilings (bm 0: gemm.block_m; split: the nibble-split decode, else the joined one); benchmarks sweep them
-FAST = {"bm": 0, "bn": 128, "bk": 128, "warps": 4, "stages": 3, "split": False}
+# GPU tilings (bm 0: gemm.block_m) and the weight decode (DECODES); benchmarks sweep them
+# bm 0: by rows per expert (16 to bm_max); warps 0: 8 for tiles of 128 rows, else 4
+# (bn: L1's gate + up columns per tile; bn2 / bk2: L2's columns / K step, 0 = as L1)
+FAST = {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 0, "bk2": 0, "warps": 0, "stages": 3,
+        "decode": "words"}  # bk 0: 256 for tiles of 128 rows, else 128
+# weight decodes: "joined" (one tile in K order, a 4 x 256 table), "split" (even / odd K tiles, a 4 x 16
+# table), "words" (per 32-bit word of 8 codes, the first 4 K and the last 4 K as two tiles, decoded with
+# byte permutes on a GPU, `_WORDS_ASM`; the interpreter computes the same tiles from the table)
+DECODES = {"joined": 0, "split": 1, "words": 2}
 MAX_W_SHIFT = 3  # 12 * 2^3 = 96 fits an int8
 CODE_BITS = {"e2m1": 4, "e4m3": 18}  # |code| < 2^bits
 MAX_LIMBS = 3
-LIMB_LAUNCHES = {1: 0, 2: 0, 3: 0}  # GEMMs planned with each limb count (tests, benchmarks)
+LIMB_LAUNCHES = {1: 0, 2: 0, 3: 0}  # GEMMs whose widest fast tile took each limb count (tests, benchmarks)
 FORCE_SLOW_ROWS = False  # tests: send every row through the per-block path (gemm.int_gemm)
 _COLS_ATTR = "_evalgate_triton_column_ranges"
 
@@ -104,6 +118,72 @@ def _decode_joined(W, SW, WLO, LUT2, e, wcols, k0, NW: tl.constexpr, K: tl.const
     return tl.join(both.to(tl.int8), (both >> 8).to(tl.int8)).reshape(BN, BK)
 
 
+# One 32-bit word of packed codes (bytes b0..b3: K 8q .. 8q+7, low nibble first) and a word of 4 equal
+# shift bytes -> two words of 4 int8 weights: $0 = K 8q .. 8q+3, $1 = K 8q+4 .. 8q+7. Per half: the 4
+# nibbles' magnitudes pick their twice-values from a byte table (prmt), shifted left by s (<= 96: no
+# carry between bytes), their negations per byte ((0x80 - m) ^ 0x80: no borrow), and a second prmt picks
+# each byte from the magnitude or the negation by the nibble's sign bit.
+_WORDS_ASM = tl.constexpr("""{
+.reg .b32 wt, wm, wn, wsh, wta, wtb, wc, wy;
+mov.b32 wta, 0x03020100;
+mov.b32 wtb, 0x0C080604;
+mov.b32 wc, 0x80808080;
+and.b32 wsh, $3, 3;
+and.b32 wt, $2, 0x7777;
+prmt.b32 wm, wta, wtb, wt;
+shl.b32 wm, wm, wsh;
+sub.u32 wn, wc, wm;
+xor.b32 wn, wn, wc;
+shr.u32 wt, $2, 1;
+and.b32 wt, wt, 0x4444;
+or.b32 wt, wt, 0x3210;
+prmt.b32 $0, wm, wn, wt;
+shr.u32 wy, $2, 16;
+and.b32 wt, wy, 0x7777;
+prmt.b32 wm, wta, wtb, wt;
+shl.b32 wm, wm, wsh;
+sub.u32 wn, wc, wm;
+xor.b32 wn, wn, wc;
+shr.u32 wt, wy, 1;
+and.b32 wt, wt, 0x4444;
+or.b32 wt, wt, 0x3210;
+prmt.b32 $1, wm, wn, wt;
+}""")
+
+
+@triton.jit
+def _decode_words(W, SW, WLO, LUT, e, wcols, h0, NW: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                  BH: tl.constexpr, SCALE_FAULT: tl.constexpr, ASM: tl.constexpr):
+    """As `_decode_shifted`, packed bytes h0..h0+BH in two int8 [BN, BH] tiles: of each 32-bit word q (K
+    8q..8q+7), its first 4 K to the first tile and its last 4 to the second, in place of the word's 4
+    bytes. ASM: byte permutes on 4 codes at a time (`_WORDS_ASM`); else the table (the interpreter)."""
+    KB: tl.constexpr = K // 32
+    G: tl.constexpr = BH // 16
+    g = h0 // 16 + tl.arange(0, G)
+    j = tl.arange(0, 16)
+    base = (e * NW + wcols).to(tl.int64)
+    sw = tl.load(SW + base[:, None] * KB + g[None, :]).to(tl.int32)  # [BN, G]
+    if SCALE_FAULT:
+        sw = tl.where(wcols[:, None] % KB == g[None, :], tl.minimum(sw + 1, 254), sw)
+    lo = tl.load(WLO + base).to(tl.int32)
+    shift = tl.minimum(tl.maximum(sw - lo[:, None], 0), 3)
+    row = W + base[:, None, None] * (K // 2) + g[None, :, None] * 16  # [BN, G, 1]
+    if ASM:
+        packed = tl.load(row + j[None, None, :])  # [BN, G, 16]
+        s8 = shift.to(tl.int8)[:, :, None] + tl.zeros([BN, G, 16], dtype=tl.int8)
+        w0, w1 = tl.inline_asm_elementwise(_WORDS_ASM, "=r,=r,r,r", [packed, s8], dtype=(tl.int8, tl.int8),
+                                           is_pure=True, pack=4)
+    else:
+        src = (j // 4) * 4 + (j % 4) // 2  # byte of the first 4 K of each word; +2 for the last 4
+        nib = (j % 2) * 4
+        lut = LUT + shift[:, :, None] * 16
+        b0 = tl.load(row + src[None, None, :]).to(tl.int32)
+        b1 = tl.load(row + 2 + src[None, None, :]).to(tl.int32)
+        w0 = tl.load(lut + ((b0 >> nib[None, None, :]) & 15))
+        w1 = tl.load(lut + ((b1 >> nib[None, None, :]) & 15))
+    return w0.reshape(BN, BH), w1.reshape(BN, BH)
+
+
 @triton.jit
 def _limb_dot_joined(A, arow, live, kk, wt, acc0, acc1, acc2, K: tl.constexpr, LSTRIDE, LIMBS: tl.constexpr):
     p = A + arow[:, None] * K + kk[None, :]
@@ -149,62 +229,81 @@ def _to_f32(acc0, acc1, acc2, p, LIMBS: tl.constexpr):
 
 
 @triton.jit
-def _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, OK, BM: tl.constexpr):
+def _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM: tl.constexpr):
+    """(expert, rows, the rows to compute, the limbs the tile needs: its widest fast row's, 0 for none)."""
     t = tl.program_id(0)
     e = tl.load(TILE_EXPERT + t)
     begin = tl.load(TILE_BEGIN + t)
     end = tl.load(TILE_END + t)
     rows = begin + tl.arange(0, BM)
     live = rows < end
-    ok = tl.load(OK + rows, mask=live, other=0) != 0
-    return e.to(tl.int64), rows, live & ok
+    need = tl.load(NEED + rows, mask=live, other=0).to(tl.int32)
+    return e.to(tl.int64), rows, need > 0, tl.max(need, axis=0)
 
 
 # --- L1: gate/up GEMM with the SwiGLU + re-quantization epilogue ---------------------------------------------------
 
 
 @triton.jit
-def _l1_kernel(A, A_ROW, LSTRIDE, P, OK, RW, W, SW, WLO, LUT, LUT2, SILU, TILE_EXPERT, TILE_BEGIN, TILE_END,
+def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE_EXPERT, TILE_BEGIN, TILE_END,
                Q, QSTRIDE, QB, HI, LO,
                I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                LIMBS: tl.constexpr, SCALE_FAULT: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
                SILU_LIMIT: tl.constexpr, E4M3: tl.constexpr, DIV: tl.constexpr, F: tl.constexpr, INV_F: tl.constexpr,
-               CLAMP_LO: tl.constexpr, CLAMP_HI: tl.constexpr, FLOOR: tl.constexpr, SPLIT: tl.constexpr):
-    e, rows, keep = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, OK, BM)
+               CLAMP_LO: tl.constexpr, CLAMP_HI: tl.constexpr, FLOOR: tl.constexpr, DECODE: tl.constexpr,
+               ASM: tl.constexpr):
+    """One tile of BM rows of one expert x BN gate (and the matching up) columns, if its widest fast row
+    needs LIMBS limbs (one launch per limb count: the tiles choose, no host sync)."""
+    e, rows, keep, limbs = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
     if e < 0:
         return
-    if tl.max(keep.to(tl.int32), axis=0) == 0:
+    if limbs != LIMBS:
         return
     arow = tl.load(A_ROW + rows, mask=keep, other=0).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)  # gate columns; up = cols + I
-    g0 = tl.zeros([BM, BN], dtype=tl.int32)
-    g1 = tl.zeros([BM, BN], dtype=tl.int32)
-    g2 = tl.zeros([BM, BN], dtype=tl.int32)
-    u0 = tl.zeros([BM, BN], dtype=tl.int32)
-    u1 = tl.zeros([BM, BN], dtype=tl.int32)
-    u2 = tl.zeros([BM, BN], dtype=tl.int32)
+    p = tl.load(P + rows, mask=keep, other=0)
     BH: tl.constexpr = BK // 2
-    if SPLIT:
+    if DECODE == 2:  # gate and up columns in one tile of 2 BN: one dot per limb and half
+        r = tl.arange(0, 2 * BN)
+        both = tl.program_id(1) * BN + r % BN + (r // BN) * I
+        a0 = tl.zeros([BM, 2 * BN], dtype=tl.int32)
+        a1 = tl.zeros([BM, 2 * BN], dtype=tl.int32)
+        a2 = tl.zeros([BM, 2 * BN], dtype=tl.int32)
         hh0 = tl.arange(0, BH)
         for h0 in range(0, K // 2, BH):
-            ge, go = _decode_shifted(W, SW, WLO, LUT, e, cols, h0, 2 * I, K, BN, BH, SCALE_FAULT)
-            g0, g1, g2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(ge), tl.trans(go), g0, g1, g2, K, LSTRIDE,
+            we, wo = _decode_words(W, SW, WLO, LUT, e, both, h0, 2 * I, K, 2 * BN, BH, SCALE_FAULT, ASM)
+            a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(we), tl.trans(wo), a0, a1, a2, K, LSTRIDE,
                                    LIMBS)
-            ue, uo = _decode_shifted(W, SW, WLO, LUT, e, cols + I, h0, 2 * I, K, BN, BH, SCALE_FAULT)
-            u0, u1, u2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(ue), tl.trans(uo), u0, u1, u2, K, LSTRIDE,
-                                   LIMBS)
+        wlo = tl.load(WLO + e * 2 * I + both).to(tl.int32)
+        gu = bf16_rne(_to_f32(a0, a1, a2, p[:, None] + wlo[None, :], LIMBS))  # step 4
+        g, u = tl.split(gu.reshape(BM, 2, BN).permute(0, 2, 1))
     else:
-        kk0 = tl.arange(0, BK)
-        for k0 in range(0, K, BK):
-            wg = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols, k0, 2 * I, K, BN, BK, SCALE_FAULT))
-            wu = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols + I, k0, 2 * I, K, BN, BK, SCALE_FAULT))
-            g0, g1, g2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wg, g0, g1, g2, K, LSTRIDE, LIMBS)
-            u0, u1, u2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wu, u0, u1, u2, K, LSTRIDE, LIMBS)
-    p = tl.load(P + rows, mask=keep, other=0)
-    wlo_g = tl.load(WLO + e * 2 * I + cols).to(tl.int32)
-    wlo_u = tl.load(WLO + e * 2 * I + I + cols).to(tl.int32)
-    g = bf16_rne(_to_f32(g0, g1, g2, p[:, None] + wlo_g[None, :], LIMBS))  # step 4
-    u = bf16_rne(_to_f32(u0, u1, u2, p[:, None] + wlo_u[None, :], LIMBS))
+        g0 = tl.zeros([BM, BN], dtype=tl.int32)
+        g1 = tl.zeros([BM, BN], dtype=tl.int32)
+        g2 = tl.zeros([BM, BN], dtype=tl.int32)
+        u0 = tl.zeros([BM, BN], dtype=tl.int32)
+        u1 = tl.zeros([BM, BN], dtype=tl.int32)
+        u2 = tl.zeros([BM, BN], dtype=tl.int32)
+        if DECODE == 1:
+            hh0 = tl.arange(0, BH)
+            for h0 in range(0, K // 2, BH):
+                ge, go = _decode_shifted(W, SW, WLO, LUT, e, cols, h0, 2 * I, K, BN, BH, SCALE_FAULT)
+                g0, g1, g2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(ge), tl.trans(go), g0, g1, g2, K,
+                                       LSTRIDE, LIMBS)
+                ue, uo = _decode_shifted(W, SW, WLO, LUT, e, cols + I, h0, 2 * I, K, BN, BH, SCALE_FAULT)
+                u0, u1, u2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(ue), tl.trans(uo), u0, u1, u2, K,
+                                       LSTRIDE, LIMBS)
+        else:
+            kk0 = tl.arange(0, BK)
+            for k0 in range(0, K, BK):
+                wg = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols, k0, 2 * I, K, BN, BK, SCALE_FAULT))
+                wu = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols + I, k0, 2 * I, K, BN, BK, SCALE_FAULT))
+                g0, g1, g2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wg, g0, g1, g2, K, LSTRIDE, LIMBS)
+                u0, u1, u2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wu, u0, u1, u2, K, LSTRIDE, LIMBS)
+        wlo_g = tl.load(WLO + e * 2 * I + cols).to(tl.int32)
+        wlo_u = tl.load(WLO + e * 2 * I + I + cols).to(tl.int32)
+        g = bf16_rne(_to_f32(g0, g1, g2, p[:, None] + wlo_g[None, :], LIMBS))  # step 4
+        u = bf16_rne(_to_f32(u0, u1, u2, p[:, None] + wlo_u[None, :], LIMBS))
     silu = tl.load(SILU + ((g.to(tl.int32, bitcast=True) >> 16) & 0xFFFF))  # step 5: the emulator's silu(g)
     if HAS_LIMIT:
         silu = tl.where(g > LIMIT, SILU_LIMIT, silu)
@@ -237,13 +336,13 @@ def _l1_kernel(A, A_ROW, LSTRIDE, P, OK, RW, W, SW, WLO, LUT, LUT2, SILU, TILE_E
 
 
 @triton.jit
-def _l2_kernel(A, LSTRIDE, P, OK, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TILE_BEGIN, TILE_END, OUT,
+def _l2_kernel(A, LSTRIDE, P, NEED, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TILE_BEGIN, TILE_END, OUT,
                N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               LIMBS: tl.constexpr, SCALE_FAULT: tl.constexpr, SPLIT: tl.constexpr):
-    e, rows, keep = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, OK, BM)
+               LIMBS: tl.constexpr, SCALE_FAULT: tl.constexpr, DECODE: tl.constexpr, ASM: tl.constexpr):
+    e, rows, keep, limbs = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
     if e < 0:
         return
-    if tl.max(keep.to(tl.int32), axis=0) == 0:
+    if limbs != LIMBS:
         return
     arow = rows.to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -251,7 +350,13 @@ def _l2_kernel(A, LSTRIDE, P, OK, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TILE
     a1 = tl.zeros([BM, BN], dtype=tl.int32)
     a2 = tl.zeros([BM, BN], dtype=tl.int32)
     BH: tl.constexpr = BK // 2
-    if SPLIT:
+    if DECODE == 2:
+        hh0 = tl.arange(0, BH)
+        for h0 in range(0, K // 2, BH):
+            we, wo = _decode_words(W, SW, WLO, LUT, e, cols, h0, N, K, BN, BH, SCALE_FAULT, ASM)
+            a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(we), tl.trans(wo), a0, a1, a2, K, LSTRIDE,
+                                   LIMBS)
+    elif DECODE == 1:
         hh0 = tl.arange(0, BH)
         for h0 in range(0, K // 2, BH):
             we, wo = _decode_shifted(W, SW, WLO, LUT, e, cols, h0, N, K, BN, BH, SCALE_FAULT)
@@ -275,7 +380,7 @@ def _l2_kernel(A, LSTRIDE, P, OK, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TILE
 
 @triton.jit
 def _fold_rows(Q, QSTRIDE, QB, LO, OUT, OSTRIDE, R, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-               QLIMBS: tl.constexpr, LIMBS: tl.constexpr, MAX_SHIFT: tl.constexpr, SPLIT: tl.constexpr):
+               QLIMBS: tl.constexpr, LIMBS: tl.constexpr, MAX_SHIFT: tl.constexpr, DECODE: tl.constexpr):
     """Integer codes (QLIMBS 7-bit limbs) shifted left by (group byte - the row's lo), as LIMBS limbs."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     ks = tl.program_id(1) * BK + tl.arange(0, BK)
@@ -290,9 +395,12 @@ def _fold_rows(Q, QSTRIDE, QB, LO, OUT, OSTRIDE, R, K: tl.constexpr, BR: tl.cons
     shift = tl.minimum(tl.maximum(sb - lo[:, None], 0), MAX_SHIFT)
     mag = tl.abs(v) << shift
     sign = tl.where(v < 0, -1, 1)
-    # even K to the first half of the row, odd K to the second: the order the packed nibbles decode in
-    if SPLIT:
+    # the K order the weight decode gives (`_decode_shifted`, `_decode_words`): each half of the row pairs
+    # with one of the two weight tiles
+    if DECODE == 1:  # even K to the first half of the row, odd K to the second
         dest = rows[:, None] * K + (ks // 2 + (ks % 2) * (K // 2))[None, :]
+    elif DECODE == 2:  # of each 8 K (a word of packed codes), the first 4 to the first half, the last 4 to the second
+        dest = rows[:, None] * K + ((ks // 8) * 4 + ks % 4 + ((ks // 4) % 2) * (K // 2))[None, :]
     else:
         dest = offs
     tl.store(OUT + dest, ((mag & 127) * sign).to(tl.int8), mask=live[:, None])
@@ -302,9 +410,11 @@ def _fold_rows(Q, QSTRIDE, QB, LO, OUT, OSTRIDE, R, K: tl.constexpr, BR: tl.cons
         tl.store(OUT + 2 * OSTRIDE + dest, (((mag >> 14) & 127) * sign).to(tl.int8), mask=live[:, None])
 
 
-def fold_rows(q: torch.Tensor, q_bytes: torch.Tensor, lo: torch.Tensor, fmt: str, limbs: int) -> torch.Tensor:
+def fold_rows(q: torch.Tensor, q_bytes: torch.Tensor, lo: torch.Tensor, fmt: str, limbs: int = MAX_LIMBS) -> torch.Tensor:
     """Codes q [QLIMBS, R, K] (quantize.quantize_rows) with bytes [R, K/32] -> int8 [limbs, R, K]: each code
-    shifted by (its group's byte - lo of its row) (0 for groups below lo, i.e. zero groups), in limbs."""
+    shifted by (its group's byte - lo of its row) (0 for groups below lo, i.e. zero groups), in limbs (all
+    MAX_LIMBS by default: a tile reads as many as its widest row needs, the others' upper limbs are 0), in
+    the K order of the weight decode."""
     qlimbs, r, k = q.shape
     out = torch.empty(limbs, r, k, dtype=torch.int8, device=q.device)
     if r == 0:
@@ -313,15 +423,15 @@ def fold_rows(q: torch.Tensor, q_bytes: torch.Tensor, lo: torch.Tensor, fmt: str
     while k % bk:
         bk //= 2
     _fold_rows[(triton.cdiv(r, br), k // bk)](
-        q, r * k, q_bytes, lo.to(torch.int32).contiguous(), out, r * k, r, K=k, BR=br, BK=bk, QLIMBS=qlimbs,
-        LIMBS=limbs, MAX_SHIFT=max_shift(fmt, limbs), SPLIT=split(), num_warps=4)
+        q, r * k, q_bytes, lo.to(torch.int32), out, r * k, r, K=k, BR=br, BK=bk, QLIMBS=qlimbs,
+        LIMBS=limbs, MAX_SHIFT=max_shift(fmt, limbs), DECODE=decode(), num_warps=4)
     return out
 
 
-def split() -> bool:
-    """Whether the fast kernels decode the nibbles into two tiles (even and odd K: A' rows permuted to
-    match) or into one joined tile. Either gives the same sums: an integer dot product in any K order."""
-    return bool(FAST["split"])
+def decode() -> int:
+    """The fast kernels' weight decode (FAST["decode"], DECODES). Every decode gives the same sums: an
+    integer dot product in any K order, with the activations permuted to match."""
+    return DECODES[FAST["decode"]]
 
 
 def max_shift(fmt: str, limbs: int) -> int:
@@ -358,11 +468,15 @@ class ColumnBases:
         self.lo = torch.where(empty, 127, lo).contiguous()
         rng = torch.where(empty, 0, hi - lo)
         self.range_max = rng.amax(1)  # [E]
-        self.lo_min = self.lo.amin(1)
-        self.lo_max = self.lo.amax(1)
+        self.lo_min = self.lo.amin(1).to(torch.int32).contiguous()
+        self.lo_max = self.lo.amax(1).to(torch.int32).contiguous()
+        self._ok = {}
 
     def expert_ok(self, scale_fault: bool) -> torch.Tensor:
-        return self.range_max + int(scale_fault) <= MAX_W_SHIFT
+        """int8 [E]: 1 where every column's byte range (+1 under fault (a)) fits the int8 shift."""
+        if scale_fault not in self._ok:
+            self._ok[scale_fault] = (self.range_max + int(scale_fault) <= MAX_W_SHIFT).to(torch.int8).contiguous()
+        return self._ok[scale_fault]
 
 
 def column_bases(fp4) -> tuple[ColumnBases, ColumnBases]:
@@ -428,7 +542,8 @@ def _tiling(n: int, k: int, l1: bool, bm: int):
         bn, bk, warps, stages = min(triton.next_power_of_2(n), 256), min(k, 512), 4, 1
     else:
         bn = FAST["bn"] // (2 if l1 else 1)
-        bk, warps, stages = FAST["bk"], FAST["warps"], FAST["stages"]
+        bk = FAST["bk"] or (256 if bm >= 128 else 128)
+        warps, stages = FAST["warps"] or (8 if bm >= 128 else 4), FAST["stages"]
     bn = max(32, min(bn, n))
     while n % bn:
         bn //= 2
@@ -439,74 +554,178 @@ def _tiling(n: int, k: int, l1: bool, bm: int):
     return bn, bk, warps, stages
 
 
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory a fast kernel's pipelined tiles may plan on (H200: 227 KiB)
+
+
+def _stages(stages: int, limbs: int, bm: int, cols: int, bk: int):
+    """(stages, bk) for one limb count's kernel: as many stages as asked whose tiles (LIMBS activation
+    tiles [bm, bk] and the packed weights [cols, bk / 2] per stage, the decoded weights [cols, bk]) fit
+    SMEM_BUDGET, halving bk if even one stage does not."""
+    while True:
+        for st in range(stages, 0, -1):
+            if st * (limbs * bm * bk + cols * bk // 2) + cols * bk <= SMEM_BUDGET:
+                return st, bk
+        if bk <= 64:
+            return 1, bk
+        bk //= 2
+
+
 def _bm(rows: int, experts: int) -> int:
-    """Rows per tile: FAST["bm"] if set, else `gemm.block_m` (16 to 64, by rows per expert). 128-row
-    tiles measured no faster at 4096 tokens on the H200 (docs/kernels.md#triton-kernels)."""
-    from .gemm import block_m
+    """Rows per tile: FAST["bm"] if set, else about the rows an expert gets, 16 to FAST["bm_max"] (a tile
+    decodes its expert's weights once: fewer tiles per expert, fewer decodes)."""
+    if FAST["bm"]:
+        return FAST["bm"]
+    per_expert = rows / max(experts, 1)
+    bm = 16
+    while bm < FAST["bm_max"] and per_expert > bm:
+        bm *= 2
+    return bm
 
-    return FAST["bm"] or block_m(rows, experts)
+
+def limb_counts(fmt: str):
+    """The limb counts a fast row of format fmt can need (E4M3 codes, below 2^18, always take 3)."""
+    return [n for n in range(1, MAX_LIMBS + 1) if max_shift(fmt, n) >= 0]
 
 
-def l1_gemm(a_limbs, a_row, p, ok, router_w, fp4, bases: ColumnBases, counts, scale_fault, fmt_out: str,
-            limit, q, q_bytes, hi, lo):
-    """Fast rows (ok) of the L1 GEMM with the steps 4-6 epilogue, written into q [QLIMBS, S, I] (int8
+def _asm() -> bool:
+    return not interpreted()
+
+
+def l1_gemm(a_limbs, a_row, p, need, router_w, fp4, bases: ColumnBases, tiles, bm: int, scale_fault, fmt_in: str,
+            fmt_out: str, limit, q, q_bytes, hi, lo):
+    """Fast rows (need > 0) of the L1 GEMM with the steps 4-6 epilogue, written into q [QLIMBS, S, I] (int8
     codes of the intermediate), q_bytes [S, I/32], hi/lo [S] (atomic max / min: initialise to -1 / 512).
-    a_limbs [L, T, K] (fold_rows), a_row [S] int32 (token of each sorted row), p [S] int32 (row base
-    exponent: lo_a + unit - 255), router_w [S] FP32."""
-    from .gemm import tile_schedule
-
-    limbs, t, k = a_limbs.shape
+    a_limbs [MAX_LIMBS, T, K] (fold_rows), a_row [S] int32 (token of each sorted row), p [S] int32 (row
+    base exponent: lo_a + unit - 255), need [S] int8 (plan_rows), router_w [S] FP32, tiles of bm rows
+    (gemm.tile_schedule). One launch per limb count; each tile runs in the one its widest row needs."""
+    _, t, k = a_limbs.shape
     s = a_row.numel()
     i = fp4.w1.shape[1] // 2
-    bm = _bm(s, counts.numel())
     bn, bk, warps, stages = _tiling(i, k, True, bm)
-    tiles = tile_schedule(counts, s, bm)
     has_limit = limit is not None and limit != float("inf")
     lim = float(np.float32(limit)) if has_limit else 0.0
     fmax = format_max(fmt_out)
     clamp = EPILOGUE.byte_clamp or (0, 255)
-    _l1_kernel[(tiles[0].numel(), i // bn)](
-        a_limbs, a_row, t * k, p, ok, router_w, fp4.w1, fp4.w1_scale, bases.lo, shifted_twice_table(q.device),
-        shifted_pair_table(q.device), silu_table(q.device), *tiles, q, s * i, q_bytes, hi, lo,
-        I=i, K=k, BM=bm, BN=bn, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, HAS_LIMIT=has_limit, LIMIT=lim,
-        SILU_LIMIT=silu_of(lim) if has_limit else 0.0, E4M3=fmt_out == "e4m3", DIV=EPILOGUE.q_via == "div",
-        FLOOR=float(EPILOGUE.amax_floor), F=fmax,
-        INV_F=float(np.float32(1.0 / fmax)), CLAMP_LO=max(clamp[0], 0), CLAMP_HI=min(clamp[1], 255),
-        SPLIT=split(), num_warps=warps, num_stages=stages)
+    dev = q.device
+    bk0 = bk
+    for limbs in limb_counts(fmt_in):
+        if not interpreted():
+            stages, bk = _stages(FAST["stages"], limbs, bm, 2 * bn, bk0)
+        _l1_kernel[(tiles[0].numel(), i // bn)](
+            a_limbs, a_row, t * k, p, need, router_w, fp4.w1, fp4.w1_scale, bases.lo, shifted_twice_table(dev),
+            shifted_pair_table(dev), silu_table(dev), *tiles, q, s * i, q_bytes, hi, lo,
+            I=i, K=k, BM=bm, BN=bn, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, HAS_LIMIT=has_limit, LIMIT=lim,
+            SILU_LIMIT=silu_of(lim) if has_limit else 0.0, E4M3=fmt_out == "e4m3", DIV=EPILOGUE.q_via == "div",
+            FLOOR=float(EPILOGUE.amax_floor), F=fmax,
+            INV_F=float(np.float32(1.0 / fmax)), CLAMP_LO=max(clamp[0], 0), CLAMP_HI=min(clamp[1], 255),
+            DECODE=decode(), ASM=_asm(), num_warps=warps, num_stages=stages)
 
 
-def l2_gemm(a_limbs, p, ok, slot, fp4, bases: ColumnBases, counts, scale_fault, out_bits):
-    """Fast rows (ok) of the L2 GEMM: BF16 bits of the rounded output stored at row slot[s] of out_bits
-    (int16 [T * top_k, H]). a_limbs [L, S, K] in sorted order."""
-    from .gemm import tile_schedule
-
-    limbs, s, k = a_limbs.shape
+def l2_gemm(a_limbs, p, need, slot, fp4, bases: ColumnBases, tiles, bm: int, scale_fault, fmt_in: str, out_bits):
+    """Fast rows (need > 0) of the L2 GEMM: BF16 bits of the rounded output stored at row slot[s] of
+    out_bits (int16 [T * top_k, H]). a_limbs [MAX_LIMBS, S, K] in sorted order."""
+    _, s, k = a_limbs.shape
     n = fp4.w2.shape[1]
-    bm = _bm(s, counts.numel())
     bn, bk, warps, stages = _tiling(n, k, False, bm)
-    tiles = tile_schedule(counts, s, bm)
-    _l2_kernel[(tiles[0].numel(), n // bn)](
-        a_limbs, s * k, p, ok, slot, fp4.w2, fp4.w2_scale, bases.lo, shifted_twice_table(out_bits.device),
-        shifted_pair_table(out_bits.device), *tiles, out_bits, N=n, K=k, BM=bm, BN=bn, BK=bk, LIMBS=limbs,
-        SCALE_FAULT=scale_fault, SPLIT=split(), num_warps=warps, num_stages=stages)
+    if not interpreted() and FAST.get("bn2"):
+        bn = min(FAST["bn2"], n)
+    if not interpreted() and FAST.get("bk2"):
+        bk = min(FAST["bk2"], k)
+    dev = out_bits.device
+    bk0 = bk
+    for limbs in limb_counts(fmt_in):
+        if not interpreted():
+            stages, bk = _stages(FAST["stages"], limbs, bm, bn, bk0)
+        _l2_kernel[(tiles[0].numel(), n // bn)](
+            a_limbs, s * k, p, need, slot, fp4.w2, fp4.w2_scale, bases.lo, shifted_twice_table(dev),
+            shifted_pair_table(dev), *tiles, out_bits, N=n, K=k, BM=bm, BN=bn, BK=bk, LIMBS=limbs,
+            SCALE_FAULT=scale_fault, DECODE=decode(), ASM=_asm(), num_warps=warps, num_stages=stages)
 
 
-def plan_rows(hi_a, lo_a, fmt: str, bases: ColumnBases, expert, scale_fault: bool, k: int, force_slow=False):
-    """Per sorted row: (ok int8, p int32, the limbs the widest ok row needs, how many rows are not ok).
-    hi_a/lo_a: the byte range of each row's activations (per sorted row). One host sync."""
+# --- which rows take the fast path, without a host sync ------------------------------------------------------
+
+
+@triton.jit
+def _plan_rows(HI, LO, SRC, EXPERT, WOK, WLOMIN, WLOMAX, NEED, P, COUNT, S, E, BR: tl.constexpr,
+               UNIT: tl.constexpr, BITS: tl.constexpr, GATHER: tl.constexpr, FORCE: tl.constexpr):
+    """Per sorted row: the limbs its activations need (0: not a fast row) and p; COUNT[0] += the rows of an
+    expert that are not fast, COUNT[1] = max(COUNT[1], the most limbs a fast row needs), COUNT[2] += the
+    rows of an expert (EXPERT outside 0..E-1: an empty slot)."""
+    i = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    live = i < S
+    e = tl.load(EXPERT + i, mask=live, other=-1)
+    present = live & (e >= 0) & (e < E)
+    ec = tl.where(present, e, 0)
+    if GATHER:
+        src = tl.load(SRC + i, mask=live, other=0).to(tl.int64)
+    else:
+        src = i
+    hi = tl.load(HI + src, mask=live, other=-1)
+    lo = tl.load(LO + src, mask=live, other=512)
+    empty = hi < 0
+    rng = tl.where(empty, 0, hi - lo)
+    p = tl.where(empty, 127, lo) + (UNIT - 255)
+    n = tl.maximum((rng + (BITS + 6)) // 7, 1)  # the fewest 7-bit limbs that hold codes < 2^(BITS + rng)
+    ok = present & (tl.load(WOK + ec, mask=present, other=0) != 0) & (n <= 3)
+    ok = ok & (p + tl.load(WLOMIN + ec, mask=present, other=0) >= -126)
+    ok = ok & (p + tl.load(WLOMAX + ec, mask=present, other=0) <= 64)
+    if FORCE:
+        ok = ok & (n < 0)
+    need = tl.where(ok, n, 0)
+    tl.store(NEED + i, need.to(tl.int8), mask=live)
+    tl.store(P + i, p, mask=live)
+    tl.atomic_add(COUNT, tl.sum((present & (need == 0)).to(tl.int32), axis=0))
+    tl.atomic_max(COUNT + 1, tl.max(need, axis=0))
+    tl.atomic_add(COUNT + 2, tl.sum(present.to(tl.int32), axis=0))
+
+
+def plan_rows(hi_a, lo_a, src, fmt: str, bases: ColumnBases, expert, scale_fault: bool, k: int, count,
+              force_slow=False):
+    """Per sorted row: (need int8: the limbs of its fast GEMM, 0 if it takes the per-block path; p int32).
+    hi_a/lo_a: the byte range of each activation row; src: the activation row of each sorted row (None:
+    the same); expert [S] int32 (num_experts for an empty slot); count: int32 [3] on the device, zeroed,
+    for (rows not fast, the most limbs, rows) - read once at the end of the layer, the only host sync."""
     from .quantize import UNIT_EXP
 
-    empty = hi_a < 0
-    lo_eff = torch.where(empty, 127, lo_a).to(torch.int64)
-    rng = torch.where(empty, 0, hi_a - lo_a).to(torch.int64)
-    p = lo_eff + UNIT_EXP[fmt] - 255
-    ok = bases.expert_ok(scale_fault)[expert] & (rng <= max_shift(fmt, MAX_LIMBS))
-    ok &= (p + bases.lo_min.to(torch.int64)[expert] >= -126) & (p + bases.lo_max.to(torch.int64)[expert] <= 64)
-    if force_slow or k >= 2**17:
-        ok &= False
-    need, slow = torch.stack([torch.where(ok, rng, 0).amax(), (~ok).sum()]).tolist() if ok.numel() else (0, 0)
-    limbs = next(n for n in range(1, MAX_LIMBS + 1) if need <= max_shift(fmt, n))
-    LIMB_LAUNCHES[limbs] += 1
-    return ok.to(torch.int8), p.to(torch.int32), limbs, slow
+    s = expert.numel()
+    need = torch.empty(s, dtype=torch.int8, device=expert.device)
+    p = torch.empty(s, dtype=torch.int32, device=expert.device)
+    if s == 0:
+        return need, p
+    br = 1024
+    _plan_rows[(triton.cdiv(s, br),)](
+        hi_a, lo_a, expert if src is None else src, expert, bases.expert_ok(scale_fault), bases.lo_min,
+        bases.lo_max, need, p, count, s, bases.lo.shape[0], BR=br, UNIT=UNIT_EXP[fmt], BITS=CODE_BITS[fmt],
+        GATHER=src is not None, FORCE=bool(force_slow or k >= 2**17), num_warps=4)
+    return need, p
 
 
+# --- step 8: the combine ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _combine(SLOT, IDX, OUT, E, H: tl.constexpr, TOPK: tl.constexpr, SUM: tl.constexpr, BH: tl.constexpr):
+    """OUT[t] = BF16(FP32 sum of the BF16 slot outputs 0..SUM-1 of token t, in slot order); an empty slot
+    (expert outside 0..E-1) adds +0, as its zero row would."""
+    t = tl.program_id(0).to(tl.int64)
+    hs = tl.program_id(1) * BH + tl.arange(0, BH)
+    e = tl.load(IDX + t * TOPK)
+    acc = tl.load(SLOT + t * TOPK * H + hs, mask=(e >= 0) & (e < E), other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SUM):
+        e = tl.load(IDX + t * TOPK + s)
+        acc += tl.load(SLOT + (t * TOPK + s) * H + hs, mask=(e >= 0) & (e < E), other=0.0).to(tl.float32)
+    tl.store(OUT + t * H + hs, bf16_rne(acc))
+
+
+def combine(slot: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, skip_last_slot: bool = False):
+    """`emulator.combine` over BF16 slot outputs slot [T * K, H] (rows of empty slots: not read) ->
+    BF16-valued FP32 [T, H]."""
+    t, k = top_k_index.shape
+    h = slot.shape[1]
+    out = torch.empty(t, h, dtype=torch.float32, device=slot.device)
+    if t == 0:
+        return out
+    bh = min(h & -h, 1024)
+    _combine[(t, h // bh)](slot, top_k_index.contiguous(), out, num_experts, H=h, TOPK=k,
+                           SUM=max(k - (1 if skip_last_slot else 0), 1), BH=bh, num_warps=4)
+    return out

@@ -6,16 +6,19 @@
 | 2 input quantization | Triton (`quantize`); fault (b)'s misread FP8 bytes: torch |
 | 3-6 L1 GEMM, BF16 round, clamp, SwiGLU, router weight, re-quantization | fast rows: one Triton kernel (`fast.l1_gemm`: int8 GEMM + epilogue, silu from a table of the emulator's own values); other rows: `gemm.int_gemm` per 32-block, the emulator's torch functions, `quantize` (uncertified rows on the host, `certify`) |
 | 7 L2 GEMM, BF16 round | fast rows: `fast.l2_gemm` writes BF16 per (token, slot); other rows: `gemm.int_gemm` + torch |
-| 8 combine | `combine_bf16`: the emulator's FP32 sum in slot order over the BF16-stored slot outputs |
+| 8 combine | `fast.combine` (Triton; `combine_bf16` under fault (c)): the emulator's FP32 sum in slot order over the BF16-stored slot outputs |
 
 Fault (c) (w * quantize(h): FP32 L2 input) runs every row on the per-block path (`gemm.f64_gemm` for L2).
-Which rows take the fast path is decided per row before the GEMM (`fast.plan_rows`); the per-block path
+Which rows take the fast path is decided per row on the device before the GEMM (`fast.plan_rows`: no host
+sync; the layer reads once, at its end, how many rows the fast path left); the per-block path
 runs SLOW_CHUNK_ROWS rows at a time, so no call holds an FP32 accumulator for all its rows. Both paths
 compute RN_fp32 of the exact dot product (docs/kernels.md#accumulation), so a row's bits do not depend on
 the path; `check.triton_layer_check` holds the whole forward against the emulator bit for bit.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -31,7 +34,7 @@ from ..formats import EPILOGUE, SCALE_RULES, bf16_round
 from ..recipe import Recipe
 from ..weights import Fp4ExpertWeights, check_shapes, fp4_weights
 from . import certify, fast
-from .gemm import f64_gemm, int_gemm
+from .gemm import f64_gemm, int_gemm, tile_schedule
 from .quantize import LIMBS as CODE_LIMBS, UNIT_EXP, quantize_rows, twice_from_codes, values_from_codes
 
 STATS = {"rows": 0, "host_rows": 0, "slow_rows": 0}  # rows through the GEMMs, those the per-block path and the host computed
@@ -122,46 +125,166 @@ def _per_block_layer(op, rows: ExpertRows, token, w, fp4, recipe, limit, slot) -
     STATS["rows"] += 2 * rows.rows.numel()
 
 
-def _fused_layer(op, rows: ExpertRows, token, w, fp4, recipe, limit, slot) -> None:
-    """Both GEMMs with their epilogues: the fast path (`fast`) for the rows whose scales fit, the per-block
-    path for the others; the intermediate lives only as codes + bytes."""
-    s, i = rows.rows.numel(), fp4.intermediate
-    fault = recipe.fault
-    scale_fault = fault == "weight_scale_exponent_plus_one"
-    force = fast.FORCE_SLOW_ROWS or certify.FORCE_HOST_ROWS
-    b1, b2 = fast.column_bases(fp4)
-    fmt2 = recipe.intermediate
-    dev = token.device
-    # L1 (steps 3-6) -> intermediate codes q2, bytes qb2, row byte ranges hi2 / lo2
-    ok, p, limbs, slow = fast.plan_rows(op.hi[token], op.lo[token], op.fmt, b1, rows.expert, scale_fault,
-                                        fp4.hidden, force)
-    q2 = torch.empty(CODE_LIMBS[fmt2], s, i, dtype=torch.int8, device=dev)
-    qb2 = torch.empty(s, i // formats.GROUP, dtype=torch.uint8, device=dev)
-    hi2 = torch.full((s,), -1, dtype=torch.int32, device=dev)
-    lo2 = torch.full((s,), 512, dtype=torch.int32, device=dev)
-    if slow < s:
-        a = fast.fold_rows(op.q, op.q_bytes, op.lo, op.fmt, limbs)
-        fast.l1_gemm(a, token, p, ok, w, fp4, b1, rows.counts, scale_fault, fmt2, limit, q2, qb2, hi2, lo2)
+class SortedRows:
+    """The (token, slot) rows of one call sorted by expert, as `ExpertRows`, without a host sync: all T * K
+    rows, the empty slots (expert outside 0..E-1) last with expert E, which no tile covers."""
+
+    def __init__(self, top_k_index, top_k_weights, num_experts):
+        t, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts).to(torch.int32)
+        order = torch.sort(key, stable=True)
+        self.rows = order.indices  # flat (token, slot), by expert
+        self.expert = order.values  # int32; num_experts for an empty slot
+        self.token = (self.rows // k).to(torch.int32)
+        ones = torch.ones_like(key)
+        self.counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=key.device).index_add_(0, key, ones)[:-1]
+        self.w = top_k_weights.reshape(-1)[self.rows].to(torch.float32)
+        self.num_experts = num_experts
+
+
+class _Layer:
+    """One call's fused layer: the device work (`launch`: no host sync, so it can be captured in a CUDA
+    graph) and the rest (`finish`: the one sync, and the per-block path for the rows the fast path left)."""
+
+    def launch(self, op, rows: SortedRows, w, fp4, recipe, limit, slot) -> None:
+        s, i = rows.rows.numel(), fp4.intermediate
+        self.op, self.rows, self.w, self.fp4, self.recipe, self.limit, self.slot = op, rows, w, fp4, recipe, limit, slot
+        self.scale_fault = recipe.fault == "weight_scale_exponent_plus_one"
+        self.force = fast.FORCE_SLOW_ROWS or certify.FORCE_HOST_ROWS
+        b1, self.b2 = fast.column_bases(fp4)
+        fmt2 = self.fmt2 = recipe.intermediate
+        dev = slot.device
+        self.bm = fast._bm(s, fp4.num_experts)
+        self.tiles = tile_schedule(rows.counts, s, self.bm)
+        self.count = torch.zeros(6, dtype=torch.int32, device=dev)  # per GEMM: rows not fast, most limbs, rows
+        # L1 (steps 3-6) -> intermediate codes q2, bytes qb2, row byte ranges hi2 / lo2
+        self.need1, p1 = fast.plan_rows(op.hi, op.lo, rows.token, op.fmt, b1, rows.expert, self.scale_fault,
+                                        fp4.hidden, self.count[0:3], self.force)
+        self.q2 = torch.empty(CODE_LIMBS[fmt2], s, i, dtype=torch.int8, device=dev)
+        self.qb2 = torch.empty(s, i // formats.GROUP, dtype=torch.uint8, device=dev)
+        self.hi2 = torch.full((s,), -1, dtype=torch.int32, device=dev)
+        self.lo2 = torch.full((s,), 512, dtype=torch.int32, device=dev)
+        a = fast.fold_rows(op.q, op.q_bytes, op.lo, op.fmt)
+        fast.l1_gemm(a, rows.token, p1, self.need1, w, fp4, b1, self.tiles, self.bm, self.scale_fault, op.fmt, fmt2,
+                     limit, self.q2, self.qb2, self.hi2, self.lo2)
         del a
-    for chunk in _chunks((ok == 0).nonzero().flatten() if slow else torch.empty(0)):
-        acc = grouped_gemm(op, token[chunk], fp4, 1, rows.expert[chunk], fault)
-        g, u = emulator.gate_up_to_bf16(acc, limit)
-        del acc
-        cq, cb, chi, clo = quantize_rows(emulator.swiglu(g, u) * w[chunk][:, None], fmt2, EPILOGUE)
-        q2[:, chunk], qb2[chunk], hi2[chunk], lo2[chunk] = cq, cb, chi, clo
-    STATS["slow_rows"] += slow
-    # L2 (step 7) -> BF16 slot outputs
-    ok, p, limbs, slow = fast.plan_rows(hi2, lo2, fmt2, b2, rows.expert, scale_fault, i, force)
-    if slow < s:
-        a = fast.fold_rows(q2, qb2, lo2, fmt2, limbs)
-        fast.l2_gemm(a, p, ok, rows.rows, fp4, b2, rows.counts, scale_fault, slot.view(torch.int16))
-        del a
-    inter = Operand(fmt2, q2, qb2, hi2, lo2, sig=SIG_BITS[fmt2])
-    for chunk in _chunks((ok == 0).nonzero().flatten() if slow else torch.empty(0)):
-        slot[rows.rows[chunk]] = grouped_gemm(inter, chunk.to(torch.int32), fp4, 2, rows.expert[chunk],
-                                              fault).to(torch.bfloat16)
-    STATS["rows"] += 2 * s
-    STATS["slow_rows"] += slow
+        self.need2 = self._l2(self.count[3:6])
+
+    def _l2(self, counter):  # L2 (step 7) -> BF16 slot outputs of the fast rows
+        fp4, rows = self.fp4, self.rows
+        need, p = fast.plan_rows(self.hi2, self.lo2, None, self.fmt2, self.b2, rows.expert, self.scale_fault,
+                                 fp4.intermediate, counter, self.force)
+        a2 = fast.fold_rows(self.q2, self.qb2, self.lo2, self.fmt2)
+        fast.l2_gemm(a2, p, need, rows.rows, fp4, self.b2, self.tiles, self.bm, self.scale_fault, self.fmt2,
+                     self.slot.view(torch.int16))
+        return need
+
+    def finish(self) -> bool:
+        """The host sync; the per-block path for the rows the fast path left. True if it wrote slot rows."""
+        op, rows, w, fp4, fault, limit = self.op, self.rows, self.w, self.fp4, self.recipe.fault, self.limit
+        slow1, limbs1, n, slow2, limbs2, _ = self.count.tolist()  # the host sync
+        present = rows.expert < rows.num_experts
+        need2 = self.need2
+        if slow1:  # L1 rows for the per-block path, then L2 again: its plan read their (then unset) ranges
+            for chunk in _chunks(((self.need1 == 0) & present).nonzero().flatten()):
+                acc = grouped_gemm(op, rows.token[chunk], fp4, 1, rows.expert[chunk].long(), fault)
+                g, u = emulator.gate_up_to_bf16(acc, limit)
+                del acc
+                cq, cb, chi, clo = quantize_rows(emulator.swiglu(g, u) * w[chunk][:, None], self.fmt2, EPILOGUE)
+                self.q2[:, chunk], self.qb2[chunk], self.hi2[chunk], self.lo2[chunk] = cq, cb, chi, clo
+            again = torch.zeros(3, dtype=torch.int32, device=self.slot.device)
+            need2 = self._l2(again)
+            slow2, limbs2, _ = again.tolist()
+        inter = Operand(self.fmt2, self.q2, self.qb2, self.hi2, self.lo2, sig=SIG_BITS[self.fmt2])
+        for chunk in _chunks(((need2 == 0) & present).nonzero().flatten() if slow2 else torch.empty(0)):
+            self.slot[rows.rows[chunk]] = grouped_gemm(inter, chunk.to(torch.int32), fp4, 2,
+                                                       rows.expert[chunk].long(), fault).to(torch.bfloat16)
+        for limbs in (limbs1, limbs2):
+            if limbs:
+                fast.LIMB_LAUNCHES[limbs] += 1
+        STATS["rows"] += 2 * n
+        STATS["slow_rows"] += slow1 + slow2
+        return bool(slow1 or slow2)
+
+
+def _fused_forward(x, top_k_index, top_k_weights, fp4, recipe, limit, routed_scaling):
+    """The device part of `moe_forward` on the fused path: (BF16-valued FP32 output, the layer to finish)."""
+    t, k = top_k_index.shape
+    rows = SortedRows(top_k_index, top_k_weights, fp4.num_experts)
+    w = rows.w / float(routed_scaling) if recipe.routed_scaling == "unfused" else rows.w
+    slot = torch.empty(t * k, x.shape[-1], dtype=torch.bfloat16, device=x.device)  # step 7's BF16 per (token, slot)
+    layer = _Layer()
+    layer.launch(input_operand(x.to(torch.bfloat16), recipe), rows, w.contiguous(), fp4, recipe, limit, slot)
+    y = fast.combine(slot, top_k_index, fp4.num_experts, skip_last_slot=recipe.fault == "drop_last_slot")
+    return y, layer
+
+
+# CUDA graphs of the fused path's device work, for calls of up to max_rows (token, slot) rows (0: never):
+# small calls are bound by launching ~25 kernels from Python. A shape's first call runs eagerly (compiling
+# the kernels), its second captures the graph, later ones copy their inputs in and replay it.
+GRAPHS = {"max_rows": 8192, "cache": 8}
+_GRAPH_CACHE: dict = {}
+_GRAPH_FAULTS = (None, "weight_scale_exponent_plus_one", "drop_last_slot")  # fault (b)'s torch input: eager
+
+
+class _Graph:
+    def __init__(self, x, top_k_index, top_k_weights, fp4, args):
+        self.fp4 = weakref.ref(fp4)
+        self.x, self.idx, self.w = x.clone(), top_k_index.clone(), top_k_weights.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.y, self.layer = _fused_forward(self.x, self.idx, self.w, fp4, *args)
+        self.layer.fp4 = None  # the cache holds the weights weakly (a call hands them to `finish`)
+
+    def __call__(self, x, top_k_index, top_k_weights):
+        self.x.copy_(x)
+        self.idx.copy_(top_k_index)
+        self.w.copy_(top_k_weights)
+        self.graph.replay()
+        return self.y, self.layer
+
+
+def _graph_key(x, top_k_index, top_k_weights, fp4, recipe, limit, routed_scaling):
+    if not x.is_cuda or top_k_index.numel() > GRAPHS["max_rows"] or torch.cuda.is_current_stream_capturing():
+        return None
+    if fast.FORCE_SLOW_ROWS or certify.FORCE_HOST_ROWS or recipe.fault not in _GRAPH_FAULTS:
+        return None
+    return (tuple(x.shape), x.dtype, tuple(top_k_index.shape), top_k_index.dtype, top_k_weights.dtype, x.device,
+            id(fp4), recipe, limit, routed_scaling, tuple(sorted(fast.FAST.items())))
+
+
+def _fused_call(x, top_k_index, top_k_weights, fp4, recipe, limit, routed_scaling):
+    args = (recipe, limit, routed_scaling)
+    key = _graph_key(x, top_k_index, top_k_weights, fp4, *args)
+    entry = _GRAPH_CACHE.get(key) if key is not None else None
+    if isinstance(entry, _Graph) and entry.fp4() is not fp4:
+        entry = None
+    if key is None or entry is None:  # eager (a shape's first call compiles the kernels)
+        if key is not None:
+            while len(_GRAPH_CACHE) >= GRAPHS["cache"]:
+                _GRAPH_CACHE.pop(next(iter(_GRAPH_CACHE)))
+            _GRAPH_CACHE[key] = "seen"
+        y, layer = _fused_forward(x, top_k_index, top_k_weights, fp4, *args)
+    else:
+        if entry == "seen":
+            try:
+                entry = _GRAPH_CACHE[key] = _Graph(x, top_k_index, top_k_weights, fp4, args)
+            except Exception:  # noqa: BLE001  (a capture this setup refuses: this shape stays eager)
+                entry = _GRAPH_CACHE[key] = "eager"
+        if isinstance(entry, _Graph):
+            y, layer = entry(x, top_k_index, top_k_weights)
+            y = y.clone()
+            layer.fp4 = fp4
+        else:
+            y, layer = _fused_forward(x, top_k_index, top_k_weights, fp4, *args)
+    try:
+        if layer.finish():  # slot rows from the per-block path: combine again
+            y = fast.combine(layer.slot, top_k_index, fp4.num_experts,
+                             skip_last_slot=recipe.fault == "drop_last_slot")
+    finally:
+        layer.fp4 = None
+    return y
 
 
 def combine_bf16(slot: torch.Tensor, skip_last_slot: bool = False) -> torch.Tensor:
@@ -177,16 +300,21 @@ def moe_forward(x, top_k_index, top_k_weights, fp4: Fp4ExpertWeights, recipe: Re
                 routed_scaling: float = 1.0) -> torch.Tensor:
     """One routed-experts forward [T, H] -> BF16-valued FP32 [T, H]; the same bits as
     `emulator.MoEEmulation(...).finish()` after running every expert."""
-    rows = ExpertRows(x, top_k_index, top_k_weights, fp4.num_experts)
-    t, k, h = rows.shape
-    w = rows.w / float(routed_scaling) if recipe.routed_scaling == "unfused" else rows.w
-    slot = torch.zeros(t * k, h, dtype=torch.bfloat16, device=x.device)  # step 7's BF16 per (token, slot)
-    if rows.rows.numel():
-        token = rows.token.to(torch.int32)
-        op = input_operand(x.to(torch.bfloat16), recipe)
-        layer = _per_block_layer if recipe.fault == "router_weight_after_requant" else _fused_layer
-        layer(op, rows, token, w.contiguous(), fp4, recipe, limit, slot)
-    y = combine_bf16(slot.view(t, k, h), skip_last_slot=recipe.fault == "drop_last_slot")
+    t, k = top_k_index.shape
+    h = x.shape[-1]
+    drop_last = recipe.fault == "drop_last_slot"
+    if recipe.fault == "router_weight_after_requant":  # every row per block (fault (c)), from ExpertRows
+        rows = ExpertRows(x, top_k_index, top_k_weights, fp4.num_experts)
+        w = rows.w / float(routed_scaling) if recipe.routed_scaling == "unfused" else rows.w
+        slot = torch.zeros(t * k, h, dtype=torch.bfloat16, device=x.device)
+        if rows.rows.numel():
+            op = input_operand(x.to(torch.bfloat16), recipe)
+            _per_block_layer(op, rows, rows.token.to(torch.int32), w.contiguous(), fp4, recipe, limit, slot)
+        y = combine_bf16(slot.view(t, k, h), skip_last_slot=drop_last)
+    elif t * k == 0:
+        y = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+    else:
+        y = _fused_call(x, top_k_index, top_k_weights, fp4, recipe, limit, routed_scaling)
     if recipe.routed_scaling == "unfused":
         y = bf16_round(y * float(routed_scaling))
     return y
