@@ -143,9 +143,18 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_round(y: torch.Tensor, ties: str) -> torch.Tensor:
-    """Scaled values y -> the E2M1 grid value they round to, in FP32 (no codes; the hot path)."""
-    lut = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=y.device)
-    return lut[e2m1_magnitude_index(y, ties)].copysign(y)
+    """Scaled values y -> the E2M1 grid value they round to, in FP32 (no codes; the hot path). Same values
+    as ``e2m1_magnitude_index``, by arithmetic: the grid's spacing is 0.5 below 2, 1 below 4 and 2 up to 6,
+    so |y| times 1 / spacing (a power of two: exact) is rounded to an integer, half to even (``ties="even"``:
+    the even index is the even multiple at every midpoint) or half down (``"zero"``: ceil(t - 0.5), exact
+    for t <= 12), and divided back."""
+    if ties not in TIES:
+        raise ValueError(f"unknown tie mode {ties!r}; expected one of {TIES}")
+    a = y.abs().clamp(max=E2M1_MAX)
+    per_step = torch.where(a < 2, 2.0, torch.where(a < 4, 1.0, 0.5))
+    t = a * per_step
+    steps = torch.round(t) if ties == "even" else torch.ceil(t - 0.5)
+    return (steps / per_step).copysign(y)
 
 
 # --- E4M3 element rounding (docs/kernels.md#e4m3) -------------------------------------------------------------------
@@ -187,12 +196,15 @@ def dequantize(codes: torch.Tensor, scale_bytes: torch.Tensor, fmt: str) -> torc
 
 def fake_quantize(x: torch.Tensor, fmt: str, rule: ScaleRule, ties: str = "even") -> torch.Tensor:
     """Quantize and dequantize in one step: the FP32 values a kernel multiplies with. Same result as
-    `dequantize(*quantize(...))`, without materialising codes."""
+    `dequantize(*quantize(...))`, without materialising codes (each group's scale is broadcast over it)."""
     x = x.to(torch.float32)
-    byte = ue8m0_bytes(group_amax(x), format_max(fmt), rule)
-    y = x * _per_element(inverse_scale_from_byte(byte))
+    if x.shape[-1] % GROUP:
+        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the group size {GROUP}")
+    groups = x.reshape(*x.shape[:-1], -1, GROUP)
+    byte = ue8m0_bytes(groups.abs().amax(dim=-1), format_max(fmt), rule)
+    y = groups * inverse_scale_from_byte(byte).unsqueeze(-1)
     grid = e2m1_round(y, ties) if fmt == "e2m1" else e4m3_round(y)
-    return grid * _per_element(scale_from_byte(byte))
+    return (grid * scale_from_byte(byte).unsqueeze(-1)).reshape(x.shape)
 
 
 # --- Nibble packing (docs/kernels.md#e2m1): low nibble = even element -----------------------------------------------

@@ -64,6 +64,9 @@ def decode(model, tokenizer, prompts: list[str], stops: list[tuple[str, ...]], m
 
 
 REFILL_FRACTION = 4  # continuous batching: new prompts are admitted once a quarter of the slots is free
+# Finished rows leave the batch (a copy of the whole KV cache) once more than 1/16 of it is finished, or
+# before new prompts join: until then they decode a pad token, which costs less than a copy per finish.
+COMPACT_FRACTION = 16
 
 
 @dataclass
@@ -120,8 +123,13 @@ def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
     state = None  # (past, mask [b, T], last positions [b, 1], last tokens [b, 1]) of the rows in ``live``
     live: list[_Row] = []
     while True:
-        free = batch_size - len(live)
-        take = queue.take(free) if not live or (dynamic and free >= refill) else []
+        alive = sum(not r.done for r in live)
+        free = batch_size - alive
+        take = queue.take(free) if not alive or (dynamic and free >= refill) else []
+        if take and alive < len(live):  # rows that finished since the last compaction leave first
+            keep = [j for j, r in enumerate(live) if not r.done]
+            live = [live[j] for j in keep]
+            state = _select(state, keep) if live else None
         if take:
             groups = _like_lengths(take, enc) if dynamic else [take]
             parts = []
@@ -156,12 +164,13 @@ def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
         feed = [pad_id if r.done else r.generated[-1] for r in live]
         past, mask, last_pos, _ = state
         state = (past, mask, last_pos, torch.tensor(feed, dtype=torch.long, device=mask.device).unsqueeze(-1))
-        if dynamic and finished:
+        done = sum(r.done for r in live)
+        if done == len(live):
+            live, state = [], None
+        elif dynamic and done > len(live) // COMPACT_FRACTION:
             keep = [j for j, r in enumerate(live) if not r.done]
             live = [live[j] for j in keep]
-            state = _select(state, keep) if live else None
-        elif all(r.done for r in live):
-            live, state = [], None
+            state = _select(state, keep)
         if finished:
             yield finished
 
@@ -181,13 +190,19 @@ class _LocalQueue:
 class _SharedQueue(_LocalQueue):
     """The same order shared by forked workers: a counter in shared memory says how far it has been taken."""
 
-    def __init__(self, order: list[int], ctx):
+    def __init__(self, order: list[int], ctx, workers: int):
         super().__init__(order)
         self.counter = ctx.Value("q", 0)
+        self.workers = workers
 
     def take(self, k: int) -> list[int]:
+        """Up to ``k`` prompts; near the end of the queue only a fair share of what is left, so that the
+        last prompts spread over the workers instead of leaving one decoding a full batch alone."""
         with self.counter.get_lock():
             start = self.counter.value
+            left = len(self.order) - start
+            if left < k * self.workers:
+                k = min(k, -(-left // self.workers))
             end = min(len(self.order), start + k)
             self.counter.value = end
         return self.order[start:end]
@@ -218,7 +233,7 @@ def _parallel(args, order: list[int], workers: int):
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
-    queue = _SharedQueue(order, ctx)
+    queue = _SharedQueue(order, ctx, workers)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer's pool does not survive a fork
     children = []
     try:
@@ -376,8 +391,8 @@ def _select(state, keep: list[int]):
     cut = int(opened[0]) if len(opened) else 0
     mask = mask[:, cut:]
     for layer in _check_layers(past):
-        layer.keys = layer.keys.index_select(0, index)[:, :, cut:]
-        layer.values = layer.values.index_select(0, index)[:, :, cut:]
+        layer.keys = layer.keys[:, :, cut:].index_select(0, index)
+        layer.values = layer.values[:, :, cut:].index_select(0, index)
         kept = layer.__dict__.get("_evalgate_kv")  # invariant.KeptOperands
         if kept is not None:
             kept.select(index, cut)

@@ -43,6 +43,25 @@ def _streamed(model, tok, stops, keys=None, **kw):
     return [out[i] for i in range(len(PROMPTS))]
 
 
+def test_finished_rows_leave_the_batch_together_and_change_no_token(tiny, monkeypatch):
+    """A finished row decodes a pad token until enough of the batch is done (leaving copies the whole KV
+    cache); waiting changes no other row's tokens."""
+    from evalgate.model_adapters import generation
+
+    model, tok = tiny
+    stops = [("\n\n",)] * len(PROMPTS)
+    selects = []
+    real = generation._select
+    monkeypatch.setattr(generation, "_select", lambda state, keep: selects.append(len(keep)) or real(state, keep))
+    monkeypatch.setattr(generation, "COMPACT_FRACTION", 2)  # leave once more than half the rows are done
+    got = _streamed(model, tok, stops)
+    for a, b in zip(_alone(model, tok, stops), got):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+    finishing_steps = {len(g.token_ids) for g in got}
+    assert selects and len(selects) < len(finishing_steps) - 1
+    assert selects[0] <= len(PROMPTS) // 2  # the first compaction dropped several finished rows at once
+
+
 @pytest.mark.parametrize("batch_size, refill, workers", [(None, None, 1), (2, 1, 1), (3, 2, 1), (3, 1, 2)])
 def test_rows_leaving_and_joining_the_batch_change_no_token(tiny, batch_size, refill, workers):
     model, tok = tiny

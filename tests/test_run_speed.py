@@ -101,3 +101,21 @@ def test_the_console_entry_runs_atexit_handlers_and_keeps_exit_codes(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("evalgate: error:")
     assert len(bad.stderr.strip().splitlines()) == 1 and "atexit ran" in bad.stdout
+
+
+def test_the_last_prompts_are_shared_between_the_decoding_workers():
+    import multiprocessing
+
+    from evalgate.model_adapters.generation import _SharedQueue
+
+    queue = _SharedQueue(list(range(200)), multiprocessing.get_context("fork"), workers=2)
+    assert queue.take(64) == list(range(64))  # plenty left: full takes
+    assert queue.take(64) == list(range(64, 128))
+    assert queue.take(16) == list(range(128, 144))
+    assert queue.take(64) == list(range(144, 172))  # 56 left: half of them
+    assert queue.take(16) == list(range(172, 186))  # 28 left: 14
+    taken = []
+    while (got := queue.take(16)):
+        assert len(got) <= 7
+        taken += got
+    assert taken == list(range(186, 200))

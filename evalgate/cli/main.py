@@ -88,6 +88,9 @@ def entry() -> None:
     import atexit
     import os
 
+    from evalgate.allocator import keep_freed_memory
+
+    keep_freed_memory()  # before any tensor: decoding reuses its memory instead of faulting it in every step
     try:
         main()  # standalone: click ends with SystemExit carrying the exit code
         code = 0
