@@ -119,3 +119,14 @@ def test_the_last_prompts_are_shared_between_the_decoding_workers():
         assert len(got) <= 7
         taken += got
     assert taken == list(range(186, 200))
+
+
+def test_the_selftest_child_yields_to_the_run_it_serves():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        selftest._lower_priority(child.pid)
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == min(19, mine + selftest.SELFTEST_NICE)
+    finally:
+        child.kill()
+        child.wait()
