@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-profile", action="store_true", help="also print where the host (Python) time of 10 calls goes")
     p.add_argument("--sweep", action="store_true", help="CUDA, Triton: time each emulated kernel under several GEMM tilings")
     p.add_argument("--fast", default="", help="Triton fast-path settings, KEY=VALUE,... (fast.FAST: bm, bn, bk, "
-                   "warps, stages, decode)")
+                   "warps, stages, decode, half2)")
     p.add_argument("--sweep-tokens", default="", help="--sweep only at these token counts (default: all)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

@@ -164,6 +164,33 @@ def test_every_weight_decode_gives_the_same_bits(tiny_case, monkeypatch, decode)
 
 
 @here
+@pytest.mark.parametrize("widest_first", [True, False])
+def test_l2_upper_limbs_on_half_tiles_give_the_same_bits(monkeypatch, widest_first):
+    """L2 with each expert's rows sorted by the limbs they need (fast.halves): tiles whose second half needs
+    one limb run the upper limbs on their first half (HALF 1), the others every limb on every row (HALF 2;
+    reached here by sorting the narrowest rows first instead)."""
+    case = check.synthetic_layer("tiny", 160, seed=5)
+    monkeypatch.setitem(fast.FAST, "bm", 32)
+    monkeypatch.setitem(fast.FAST, "half2", 32)
+    if not widest_first:
+        narrowest_first = lambda e, n: torch.sort(e * 4 + n.to(torch.int32), stable=True).indices  # noqa: E731
+        monkeypatch.setattr(fast, "sort_by_need", narrowest_first)
+    kinds = set()
+
+    def spy(a, p, need, slot, fp4, bases, tiles, bm, *args, l2=fast.l2_gemm, **kw):
+        assert kw["halves"] and bm == 32
+        for e, b, end in zip(*(t.tolist() for t in tiles)):
+            if e >= 0 and end - b > 16:
+                kinds.add((int(need[b:end].max()) > 1, int(need[b + 16:end].max()) > 1))
+        return l2(a, p, need, slot, fp4, bases, tiles, bm, *args, **kw)
+
+    monkeypatch.setattr(fast, "l2_gemm", spy)
+    for name in ("w4a4_packed", "faulty/w4a4_packed-scale-exp"):
+        _same_bits(case, name)
+    assert ((True, False) in kinds) if widest_first else ((True, True) in kinds)
+
+
+@here
 def test_wide_rows_take_more_limbs_and_wide_experts_the_per_block_path(tiny_case):
     """Token rows whose groups span 2^6 and 2^12 (2 and 3 activation limbs), and an expert with a weight
     column spanning 2^5 (refused by the fast path: its rows go the per-block way), in one call."""

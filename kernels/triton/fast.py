@@ -32,7 +32,10 @@ Epilogues (no FP32 accumulator is ever written to memory):
   silu from a table of the emulator's own FP32 silu of every BF16 value (`silu_table`), times up, times the
   router weight, then the intermediate re-quantization per 32 columns (E2M1 or E4M3, the epilogue rule),
   written as codes + bytes, and each row's byte range (atomic max / min);
-- L2 (`l2_gemm`): the BF16 rounding, stored at the row's (token, slot) place of a BF16 slot buffer.
+- L2 (`l2_gemm`): the BF16 rounding, stored at the row's (token, slot) place of a BF16 slot buffer. With
+  tiles of FAST["half2"] rows or more (`halves`), each expert's rows are sorted widest first
+  (`sort_by_need`), and a tile whose second half of rows needs one limb runs limb 0 on all its rows and
+  the upper limbs on its first half only (HALF 1); the other tiles run every limb on every row (HALF 2).
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ from .quantize import group_codes, pow2_f32
 # bm 0: by rows per expert (16 to bm_max); warps 0: 8 for tiles of 128 rows, else 4
 # (bn: L1's gate + up columns per tile; bn2 / bk2: L2's columns / K step, 0 = as L1)
 FAST = {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 0, "bk2": 0, "warps": 0, "stages": 3,
-        "decode": "words"}  # bk 0: 256 for tiles of 128 rows, else 128
+        "decode": "words", "half2": 128}  # bk 0: 256 for tiles of 128 rows, else 128
+# half2: L2 tiles of at least this many rows (0: none) take each expert's rows widest first, and a tile
+# whose second half needs one limb runs the upper limbs on its first half only (`halves`)
 # weight decodes: "joined" (one tile in K order, a 4 x 256 table), "split" (even / odd K tiles, a 4 x 16
 # table), "words" (per 32-bit word of 8 codes, the first 4 K and the last 4 K as two tiles, decoded with
 # byte permutes on a GPU, `_WORDS_ASM`; the interpreter computes the same tiles from the table)
@@ -216,6 +221,20 @@ def _limb_dot(A, arow, live, hh, w_even, w_odd, acc0, acc1, acc2, K: tl.constexp
 
 
 @triton.jit
+def _upper_limb_dot(A, arow, live, hh, w_even, w_odd, acc1, acc2, K: tl.constexpr, LSTRIDE, LIMBS: tl.constexpr):
+    """As `_limb_dot`, limbs 1 .. LIMBS-1 only (the rows of the first half of a tile, `_l2_kernel` HALF 1)."""
+    pe = A + LSTRIDE + arow[:, None] * K + hh[None, :]
+    po = pe + K // 2
+    m = live[:, None]
+    acc1 = tl.dot(tl.load(pe, mask=m, other=0), w_even, acc1, out_dtype=tl.int32)
+    acc1 = tl.dot(tl.load(po, mask=m, other=0), w_odd, acc1, out_dtype=tl.int32)
+    if LIMBS >= 3:
+        acc2 = tl.dot(tl.load(pe + LSTRIDE, mask=m, other=0), w_even, acc2, out_dtype=tl.int32)
+        acc2 = tl.dot(tl.load(po + LSTRIDE, mask=m, other=0), w_odd, acc2, out_dtype=tl.int32)
+    return acc1, acc2
+
+
+@triton.jit
 def _to_f32(acc0, acc1, acc2, p, LIMBS: tl.constexpr):
     """RN_fp32(acc0 + acc1 * 2^7 + acc2 * 2^14) * 2^p (p: int32, broadcast; exact for the rows cleared)."""
     if LIMBS == 1:
@@ -230,7 +249,8 @@ def _to_f32(acc0, acc1, acc2, p, LIMBS: tl.constexpr):
 
 @triton.jit
 def _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM: tl.constexpr):
-    """(expert, rows, the rows to compute, the limbs the tile needs: its widest fast row's, 0 for none)."""
+    """(expert, rows, the rows to compute, the limbs the tile needs: its widest fast row's, 0 for none,
+    the limbs its second half of rows needs)."""
     t = tl.program_id(0)
     e = tl.load(TILE_EXPERT + t)
     begin = tl.load(TILE_BEGIN + t)
@@ -238,7 +258,8 @@ def _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM: tl.constexpr):
     rows = begin + tl.arange(0, BM)
     live = rows < end
     need = tl.load(NEED + rows, mask=live, other=0).to(tl.int32)
-    return e.to(tl.int64), rows, need > 0, tl.max(need, axis=0)
+    low = tl.max(tl.where(tl.arange(0, BM) >= BM // 2, need, 0), axis=0)
+    return e.to(tl.int64), rows, need > 0, tl.max(need, axis=0), low
 
 
 # --- L1: gate/up GEMM with the SwiGLU + re-quantization epilogue ---------------------------------------------------
@@ -254,7 +275,7 @@ def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE
                ASM: tl.constexpr):
     """One tile of BM rows of one expert x BN gate (and the matching up) columns, if its widest fast row
     needs LIMBS limbs (one launch per limb count: the tiles choose, no host sync)."""
-    e, rows, keep, limbs = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
+    e, rows, keep, limbs, _ = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
     if e < 0:
         return
     if limbs != LIMBS:
@@ -336,20 +357,69 @@ def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE
 
 
 @triton.jit
-def _l2_kernel(A, LSTRIDE, P, NEED, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TILE_BEGIN, TILE_END, OUT,
+def _l2_kernel(A, LSTRIDE, P, NEED, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TILE_BEGIN, TILE_END, OUT, A_ROW,
                N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               LIMBS: tl.constexpr, SCALE_FAULT: tl.constexpr, DECODE: tl.constexpr, ASM: tl.constexpr):
-    e, rows, keep, limbs = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
+               LIMBS: tl.constexpr, SCALE_FAULT: tl.constexpr, DECODE: tl.constexpr, ASM: tl.constexpr,
+               GATHER: tl.constexpr, HALF: tl.constexpr):
+    """One tile of BM rows of one expert x BN columns, if its widest fast row needs LIMBS limbs. GATHER:
+    sorted row s reads row A_ROW[s] of A (else row s). HALF (DECODE 2, rows sorted widest first within each
+    expert, `sort_by_need`): 1 - this launch takes the tiles whose second half of rows needs at most one
+    limb, and runs the upper limbs on the first half only; 2 - it takes the others; 0 - every tile."""
+    e, rows, keep, limbs, low = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
     if e < 0:
         return
     if limbs != LIMBS:
         return
-    arow = rows.to(tl.int64)
+    if HALF == 1:
+        if low > 1:
+            return
+    if HALF == 2:
+        if low <= 1:
+            return
+    if GATHER:
+        arow = tl.load(A_ROW + rows, mask=keep, other=0).to(tl.int64)
+    else:
+        arow = rows.to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    wlo = tl.load(WLO + e * N + cols).to(tl.int32)
+    BH: tl.constexpr = BK // 2
+    if HALF == 1:  # limb 0 on all BM rows, the upper limbs on the first BT
+        BT: tl.constexpr = BM // 2
+        t = tl.program_id(0)
+        rows_t = tl.load(TILE_BEGIN + t) + tl.arange(0, BT)
+        end = tl.load(TILE_END + t)
+        keep_t = (rows_t < end) & (tl.load(NEED + rows_t, mask=rows_t < end, other=0) > 0)
+        rows_b = rows_t + BT
+        keep_b = (rows_b < end) & (tl.load(NEED + rows_b, mask=rows_b < end, other=0) > 0)
+        if GATHER:
+            arow_t = tl.load(A_ROW + rows_t, mask=keep_t, other=0).to(tl.int64)
+        else:
+            arow_t = rows_t.to(tl.int64)
+        a0 = tl.zeros([BM, BN], dtype=tl.int32)
+        a1 = tl.zeros([BT, BN], dtype=tl.int32)
+        a2 = tl.zeros([BT, BN], dtype=tl.int32)
+        hh0 = tl.arange(0, BH)
+        for h0 in range(0, K // 2, BH):
+            we, wo = _decode_words(W, SW, WLO, LUT, e, cols, h0, N, K, BN, BH, SCALE_FAULT, ASM)
+            we = tl.trans(we)
+            wo = tl.trans(wo)
+            a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, we, wo, a0, a1, a2, K, LSTRIDE, 1)
+            a1, a2 = _upper_limb_dot(A, arow_t, keep_t, h0 + hh0, we, wo, a1, a2, K, LSTRIDE, LIMBS)
+        top, bot = tl.split(a0.reshape(2, BT, BN).permute(1, 2, 0))
+        p_t = tl.load(P + rows_t, mask=keep_t, other=0)
+        p_b = tl.load(P + rows_b, mask=keep_b, other=0)
+        out_t = bf16_rne(_to_f32(top, a1, a2, p_t[:, None] + wlo[None, :], LIMBS))  # step 7
+        out_b = bf16_rne(_to_f32(bot, bot, bot, p_b[:, None] + wlo[None, :], 1))
+        slot_t = tl.load(SLOT + rows_t, mask=keep_t, other=0).to(tl.int64)
+        slot_b = tl.load(SLOT + rows_b, mask=keep_b, other=0).to(tl.int64)
+        tl.store(OUT + slot_t[:, None] * N + cols[None, :], (out_t.to(tl.int32, bitcast=True) >> 16).to(tl.int16),
+                 mask=keep_t[:, None])
+        tl.store(OUT + slot_b[:, None] * N + cols[None, :], (out_b.to(tl.int32, bitcast=True) >> 16).to(tl.int16),
+                 mask=keep_b[:, None])
+        return
     a0 = tl.zeros([BM, BN], dtype=tl.int32)
     a1 = tl.zeros([BM, BN], dtype=tl.int32)
     a2 = tl.zeros([BM, BN], dtype=tl.int32)
-    BH: tl.constexpr = BK // 2
     if DECODE == 2:
         hh0 = tl.arange(0, BH)
         for h0 in range(0, K // 2, BH):
@@ -368,7 +438,6 @@ def _l2_kernel(A, LSTRIDE, P, NEED, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TI
             wt = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols, k0, N, K, BN, BK, SCALE_FAULT))
             a0, a1, a2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wt, a0, a1, a2, K, LSTRIDE, LIMBS)
     p = tl.load(P + rows, mask=keep, other=0)
-    wlo = tl.load(WLO + e * N + cols).to(tl.int32)
     out = bf16_rne(_to_f32(a0, a1, a2, p[:, None] + wlo[None, :], LIMBS))  # step 7
     slot = tl.load(SLOT + rows, mask=keep, other=0).to(tl.int64)
     bits = (out.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
@@ -621,9 +690,12 @@ def l1_gemm(a_limbs, a_row, p, need, router_w, fp4, bases: ColumnBases, tiles, b
             DECODE=decode(), ASM=_asm(), num_warps=warps, num_stages=stages)
 
 
-def l2_gemm(a_limbs, p, need, slot, fp4, bases: ColumnBases, tiles, bm: int, scale_fault, fmt_in: str, out_bits):
+def l2_gemm(a_limbs, p, need, slot, fp4, bases: ColumnBases, tiles, bm: int, scale_fault, fmt_in: str, out_bits,
+            a_row=None, halves=False):
     """Fast rows (need > 0) of the L2 GEMM: BF16 bits of the rounded output stored at row slot[s] of
-    out_bits (int16 [T * top_k, H]). a_limbs [MAX_LIMBS, S, K] in sorted order."""
+    out_bits (int16 [T * top_k, H]). a_limbs [MAX_LIMBS, S, K] (a_row [S]: the row of a_limbs of each sorted
+    row; None: row s). halves (rows sorted by `sort_by_need`): a tile whose second half of rows needs at
+    most one limb runs the upper limbs on its first half only."""
     _, s, k = a_limbs.shape
     n = fp4.w2.shape[1]
     bn, bk, warps, stages = _tiling(n, k, False, bm)
@@ -636,10 +708,25 @@ def l2_gemm(a_limbs, p, need, slot, fp4, bases: ColumnBases, tiles, bm: int, sca
     for limbs in limb_counts(fmt_in):
         if not interpreted():
             stages, bk = _stages(FAST["stages"], limbs, bm, bn, bk0)
-        _l2_kernel[(tiles[0].numel(), n // bn)](
-            a_limbs, s * k, p, need, slot, fp4.w2, fp4.w2_scale, bases.lo, shifted_twice_table(dev),
-            shifted_pair_table(dev), *tiles, out_bits, N=n, K=k, BM=bm, BN=bn, BK=bk, LIMBS=limbs,
-            SCALE_FAULT=scale_fault, DECODE=decode(), ASM=_asm(), num_warps=warps, num_stages=stages)
+        for half in (1, 2) if halves and limbs > 1 else (0,):
+            _l2_kernel[(tiles[0].numel(), n // bn)](
+                a_limbs, s * k, p, need, slot, fp4.w2, fp4.w2_scale, bases.lo, shifted_twice_table(dev),
+                shifted_pair_table(dev), *tiles, out_bits, slot if a_row is None else a_row, N=n, K=k, BM=bm, BN=bn,
+                BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, DECODE=decode(), ASM=_asm(), GATHER=a_row is not None,
+                HALF=half, num_warps=warps, num_stages=stages)
+
+
+def halves(fmt: str, bm: int) -> bool:
+    """Whether L2 sorts each expert's rows by the limbs they need and runs the upper limbs on half tiles
+    (FAST["half2"]: from tiles of this many rows on; 0: never; decode "words"; a format whose rows can
+    need a single limb)."""
+    return 0 < FAST["half2"] <= bm and bm >= 32 and decode() == 2 and limb_counts(fmt)[0] == 1
+
+
+def sort_by_need(expert: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+    """The order of rows sorted by expert (expert [S], ascending) that puts each expert's rows needing the
+    most limbs first (rows needing 0, for the per-block path, last): int64 [S], on the device."""
+    return torch.sort(expert * 4 + (3 - need.to(torch.int32)), stable=True).indices
 
 
 # --- which rows take the fast path, without a host sync ------------------------------------------------------

@@ -176,8 +176,13 @@ class _Layer:
         need, p = fast.plan_rows(self.hi2, self.lo2, None, self.fmt2, self.b2, rows.expert, self.scale_fault,
                                  fp4.intermediate, counter, self.force)
         a2 = fast.fold_rows(self.q2, self.qb2, self.lo2, self.fmt2)
-        fast.l2_gemm(a2, p, need, rows.rows, fp4, self.b2, self.tiles, self.bm, self.scale_fault, self.fmt2,
-                     self.slot.view(torch.int16))
+        if fast.halves(self.fmt2, self.bm):  # each expert's widest rows first: most tiles' upper limbs on half
+            a_row = fast.sort_by_need(rows.expert, need)
+            fast.l2_gemm(a2, p[a_row], need[a_row], rows.rows[a_row], fp4, self.b2, self.tiles, self.bm,
+                         self.scale_fault, self.fmt2, self.slot.view(torch.int16), a_row=a_row, halves=True)
+        else:
+            fast.l2_gemm(a2, p, need, rows.rows, fp4, self.b2, self.tiles, self.bm, self.scale_fault, self.fmt2,
+                         self.slot.view(torch.int16))
         return need
 
     def finish(self) -> bool:
