@@ -54,13 +54,28 @@ def _stamp() -> str:
     return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def run_or_resume(spec: RunSpec, out: Path, adapter=None) -> Path:
-    """A complete run in ``out`` is reused, a partial one resumed, otherwise a new one is started."""
+def run_or_resume(spec: RunSpec, out: Path, adapter=None, stop_when=None) -> Path:
+    """A complete run in ``out`` is reused, a partial one resumed, otherwise a new one is started.
+
+    ``stop_when``: the gate's early-stop hook (``evalgate.gate.early_stop.EarlyStop``; None: every item runs).
+    A run the gate stopped early is resumed like an interrupted one — to completion without the hook, or
+    until the hook stops it (at once, when what is stored already decides)."""
     if (out / MANIFEST).is_file():
         if load_run(out).manifest.get("status") == "complete":
             return out
-        return execute(spec, out, resume=True, adapter=adapter)
-    return execute(spec, out, adapter=adapter)
+        return execute(spec, out, resume=True, adapter=adapter, stop_when=stop_when)
+    return execute(spec, out, adapter=adapter, stop_when=stop_when)
+
+
+def early_stop_hook(baselines: list[Path], thresholds_path: str | None, allow_uncalibrated: bool):
+    """The gate's early-stop monitor (docs/gate.md#stopping-early) against these baselines; None when they
+    cannot be read (the gate itself then says why)."""
+    from evalgate.gate.early_stop import EarlyStop
+
+    try:
+        return EarlyStop(baselines, thresholds_path, allow_uncalibrated)
+    except (UserError, OSError, ValueError):
+        return None
 
 
 def gate_out(kernel: str) -> Path:
@@ -69,7 +84,10 @@ def gate_out(kernel: str) -> Path:
 
 def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path | None = None, out: Path | None = None,
                thresholds_path: str | None = None, allow_uncalibrated: bool = False,
-               adapter=None) -> tuple[Verdict, Path]:
+               adapter=None, early_stop: bool = True) -> tuple[Verdict, Path]:
+    """Find the stored baselines, run (or resume) the candidate into ``out``, decide. ``early_stop`` (the
+    default): stop generating once the gate's FAIL is certain whatever the items not yet run give
+    (docs/gate.md#stopping-early); False runs every item."""
     load_thresholds(thresholds_path)  # a bad policy file fails before anything runs
     baselines = stored_baselines(spec, baseline_kernel, root, adapter)
     missing = [t for t, d in baselines.items() if d is None]
@@ -85,8 +103,10 @@ def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path | None =
                         f"under {user_root(root)} (nor packaged with the canary); create one with {how}, or point "
                         f"--baselines-root or ${ROOT_ENV} at the folder that holds it")
     out = out or gate_out(spec.kernel)
-    run_dir = run_or_resume(spec, out, adapter)
-    verdict = gate_runs([baselines[t] for t in spec.tasks], run_dir, thresholds_path, allow_uncalibrated)
+    dirs = [baselines[t] for t in spec.tasks]
+    hook = early_stop_hook(dirs, thresholds_path, allow_uncalibrated) if early_stop else None
+    run_dir = run_or_resume(spec, out, adapter, stop_when=hook)
+    verdict = gate_runs(dirs, run_dir, thresholds_path, allow_uncalibrated)
     return verdict, run_dir
 
 

@@ -180,12 +180,33 @@ class BaselineInfo(Part):
     aggregate_only: bool | None = None
 
 
+class EarlyStopTask(Part):
+    """One task's share of a run the gate stopped early: the items scored and stored, of all its items."""
+
+    items_run: int
+    items_total: int
+
+
+class EarlyStopInfo(Part):
+    """``manifest["early_stop"]``: the gate stopped generating because its FAIL was certain whatever the items
+    not yet run would give (docs/gate.md#stopping-early). The run's ``status`` is then ``"stopped_early"``: it
+    can be resumed to completion (``evalgate run --resume``, ``evalgate gate --no-early-stop``) but never be a
+    baseline. In ``gate.json`` the same record, with the observed flip counts per task."""
+
+    reason: str
+    items_run: int
+    items_total: int
+    tasks: dict[str, EarlyStopTask]
+    at: str | None = None  # when the run stopped (UTC, ISO 8601)
+
+
 class RunManifest(Record):
     """``<run>/manifest.json``; also each baseline folder's and its ``aa/`` folder's."""
 
     KIND: ClassVar[str] = "run manifest"
 
-    status: Literal["running", "interrupted", "complete"]
+    # "stopped_early": the gate stopped generating once its FAIL was certain (``early_stop`` says when and why)
+    status: Literal["running", "interrupted", "complete", "stopped_early"]
     kernel: KernelInfo
     model: ModelInfo
     tasks: dict[str, TaskSummary]
@@ -198,6 +219,8 @@ class RunManifest(Record):
     timings: dict[str, float | dict[str, float]] | None = None
     baseline: BaselineInfo | None = None
     aggregate_only: bool | None = None
+    early_stop: EarlyStopInfo | None = None  # status "stopped_early" only
+    early_stop_history: list[EarlyStopInfo] | None = None  # earlier stops of a run resumed since
 
 
 # --- per-item records (<task>.jsonl) ----------------------------------------------------------------------
@@ -383,6 +406,8 @@ class VerdictRecord(Record):
     baseline: RunIdentity | None = None  # absent when there was no paired comparison
     candidate: RunIdentity | None = None
     flips: dict[str, list[FlipRow]] | None = None
+    # the candidate run stopped early: decided on its best completion (docs/gate.md#stopping-early)
+    early_stop: EarlyStopInfo | None = None
 
 
 # --- reading and writing ----------------------------------------------------------------------------------

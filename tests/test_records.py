@@ -264,7 +264,7 @@ def test_an_unknown_gate_json_version_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("where, change, expected", [
     ("manifest", lambda m: m["tasks"]["gsm8k"].update(n_items="ten"), "tasks.gsm8k.n_items: input should be a valid integer"),
-    ("manifest", lambda m: m.update(status="done"), "status: input should be 'running', 'interrupted' or 'complete'"),
+    ("manifest", lambda m: m.update(status="done"), "status: input should be 'running', 'interrupted', 'complete' or 'stopped_early'"),
     ("manifest", lambda m: m["kernel"].pop("name"), "kernel.name: field required"),
     ("manifest", lambda m: m.update(tasks=["gsm8k"]), "tasks: input should be a valid dictionary"),
     ("record", lambda r: r.update(doc_id=1.5), "line 1: not a valid per-item record (schema_version 1): doc_id"),

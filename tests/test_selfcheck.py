@@ -40,10 +40,20 @@ def test_rows_and_table_say_which_kernel_did_not_do_what_it_should():
         ("w4a8", "PASS", "PASS", True), ("w4a4_te", "PASS", "INCONCLUSIVE", False), (FAULTY, "FAIL", "FAIL", True)]
     text = selfcheck.table(rows, ["gsm8k", "humaneval"])
     lines = text.splitlines()
-    assert lines[0].split() == ["kernel", "expected", "conformance", "gsm8k", "humaneval", "overall", "time", "match"]
+    assert lines[0].split() == ["kernel", "expected", "conformance", "gsm8k", "humaneval", "overall", "items", "time",
+                                "match"]
     assert lines[3].split()[:6] == ["w4a4_te", "PASS", "-", "PASS", "INCONCLUSIVE", "INCONCLUSIVE"]
     assert lines[3].endswith("NO") and lines[2].endswith("yes") and lines[4].endswith("yes")
     assert lines[4].split()[:6] == [FAULTY, "FAIL", "FAIL", "FAIL", "PASS", "FAIL"]
+    assert lines[2].split()[6] == "all"
+
+
+def test_the_table_says_which_rows_stopped_early():
+    stopped = fake_verdict("FAIL", gsm8k="FAIL", humaneval="PASS")
+    stopped.early_stop = {"items_run": 58, "items_total": 364}
+    rows = selfcheck.check([FAULTY], lambda k: (stopped, Path("runs") / k))
+    assert rows[0].items == "58/364" and rows[0].ok
+    assert "58/364 (stopped early)" in selfcheck.table(rows, ["gsm8k", "humaneval"])
 
 
 @pytest.fixture
@@ -56,7 +66,7 @@ def gate_calls(monkeypatch):
 
     def gate_model(spec, baseline_kernel, root, out, thresholds_path, *rest, **kwargs):
         calls.append({"spec": spec, "baseline_kernel": baseline_kernel, "root": root, "out": out,
-                      "thresholds": thresholds_path})
+                      "thresholds": thresholds_path, "early_stop": kwargs.get("early_stop", True)})
         return answers[spec.kernel], out
 
     monkeypatch.setattr(evalgate.pipeline, "gate_model", gate_model)
@@ -78,6 +88,7 @@ def test_selfcheck_runs_the_default_gate_per_kernel_and_exits_0_when_all_match(g
         assert c["spec"].model == str(canary_path()) and c["spec"].profiles == {"gsm8k": PROFILES["gsm8k"]}
         assert c["baseline_kernel"] == "w4a8" and c["thresholds"] == str(THRESHOLDS)
         assert c["spec"].batch_size == selfcheck.BATCH_SIZE != 32
+        assert c["early_stop"] is True  # as the gate: a FAIL stops once it is certain
     assert calls[1]["out"] == tmp_path / "runs" / "faulty_w4a4_packed-drop-slot"
     assert '"ok": true' in (tmp_path / "rows.json").read_text()
 

@@ -17,12 +17,15 @@ def _finish(verdict, report_dir: Path) -> None:
     from evalgate.report.outputs import write_outputs
     from evalgate.report.text import print_verdict
 
+    from evalgate.gate.early_stop import verdict_text
+
     paths = write_outputs(verdict, report_dir)
     print_verdict(verdict)  # a table that fits a terminal, or a CI log without wrapped cells
+    observed = " of the items run" if verdict.early_stop else ""
     for task, rows in (verdict.to_dict().get("flips") or {}).items():
         lost = sum(r["direction"] == "lost" for r in rows)
-        click.echo(f"{task}: {lost} lost, {len(rows) - lost} gained (see {paths['markdown']})")
-    click.echo(f"verdict: {verdict.verdict}  (reports in {report_dir})")
+        click.echo(f"{task}: {lost} lost, {len(rows) - lost} gained{observed} (see {paths['markdown']})")
+    click.echo(f"verdict: {verdict_text(verdict)}  (reports in {report_dir})")
     sys.exit(verdict.exit_code)
 
 
@@ -37,12 +40,14 @@ def _finish(verdict, report_dir: Path) -> None:
 @click.option("--out", type=click.Path(), default=None, help="Candidate run folder (default: results/runs/gate-<time>-<kernel>).")
 @click.option("--report-dir", type=click.Path(), default=None, help="Where gate.json, report.md, junit.xml go (default: <run>/gate).")
 @click.option("--allow-uncalibrated", is_flag=True, help="Decide even if the baseline has no A/A calibration (recorded).")
+@click.option("--no-early-stop", "no_early_stop", is_flag=True,
+              help="Run every item, even once the FAIL is certain (default: stop generating then; docs/gate.md#stopping-early).")
 @sampling_options
 @server_options
 def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel, candidate,
          baselines, baseline_kernel, baselines_root, thresholds_path, out, report_dir, allow_uncalibrated,
-         samples, temperature, seed, server, model_id, launch, launch_timeout, request_timeout, concurrency, retries,
-         server_args):
+         no_early_stop, samples, temperature, seed, server, model_id, launch, launch_timeout, request_timeout,
+         concurrency, retries, server_args):
     """Compare a candidate kernel with the stored W4A8 baseline: PASS (exit 0) or FAIL (exit 1); 2 = error.
 
     With --server or --launch, the candidate runs on an OpenAI-compatible server; server arguments follow `--`."""
@@ -77,11 +82,19 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
         with server_adapter(server, launch, model, kernel, run_out, model_id, server_args, launch_timeout,
                             request_timeout, concurrency, retries, batch_size) as adapter:
             if baselines:
-                from evalgate.pipeline import run_or_resume
+                from evalgate.pipeline import early_stop_hook, run_or_resume
 
-                run_dir = run_or_resume(spec, run_out, adapter=adapter)
+                hook = None
+                if not no_early_stop:
+                    try:  # the policy the decision will use: --thresholds, else the canary's for canary profiles
+                        hook = early_stop_hook(list(baselines), policy_file(thresholds_path, baselines[0]),
+                                               allow_uncalibrated)
+                    except UserError:
+                        pass  # the gate below says what is wrong with the baselines
+                run_dir = run_or_resume(spec, run_out, adapter=adapter, stop_when=hook)
                 verdict = gate_runs(list(baselines), run_dir, policy_file(thresholds_path, run_dir), allow_uncalibrated)
             else:
                 verdict, run_dir = gate_model(spec, baseline_kernel, Path(baselines_root), run_out,
-                                              thresholds_path, allow_uncalibrated, adapter=adapter)
+                                              thresholds_path, allow_uncalibrated, adapter=adapter,
+                                              early_stop=not no_early_stop)
     _finish(verdict, Path(report_dir) if report_dir else Path(run_dir) / "gate")

@@ -36,6 +36,7 @@ class Row:
     run_dir: str = ""
     error: str = ""  # why the gate gave no verdict (verdict "ERROR")
     conformance: str = "-"  # the kernel vs the one it declares: PASS, FAIL, "own" (its own reference), "-" (not checked)
+    items: str = "all"  # "all", or "58/364" when the gate stopped early once its FAIL was certain
 
     @property
     def ok(self) -> bool:
@@ -72,8 +73,10 @@ def check(kernels: list[str], gate_one: Callable[[str], tuple[object, Path]],
             on_row(row)
             continue
         tasks = {t: d.verdict for t, d in verdict.decision.tasks.items()} if verdict.decision else {}
+        stopped = getattr(verdict, "early_stop", None)
         row = Row(kernel, expected(kernel), verdict.verdict, tasks, round(time.perf_counter() - t0, 1), str(run_dir),
-                  conformance=conformance_cell(getattr(verdict, "conformance", None)))
+                  conformance=conformance_cell(getattr(verdict, "conformance", None)),
+                  items=f"{stopped['items_run']}/{stopped['items_total']}" if stopped else "all")
         rows.append(row)
         on_row(row)
     return rows
@@ -88,9 +91,10 @@ def conformance_cell(conformance: dict | None) -> str:
 
 
 def table(rows: list[Row], tasks: list[str]) -> str:
-    columns = ["kernel", "expected", "conformance", *tasks, "overall", "time", "match"]
+    columns = ["kernel", "expected", "conformance", *tasks, "overall", "items", "time", "match"]
     cells = [[r.kernel, r.expected, r.conformance, *(r.tasks.get(t, "-") for t in tasks), r.verdict,
-              f"{r.seconds:.1f} s", "yes" if r.ok else "NO"] for r in rows]
+              r.items if r.items == "all" else f"{r.items} (stopped early)", f"{r.seconds:.1f} s",
+              "yes" if r.ok else "NO"] for r in rows]
     widths = [max(len(row[i]) for row in [columns, *cells]) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *cells]]
     lines.insert(1, "-" * len(lines[0]))
@@ -128,8 +132,10 @@ def check_baselines(tasks: list[str], batch_size: int, baselines_root, data_dir:
 
 
 def canary_gate(tasks: list[str], batch_size: int, runs_dir: Path, baselines_root: str | Path | None,
-                data_dir: str | None, device: str = "cpu") -> Callable[[str], tuple[object, Path]]:
-    """``evalgate gate --kernel K`` on the canary, its run in ``runs_dir/K`` and its reports beside it."""
+                data_dir: str | None, device: str = "cpu",
+                early_stop: bool = True) -> Callable[[str], tuple[object, Path]]:
+    """``evalgate gate --kernel K`` on the canary, its run in ``runs_dir/K`` and its reports beside it; as the
+    gate, a run stops early once its FAIL is certain unless ``early_stop`` is False."""
 
     def gate_one(kernel: str):
         from evalgate.pipeline import gate_model
@@ -137,7 +143,8 @@ def canary_gate(tasks: list[str], batch_size: int, runs_dir: Path, baselines_roo
 
         spec = run_spec(None, kernel, ",".join(tasks), (), None, batch_size, device, None, None, data_dir)
         out = runs_dir / kernel.replace("/", "_")
-        verdict, run_dir = gate_model(spec, "w4a8", baselines_root, out, canary_thresholds(None, None))
+        verdict, run_dir = gate_model(spec, "w4a8", baselines_root, out, canary_thresholds(None, None),
+                                      early_stop=early_stop)
         write_outputs(verdict, Path(run_dir) / "gate")
         return verdict, run_dir
 
@@ -154,7 +161,9 @@ def canary_gate(tasks: list[str], batch_size: int, runs_dir: Path, baselines_roo
 @click.option("--data-dir", type=click.Path(), default=None, envvar="EVALGATE_DATA_DIR", help="Offline data folder [env: EVALGATE_DATA_DIR].")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the rows here.")
-def selfcheck(kernels, tasks, batch_size, runs_dir, baselines_root, data_dir, device, json_path):
+@click.option("--no-early-stop", "no_early_stop", is_flag=True,
+              help="Run every item of every kernel (default: a gate stops once its FAIL is certain).")
+def selfcheck(kernels, tasks, batch_size, runs_dir, baselines_root, data_dir, device, json_path, no_early_stop):
     """Gate every kernel on the canary: healthy ones must PASS, faulty ones FAIL. Exit 0 when all do, else 1."""
     from evalgate.kernels import get_kernel
 
@@ -166,7 +175,7 @@ def selfcheck(kernels, tasks, batch_size, runs_dir, baselines_root, data_dir, de
     runs = Path(runs_dir) if runs_dir else Path("results/runs") / f"selfcheck-{stamp}"
     for baseline in check_baselines(task_list, batch_size, baselines_root, data_dir):
         click.echo(f"baseline: {baseline}", err=True)
-    gate_one = canary_gate(task_list, batch_size, runs, baselines_root, data_dir, device)
+    gate_one = canary_gate(task_list, batch_size, runs, baselines_root, data_dir, device, not no_early_stop)
 
     def progress(row: Row) -> None:
         tasks_text = ", ".join(f"{t} {v}" for t, v in row.tasks.items()) or row.error

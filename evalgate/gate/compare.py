@@ -69,6 +69,12 @@ def comparability_problems(base: Run, cand: Run, tasks: list[str]) -> list[str]:
         problems.append(f"forward-pass numerics differ ({bf} vs {cf}): re-record the baseline with this evalgate")
     if ba != ca and "server" not in (bf, cf) and OWN not in (ba, ca):
         problems.append(f"kernel accumulation differs ({ba} vs {ca}): re-record the baseline with this evalgate")
+    if stopped_early(base):
+        problems.append(f"the baseline {base.path} is a run the gate stopped early ({_stopped_text(bm)}); a "
+                        "baseline needs every item: complete it with `evalgate run --resume --out "
+                        f"{base.path}` first")
+        return problems
+    partial = stopped_early(cand)  # its missing items are decided on their best completion
     for task in tasks:
         bt, ct = bm.get("tasks", {}).get(task), cm.get("tasks", {}).get(task)
         if bt is None or ct is None:
@@ -86,15 +92,39 @@ def comparability_problems(base: Run, cand: Run, tasks: list[str]) -> list[str]:
         if bt.get("dataset_sha256") != ct.get("dataset_sha256"):
             problems.append(f"{task} dataset sha256 differs")
         for label, run in (("baseline", base), ("candidate", cand)):
+            if label == "candidate" and partial:
+                continue
             expected = run.manifest["tasks"][task].get("n_items")
             got = {r["doc_id"] for r in run.records.get(task, [])}
             if expected is not None and len(got) != expected:
                 problems.append(f"{task}: the {label} has {len(got)} of {expected} items (crashed or unfinished run)")
         b_ids = {r["doc_id"] for r in base.records.get(task, [])}
         c_ids = {r["doc_id"] for r in cand.records.get(task, [])}
+        if partial and c_ids <= b_ids:
+            continue
         if b_ids != c_ids:
             problems.append(f"{task}: item ids differ ({len(b_ids - c_ids)} only in baseline, {len(c_ids - b_ids)} only in candidate)")
     return problems
+
+
+def stopped_early(run: Run) -> bool:
+    """Whether the gate stopped this run early (docs/gate.md#stopping-early): its missing items are decided on
+    their best completion, and it can never be a baseline."""
+    return run.manifest.get("status") == "stopped_early"
+
+
+def _stopped_text(manifest: dict) -> str:
+    info = manifest.get("early_stop") or {}
+    if "items_run" in info:
+        return f"{info['items_run']} of {info['items_total']} items run"
+    return "not every item run"
+
+
+def best_completion_record(base_record: dict, metric: str) -> dict:
+    """What the best completion puts in place of an item the candidate did not run: right, valid, not truncated
+    (the per-item values ``TaskPairs`` reads for an imputed item; docs/gate.md#stopping-early)."""
+    return {"doc_id": base_record["doc_id"], metric: 1.0, "n_samples": n_samples_of(base_record),
+            "finish_reason": "stop", "best_completion": True}
 
 
 def _sampling(decoding: dict) -> str:
@@ -140,12 +170,32 @@ class TaskPairs:
     doc_ids: list
     base: list[dict]
     cand: list[dict]
+    # items a stopped-early candidate did not run, in their best completion: right (score 1), valid and not
+    # truncated, whatever the metric (docs/gate.md#stopping-early); never a flip, never in the token means
+    imputed: frozenset = field(default_factory=frozenset)
 
     def _records(self, side: str) -> list[dict]:
         return self.base if side == "base" else self.cand
 
+    def _imputed(self, side: str) -> list[bool]:
+        return [side == "cand" and d in self.imputed for d in self.doc_ids]
+
     def scores(self, side: str) -> list[float]:
-        return [float(r.get(self.metric, 0.0)) for r in self._records(side)]
+        return [1.0 if best else float(r.get(self.metric, 0.0))
+                for r, best in zip(self._records(side), self._imputed(side))]
+
+    def observed(self) -> list[bool]:
+        """Per item, whether the candidate ran it (False: its best completion stands in)."""
+        return [d not in self.imputed for d in self.doc_ids]
+
+    def observed_counts(self) -> dict:
+        """On the items the candidate ran: n, lost b, gained c and both mean scores (k = 1: the paired table)."""
+        base, cand = self.scores("base"), self.scores("cand")
+        rows = [(x, y) for x, y, seen in zip(base, cand, self.observed()) if seen]
+        n = len(rows)
+        return {"items_run": n, "items_total": len(self.doc_ids), "b": sum(x > y for x, y in rows),
+                "c": sum(y > x for x, y in rows), "baseline": sum(x for x, _ in rows) / n if n else None,
+                "candidate": sum(y for _, y in rows) / n if n else None}
 
     def correct(self, side: str) -> list[bool]:
         return [s >= 1.0 for s in self.scores(side)]
@@ -171,7 +221,10 @@ class TaskPairs:
 
     def _per_sample(self, side: str, flag) -> list[float]:
         out = []
-        for r in self._records(side):
+        for r, best in zip(self._records(side), self._imputed(side)):
+            if best:  # the best completion: neither invalid nor truncated
+                out.append(0.0)
+                continue
             samples = r.get("samples")
             if n_samples_of(r) > 1 and isinstance(samples, list) and samples:
                 out.append(sum(bool(flag(s)) for s in samples) / len(samples))
@@ -208,19 +261,26 @@ class TaskPairs:
         return out
 
     def tokens(self, side: str) -> list[float]:
-        return [float(r.get("n_tokens", 0)) for r in (self.base if side == "base" else self.cand)]
+        """Generated tokens per item, on the items the candidate ran (both sides: the token ratio compares
+        like with like when a run stopped early)."""
+        return [float(r.get("n_tokens", 0)) for r, seen in zip(self._records(side), self.observed()) if seen]
 
 
 def pair_task(base: Run, cand: Run, task: str, metric: str | None = None) -> TaskPairs:
+    """One task's items paired by id. A candidate the gate stopped early has its missing items filled in with
+    their best completion (``best_completion_record``; ``TaskPairs.imputed``)."""
     metric = metric or default_metric(task)
     b = {r["doc_id"]: r for r in base.records[task]}
-    c = {r["doc_id"]: r for r in cand.records[task]}
+    c = {r["doc_id"]: r for r in cand.records.get(task, [])}
     ids = sorted(b, key=lambda x: (str(type(x)), x))
     for side, records in (("baseline", b), ("candidate", c)):
         missing = [i for i in ids if i in records and metric not in records[i]]
         if missing:
             raise UserError(f"{task}: the {side} records have no metric {metric!r} (item {missing[0]}); check thresholds.yaml's metric")
-    pairs = TaskPairs(task, metric, ids, [b[i] for i in ids], [c[i] for i in ids])
+    imputed = frozenset(i for i in ids if i not in c) if stopped_early(cand) else frozenset()
+    for i in imputed:
+        c[i] = best_completion_record(b[i], metric)
+    pairs = TaskPairs(task, metric, ids, [b[i] for i in ids], [c[i] for i in ids], imputed)
     problems = pairs.problems()
     if problems:
         raise NotComparable("runs are not comparable: " + "; ".join(problems))
@@ -239,13 +299,19 @@ class Pairing:
 
     def with_metrics(self, metrics: dict[str, str]) -> "Pairing":
         """The same pairing scored on other record fields (e.g. the policy's metric); a new object."""
-        pairs = {t: (TaskPairs(t, metrics[t], p.doc_ids, p.base, p.cand) if metrics.get(t, p.metric) != p.metric else p)
+        pairs = {t: (TaskPairs(t, metrics[t], p.doc_ids, p.base, p.cand, p.imputed)
+                     if metrics.get(t, p.metric) != p.metric else p)
                  for t, p in self.pairs.items()}
         return Pairing(self.baseline, self.candidate, pairs, self.aa_flips)
 
     @property
     def tasks(self) -> list[str]:
         return list(self.pairs)
+
+    @property
+    def stopped_early(self) -> bool:
+        """The candidate stopped early: its missing items stand in their best completion (``TaskPairs.imputed``)."""
+        return stopped_early(self.candidate)
 
     def flips(self, task: str | None = None, direction: str | None = None, failure_class: str | None = None):
         """Items whose score differs: ``direction`` "lost" (baseline right, candidate wrong) or "gained".
@@ -266,7 +332,7 @@ class Pairing:
         p = self.pairs[task]
         rows = []
         for doc_id, br, cr, bs, cs in zip(p.doc_ids, p.base, p.cand, p.scores("base"), p.scores("cand")):
-            if bs == cs:
+            if bs == cs or doc_id in p.imputed:  # a flip is observed: never an item the candidate did not run
                 continue
             row = {"doc_id": doc_id, "direction": "lost" if bs > cs else "gained",
                    "question": item_question(br), "gold": item_gold(br),
@@ -296,7 +362,7 @@ class Pairing:
         rows = [{"doc_id": d, "flipped": bs != cs, "base_extracted": _extracted(b), "cand_extracted": _extracted(c),
                  "base_response": b.get("resps"), "cand_response": c.get("resps")}
                 for d, b, c, bs, cs in zip(p.doc_ids, p.base, p.cand, p.scores("base"), p.scores("cand"))
-                if b.get("resps") != c.get("resps")]
+                if d not in p.imputed and b.get("resps") != c.get("resps")]
         return pd.DataFrame(rows, columns=["doc_id", "flipped", "base_extracted", "cand_extracted", "base_response",
                                            "cand_response"])
 

@@ -71,7 +71,9 @@ def decide(pairing: Pairing, thresholds: Thresholds, aa: dict | None = None, req
             base_samples=pairs.sample_scores("base"), cand_samples=pairs.sample_scores("cand"),
             base_invalid=pairs.invalid("base"), cand_invalid=pairs.invalid("cand"),
             base_truncated=pairs.truncated("base"), cand_truncated=pairs.truncated("cand"),
-            base_tokens=pairs.tokens("base"), cand_tokens=pairs.tokens("cand"),
+            # on the items the candidate ran (a stopped-early candidate may have run none of a task's)
+            base_tokens=pairs.tokens("base") if any(pairs.observed()) else None,
+            cand_tokens=pairs.tokens("cand") if any(pairs.observed()) else None,
             aa_psi0=task_aa.get("psi0"), aa_n=task_aa.get("n"),
             **thresholds.decision_kwargs(task),
         ))
@@ -128,7 +130,14 @@ def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = 
     verdict = decide(pairing, policy, aa=aa_for_baseline(dirs), require_aa=not allow_uncalibrated)
     # runs whose HumanEval programs ran under different Python minors: compared, said in the verdict (gate.json)
     notes = [*verdict.notes, *python_warnings(base_run.manifest, cand_run.manifest, tasks)]
-    return with_conformance(replace(verdict, baseline_dirs=[str(d) for d in dirs], notes=notes), cand_run)
+    verdict = replace(verdict, baseline_dirs=[str(d) for d in dirs], notes=notes)
+    if pairing.stopped_early:  # decided on its best completion: certain FAIL, or no verdict at all
+        from evalgate.gate import early_stop
+
+        early_stop.check_stopped_verdict(verdict, cand_run.path)
+        info = early_stop.summary(verdict.comparison, cand_run.manifest.get("early_stop"))
+        verdict = replace(verdict, early_stop=info)
+    return with_conformance(verdict, cand_run)
 
 
 def with_conformance(verdict: Verdict, candidate: Run) -> Verdict:

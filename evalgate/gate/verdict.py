@@ -229,6 +229,9 @@ class Verdict:
     unpaired: dict = field(default_factory=dict)  # task -> UnpairedResult.to_dict() (aggregate-only baselines)
     baseline_dirs: list[str] = field(default_factory=list)  # every baseline folder decided against (one per task)
     conformance: dict | None = None  # the candidate kernel vs the kernel it declares (kernels/conformance.py)
+    # the candidate stopped early (docs/gate.md#stopping-early): items run / total per task, observed flips,
+    # why; the decision's numbers are those of its best completion
+    early_stop: dict | None = None
 
     def to_dict(self) -> dict:
         cmp = self.comparison
@@ -245,6 +248,7 @@ class Verdict:
             "unpaired": self.unpaired,
             "baseline_dirs": self.baseline_dirs,
             "conformance": self.conformance,
+            "early_stop": self.early_stop,
         }
         if cmp is not None:
             out["baseline"] = run_identity(cmp.baseline)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from evalgate.gate.compare import extracted_answer, item_gold, item_question
 from evalgate.gate.verdict import run_identity as verdict_identity
-from evalgate.report.rows import conformance_line, paired_rows, task_rows
+from evalgate.report.rows import conformance_line, early_stop_lines, paired_rows, task_rows
 
 TEMPLATES = Path(__file__).parent / "templates"
 STDERR_LINES = 25  # the end of a traceback says what went wrong
@@ -304,6 +304,8 @@ def report_items(comparison) -> list[dict]:
             p = comparison.pairs[task]
             aa = comparison.aa_flips.get(task, set())
             for doc_id, b, c in zip(p.doc_ids, p.base, p.cand):
+                if doc_id in p.imputed:  # not run (a stopped-early candidate): no flip to show
+                    continue
                 bs, cs = float(b.get(p.metric, 0.0)), float(c.get(p.metric, 0.0))
                 if (bs > cs) if direction == "lost" else (cs > bs):
                     items.append(item_data(task, doc_id, b, c, p.metric, doc_id in aa))
@@ -318,7 +320,7 @@ def report_html(verdict) -> str:
     failure_classes = sorted({s[k]["failure_class"] for s in items for k in ("base", "cand")} - {None, "passed"})
     return render(
         "report.html.j2", verdict=verdict, rows=rows, items=items, failure_classes=failure_classes,
-        notes=verdict.notes, conformance=conformance_line(verdict),
+        notes=verdict.notes, conformance=conformance_line(verdict), early_stop=early_stop_lines(verdict),
         tasks=cmp.tasks if cmp is not None else [], flips=flip_counts(cmp) if cmp is not None else {},
         base=run_identity(cmp.baseline) if cmp is not None else None,
         cand=run_identity(cmp.candidate) if cmp is not None else None,

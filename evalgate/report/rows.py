@@ -19,17 +19,63 @@ def paired_rows(decision, pairing, aa: dict) -> list[dict]:
             "margin": dec.margin_enforced, "margin_requested": dec.margin_requested, "mde": dec.mde,
             "samples_needed": dec.samples_needed, "resolves_margin": dec.resolves_margin,
             "verdict": dec.verdict, "reasons": list(dec.reasons), "warnings": list(dec.warnings),
+            # a stopped-early candidate: what the items run showed (the numbers above are its best completion)
+            "observed": pairs.observed_counts() if pairs.imputed else None,
+            # a FAIL on the best completion is certain; any other verdict of a task not fully run is only its best case
+            "decided": not pairs.imputed or dec.verdict == "FAIL",
+            "label": dec.verdict if not pairs.imputed or dec.verdict == "FAIL" else "undecided",
         })
     return rows
 
 
+def early_stop_lines(verdict) -> list[str]:
+    """A stopped-early verdict in words: the headline, then per task what was observed on the items run and
+    which numbers are the bound (docs/gate.md#stopping-early). Empty for a run that ran every item."""
+    info = getattr(verdict, "early_stop", None)
+    if not info:
+        return []
+    from evalgate.gate.early_stop import headline
+
+    lines = [f"FAIL ({headline(info)})"]
+    for r in task_rows(verdict):
+        o = r.get("observed")
+        if o is None:
+            lines.append(f"{r['task']}: every item run")
+            continue
+        scores = ("" if not o["items_run"] else
+                  f", candidate {o['candidate']:.4f} vs baseline {o['baseline']:.4f} on them")
+        lines.append(f"{r['task']}: {o['items_run']} of {o['items_total']} items run — observed {o['b']} lost, "
+                     f"{o['c']} gained{scores}; its candidate score, Δ, CI, p, ψ and the bound b / c are the best "
+                     f"completion's, the {o['items_total'] - o['items_run']} items not run counted right, valid and "
+                     "not truncated")
+    return lines
+
+
+def bound_cells(r: dict) -> dict:
+    """The n, candidate and b / c cells of a table row: plain, or for a stopped-early task the observed counts
+    beside the bound (best completion); "≤": the complete run's value can only be lower."""
+    o = r.get("observed")
+    if o is None:
+        return {"n": str(r["n"]), "candidate": f"{r['candidate']:.4f}", "b_c": f"{r['b']} / {r['c']}", "le": ""}
+    return {"n": f"{o['items_run']}/{r['n']}", "candidate": f"≤ {r['candidate']:.4f}",
+            "b_c": f"{o['b']} / {o['c']} (bound {r['b']} / {r['c']})", "le": "≤ "}
+
+
 def unpaired_rows(unpaired: dict, alpha: float) -> list[dict]:
     """Rows of an aggregate-only (unpaired) verdict: task -> ``UnpairedResult.to_dict()``."""
-    return [{"task": task, "paired": False, "delta": res["delta"], "ci": res["ci"], "lower": res["lower_bound"],
+    return [{"task": task, "paired": False, "decided": True, "observed": None, "delta": res["delta"], "ci": res["ci"], "lower": res["lower_bound"],
              "p": res["p_degradation"], "margin": res["margin"], "margin_requested": res["margin"], "mde": None,
              "verdict": "PASS" if res["non_inferior"] and res["p_degradation"] > alpha else "FAIL",
              "reasons": [res["note"]], "warnings": []}
             for task, res in unpaired.items()]
+
+
+def label(r: dict, long: bool = False) -> str:
+    """A row's verdict as shown: the verdict, or "undecided" for a task of a stopped-early run whose best
+    completion does not FAIL (``long``: "undecided (at best PASS)")."""
+    if r.get("decided", True):
+        return r["verdict"]
+    return f"undecided (at best {r['verdict']})" if long else "undecided"
 
 
 def task_rows(verdict) -> list[dict]:

@@ -6,7 +6,7 @@ import os
 from xml.sax.saxutils import escape, quoteattr
 
 from evalgate.formatting import pp as _pp_unit
-from evalgate.report.rows import conformance_line, task_rows
+from evalgate.report.rows import bound_cells, conformance_line, early_stop_lines, label, task_rows
 
 MAX_FLIPS_MD = 50
 
@@ -76,9 +76,10 @@ def console_table(verdict, log: bool = False):
         ci = f"{pp(r['delta'])} [{pp(r['ci'][0])}, {pp(r['ci'][1])}]"
         style = STYLES.get(r["verdict"], "red")
         if r["paired"]:
-            table.add_row(r["task"], str(r["n"]), f"{r['baseline']:.4f}", f"{r['candidate']:.4f}", ci,
-                          f"{r['b']} / {r['c']}", f"{r['p']:.3g}", psi_text(r), margin_cell(r), mde_text(r),
-                          f"[{style}]{r['verdict']}[/]")
+            cells = bound_cells(r)
+            table.add_row(r["task"], cells["n"], f"{r['baseline']:.4f}", cells["candidate"], cells["le"] + ci,
+                          cells["b_c"], f"{r['p']:.3g}", psi_text(r), margin_cell(r), mde_text(r),
+                          f"[{style}]{label(r)}[/]")
         else:
             table.add_row(r["task"], "—", "aggregate", "", ci, "unpaired", f"{r['p']:.3g}", "—",
                           margin_cell(r), "—", f"[{style}]{r['verdict']}[/]")
@@ -98,11 +99,12 @@ def task_blocks(verdict):
         if i:
             table.add_section()
         style = STYLES.get(r["verdict"], "red")
-        table.add_row("task", f"[bold]{r['task']}[/] [{style}]{r['verdict']}[/]")
+        table.add_row("task", f"[bold]{r['task']}[/] [{style}]{label(r)}[/]")
         table.add_row("Δ pp [95% CI]", f"{pp(r['delta'])} [{pp(r['ci'][0])}, {pp(r['ci'][1])}]")
         if r["paired"]:
-            table.add_row("baseline → candidate", f"{r['baseline']:.4f} → {r['candidate']:.4f} (n = {r['n']})")
-            table.add_row("b / c, p", f"{r['b']} / {r['c']}, p = {r['p']:.3g}")
+            cells = bound_cells(r)
+            table.add_row("baseline → candidate", f"{r['baseline']:.4f} → {cells['candidate']} (n = {cells['n']})")
+            table.add_row("b / c, p", f"{cells['b_c']}, p = {r['p']:.3g}")
             table.add_row("ψ / ψ0", psi_text(r))
             table.add_row("MDE (80%)", mde_text(r))
         table.add_row("margin", margin_cell(r))
@@ -112,9 +114,9 @@ def task_blocks(verdict):
 def verdict_lines(verdict) -> list[str]:
     """Under the table: the kernel's conformance, every task's reasons and warnings, then the notes, one plain
     line each."""
-    lines = [line for line in [conformance_line(verdict)] if line]
+    lines = early_stop_lines(verdict) + [line for line in [conformance_line(verdict)] if line]
     for r in task_rows(verdict):
-        lines += [f"{r['task']} {r['verdict']}: {reason}" for reason in r["reasons"]]
+        lines += [f"{r['task']} {label(r, long=True)}: {reason}" for reason in r["reasons"]]
         lines += [f"{r['task']} warning: {w}" for w in r["warnings"]]
     return lines + [f"note: {n}" for n in verdict.notes]
 
@@ -150,6 +152,9 @@ def markdown(verdict) -> str:
     lines += [f"- policy: `{verdict.thresholds.path}` (sha256 `{verdict.thresholds.sha256[:12]}`), "
               f"α = {verdict.thresholds.alpha}, {verdict.thresholds.multiple_comparisons}, gate CI {verdict.thresholds.ci_method}"]
     lines += [f"- note: {n}" for n in verdict.notes]
+    stopped = early_stop_lines(verdict)
+    if stopped:
+        lines += [f"- **{stopped[0]}**"] + [f"  - {line}" for line in stopped[1:]]
     conformance = conformance_line(verdict)
     if conformance:
         lines += [f"- **{conformance}**"]
@@ -158,16 +163,18 @@ def markdown(verdict) -> str:
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in task_rows(verdict):
         if r["paired"]:
-            lines.append(f"| {r['task']} | {r['n']} | {r['baseline']:.4f} | {r['candidate']:.4f} | {pp(r['delta'])} | "
-                         f"[{pp(r['ci'][0])}, {pp(r['ci'][1])}] | {r['b']} / {r['c']} | {r['p']:.3g} | "
-                         f"{psi_text(r)} | {margin_cell(r)} | {mde_text(r)} | **{r['verdict']}** |")
+            cells = bound_cells(r)
+            lines.append(f"| {r['task']} | {cells['n']} | {r['baseline']:.4f} | {cells['candidate']} | "
+                         f"{cells['le']}{pp(r['delta'])} | "
+                         f"[{pp(r['ci'][0])}, {pp(r['ci'][1])}] | {cells['b_c']} | {r['p']:.3g} | "
+                         f"{psi_text(r)} | {margin_cell(r)} | {mde_text(r)} | **{label(r)}** |")
         else:
             lines.append(f"| {r['task']} | — | aggregate | — | {pp(r['delta'])} | [{pp(r['ci'][0])}, {pp(r['ci'][1])}] | "
                          f"unpaired | {r['p']:.3g} | — | {margin_cell(r)} | — | **{r['verdict']}** |")
     lines.append("")
     for r in task_rows(verdict):
         for reason in r["reasons"]:
-            lines.append(f"- **{r['task']}** {r['verdict']}: {reason}")
+            lines.append(f"- **{r['task']}** {label(r, long=True)}: {reason}")
         for warning in r["warnings"]:
             lines.append(f"- **{r['task']}** warning: {warning}")
     if cmp is not None:
@@ -175,7 +182,8 @@ def markdown(verdict) -> str:
             flips = cmp.flips(task)
             if flips.empty:
                 continue
-            lines += ["", f"## {task}: {len(flips)} flipped item(s), lost first", "",
+            ran = " of the items run" if verdict.early_stop else ""
+            lines += ["", f"## {task}: {len(flips)} flipped item(s){ran}, lost first", "",
                       "| doc_id | direction | baseline answer | candidate answer | finish (base → cand) | in A/A |",
                       "|---|---|---|---|---|---|"]
             for row in flips.head(MAX_FLIPS_MD).itertuples():
@@ -195,10 +203,18 @@ def junit_xml(verdict) -> str:
     rows = task_rows(verdict)
     conformance = conformance_line(verdict)  # a test case of its own when the kernel was checked
     tests = len(rows) + (conformance is not None)
-    failures = sum(r["verdict"] != "PASS" for r in rows) + (conformance is not None and not verdict.conformance["ok"])
+    failures = (sum(r["verdict"] != "PASS" and r.get("decided", True) for r in rows)
+                + (conformance is not None and not verdict.conformance["ok"]))
+    skipped = sum(not r.get("decided", True) for r in rows)
     out = ['<?xml version="1.0" encoding="UTF-8"?>',
            f'<testsuites name="evalgate" tests="{tests}" failures="{failures}">',
-           f'  <testsuite name="evalgate.gate" tests="{tests}" failures="{failures}" errors="0">']
+           f'  <testsuite name="evalgate.gate" tests="{tests}" failures="{failures}" errors="0"'
+           + (f' skipped="{skipped}">' if skipped else ">")]
+    stopped = early_stop_lines(verdict)  # the run stopped early: said on the suite and in every task's output
+    if stopped:
+        out += ["    <properties>", f"      <property name=\"early_stop\" value={quoteattr(stopped[0])}/>",
+                "    </properties>"]
+    observed = {line.split(":", 1)[0]: line for line in stopped[1:]}
     if conformance is not None:
         out.append('    <testcase classname="evalgate.gate" name="kernel-conformance">')
         if not verdict.conformance["ok"]:
@@ -207,12 +223,17 @@ def junit_xml(verdict) -> str:
         out.append("    </testcase>")
     for r in rows:
         out.append(f'    <testcase classname="evalgate.gate" name={quoteattr(r["task"])}>')
-        if r["verdict"] != "PASS":  # INCONCLUSIVE is not a pass either: a failure of type INCONCLUSIVE
-            message = "; ".join(r["reasons"])
+        if not r.get("decided", True):  # a stopped-early run's task whose FAIL was not needed: not decided
+            message = f"{stopped[0]}; {r['task']} not decided: its best completion gives {r['verdict']}"
+            out.append(f'      <skipped message={quoteattr(message)}/>')
+        elif r["verdict"] != "PASS":  # INCONCLUSIVE is not a pass either: a failure of type INCONCLUSIVE
+            message = "; ".join(([stopped[0]] if stopped else []) + r["reasons"])
             out.append(f'      <failure type={quoteattr(r["verdict"])} message={quoteattr(message)}>{escape(message)}</failure>')
         details = f"delta {pp(r['delta'])} pp, CI [{pp(r['ci'][0])}, {pp(r['ci'][1])}], p {r['p']:.4g}"
         if r.get("mde") is not None:
             details += f", MDE {100 * r['mde']:.2f} pp (80% power, k = {r['k']})"
+        if r["task"] in observed:
+            details += f"\n{observed[r['task']]}"
         out.append(f"      <system-out>{escape(details)}</system-out>")
         out.append("    </testcase>")
     out += ["  </testsuite>", "</testsuites>"]

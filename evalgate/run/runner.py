@@ -106,8 +106,30 @@ def _dg_environment() -> dict[str, str]:
     return dg_environment()
 
 
-def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, progress: Progress | None = None) -> Path:
-    """Run ``spec`` into ``out``; returns the run directory. ``adapter`` defaults to the in-process one."""
+class _Stop:
+    """A run's early-stop hook (docs/gate.md#stopping-early): ``stop_when(out, manifest)`` is consulted after
+    each batch of items is scored and stored, and returns a record (why, when, items per task) once the run
+    need not go on; ``check`` remembers the first such record and says True from then on."""
+
+    def __init__(self, stop_when, out: Path, manifest: dict):
+        self.stop_when, self.out, self.manifest = stop_when, out, manifest
+        self.record: dict | None = None
+
+    def check(self) -> bool:
+        if self.record is None and self.stop_when is not None:
+            self.record = self.stop_when(self.out, self.manifest)
+        return self.record is not None
+
+
+def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, progress: Progress | None = None,
+            stop_when=None) -> Path:
+    """Run ``spec`` into ``out``; returns the run directory. ``adapter`` defaults to the in-process one.
+
+    ``stop_when(out, manifest)`` (the gate's ``EarlyStop``; None: run every item) is consulted before
+    anything is generated and after each batch of items is scored and stored; once it returns a record the
+    generation stops (the decoding stream closed, its workers ended), whatever finished is scored and stored,
+    and the manifest says ``"status": "stopped_early"`` with the record as ``early_stop``. Such a run resumes
+    like an interrupted one (``resume=True``; the record moves to ``early_stop_history``)."""
     from evalgate.tasks.data import resolve_data_dir
 
     out = Path(out)
@@ -145,22 +167,46 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
     if previous is not None:
         _check_resumable(previous, manifest, out)
         manifest["timings"] = {**previous.get("timings", {}), **manifest["timings"]}
+        history = list(previous.get("early_stop_history") or [])
+        if previous.get("early_stop"):  # a stopped-early run resumed: the stop becomes history
+            history.append(previous["early_stop"])
+        if history:
+            manifest["early_stop_history"] = history
     write_manifest(out, manifest)
 
+    stop = _Stop(stop_when, out, manifest)
     progress = progress or Progress()
     try:
         with progress:
-            if getattr(adapter, "dispatch", None) is None and getattr(adapter, "generate_stream", None) is not None:
-                _run_tasks_in_one_stream(tasks, loaded, adapter, out, manifest, progress, spec, data_dir)
+            if previous is not None and stop.check():
+                # what is stored already decides: nothing to generate (a stop found again is not new history)
+                if previous.get("status") == "stopped_early":
+                    manifest.pop("early_stop_history", None)
+                    if previous.get("early_stop_history"):
+                        manifest["early_stop_history"] = previous["early_stop_history"]
+            elif getattr(adapter, "dispatch", None) is None and getattr(adapter, "generate_stream", None) is not None:
+                _run_tasks_in_one_stream(tasks, loaded, adapter, out, manifest, progress, spec, data_dir, stop)
             else:
                 for task in tasks:
+                    if stop.record is not None:
+                        break  # the gate's FAIL is already certain: later tasks are not started
                     items, resolved = loaded[task.name]
-                    _run_task(task, items, resolved, adapter, out, manifest, progress, spec, data_dir)
+                    _run_task(task, items, resolved, adapter, out, manifest, progress, spec, data_dir, stop)
     except BaseException:
         manifest["status"] = "interrupted"
         write_manifest(out, manifest)
         raise
-    manifest["status"] = "complete"
+    stored = {name: len({r["doc_id"] for r in read_records(out / f"{name}.jsonl")[0]}) for name in manifest["tasks"]}
+    if stop.record is not None and any(stored[t] < manifest["tasks"][t]["n_items"] for t in stored):
+        manifest["status"] = "stopped_early"
+        manifest["early_stop"] = {
+            **stop.record, "items_run": sum(stored.values()),
+            "items_total": sum(int(s["n_items"]) for s in manifest["tasks"].values()),
+            "tasks": {t: {"items_run": stored[t], "items_total": int(manifest["tasks"][t]["n_items"])} for t in stored}}
+        for name, summary in manifest["tasks"].items():
+            summary["complete"] = stored[name] == summary["n_items"]
+    else:
+        manifest["status"] = "complete"
     manifest["finished"] = _now()
     write_manifest(out, manifest)
     return out
@@ -233,21 +279,23 @@ class _TaskRun:
         self.entry["complete"] = len(read_records(self.path)[0]) == len(self.items)
 
 
-def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progress: Progress, spec: RunSpec, data_dir) -> None:
+def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progress: Progress, spec: RunSpec, data_dir,
+              stop: _Stop | None = None) -> None:
     run = _TaskRun(task, items, resolved, adapter, out, manifest, progress, spec, data_dir)
     dispatch = getattr(adapter, "dispatch", None)  # a server adapter: continuous dispatch
     stats = None
+    should_stop = stop.check if stop is not None and stop.stop_when is not None else None
     try:
         if dispatch is not None and run.requests:
-            stats = _dispatch_continuously(dispatch, run.requests, run.score_and_write, run.times)
+            stats = _dispatch_continuously(dispatch, run.requests, run.score_and_write, run.times, should_stop)
         else:
-            run_in_process(adapter, run.requests, spec.batch_size, run.score_and_write, run.times)
+            run_in_process(adapter, run.requests, spec.batch_size, run.score_and_write, run.times, should_stop)
     finally:
         run.close(stats)
 
 
 def _run_tasks_in_one_stream(tasks, loaded: dict, adapter, out: Path, manifest: dict, progress: Progress,
-                             spec: RunSpec, data_dir) -> None:
+                             spec: RunSpec, data_dir, stop: _Stop | None = None) -> None:
     """Every task's requests in one continuous-batching stream (an in-process model): the decoding processes
     never wait at a task's tail for the next task's first prompts. Each finished sample goes to its own
     task's scorer and file; nothing an item produces depends on what it was batched with."""
@@ -269,42 +317,56 @@ def _run_tasks_in_one_stream(tasks, loaded: dict, adapter, out: Path, manifest: 
             for run, own_samples, own_generations in parts.values():
                 run.score_and_write(own_samples, own_generations)
 
-        run_in_process(adapter, requests, spec.batch_size, score_and_write, times)
+        should_stop = stop.check if stop is not None and stop.stop_when is not None else None
+        run_in_process(adapter, requests, spec.batch_size, score_and_write, times, should_stop)
         manifest["timings"]["generate_s"] = round(manifest["timings"].get("generate_s", 0.0) + times["generate_s"], 3)
     finally:
         for run in runs:
             run.close(generate_s=False)
 
 
-def run_in_process(adapter, requests: list[Request], batch_size: int, score_and_write, times: dict) -> None:
+def run_in_process(adapter, requests: list[Request], batch_size: int, score_and_write, times: dict,
+                   should_stop=None) -> None:
     """The in-process model: continuous batching where the adapter streams (``generate_stream``), else one
-    batch of ``--batch-size`` at a time."""
+    batch of ``--batch-size`` at a time. ``should_stop()`` (None: never) is asked after each batch of items
+    is scored and stored; True ends the generation (what finished is still scored and stored)."""
     stream = getattr(adapter, "generate_stream", None)
     if stream is None or not requests:
-        _run_in_batches(adapter, requests, batch_size, score_and_write, times)
+        _run_in_batches(adapter, requests, batch_size, score_and_write, times, should_stop)
     else:
-        _run_streaming(stream, requests, batch_size, score_and_write, times)
+        _run_streaming(stream, requests, batch_size, score_and_write, times, should_stop)
 
 
-def _run_streaming(stream, requests: list[Request], batch_size: int, score_and_write, times: dict) -> None:
+def _run_streaming(stream, requests: list[Request], batch_size: int, score_and_write, times: dict,
+                   should_stop=None) -> None:
     """Every request handed to the adapter's stream at once (at most ``batch_size`` decode together, a
     finished item's slot is refilled); finished items are scored and stored on one background thread while
     the model goes on (HumanEval's programs run in the sandbox beside the decoding). A chunk goes to the
     scorer when it is idle or ``batch_size`` items wait; after an error or Ctrl-C the items that finished are
-    still scored and stored before it propagates, so a resume redoes only what was lost."""
+    still scored and stored before it propagates, so a resume redoes only what was lost.
+
+    ``should_stop()`` runs on the scorer's thread after each chunk is stored; once it says True the stream is
+    closed (which ends the decoding workers), and the items that had finished are scored and stored."""
     from concurrent.futures import ThreadPoolExecutor
 
     pending: list[tuple[Request, object]] = []
     queued: list = []  # futures of the chunks handed to the scorer, in order
+    stopping = False
 
-    def settle(wait: bool) -> None:
+    def score_then_ask(samples, generations) -> bool:
+        score_and_write(samples, generations)
+        return bool(should_stop is not None and should_stop())
+
+    def settle(wait: bool) -> bool:
+        said_stop = False
         while queued and (wait or queued[0].done()):
-            queued.pop(0).result()  # a scoring error surfaces here
+            said_stop |= queued.pop(0).result()  # a scoring error surfaces here
+        return said_stop
 
     def hand_over(pool) -> None:
         chunk = list(pending)
         pending.clear()
-        queued.append(pool.submit(score_and_write, [r for r, _ in chunk], [g for _, g in chunk]))
+        queued.append(pool.submit(score_then_ask, [r for r, _ in chunk], [g for _, g in chunk]))
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="evalgate-score") as pool:
         generated = stream(requests, batch_size)
@@ -318,7 +380,9 @@ def _run_streaming(stream, requests: list[Request], batch_size: int, score_and_w
                 finally:
                     times["generate_s"] += time.perf_counter() - t0
                 pending.extend((requests[i], g) for i, g in finished)
-                settle(wait=False)
+                if settle(wait=False):
+                    stopping = True
+                    break
                 if not queued or len(pending) >= batch_size:
                     hand_over(pool)
         except BaseException:
@@ -329,14 +393,21 @@ def _run_streaming(stream, requests: list[Request], batch_size: int, score_and_w
                 if pending:
                     score_and_write([r for r, _ in pending], [g for _, g in pending])
             raise
-        if pending:
-            hand_over(pool)
-        settle(wait=True)
+        try:
+            if stopping:
+                generated.close()  # GeneratorExit in the stream: its decoding workers are terminated
+        finally:
+            if pending:  # finished before the stop: scored and stored all the same
+                hand_over(pool)
+            settle(wait=True)
 
 
-def _run_in_batches(adapter, requests: list[Request], batch_size: int, score_and_write, times: dict) -> None:
+def _run_in_batches(adapter, requests: list[Request], batch_size: int, score_and_write, times: dict,
+                    should_stop=None) -> None:
     """One batch of ``--batch-size`` at a time, scored and stored after each."""
     for start in range(0, len(requests), batch_size):
+        if start and should_stop is not None and should_stop():
+            return
         batch: list[Request] = requests[start:start + batch_size]
         t0 = time.perf_counter()
         try:
@@ -359,10 +430,13 @@ WRITE_EVERY_S = 0.5
 WRITE_AT_MOST = 256
 
 
-def _dispatch_continuously(dispatch, requests: list[Request], score_and_write, times: dict) -> dict:
+def _dispatch_continuously(dispatch, requests: list[Request], score_and_write, times: dict,
+                           should_stop=None) -> dict:
     """A server: every request handed to the adapter's pool at once; records are scored and stored as they
     finish (in completion order; ``restore_item_order`` puts the file back in item order afterwards). The
-    generation time is the wall time minus the time spent scoring, which overlaps the requests in flight."""
+    generation time is the wall time minus the time spent scoring, which overlaps the requests in flight.
+    ``should_stop()`` is asked after each write; True closes the pool (requests in flight are abandoned) and
+    stores what had finished."""
     t0 = time.perf_counter()
     score_before = times["score_s"]
     pending: list = []
@@ -381,6 +455,9 @@ def _dispatch_continuously(dispatch, requests: list[Request], score_and_write, t
             pending.extend(chunk)
             if len(pending) >= WRITE_AT_MOST or time.perf_counter() - last_write >= WRITE_EVERY_S:
                 write()
+                if should_stop is not None and should_stop():
+                    pending.extend(run.close())  # finished, not handed over yet: kept
+                    break
         write()
     except BaseException:
         pending.extend(run.close())  # finished, not handed over yet (Ctrl-C while scoring): keep them
