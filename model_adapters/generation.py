@@ -87,10 +87,10 @@ def decode_stream(model, tokenizer, prompts: list[str], stops: list[tuple[str, .
     """``decode`` as a stream with continuous batching: yields lists of (prompt index, RawGeneration) as rows
     finish. At most ``batch_size`` rows (default: all) decode together; a finished row leaves the batch
     (its rows of the KV cache, mask and positions are dropped, and padding no live row needs is cut), and
-    once ``refill`` slots (default: a quarter of the batch) are free the next prompts, longest first, are
+    once ``refill`` slots (default: a quarter of the batch) are free the next prompts, most work first, are
     prefilled in groups of like length and joined to the batch, left-padded to the cache's length.
-    ``workers`` > 1 forks that many - 1 more processes (one thread each) that take prompts from the same
-    queue (``_parallel``).
+    ``workers`` > 1 forks that many processes (one thread each) that take prompts from the same queue
+    (``_parallel``).
 
     With canonical numerics a row's tokens are a function of its prompt alone, so none of this changes what
     a row produces (``tests/test_invariance.py``). With PyTorch's own numerics, and for caches this does not
@@ -104,8 +104,9 @@ def decode_stream(model, tokenizer, prompts: list[str], stops: list[tuple[str, .
         yield [(i, RawGeneration([], "", "length", None, len(enc[i]))) for i in range(n)]
         return
     dynamic = _dynamic(model, enc, max_new_tokens)
-    # longest prompt first: prompts of like length are prefilled together and the short ones make the tail
-    order = sorted(range(n), key=lambda i: -len(enc[i])) if dynamic else list(range(n))
+    # the most work first (prompt plus token limit: an upper bound on a row's cost), so the tail is made of
+    # short rows; e.g. HumanEval (320-token limit) before GSM8K
+    order = sorted(range(n), key=lambda i: -(len(enc[i]) + max_new_tokens[i])) if dynamic else list(range(n))
     args = (model, tokenizer, enc, stops, max_new_tokens, device, keys, batch_size, refill, dynamic)
     if dynamic and workers > 1 and n > 1 and hasattr(os, "fork"):
         yield from _parallel(args, order, workers)
@@ -227,9 +228,11 @@ def _worker(args, queue, conn) -> None:
 
 
 def _parallel(args, order: list[int], workers: int):
-    """``workers`` processes decode from one queue: this one and ``workers - 1`` forked from it (the model is
-    shared copy-on-write; each keeps its own thread count). A row's tokens do not depend on which process
-    decoded it beside which others; their lists are yielded as they arrive."""
+    """``workers`` processes forked from this one decode from one queue (the model is shared copy-on-write;
+    each keeps its own thread count). This process only passes their lists on, as they arrive: decoding
+    here too left it behind the others (its scorer thread and the caller hold the GIL between its operators;
+    ~7 s at the end of a default gate with one core idle). A row's tokens do not depend on which process
+    decoded it beside which others."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
@@ -237,16 +240,13 @@ def _parallel(args, order: list[int], workers: int):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer's pool does not survive a fork
     children = []
     try:
-        for _ in range(workers - 1):
+        for _ in range(workers):
             receive, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker, args=(args, queue, send), daemon=True, name="evalgate-decode")
             proc.start()
             send.close()
             children.append([proc, receive, False])
-        for finished in _decode_queue(*args, queue):
-            yield finished
-            yield from _drain(children, block=False)
-        yield from _drain(children, block=True)
+        yield from _drain(children)
     finally:
         for proc, receive, _ in children:
             if proc.is_alive():
@@ -255,10 +255,17 @@ def _parallel(args, order: list[int], workers: int):
             receive.close()
 
 
-def _drain(children: list, block: bool):
-    for child in children:
-        proc, receive, _ = child
-        while not child[2] and (block or receive.poll()):
+def _drain(children: list):
+    """Each worker's lists as they arrive, until every worker has said it is done."""
+    from multiprocessing.connection import wait
+
+    while True:
+        open_ = {id(child[1]): child for child in children if not child[2]}
+        if not open_:
+            return
+        for receive in wait([child[1] for child in open_.values()]):
+            child = open_[id(receive)]
+            proc = child[0]
             try:
                 kind, value = receive.recv()
             except EOFError:
@@ -284,10 +291,10 @@ PREFILL_PADDING = 0.15  # a prompt joins a prefill group while it is at least 85
 
 
 def _like_lengths(take: list[int], enc) -> list[list[int]]:
-    """``take`` (longest prompt first) cut into groups of like length, each prefilled as one batch: a pad
+    """``take``, longest prompt first, cut into groups of like length, each prefilled as one batch: a pad
     token costs as much as a real one, a call costs little."""
     groups: list[list[int]] = []
-    for i in take:
+    for i in sorted(take, key=lambda i: -len(enc[i])):
         if groups and len(enc[i]) >= (1 - PREFILL_PADDING) * len(enc[groups[-1][0]]):
             groups[-1].append(i)
         else:

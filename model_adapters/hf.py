@@ -199,7 +199,7 @@ class HFAdapter:
     def generate_stream(self, requests: list[Request], batch_size: int | None = None):
         """Continuous batching over all ``requests``: yields lists of (request index, Generation) as items
         finish, at most ``batch_size`` (default: the adapter's) decoding at once in each of the decoding
-        processes (``cores.generation_workers``: on a CPU, one per available core beyond the threads). What an item produces does
+        processes (``cores.generation_workers``: on a CPU, one per available core, forked). What an item produces does
         not depend on when it ran beside which others (canonical numerics, ``generation.decode_stream``)."""
         keys = _sample_keys(requests)
         from evalgate.cores import generation_workers
