@@ -50,9 +50,13 @@ def test_rows_and_table_say_which_kernel_did_not_do_what_it_should():
 
 def test_the_table_says_which_rows_stopped_early():
     stopped = fake_verdict("FAIL", gsm8k="FAIL", humaneval="PASS")
-    stopped.early_stop = {"items_run": 58, "items_total": 364}
+    stopped.early_stop = {"items_run": 58, "items_total": 364,
+                          "tasks": {"gsm8k": {"items_run": 58, "items_total": 200},
+                                    "humaneval": {"items_run": 0, "items_total": 164}}}
     rows = selfcheck.check([FAULTY], lambda k: (stopped, Path("runs") / k))
     assert rows[0].items == "58/364" and rows[0].ok
+    # the task the FAIL did not need is only "at best PASS" on its best completion: undecided, not PASS
+    assert rows[0].tasks == {"gsm8k": "FAIL", "humaneval": "undecided"}
     assert "58/364 (stopped early)" in selfcheck.table(rows, ["gsm8k", "humaneval"])
 
 

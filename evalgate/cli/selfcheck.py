@@ -72,14 +72,24 @@ def check(kernels: list[str], gate_one: Callable[[str], tuple[object, Path]],
             rows.append(row)
             on_row(row)
             continue
-        tasks = {t: d.verdict for t, d in verdict.decision.tasks.items()} if verdict.decision else {}
         stopped = getattr(verdict, "early_stop", None)
+        tasks = {t: _task_cell(t, d.verdict, stopped) for t, d in verdict.decision.tasks.items()} if verdict.decision \
+            else {}
         row = Row(kernel, expected(kernel), verdict.verdict, tasks, round(time.perf_counter() - t0, 1), str(run_dir),
                   conformance=conformance_cell(getattr(verdict, "conformance", None)),
                   items=f"{stopped['items_run']}/{stopped['items_total']}" if stopped else "all")
         rows.append(row)
         on_row(row)
     return rows
+
+
+def _task_cell(task: str, verdict: str, stopped: dict | None) -> str:
+    """A task's verdict; "undecided" for a task a stopped-early run did not finish and whose best completion
+    does not FAIL (its verdict there is only its best case), as the reports show it."""
+    share = ((stopped or {}).get("tasks") or {}).get(task)
+    if share and share["items_run"] < share["items_total"] and verdict != "FAIL":
+        return "undecided"
+    return verdict
 
 
 def conformance_cell(conformance: dict | None) -> str:
