@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
-from evalgate.gate.early_stop import EarlyStop, best_completion_verdict, headline
+from evalgate.gate.early_stop import EarlyStop, best_completion_verdict
+from evalgate.gate.stopped import headline
 from evalgate.gate.policy import load_thresholds
 from evalgate.run.store import Run
 from evalgate.stats.multiplicity import adjusted_pvalues

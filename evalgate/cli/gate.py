@@ -17,7 +17,7 @@ def _finish(verdict, report_dir: Path) -> None:
     from evalgate.report.outputs import write_outputs
     from evalgate.report.text import print_verdict
 
-    from evalgate.gate.early_stop import verdict_text
+    from evalgate.gate.stopped import verdict_text
 
     paths = write_outputs(verdict, report_dir)
     print_verdict(verdict)  # a table that fits a terminal, or a CI log without wrapped cells

@@ -132,11 +132,10 @@ def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = 
     notes = [*verdict.notes, *python_warnings(base_run.manifest, cand_run.manifest, tasks)]
     verdict = replace(verdict, baseline_dirs=[str(d) for d in dirs], notes=notes)
     if pairing.stopped_early:  # decided on its best completion: certain FAIL, or no verdict at all
-        from evalgate.gate import early_stop
+        from evalgate.gate.stopped import check_stopped_verdict, summary
 
-        early_stop.check_stopped_verdict(verdict, cand_run.path)
-        info = early_stop.summary(verdict.comparison, cand_run.manifest.get("early_stop"))
-        verdict = replace(verdict, early_stop=info)
+        check_stopped_verdict(verdict, cand_run.path)
+        verdict = replace(verdict, early_stop=summary(verdict.comparison, cand_run.manifest.get("early_stop")))
     return with_conformance(verdict, cand_run)
 
 

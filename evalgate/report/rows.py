@@ -34,7 +34,7 @@ def early_stop_lines(verdict) -> list[str]:
     info = getattr(verdict, "early_stop", None)
     if not info:
         return []
-    from evalgate.gate.early_stop import headline
+    from evalgate.gate.stopped import headline
 
     lines = [f"FAIL ({headline(info)})"]
     for r in task_rows(verdict):
