@@ -202,6 +202,13 @@ def _limb_dot_joined(A, arow, live, kk, wt, acc0, acc1, acc2, K: tl.constexpr, L
 
 
 @triton.jit
+def _pair_dot(pe, po, m, w_even, w_odd, acc):
+    """acc += (the even-K half at pe) . w_even + (the odd-K half at po) . w_odd, int32."""
+    acc = tl.dot(tl.load(pe, mask=m, other=0), w_even, acc, out_dtype=tl.int32)
+    return tl.dot(tl.load(po, mask=m, other=0), w_odd, acc, out_dtype=tl.int32)
+
+
+@triton.jit
 def _limb_dot(A, arow, live, hh, w_even, w_odd, acc0, acc1, acc2, K: tl.constexpr, LSTRIDE,
               LIMBS: tl.constexpr):
     """acc_l += A'_l . w over the K positions of bytes hh: A' rows hold the even K in their first half and
@@ -209,28 +216,22 @@ def _limb_dot(A, arow, live, hh, w_even, w_odd, acc0, acc1, acc2, K: tl.constexp
     pe = A + arow[:, None] * K + hh[None, :]
     po = pe + K // 2
     m = live[:, None]
-    acc0 = tl.dot(tl.load(pe, mask=m, other=0), w_even, acc0, out_dtype=tl.int32)
-    acc0 = tl.dot(tl.load(po, mask=m, other=0), w_odd, acc0, out_dtype=tl.int32)
-    if LIMBS >= 2:
-        acc1 = tl.dot(tl.load(pe + LSTRIDE, mask=m, other=0), w_even, acc1, out_dtype=tl.int32)
-        acc1 = tl.dot(tl.load(po + LSTRIDE, mask=m, other=0), w_odd, acc1, out_dtype=tl.int32)
-    if LIMBS >= 3:
-        acc2 = tl.dot(tl.load(pe + 2 * LSTRIDE, mask=m, other=0), w_even, acc2, out_dtype=tl.int32)
-        acc2 = tl.dot(tl.load(po + 2 * LSTRIDE, mask=m, other=0), w_odd, acc2, out_dtype=tl.int32)
+    acc0 = _pair_dot(pe, po, m, w_even, w_odd, acc0)
+    acc1, acc2 = _upper_limb_dot(A, arow, live, hh, w_even, w_odd, acc1, acc2, K, LSTRIDE, LIMBS)
     return acc0, acc1, acc2
 
 
 @triton.jit
 def _upper_limb_dot(A, arow, live, hh, w_even, w_odd, acc1, acc2, K: tl.constexpr, LSTRIDE, LIMBS: tl.constexpr):
-    """As `_limb_dot`, limbs 1 .. LIMBS-1 only (the rows of the first half of a tile, `_l2_kernel` HALF 1)."""
+    """As `_limb_dot`, limbs 1 .. LIMBS-1 only (also alone: the rows of the first half of a tile, `_l2_kernel`
+    HALF 1)."""
     pe = A + LSTRIDE + arow[:, None] * K + hh[None, :]
     po = pe + K // 2
     m = live[:, None]
-    acc1 = tl.dot(tl.load(pe, mask=m, other=0), w_even, acc1, out_dtype=tl.int32)
-    acc1 = tl.dot(tl.load(po, mask=m, other=0), w_odd, acc1, out_dtype=tl.int32)
+    if LIMBS >= 2:
+        acc1 = _pair_dot(pe, po, m, w_even, w_odd, acc1)
     if LIMBS >= 3:
-        acc2 = tl.dot(tl.load(pe + LSTRIDE, mask=m, other=0), w_even, acc2, out_dtype=tl.int32)
-        acc2 = tl.dot(tl.load(po + LSTRIDE, mask=m, other=0), w_odd, acc2, out_dtype=tl.int32)
+        acc2 = _pair_dot(pe + LSTRIDE, po + LSTRIDE, m, w_even, w_odd, acc2)
     return acc1, acc2
 
 
