@@ -128,9 +128,7 @@ def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
         free = batch_size - alive
         take = queue.take(free) if not alive or (dynamic and free >= refill) else []
         if take and alive < len(live):  # rows that finished since the last compaction leave first
-            keep = [j for j, r in enumerate(live) if not r.done]
-            live = [live[j] for j in keep]
-            state = _select(state, keep) if live else None
+            live, state = _without_finished(live, state)
         if take:
             groups = _like_lengths(take, enc) if dynamic else [take]
             parts = []
@@ -169,11 +167,15 @@ def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
         if done == len(live):
             live, state = [], None
         elif dynamic and done > len(live) // COMPACT_FRACTION:
-            keep = [j for j, r in enumerate(live) if not r.done]
-            live = [live[j] for j in keep]
-            state = _select(state, keep)
+            live, state = _without_finished(live, state)
         if finished:
             yield finished
+
+
+def _without_finished(live: list[_Row], state):
+    """The rows still decoding and their state (``_select``); (``[]``, None) when none is."""
+    keep = [j for j, r in enumerate(live) if not r.done]
+    return [live[j] for j in keep], (_select(state, keep) if keep else None)
 
 
 class _LocalQueue:
@@ -229,10 +231,9 @@ def _worker(args, queue, conn) -> None:
 
 def _parallel(args, order: list[int], workers: int):
     """``workers`` processes forked from this one decode from one queue (the model is shared copy-on-write;
-    each keeps its own thread count). This process only passes their lists on, as they arrive: decoding
-    here too left it behind the others (its scorer thread and the caller hold the GIL between its operators;
-    ~7 s at the end of a default gate with one core idle). A row's tokens do not depend on which process
-    decoded it beside which others."""
+    each keeps its own thread count). This process only passes their lists on, as they arrive, so the
+    workers are alike: none shares its GIL with the caller's scorer thread. A row's tokens do not depend on
+    which process decoded it beside which others."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
