@@ -146,3 +146,42 @@ def test_the_in_process_adapter_still_runs_batch_by_batch(data_dir, tmp_path):
     out = execute(spec, tmp_path / "run", adapter=adapter, progress=quiet())
     assert adapter.batches == [3, 3, 1]
     assert [r["doc_id"] for r in lines(out / "gsm8k.jsonl")] == list(range(7))
+
+
+@pytest.mark.parametrize("after_fsync", [True, False])
+def test_a_ctrl_c_landing_just_after_a_write_stores_no_item_twice(data_dir, tmp_path, monkeypatch, after_fsync):
+    # Ctrl-C arrives once a batch is on disk (or written but before its fsync) and before the dispatcher has
+    # forgotten it; the dispatcher hands the same items over again to keep them. Each must be stored once,
+    # and a resume must end with every item exactly once.
+    import evalgate.run.store as store
+
+    real_append, real_fsync = store.RecordWriter.append, os.fsync
+    calls = {"n": 0}
+
+    def append_then_interrupt(self, records):
+        calls["n"] += 1
+        if calls["n"] == 2 and not after_fsync:
+            monkeypatch.setattr(store.os, "fsync", lambda fd: (_ for _ in ()).throw(KeyboardInterrupt()))
+        try:
+            written = real_append(self, records)
+        finally:
+            monkeypatch.setattr(store.os, "fsync", real_fsync)
+        if calls["n"] == 2 and after_fsync:
+            raise KeyboardInterrupt
+        return written
+
+    monkeypatch.setattr(store.RecordWriter, "append", append_then_interrupt)
+    monkeypatch.setattr("evalgate.run.runner.WRITE_EVERY_S", 0.0)  # a write per finished item
+    out = tmp_path / "run"
+    spec = RunSpec(model="fake-model", kernel="w4a8", tasks=["gsm8k"], limit=6, data_dir=str(data_dir))
+    with FakeServer(latency=(0.05, 0.06), server_info=DETERMINISTIC) as server:
+        adapter = OpenAIAdapter(server.url, "w4a8", concurrency=1, retries=1, backoff_s=0.01)
+        with pytest.raises(KeyboardInterrupt):
+            execute(spec, out, adapter=adapter, progress=quiet())
+        kept = [r["doc_id"] for r in lines(out / "gsm8k.jsonl")]
+        assert len(kept) == len(set(kept)) >= 2  # the batch in hand when Ctrl-C came is stored once
+        assert json.loads((out / "manifest.json").read_text())["status"] == "interrupted"
+        monkeypatch.setattr(store.RecordWriter, "append", real_append)
+        adapter = OpenAIAdapter(server.url, "w4a8", concurrency=1, retries=1, backoff_s=0.01)
+        execute(spec, out, resume=True, adapter=adapter, progress=quiet())
+    assert [r["doc_id"] for r in lines(out / "gsm8k.jsonl")] == list(range(6))

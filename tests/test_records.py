@@ -295,6 +295,17 @@ def test_a_record_that_is_not_an_object_is_one_line(tmp_path):
     _one_line(exc)
 
 
+def test_an_item_stored_twice_is_one_line_and_the_files_are_left_alone(tmp_path):
+    _, cand = write_pair(tmp_path, n_gsm8k=10, n_humaneval=0)
+    lines = (cand / "gsm8k.jsonl").read_text().splitlines()
+    (cand / "gsm8k.jsonl").write_text("\n".join(lines[:4] + [lines[2]] + lines[4:]) + "\n")
+    before = _tree_digest(cand)
+    with pytest.raises(UserError, match=r"holds item 2 twice \(lines 3 and 5\)") as exc:
+        load_run(cand)
+    _one_line(exc)
+    assert _tree_digest(cand) == before
+
+
 def test_a_union_mismatch_names_the_field_once():
     with pytest.raises(UserError) as exc:
         records.parse(records.AARecord, {"tasks": {"gsm8k": {"psi0": 0.0, "n": 3, "flips": [1.5]}}}, "'aa.json'")

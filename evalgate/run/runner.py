@@ -255,15 +255,17 @@ class _TaskRun:
 
     def score_and_write(self, samples: list[Request], sample_generations) -> None:
         batch, generations = self.groups.add(samples, sample_generations)
-        if not batch:
+        fresh = [i for i, r in enumerate(batch) if r.doc_id not in self.writer.stored]  # handed over again after a Ctrl-C
+        if not fresh:
             return
+        batch, generations = [batch[i] for i in fresh], [generations[i] for i in fresh]
         t0 = time.perf_counter()
         records = self.task.score_batch([self.by_id[r.doc_id] for r in batch], batch, generations, self.resolved)
         for record in records:
             record["profile_id"] = self.resolved.profile_id
-        self.writer.append(records)
+        written = self.writer.append(records)
         self.times["score_s"] += time.perf_counter() - t0
-        self.bar.advance(len(batch))
+        self.bar.advance(written)
 
     def close(self, stats: dict | None = None, generate_s: bool = True) -> None:
         """Close the record file, put it in item order, add the times (``generate_s`` False: the task shared

@@ -51,23 +51,36 @@ def read_records(path: Path) -> tuple[list[dict], int]:
 
 
 class RecordWriter:
-    """Appends records to ``<task>.jsonl`` through the task's record model (``"schema_version": 2``); one fsync per batch."""
+    """Appends records to ``<task>.jsonl`` through the task's record model (``"schema_version": 2``); one fsync per batch.
+
+    A file never holds one item twice: ``stored`` holds the doc_ids in the file, and ``append`` skips those.
+    A Ctrl-C can land between a batch's write and the caller's bookkeeping, and the caller then hands the
+    same items over again to keep them; without the check they would be stored twice."""
 
     def __init__(self, path: Path):
         self.path = path
         self.task = path.name.removesuffix(".jsonl")
-        _, good = read_records(path)
+        existing, good = read_records(path)
         if path.exists() and path.stat().st_size != good:
             with open(path, "r+b") as f:  # drop a torn tail before appending after it
                 f.truncate(good)
+        self.stored = {r["doc_id"] for r in existing}
         self._f = open(path, "ab")
 
-    def append(self, records: list[dict]) -> None:
+    def append(self, records: list[dict]) -> int:
+        """Store the records not stored yet; returns how many were new."""
+        lines = []
         for r in records:
-            line = json.dumps(dump_item(self.task, r), ensure_ascii=False, sort_keys=True)
-            self._f.write((line + "\n").encode("utf-8"))
-        self._f.flush()
-        os.fsync(self._f.fileno())
+            if r["doc_id"] in self.stored:
+                continue
+            # marked before the write: an interrupted write loses the item (a resume redoes it), never doubles it
+            self.stored.add(r["doc_id"])
+            lines.append(json.dumps(dump_item(self.task, r), ensure_ascii=False, sort_keys=True) + "\n")
+        if lines:
+            self._f.write("".join(lines).encode("utf-8"))
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        return len(lines)
 
     def close(self) -> None:
         self._f.close()
@@ -120,7 +133,7 @@ def load_run(path: str | Path) -> Run:
     """A stored run, validated through the record models; its manifest and records are the files' dicts.
 
     UserError (one line) for a missing or damaged manifest, an unknown ``schema_version`` in the manifest or
-    in a record line, or a field of the wrong type. Nothing on disk is changed.
+    in a record line, a field of the wrong type, or one item stored twice. Nothing on disk is changed.
     """
     path = Path(path)
     manifest_path = path / MANIFEST
@@ -131,6 +144,10 @@ def load_run(path: str | Path) -> Run:
     for task in meta.tasks:
         jsonl = path / f"{task}.jsonl"
         records[task], _ = read_records(jsonl)
+        first_line: dict = {}
         for line, record in enumerate(records[task], 1):
             parse_item(task, record, f"{str(jsonl)!r} line {line}")
+            if first_line.setdefault(record["doc_id"], line) != line:
+                raise UserError(f"{str(jsonl)!r} holds item {record['doc_id']!r} twice (lines {first_line[record['doc_id']]} "
+                                f"and {line}); it was not written by this evalgate — rerun it into a new --out")
     return Run(path=path, manifest=meta.as_read, records=records)
