@@ -101,6 +101,21 @@ def test_a_fault_injected_kernel_fails_on_the_canary(tmp_path, data_dir):
     assert {f["direction"] for f in gate["flips"]["gsm8k"]} >= {"lost"}
 
 
+def test_a_kernel_that_fails_its_conformance_check_fails_the_gate_before_generating(tmp_path, data_dir):
+    out = tmp_path / "requant"
+    proc = _gate(["--kernel", "faulty/w4a4_packed-weight-after-requant", "--out", str(out)], tmp_path, data_dir)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    gate = json.loads((out / "gate/gate.json").read_text())
+    assert gate["verdict"] == "FAIL" and gate["conformance"]["ok"] is False
+    assert gate["early_stop"]["items_run"] == 0 and gate["early_stop"]["items_total"] == 364
+    assert "verdict: FAIL (stopped before generating any of its 364 items" in proc.stdout
+    assert "kernel conformance FAIL" in proc.stdout
+    # the bound counts the items not run right: their "gains" are not the kernel's noise
+    assert "than the baseline's own noise" not in proc.stdout
+    assert all(not (out / f"{t}.jsonl").read_text() for t in ("gsm8k", "humaneval"))
+    assert json.loads((out / "manifest.json").read_text())["tasks"]["humaneval"]["prepare"]["ok"] is True
+
+
 def test_w4a4_and_w4a4_packed_answer_identically(tmp_path, data_dir):
     env = {**os.environ, "EVALGATE_DATA_DIR": str(data_dir)}
     outs = {}

@@ -418,6 +418,28 @@ def test_batch_by_batch_and_server_dispatch_stop_too(tmp_path, data_dir, monkeyp
     assert pools[0].closed and stored == [0, 1, 2]
 
 
+def test_the_hook_is_asked_before_anything_is_generated(tmp_path, data_dir):
+    from evalgate.run.runner import RunSpec, execute
+    from evalgate.run.store import load_run
+    from evalgate.types import Generation
+
+    class Batches(StreamingAdapter):
+        generate_stream = None
+
+        def generate(self, requests):
+            self.yielded += len(requests)
+            return [Generation(text=" #### 3", finish_reason="stop") for _ in requests]
+
+    for adapter in (StreamingAdapter(), Batches()):  # one stream for every task; task by task
+        spec = RunSpec(model="fake", kernel="faulty/x", tasks=["gsm8k"], limit=10, batch_size=2,
+                       data_dir=str(data_dir))
+        out = execute(spec, tmp_path / type(adapter).__name__, adapter=adapter, progress=quiet(),
+                      stop_when=stop_after(0))
+        run = load_run(out)
+        assert adapter.yielded == 0 and run.manifest["status"] == "stopped_early"
+        assert run.manifest["early_stop"]["items_run"] == 0 and run.records["gsm8k"] == []
+
+
 # ------------------------------------------------------------------------------------------ the gate
 
 
@@ -502,6 +524,35 @@ def test_a_stopped_early_run_is_never_a_baseline_nor_decided_when_its_fail_no_lo
                                      ci="tango", margin=90.0, floor=40))
     with pytest.raises(NotComparable, match="--no-early-stop"):
         gate_runs([base], cand_dir, str(lenient), allow_uncalibrated=True)
+
+
+@pytest.mark.parametrize("ok", [False, True])
+def test_a_kernel_that_fails_its_conformance_check_stops_before_its_first_item(stopped_gate, ok):
+    from evalgate.errors import NotComparable
+    from evalgate.gate.decide import gate_runs
+
+    base, cand_dir, cand_out, policy = stopped_gate
+    nothing = _run("faulty/x", {t: [None] * len(v) for t, v in cand_out.items()}, "running")
+    nothing.manifest["kernel"]["conformance"] = {
+        "kernel": "faulty/x", "reference": "w4a4_packed", "checked": True, "ok": ok, "summary": "test summary",
+        "calc_diff": 0.0 if ok else 0.02, "limit": 1e-5}
+    _write(cand_dir, nothing)
+    info = EarlyStop([base], policy, allow_uncalibrated=True)(cand_dir, nothing.manifest)
+    if ok:  # nothing run, and a best completion that passes: go on
+        assert info is None
+        return
+    assert (info["items_run"], info["items_total"]) == (0, 60) and "kernel conformance FAIL (test summary)" in info["reason"]
+    manifest = {**nothing.manifest, "status": "stopped_early", "early_stop": info}
+    (cand_dir / "manifest.json").write_text(json.dumps(manifest))
+    verdict = gate_runs([base], cand_dir, policy, allow_uncalibrated=True)
+    assert (verdict.verdict, verdict.exit_code) == ("FAIL", 1) and verdict.conformance["ok"] is False
+    assert headline(verdict.early_stop) == ("stopped before generating any of its 60 items — the FAIL holds "
+                                            "whatever the remaining items give")
+    assert {t: d.verdict for t, d in verdict.decision.tasks.items()} == {"gsm8k": "PASS", "humaneval": "PASS"}  # at best
+    manifest["kernel"]["conformance"]["ok"] = True  # a kernel that conforms: nothing run decides nothing
+    (cand_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(NotComparable, match="complete it first"):
+        gate_runs([base], cand_dir, policy, allow_uncalibrated=True)
 
 
 def test_no_early_stop_for_k_samples(stopped_gate):

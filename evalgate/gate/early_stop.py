@@ -9,9 +9,12 @@ adjusted p, the Tango and Newcombe lower bounds; tests/test_early_stop.py checks
 when the best completion FAILs, every completion does: the FAIL holds whatever the remaining items give.
 Only FAIL is ever stopped for; PASS and INCONCLUSIVE always run every item.
 
+A kernel that does not compute the numerics it declares (its conformance record, checked when the model is
+loaded: docs/gate.md#kernel-conformance) FAILs whatever its items give, so its run stops before generating
+anything; ``--no-early-stop`` measures its accuracy in full.
+
 Not curtailed: runs of k > 1 samples per item (the score interval's monotonicity in each sample outcome is
-not proven), aggregate-only baselines, and a FAIL on kernel conformance alone (the accuracy verdicts of a
-kernel that does not compute its declared numerics are still computed in full, docs/gate.md#kernel-conformance).
+not proven) and aggregate-only baselines.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ def best_completion_verdict(baseline, candidate, policy: Thresholds, aa: dict | 
 
 class EarlyStop:
     """The gate's ``stop_when`` hook for ``evalgate.run.runner.execute``: called with the run folder and its
-    manifest after items are scored and stored; returns the early-stop record when the gate's verdict is
-    FAIL for every outcome of the items not yet run, else None. Never raises for a comparison it cannot
+    manifest before generating and after items are scored and stored; returns the early-stop record when the
+    gate's verdict is FAIL for every outcome of the items not yet run (a failed kernel conformance, or the
+    best completion's FAIL), else None. Never raises for a comparison it cannot
     make (the complete run's gate reports that)."""
 
     def __init__(self, baselines, thresholds: Thresholds | str | Path | None = None,
@@ -124,8 +128,15 @@ class EarlyStop:
             below = self._below_best_items(records)
         except (OSError, KeyError, TypeError, ValueError):
             return None
-        if sum(run.values()) == self._seen or all(run[t] >= totals[t] for t in totals):
-            return None  # nothing new since the last look, or nothing left to save
+        if all(run[t] >= totals[t] for t in totals):
+            return None  # nothing left to save
+        conformance = (manifest.get("kernel") or {}).get("conformance") or {}
+        if conformance.get("ok", True) is False:  # decided before any item: the kernel is not what it declares
+            return {"reason": f"FAIL certain before generating: kernel conformance FAIL ({conformance.get('summary', '')})",
+                    "items_run": sum(run.values()), "items_total": sum(totals.values()), "at": _now(),
+                    "tasks": {t: {"items_run": run[t], "items_total": totals[t]} for t in totals}}
+        if sum(run.values()) == self._seen:
+            return None  # nothing new since the last look
         self._seen = sum(run.values())
         if below == self._below_best:
             return None  # every item since the last decision ran as its best completion: the same verdict

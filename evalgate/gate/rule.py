@@ -100,6 +100,10 @@ def _judge_rate(check: RateCheck, alpha_check: float, alpha: float) -> RateCheck
     )
 
 
+# the start of the warning that the candidate's flip rate is over the A/A record's upper bound
+NOISE_WARNING = "the candidate moves more items than the baseline's own noise"
+
+
 def _finalise(dec: TaskDecision, *, n_tasks: int, n_rate_checks: int, multiple_comparisons: str,
               degraded: bool, p_adjusted: float, spec_degraded: bool) -> TaskDecision:
     """Apply the levels for K tasks and J rate checks: rate significance, verdict, reasons.
@@ -283,7 +287,7 @@ def decide_task(
         if aa_n is not None and aa_n != n:
             warnings.append(f"the A/A calibration covered {aa_n} items, this comparison {n}")
         if stats["flip_rate"] > aa_upper:
-            warnings.append(f"the candidate moves more items than the baseline's own noise: ψ = "
+            warnings.append(f"{NOISE_WARNING}: ψ = "
                             f"{100 * stats['flip_rate']:.2f}% > {100 * aa_upper:.2f}%, the one-sided "
                             f"{100 * (1 - alpha):g}% upper bound of the A/A ψ₀ = {100 * aa_psi0:.2f}% "
                             f"({aa_items} A/A items)")

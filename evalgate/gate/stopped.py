@@ -12,6 +12,8 @@ HOLDS = "the FAIL holds whatever the remaining items give"
 def headline(info: dict) -> str:
     """"stopped early after 58 of 364 items: gsm8k 20/200, humaneval 38/164 — the FAIL holds whatever the
     remaining items give"."""
+    if not info["items_run"]:  # a kernel that failed its conformance check: stopped before generating
+        return f"stopped before generating any of its {info['items_total']} items — {HOLDS}"
     tasks = ", ".join(f"{t} {e['items_run']}/{e['items_total']}" for t, e in info["tasks"].items())
     return f"stopped early after {info['items_run']} of {info['items_total']} items: {tasks} — {HOLDS}"
 
@@ -39,10 +41,13 @@ def summary(pairing, run_info: dict | None) -> dict:
     return info
 
 
-def check_stopped_verdict(verdict, candidate_path) -> None:
-    """A stopped-early run decides nothing but FAIL: its best completion must FAIL on accuracy (it does under
-    the policy and baseline that stopped it, by monotonicity). Another policy or baseline may not — then it
-    must be completed first."""
+def check_stopped_verdict(verdict, candidate_path, conformance: dict | None = None) -> None:
+    """A stopped-early run decides nothing but FAIL: its kernel failed its conformance check (``conformance``,
+    the run's record: a FAIL whatever the items give), or its best completion FAILs on accuracy (it does
+    under the policy and baseline that stopped it, by monotonicity). Another policy or baseline may not —
+    then it must be completed first."""
+    if conformance is not None and conformance.get("ok", True) is False:
+        return
     accuracy = verdict.decision.verdict if verdict.decision is not None else None
     if accuracy != "FAIL":
         raise NotComparable(

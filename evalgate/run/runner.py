@@ -288,7 +288,9 @@ def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progres
     stats = None
     should_stop = stop.check if stop is not None and stop.stop_when is not None else None
     try:
-        if dispatch is not None and run.requests:
+        if should_stop is not None and should_stop():
+            pass  # decided before anything is generated (a kernel that failed its conformance check)
+        elif dispatch is not None and run.requests:
             stats = _dispatch_continuously(dispatch, run.requests, run.score_and_write, run.times, should_stop)
         else:
             run_in_process(adapter, run.requests, spec.batch_size, run.score_and_write, run.times, should_stop)
@@ -320,6 +322,8 @@ def _run_tasks_in_one_stream(tasks, loaded: dict, adapter, out: Path, manifest: 
                 run.score_and_write(own_samples, own_generations)
 
         should_stop = stop.check if stop is not None and stop.stop_when is not None else None
+        if should_stop is not None and should_stop():
+            return  # decided before anything is generated (a kernel that failed its conformance check)
         run_in_process(adapter, requests, spec.batch_size, score_and_write, times, should_stop)
         manifest["timings"]["generate_s"] = round(manifest["timings"].get("generate_s", 0.0) + times["generate_s"], 3)
     finally:
