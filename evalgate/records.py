@@ -10,13 +10,18 @@ file                   model                                      kind (in messa
 ``gate.json``          :class:`VerdictRecord`                     gate verdict
 =====================  =========================================  ==================
 
-Versions. Every file written from now on carries ``"schema_version": 2`` (:data:`SCHEMA_VERSION`). A file
-without the field is version 1: the format of evalgate 0.1.0, which the committed baselines under
-``results/baselines/`` use. Version 1 differs from version 2 only in lacking the field, so its migration
-(:data:`MIGRATIONS`) adds it; the file on disk is never rewritten. A file of any other version (a newer
-evalgate's, or garbage such as ``"x"``) is refused with one line naming the file, the version found and the
-versions this evalgate reads; so is content of the wrong type. Both are :class:`~evalgate.errors.UserError`:
-the CLI prints the line and exits 2.
+Versions. Every file written from now on carries ``"schema_version": 3`` (:data:`SCHEMA_VERSION`); this
+evalgate reads versions 1, 2 and 3 (:data:`READABLE_VERSIONS`). A file without the field is version 1: the
+format of evalgate 0.1.0 (kept in ``tests/fixtures/v1-baselines/``), which differs from version 2 only in
+lacking the field. Version 3 is version 2 plus what the early stop added: the run manifest's ``"status":
+"stopped_early"`` with ``early_stop`` / ``early_stop_history`` (:class:`EarlyStopInfo`), and ``gate.json``'s
+``early_stop``. Each version's migration (:data:`MIGRATIONS`) brings a dict to the next version by setting the
+field, and nothing else; the file on disk is never rewritten. A version-2 manifest that holds
+``stopped_early`` is read, not refused: evalgate itself wrote such files between the early stop and version 3
+(they must still resume and gate), and the fields are typed alike in both. A file of any other version (a
+newer evalgate's, or garbage such as ``"x"``) is refused with one line naming the file, the version found and
+the versions this evalgate reads; so is content of the wrong type. Both are
+:class:`~evalgate.errors.UserError`: the CLI prints the line and exits 2.
 
 Types are strict (a count written as ``"200"`` is refused, not coerced) where the code reads a field, and
 open (``extra="allow"``) everywhere else, so settings, machine descriptions and scorer details can grow
@@ -38,8 +43,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from evalgate.errors import UserError
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: no "schema_version" field (evalgate 0.1.0, the committed baselines)
+SCHEMA_VERSION = 3
+# 1: no "schema_version" field (evalgate 0.1.0); 2: before the early stop (the packaged canary baselines); 3: now
+READABLE_VERSIONS = (1, 2, 3)
 
 
 def _v1_to_v2(data: dict) -> dict:
@@ -47,8 +53,15 @@ def _v1_to_v2(data: dict) -> dict:
     return {**data, "schema_version": 2}
 
 
+def _v2_to_v3(data: dict) -> dict:
+    """Version 3 added fields (the manifest's ``stopped_early`` status, ``early_stop`` and
+    ``early_stop_history``; gate.json's ``early_stop``) and changed none, so a version-2 dict is a version-3 one
+    as it is. A version-2 dict that holds them already (evalgate wrote them before it set version 3) is kept too."""
+    return {**data, "schema_version": 3}
+
+
 # version -> the function that turns a dict of that version into one of the next version
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2}
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _v1_to_v2, 2: _v2_to_v3}
 
 _CONFIG = ConfigDict(strict=True, extra="allow", populate_by_name=True)
 
@@ -65,7 +78,7 @@ class Record(BaseModel):
     model_config = _CONFIG
     KIND: ClassVar[str] = "record"
 
-    schema_version: Literal[2] = SCHEMA_VERSION
+    schema_version: Literal[3] = SCHEMA_VERSION
     _read_version: int = PrivateAttr(default=SCHEMA_VERSION)
     _as_read: dict | None = PrivateAttr(default=None)
 
@@ -80,7 +93,7 @@ class Record(BaseModel):
         return self._as_read if self._as_read is not None else self.to_dict()
 
     def to_dict(self) -> dict:
-        """What is written: the fields that were given (none added), with ``"schema_version": 2`` first."""
+        """What is written: the fields that were given (none added), with ``"schema_version": 3`` first."""
         out = self.model_dump(mode="python", by_alias=True, exclude_unset=True)
         out.pop("schema_version", None)
         return {"schema_version": self.schema_version, **out}
@@ -550,7 +563,7 @@ def dump_aa(data: dict | AARecord) -> dict:
 
 
 def dump_verdict(data: dict | VerdictRecord) -> dict:
-    """What ``gate.json`` holds for ``Verdict.to_dict()``: validated, with ``"schema_version": 2``."""
+    """What ``gate.json`` holds for ``Verdict.to_dict()``: validated, with ``"schema_version": 3``."""
     return dump(VerdictRecord, data)
 
 

@@ -13,7 +13,7 @@ built-in canary's baselines shipped inside the package (``evalgate.canary.BASELI
 read-only: everything that writes (``record``, ``write_aa``, ``import_aggregate``, ``evalgate calibrate``) writes
 to the user's root, and refuses a packaged folder inside an installed (site-packages) copy.
 
-Manifests and ``aa.json`` are written through ``evalgate.records`` (``"schema_version": 2``) and validated on
+Manifests and ``aa.json`` are written through ``evalgate.records`` (``"schema_version": 3``) and validated on
 read; the committed version-1 baselines (no ``schema_version``) are read as they are, never rewritten.
 """
 

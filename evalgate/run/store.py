@@ -4,9 +4,10 @@ Records are appended and fsynced per batch, so a crash loses at most the batch i
 (killed mid-write) is ignored on read and cut away on resume. The manifest is replaced atomically
 (temp file + rename). ``load_run`` gives a notebook the same data as pandas DataFrames.
 
-Both are written through the models of ``evalgate.records`` (``"schema_version": 2``) and validated through
+Both are written through the models of ``evalgate.records`` (``"schema_version": 3``) and validated through
 them on read: a file of an unknown version or with a field of the wrong type is refused in one line. Reading
-never changes a stored run; a version-1 run (no ``schema_version``, e.g. the committed baselines) reads as is.
+never changes a stored run; a version-1 run (no ``schema_version``, e.g. the committed baselines) or a
+version-2 run (e.g. the packaged canary baselines) reads as is.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:
-    """Write ``<run_dir>/manifest.json`` through the RunManifest model (``"schema_version": 2``), atomically."""
+    """Write ``<run_dir>/manifest.json`` through the RunManifest model (``"schema_version": 3``), atomically."""
     write_json_atomic(Path(run_dir) / MANIFEST, dump_manifest(manifest))
 
 
@@ -51,7 +52,7 @@ def read_records(path: Path) -> tuple[list[dict], int]:
 
 
 class RecordWriter:
-    """Appends records to ``<task>.jsonl`` through the task's record model (``"schema_version": 2``); one fsync per batch.
+    """Appends records to ``<task>.jsonl`` through the task's record model (``"schema_version": 3``); one fsync per batch.
 
     A file never holds one item twice: ``stored`` holds the doc_ids in the file, and ``append`` skips those.
     A Ctrl-C can land between a batch's write and the caller's bookkeeping, and the caller then hands the
