@@ -67,13 +67,15 @@ def run_or_resume(spec: RunSpec, out: Path, adapter=None, stop_when=None) -> Pat
     return execute(spec, out, adapter=adapter, stop_when=stop_when)
 
 
-def early_stop_hook(baselines: list[Path], thresholds_path: str | None, allow_uncalibrated: bool):
+def early_stop_hook(baselines: list[Path], thresholds_path: str | None, allow_uncalibrated: bool,
+                    on_conformance: bool = True):
     """The gate's early-stop monitor (docs/gate.md#stopping-early) against these baselines; None when they
-    cannot be read (the gate itself then says why)."""
+    cannot be read (the gate itself then says why). ``on_conformance`` False: a failed kernel conformance
+    check does not stop the run, only a certain accuracy FAIL does."""
     from evalgate.gate.early_stop import EarlyStop
 
     try:
-        return EarlyStop(baselines, thresholds_path, allow_uncalibrated)
+        return EarlyStop(baselines, thresholds_path, allow_uncalibrated, on_conformance)
     except (UserError, OSError, ValueError):
         return None
 
@@ -84,10 +86,11 @@ def gate_out(kernel: str) -> Path:
 
 def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path | None = None, out: Path | None = None,
                thresholds_path: str | None = None, allow_uncalibrated: bool = False,
-               adapter=None, early_stop: bool = True) -> tuple[Verdict, Path]:
+               adapter=None, early_stop: bool = True, stop_on_conformance: bool = True) -> tuple[Verdict, Path]:
     """Find the stored baselines, run (or resume) the candidate into ``out``, decide. ``early_stop`` (the
     default): stop generating once the gate's FAIL is certain whatever the items not yet run give
-    (docs/gate.md#stopping-early); False runs every item."""
+    (docs/gate.md#stopping-early); False runs every item. ``stop_on_conformance`` False: a kernel that fails
+    its conformance check still runs until its accuracy FAIL is certain (what ``evalgate selfcheck`` measures)."""
     load_thresholds(thresholds_path)  # a bad policy file fails before anything runs
     baselines = stored_baselines(spec, baseline_kernel, root, adapter)
     missing = [t for t, d in baselines.items() if d is None]
@@ -104,7 +107,7 @@ def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path | None =
                         f"--baselines-root or ${ROOT_ENV} at the folder that holds it")
     out = out or gate_out(spec.kernel)
     dirs = [baselines[t] for t in spec.tasks]
-    hook = early_stop_hook(dirs, thresholds_path, allow_uncalibrated) if early_stop else None
+    hook = early_stop_hook(dirs, thresholds_path, allow_uncalibrated, stop_on_conformance) if early_stop else None
     run_dir = run_or_resume(spec, out, adapter, stop_when=hook)
     verdict = gate_runs(dirs, run_dir, thresholds_path, allow_uncalibrated)
     return verdict, run_dir

@@ -82,23 +82,39 @@ def _gate(args, tmp_path, data_dir):
 def test_aa_on_the_canary_passes_with_no_flips(tmp_path, data_dir):
     # the stored W4A8 baseline was recorded with batch 32; another batch size must change nothing
     out = tmp_path / "aa"
-    proc = _gate(["--tasks", "gsm8k", "--kernel", "w4a8", "--batch-size", "7", "--out", str(out)], tmp_path, data_dir)
+    proc = _gate(["--tasks", "gsm8k", "--kernel", "w4a8", "--batch-size", "19", "--out", str(out)], tmp_path, data_dir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     gate = json.loads((out / "gate/gate.json").read_text())
     assert gate["flips"]["gsm8k"] == [] and gate["verdict"] == "PASS"
     assert gate["decision"]["tasks"]["gsm8k"]["counts"]["n"] == 200
 
 
-def test_a_fault_injected_kernel_fails_on_the_canary(tmp_path, data_dir):
+def test_a_fault_injected_kernel_stops_before_generating_and_no_early_stop_measures_its_accuracy(tmp_path, data_dir):
     out = tmp_path / "faulty"
-    proc = _gate(["--tasks", "gsm8k", "--kernel", "faulty/w4a4_packed-drop-slot", "--batch-size", "50",
-                  "--out", str(out)], tmp_path, data_dir)
+    args = ["--tasks", "gsm8k", "--kernel", "faulty/w4a4_packed-drop-slot", "--batch-size", "50", "--out", str(out)]
+    proc = _gate(args, tmp_path, data_dir)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    gate = json.loads((out / "gate/gate.json").read_text())
+    assert gate["conformance"]["ok"] is False and gate["early_stop"]["items_run"] == 0
+    assert json.loads((out / "manifest.json").read_text())["status"] == "stopped_early"
+    from evalgate.gate.stopped import headline
+
+    assert f"verdict: FAIL ({headline(gate['early_stop'])})" in proc.stdout
+    for report in ("report.md", "report.html"):
+        assert headline(gate["early_stop"]) in (out / "gate" / report).read_text()
+    assert 'name="early_stop"' in (out / "gate/junit.xml").read_text()
+
+    proc = _gate([*args, "--no-early-stop"], tmp_path, data_dir)  # the same --out: resumed, every item run
     assert proc.returncode == 1, proc.stdout + proc.stderr
     gate = json.loads((out / "gate/gate.json").read_text())
     task = gate["decision"]["tasks"]["gsm8k"]
-    assert task["verdict"] == "FAIL" and task["counts"]["b"] > task["counts"]["c"]
+    assert gate["early_stop"] is None and task["counts"]["n"] == 200
+    assert task["verdict"] == "FAIL" and task["counts"]["b"] > task["counts"]["c"]  # its accuracy fails too
     assert any("degraded" in r or "non-inferiority" in r for r in task["reasons"])
     assert {f["direction"] for f in gate["flips"]["gsm8k"]} >= {"lost"}
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and len(manifest["early_stop_history"]) == 1
+    assert "stopped early" not in proc.stdout and "stopped before" not in proc.stdout
 
 
 def test_a_kernel_that_fails_its_conformance_check_fails_the_gate_before_generating(tmp_path, data_dir):
@@ -121,7 +137,7 @@ def test_w4a4_and_w4a4_packed_answer_identically(tmp_path, data_dir):
     outs = {}
     for kernel in ("w4a4", "w4a4_packed"):
         outs[kernel] = tmp_path / kernel
-        proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--tasks", "gsm8k", "--limit", "64",
+        proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--tasks", "gsm8k", "--limit", "32",
                                "--kernel", kernel, "--batch-size", "32", "--out", str(outs[kernel])],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr

@@ -213,9 +213,10 @@ def test_ctrl_c_stops_the_launched_server_and_keeps_finished_items(cli_env, tmp_
     out = tmp_path / "run"
     env = {**cli_env, "EVALGATE_SGLANG_COMMAND": FAKE}
     args = [sys.executable, "-m", "evalgate", "run", "--launch", "sglang", "--model", "/models/fake-model",
-            "--kernel", "w4a4_packed", "--limit", "6", "--batch-size", "1", "--concurrency", "1", "--out", str(out)]
+            "--kernel", "w4a4_packed", "--limit", "12", "--batch-size", "1", "--concurrency", "1", "--out", str(out)]
     server_args = ["--", "--moe-a2a-backend", "megamoe", "--pid-file", str(tmp_path / "pid")]
-    proc = subprocess.Popen(args + server_args + ["--delay", "0.5"], env=env, cwd=tmp_path,
+    # 1 s per answer: Ctrl-C lands with most items still to do, even on a loaded machine
+    proc = subprocess.Popen(args + server_args + ["--delay", "1.0"], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     jsonl = out / "gsm8k.jsonl"
     deadline = time.monotonic() + 120
@@ -228,7 +229,7 @@ def test_ctrl_c_stops_the_launched_server_and_keeps_finished_items(cli_env, tmp_
     server_pid = int((tmp_path / "pid").read_text())
     assert not alive(server_pid)
     kept = [json.loads(l) for l in jsonl.read_text().splitlines()]
-    assert 2 <= len(kept) < 6
+    assert 2 <= len(kept) < 12 and len({r["doc_id"] for r in kept}) == len(kept)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "interrupted"
     launch = manifest["model"]["launch"]
@@ -241,7 +242,7 @@ def test_ctrl_c_stops_the_launched_server_and_keeps_finished_items(cli_env, tmp_
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     resumed = [json.loads(l) for l in jsonl.read_text().splitlines()]
-    assert len(resumed) == 6 and len({r["doc_id"] for r in resumed}) == 6 and resumed[:len(kept)] == kept
+    assert len(resumed) == 12 and len({r["doc_id"] for r in resumed}) == 12 and resumed[:len(kept)] == kept
     assert not alive(int((tmp_path / "pid").read_text()))
     assert (out / "server.log").read_text().count("=== evalgate:") == 2
 

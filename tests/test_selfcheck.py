@@ -3,6 +3,7 @@ for healthy kernels and FAIL for faulty ones, exit 0 only when every row matches
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,6 +12,7 @@ from click.testing import CliRunner
 
 from evalgate.cli import selfcheck
 from evalgate.cli.main import main
+from evalgate.gate.stopped import headline
 
 FAULTY = "faulty/w4a4_packed-drop-slot"
 
@@ -150,3 +152,13 @@ def test_selfcheck_on_the_canary_for_real(tmp_path, data_dir):
                                        "--runs-dir", str(tmp_path / "runs"), "--data-dir", str(data_dir)])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "runs" / "w4a8" / "gate" / "gate.json").is_file()
+    # the faulty kernel fails its conformance check, yet runs until its accuracy FAIL is certain: that is
+    # what the table is for (the canary's accuracy catching the fault), and it stops there
+    faulty = tmp_path / "runs" / FAULTY.replace("/", "_")
+    gate = json.loads((faulty / "gate" / "gate.json").read_text())
+    assert gate["conformance"]["ok"] is False and gate["decision"]["verdict"] == "FAIL"
+    stop = gate["early_stop"]
+    assert 0 < stop["items_run"] < 200 and stop["tasks"]["gsm8k"]["b"] > stop["tasks"]["gsm8k"]["c"]
+    assert headline(stop) in (faulty / "gate" / "report.md").read_text()
+    assert headline(stop) in (faulty / "gate" / "report.html").read_text()
+    assert 'name="early_stop"' in (faulty / "gate" / "junit.xml").read_text()

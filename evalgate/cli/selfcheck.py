@@ -145,7 +145,9 @@ def canary_gate(tasks: list[str], batch_size: int, runs_dir: Path, baselines_roo
                 data_dir: str | None, device: str = "cpu",
                 early_stop: bool = True) -> Callable[[str], tuple[object, Path]]:
     """``evalgate gate --kernel K`` on the canary, its run in ``runs_dir/K`` and its reports beside it; as the
-    gate, a run stops early once its FAIL is certain unless ``early_stop`` is False."""
+    gate, a run stops early once its FAIL is certain unless ``early_stop`` is False — on accuracy only: every
+    faulty kernel fails its conformance check before any item, and the table is there to show what the
+    canary's accuracy catches."""
 
     def gate_one(kernel: str):
         from evalgate.pipeline import gate_model
@@ -154,7 +156,7 @@ def canary_gate(tasks: list[str], batch_size: int, runs_dir: Path, baselines_roo
         spec = run_spec(None, kernel, ",".join(tasks), (), None, batch_size, device, None, None, data_dir)
         out = runs_dir / kernel.replace("/", "_")
         verdict, run_dir = gate_model(spec, "w4a8", baselines_root, out, canary_thresholds(None, None),
-                                      early_stop=early_stop)
+                                      early_stop=early_stop, stop_on_conformance=False)
         write_outputs(verdict, Path(run_dir) / "gate")
         return verdict, run_dir
 

@@ -11,7 +11,8 @@ Only FAIL is ever stopped for; PASS and INCONCLUSIVE always run every item.
 
 A kernel that does not compute the numerics it declares (its conformance record, checked when the model is
 loaded: docs/gate.md#kernel-conformance) FAILs whatever its items give, so its run stops before generating
-anything; ``--no-early-stop`` measures its accuracy in full.
+anything; ``--no-early-stop`` measures its accuracy in full (``on_conformance=False``: only the accuracy
+FAIL stops, as in ``evalgate selfcheck``).
 
 Not curtailed: runs of k > 1 samples per item (the score interval's monotonicity in each sample outcome is
 not proven) and aggregate-only baselines.
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from evalgate.errors import NotComparable, UserError
 from evalgate.gate.policy import Thresholds, load_thresholds
-from evalgate.gate.stopped import HOLDS
+
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
@@ -55,7 +56,7 @@ class EarlyStop:
     make (the complete run's gate reports that)."""
 
     def __init__(self, baselines, thresholds: Thresholds | str | Path | None = None,
-                 allow_uncalibrated: bool = False):
+                 allow_uncalibrated: bool = False, on_conformance: bool = True):
         from evalgate.run.baselines import aa_for_baseline, assemble
 
         self.dirs = [Path(b) for b in (baselines if isinstance(baselines, (list, tuple)) else [baselines])]
@@ -63,6 +64,8 @@ class EarlyStop:
         self.base = assemble(self.dirs)
         self.aa = aa_for_baseline(self.dirs)
         self.require_aa = not allow_uncalibrated
+        # False: only the accuracy FAIL stops (selfcheck, which measures what the canary's accuracy catches)
+        self.on_conformance = on_conformance
         self.checks = 0  # decisions made on a best completion
         self._seen = -1
         self._out: Path | None = None
@@ -131,7 +134,7 @@ class EarlyStop:
         if all(run[t] >= totals[t] for t in totals):
             return None  # nothing left to save
         conformance = (manifest.get("kernel") or {}).get("conformance") or {}
-        if conformance.get("ok", True) is False:  # decided before any item: the kernel is not what it declares
+        if self.on_conformance and conformance.get("ok", True) is False:  # decided before any item: the kernel is not what it declares
             return {"reason": f"FAIL certain before generating: kernel conformance FAIL ({conformance.get('summary', '')})",
                     "items_run": sum(run.values()), "items_total": sum(totals.values()), "at": _now(),
                     "tasks": {t: {"items_run": run[t], "items_total": totals[t]} for t in totals}}
