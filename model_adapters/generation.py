@@ -51,7 +51,7 @@ def greedy_generate(model, tokenizer, prompts: list[str], stops: list[tuple[str,
     return decode(model, tokenizer, prompts, stops, max_new_tokens, device)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode(model, tokenizer, prompts: list[str], stops: list[tuple[str, ...]], max_new_tokens: list[int],
            device: str = "cpu", keys: list[SampleKey | None] | None = None) -> list[RawGeneration]:
     """One generation per prompt; row i samples with ``keys[i]``, or is greedy when that is None (or no keys).
@@ -80,7 +80,7 @@ class _Row:
     done: bool = False
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode_stream(model, tokenizer, prompts: list[str], stops: list[tuple[str, ...]], max_new_tokens: list[int],
                   device: str = "cpu", keys: list[SampleKey | None] | None = None, batch_size: int | None = None,
                   refill: int | None = None, workers: int = 1):
@@ -114,7 +114,7 @@ def decode_stream(model, tokenizer, prompts: list[str], stops: list[tuple[str, .
         yield from _decode_queue(*args, _LocalQueue(order))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, batch_size, refill, dynamic, queue):
     n = len(enc)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
