@@ -23,7 +23,6 @@ def paired_rows(decision, pairing, aa: dict) -> list[dict]:
             "observed": pairs.observed_counts() if pairs.imputed else None,
             # a FAIL on the best completion is certain; any other verdict of a task not fully run is only its best case
             "decided": not pairs.imputed or dec.verdict == "FAIL",
-            "label": dec.verdict if not pairs.imputed or dec.verdict == "FAIL" else "undecided",
         })
     return rows
 

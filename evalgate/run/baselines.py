@@ -92,14 +92,20 @@ def baseline_dir(root: Path, model: dict, task_summary: dict, kernel: str) -> Pa
     return Path(root) / model_slug(model) / profile_slug(task_summary) / _slug(kernel)
 
 
+def _refuse_stopped_early(run: Run) -> None:
+    """A run the gate stopped early is never a baseline (docs/gate.md#stopping-early)."""
+    if run.manifest.get("status") != "stopped_early":
+        return
+    info = run.manifest.get("early_stop") or {}
+    ran = f" after {info['items_run']} of {info['items_total']} items" if "items_run" in info else ""
+    raise UserError(f"{run.path} is a run the gate stopped early{ran} (its FAIL was certain), not a complete run; "
+                    "a baseline needs every item: complete it first (`evalgate gate --no-early-stop --out "
+                    f"{run.path}` with the same settings, or `evalgate run --resume --out {run.path}`)")
+
+
 def _check_complete(run: Run) -> None:
+    _refuse_stopped_early(run)
     status = run.manifest.get("status")
-    if status == "stopped_early":
-        info = run.manifest.get("early_stop") or {}
-        ran = f" after {info['items_run']} of {info['items_total']} items" if "items_run" in info else ""
-        raise UserError(f"{run.path} is a run the gate stopped early{ran} (its FAIL was certain), not a complete run; "
-                        "a baseline needs every item: complete it first (`evalgate gate --no-early-stop --out "
-                        f"{run.path}` with the same settings, or `evalgate run --resume --out {run.path}`)")
     if status != "complete":
         raise UserError(f"{run.path} is not a complete run (status {status!r}); finish it with `evalgate run --resume --out {run.path}` first")
     for task, summary in run.manifest.get("tasks", {}).items():
@@ -257,10 +263,7 @@ def assemble(baselines: list[str | Path]) -> Run:
     """One Run over several single-task baseline folders (or run folders), for pairing with a candidate."""
     runs = [load_run(b) for b in baselines]
     for run in runs:
-        if run.manifest.get("status") == "stopped_early":
-            raise UserError(f"{run.path} is a run the gate stopped early, not a complete run; it cannot be a baseline: "
-                            f"complete it first (`evalgate gate --no-early-stop --out {run.path}` with the same "
-                            "settings, or `evalgate run --resume`)")
+        _refuse_stopped_early(run)
     if len(runs) == 1:
         return runs[0]
     manifest = dict(runs[0].manifest)

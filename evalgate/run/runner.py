@@ -120,6 +120,11 @@ class _Stop:
             self.record = self.stop_when(self.out, self.manifest)
         return self.record is not None
 
+    @property
+    def should_stop(self):
+        """``check`` for the generation loops, or None when there is no hook (they then never ask)."""
+        return self.check if self.stop_when is not None else None
+
 
 def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, progress: Progress | None = None,
             stop_when=None) -> Path:
@@ -196,8 +201,9 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
         manifest["status"] = "interrupted"
         write_manifest(out, manifest)
         raise
-    stored = {name: len({r["doc_id"] for r in read_records(out / f"{name}.jsonl")[0]}) for name in manifest["tasks"]}
-    if stop.record is not None and any(stored[t] < manifest["tasks"][t]["n_items"] for t in stored):
+    stored = None if stop.record is None else {  # items per task on disk, read only when the hook said stop
+        name: len({r["doc_id"] for r in read_records(out / f"{name}.jsonl")[0]}) for name in manifest["tasks"]}
+    if stored is not None and any(stored[t] < manifest["tasks"][t]["n_items"] for t in stored):
         manifest["status"] = "stopped_early"
         manifest["early_stop"] = {
             **stop.record, "items_run": sum(stored.values()),
@@ -286,7 +292,7 @@ def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progres
     run = _TaskRun(task, items, resolved, adapter, out, manifest, progress, spec, data_dir)
     dispatch = getattr(adapter, "dispatch", None)  # a server adapter: continuous dispatch
     stats = None
-    should_stop = stop.check if stop is not None and stop.stop_when is not None else None
+    should_stop = stop.should_stop if stop is not None else None
     try:
         if should_stop is not None and should_stop():
             pass  # decided before anything is generated (a kernel that failed its conformance check)
@@ -321,7 +327,7 @@ def _run_tasks_in_one_stream(tasks, loaded: dict, adapter, out: Path, manifest: 
             for run, own_samples, own_generations in parts.values():
                 run.score_and_write(own_samples, own_generations)
 
-        should_stop = stop.check if stop is not None and stop.stop_when is not None else None
+        should_stop = stop.should_stop if stop is not None else None
         if should_stop is not None and should_stop():
             return  # decided before anything is generated (a kernel that failed its conformance check)
         run_in_process(adapter, requests, spec.batch_size, score_and_write, times, should_stop)
