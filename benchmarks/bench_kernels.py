@@ -112,12 +112,9 @@ def cpu_profile(module, x, idx, w, device) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
-TILINGS = [{"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 128, "bk2": 0, "warps": 0, "stages": 3},
-           {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 256, "bk2": 128, "warps": 0, "stages": 3},
-           {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 128, "bk2": 256, "warps": 0, "stages": 3},
-           {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 256, "bk2": 256, "warps": 0, "stages": 3},
-           {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 256, "bk2": 256, "warps": 0, "stages": 2},
-           {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 512, "bk2": 256, "warps": 0, "stages": 2}]
+TILINGS = [{"bk": 128, "warps": 4, "stages": 3}, {"bk": 128, "warps": 4, "stages": 2}, {"bk": 128, "warps": 4, "stages": 4},
+           {"bk": 64, "warps": 4, "stages": 4}, {"bk": 128, "warps": 8, "stages": 3}, {"bk": 256, "warps": 8, "stages": 3},
+           {"bk": 128, "bk2": 256, "warps": 4, "stages": 3}, {"bm_max": 64, "bk": 128, "warps": 4, "stages": 3}]
 
 
 def sweep(module, name, x, idx, w, repeat, base) -> None:

@@ -53,10 +53,12 @@ from .availability import interpreted
 from .quantize import group_codes, pow2_f32
 
 # GPU tilings (bm 0: gemm.block_m) and the weight decode (DECODES); benchmarks sweep them
-# bm 0: by rows per expert (16 to bm_max); warps 0: 8 for tiles of 128 rows, else 4
+# bm 0: by rows per expert (16 to bm_max)
 # (bn: L1's gate + up columns per tile; bn2 / bk2: L2's columns / K step, 0 = as L1)
-FAST = {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 0, "bk2": 0, "warps": 0, "stages": 3,
-        "decode": "words", "half2": 128}  # bk 0: 256 for tiles of 128 rows, else 128
+# 4 warps and a K step of 128 for every tile size: one DSV4-Flash layer at 4096 tokens (tiles of 128 rows)
+# took 5.6-5.7 ms on the H200 where 8 warps and a K step of 256 took 7.4-7.7 ms (both replaying a CUDA graph)
+FAST = {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 128, "bk2": 0, "warps": 4, "stages": 3,
+        "decode": "words", "half2": 128}
 # half2: L2 tiles of at least this many rows (0: none) take each expert's rows widest first, and a tile
 # whose second half needs one limb runs the upper limbs on its first half only (`halves`)
 # weight decodes: "joined" (one tile in K order, a 4 x 256 table), "split" (even / odd K tiles, a 4 x 16
@@ -612,8 +614,7 @@ def _tiling(n: int, k: int, l1: bool, bm: int):
         bn, bk, warps, stages = min(triton.next_power_of_2(n), 256), min(k, 512), 4, 1
     else:
         bn = FAST["bn"] // (2 if l1 else 1)
-        bk = FAST["bk"] or (256 if bm >= 128 else 128)
-        warps, stages = FAST["warps"] or (8 if bm >= 128 else 4), FAST["stages"]
+        bk, warps, stages = FAST["bk"], FAST["warps"], FAST["stages"]
     bn = max(32, min(bn, n))
     while n % bn:
         bn //= 2
