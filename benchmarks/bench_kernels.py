@@ -62,17 +62,19 @@ def sync(device: str):
         torch.cuda.synchronize()
 
 
-def time_kernel(module, name, x, idx, w, repeat, device):
+def time_kernel(module, name, x, idx, w, repeat, device, same=None):
     """(first call s, median s per call, peak bytes a steady-state call allocates beyond what was resident
     before it). The first call (weights quantized and cached, kernels compiled) is timed apart, and the
-    peak is measured over the calls after it."""
+    peak is measured over the calls after it. same (a list): gets whether every later call's output had the
+    first call's bits (on CUDA the later calls replay a CUDA graph; the first runs eagerly)."""
     module.config._experts_implementation = name
     sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
-        module(x, idx, w)
+        reference = module(x, idx, w)
     sync(device)
     first = time.perf_counter() - t0
+    identical = True
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         resident = torch.cuda.memory_allocated()
@@ -80,9 +82,13 @@ def time_kernel(module, name, x, idx, w, repeat, device):
     for _ in range(repeat):
         t0 = time.perf_counter()
         with torch.no_grad():
-            module(x, idx, w)
+            out = module(x, idx, w)
         sync(device)
         times.append(time.perf_counter() - t0)
+        identical &= torch.equal(out.view(torch.int16), reference.view(torch.int16))  # bits, not values
+        del out  # (not held while the next call allocates: the peak stays the call's own)
+    if same is not None:
+        same.append(identical)
     extra = torch.cuda.max_memory_allocated() - resident if device == "cuda" else 0
     return first, statistics.median(times), extra
 
@@ -225,7 +231,7 @@ def main(argv=None) -> int:
         print(f"experts packed FP4 (codes + scale bytes): {packed_bytes(module) / 2**30:.3f} GiB")
     packed = packed_bytes(module) if any(k != "bf16" for k in kernels) else 0
     print(f"{'kernel':14s} {'tokens':>6s} {'first call s':>12s} {'ms/call':>10s} {'x bf16':>7s} {'peak extra GiB':>14s}"
-          f" {'mem ratio':>9s} {'slow rows':>9s}")
+          f" {'mem ratio':>9s} {'slow rows':>9s} {'same bits':>9s}")
     for t in [int(v) for v in args.tokens.split(",")]:
         g = torch.Generator(device=args.device).manual_seed(args.seed + t)
         x = torch.randn(t, shape["hidden"], generator=g, device=args.device).bfloat16()
@@ -233,7 +239,8 @@ def main(argv=None) -> int:
         base = None
         for name in kernels:
             before = dict(triton_stats())
-            first, per_call, extra = time_kernel(module, name, x, idx, w, args.repeat, args.device)
+            same = []
+            first, per_call, extra = time_kernel(module, name, x, idx, w, args.repeat, args.device, same)
             after = triton_stats()
             base = per_call if name == "bf16" else base
             ratio = f"{per_call / base:7.2f}" if base else "      -"
@@ -242,8 +249,9 @@ def main(argv=None) -> int:
             mem = f"{(packed + extra) / (packed + act):9.3f}" if name != "bf16" and packed else "        -"
             rows = after.get("rows", 0) - before.get("rows", 0)
             slow = f"{(after['slow_rows'] - before['slow_rows']) / rows:9.3f}" if rows else "        -"
-            print(f"{name:14s} {t:6d} {first:12.3f} {per_call * 1e3:10.2f} {ratio} {extra / 2**30:14.3f} {mem} {slow}",
-                  flush=True)
+            # same bits: every timed call (a CUDA graph's replay, on the fused path) gave the first call's output
+            print(f"{name:14s} {t:6d} {first:12.3f} {per_call * 1e3:10.2f} {ratio} {extra / 2**30:14.3f} {mem} {slow}"
+                  f" {same[0]!s:>9s}", flush=True)
             if args.breakdown and args.device == "cuda" and name != "bf16":
                 breakdown(module, x, idx, w)
             if args.cpu_profile and name != "bf16":
