@@ -9,7 +9,10 @@ Notebook entry points (``evalgate.api``, loaded on first use so that ``import ev
 - ``run_kernel(kernel, out, limit=N)``: a kernel's run on the canary (or ``model=``), as ``evalgate run`` makes it.
 """
 
+from evalgate.quiet import quiet_third_party
 from evalgate.version import __version__
+
+quiet_third_party()
 
 __all__ = ["Comparison", "Run", "compare", "decide", "load_run", "run_kernel", "__version__"]
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from evalgate.errors import UserError
 from evalgate.records import SCHEMA_VERSION, AARecord, dump_aa, dump_manifest, load_aa, load_manifest
-from evalgate.run.store import MANIFEST, Run, load_run, read_records, write_json_atomic
+from evalgate.run.store import MANIFEST, Run, load_run, write_json_atomic
 
 DEFAULT_ROOT = Path("results/baselines")  # relative: the current directory's
 ROOT_ENV = "EVALGATE_BASELINES"
