@@ -509,6 +509,31 @@ def test_a_stopped_early_candidate_is_decided_on_its_best_completion_with_the_no
     assert "stopped early after 12 of 60 items" in html and "observed on the 12 of 40 items run" in html
 
 
+def test_the_aa_noise_warning_of_a_stopped_early_task_looks_at_the_items_run(tmp_path):
+    # the best completion turns each unrun item the baseline got wrong into a "gain" (6 of the 28 here): over
+    # all 40 items ψ exceeds a quiet A/A's bound even when the 12 items run moved nothing
+    from evalgate.gate.compare import compare
+    from evalgate.gate.decide import decide
+
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY.format(alpha=0.05, split="true", validity=0.01, inconclusive="true", mc="holm", ci="tango",
+                                  margin=5.0, floor=4))
+    policy = load_thresholds(str(path))
+    base = _run("w4a8", {"gsm8k": [(i < 34, False, False) for i in range(40)],
+                         "humaneval": [(True, False, False)] * 20})
+    aa = {t: {"psi0": 0.0, "n": n, "flips": []} for t, n in (("gsm8k", 40), ("humaneval", 20))}
+    noise = "moves more items than the baseline's own noise"
+    for lost in (0, 2):  # the candidate ran 12 gsm8k items and got `lost` of them wrong
+        cand = _run("cand", {"gsm8k": [(i >= lost, False, False) if i < 12 else None for i in range(40)],
+                             "humaneval": [(True, False, False)] * 20}, "stopped_early")
+        pairing = compare(base, cand, metrics={t: policy.task(t).metric for t in ("gsm8k", "humaneval")}, aa_flips={})
+        warnings = [w for w in decide(pairing, policy, aa=aa).decision.tasks["gsm8k"].warnings if noise in w]
+        if lost:
+            assert len(warnings) == 1 and "ψ = 16.67% on the 12 items run" in warnings[0]
+        else:
+            assert warnings == []
+
+
 def test_a_stopped_early_run_is_never_a_baseline_nor_decided_when_its_fail_no_longer_holds(stopped_gate, tmp_path):
     from evalgate.errors import NotComparable, UserError
     from evalgate.gate.decide import gate_runs

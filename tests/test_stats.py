@@ -458,6 +458,25 @@ def test_the_margin_is_never_raised_and_the_aa_noise_is_reported_with_its_bound(
                for w in quiet.warnings)
 
 
+def test_a_stopped_early_candidate_is_compared_with_the_aa_noise_on_the_items_it_ran():
+    # 40 items: the candidate ran the first 10 and moved none of them; its best completion counts the 30 others
+    # right, so each of the 6 the baseline got wrong there looks like a gain (ψ = 15% over all 40)
+    base = [1.0] * 34 + [0.0] * 6
+    cand = [1.0] * 40
+    run = [True] * 10 + [False] * 30
+    noise = "moves more items than the baseline's own noise"
+    everything = decide_task("gsm8k", base, cand, margin=0.03, aa_psi0=0.0, aa_n=200)
+    assert any(noise in w for w in everything.warnings)
+    on_run = decide_task("gsm8k", base, cand, margin=0.03, aa_psi0=0.0, aa_n=200, items_run=run)
+    assert not any(noise in w for w in on_run.warnings)
+    assert on_run.verdict == everything.verdict  # a warning only: the verdict never depends on it
+    # a flip among the items run is still named, with the items it rests on
+    moved = decide_task("gsm8k", [0.0] + base[1:], cand, margin=0.03, aa_psi0=0.0, aa_n=200, items_run=run)
+    assert any(noise in w and "ψ = 10.00% on the 10 items run" in w for w in moved.warnings)
+    with pytest.raises(ValueError, match="items_run has 3 entries for 40 items"):
+        decide_task("gsm8k", base, cand, margin=0.03, aa_psi0=0.0, aa_n=200, items_run=[True] * 3)
+
+
 def test_without_aa_data_nothing_changes_but_the_report():
     dec = decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015)
     assert dec.margin == dec.margin_requested == dec.margin_enforced == 0.015

@@ -15,7 +15,7 @@ from pathlib import Path
 from evalgate.errors import NotComparable
 from evalgate.gate.compare import Pairing, compare
 from evalgate.gate.policy import Thresholds, load_thresholds
-from evalgate.gate.rule import NOISE_WARNING, decide_overall, decide_task
+from evalgate.gate.rule import decide_overall, decide_task
 from evalgate.gate.verdict import EXIT_CODES, Verdict
 from evalgate.run.baselines import aa_for_baseline, assemble
 from evalgate.run.store import Run, load_run
@@ -66,7 +66,7 @@ def decide(pairing: Pairing, thresholds: Thresholds, aa: dict | None = None, req
     for task, pairs in scored.pairs.items():
         task_aa = aa.get(task) or {}
         # per-item scores are means over k samples (docs/gate.md#k-samples); k = 1: binary, McNemar and Tango
-        decisions.append(_noise_on_items_run(pairs, decide_task(
+        decisions.append(decide_task(
             task, pairs.scores("base"), pairs.scores("cand"), n_samples=pairs.n_samples("base"),
             base_samples=pairs.sample_scores("base"), cand_samples=pairs.sample_scores("cand"),
             base_invalid=pairs.invalid("base"), cand_invalid=pairs.invalid("cand"),
@@ -75,26 +75,14 @@ def decide(pairing: Pairing, thresholds: Thresholds, aa: dict | None = None, req
             base_tokens=pairs.tokens("base") if any(pairs.observed()) else None,
             cand_tokens=pairs.tokens("cand") if any(pairs.observed()) else None,
             aa_psi0=task_aa.get("psi0"), aa_n=task_aa.get("n"),
+            # a stopped-early task: the noise warning looks at the items run, not the best completion's gains
+            items_run=pairs.observed() if pairs.imputed else None,
             **thresholds.decision_kwargs(task),
-        )))
+        ))
     overall = decide_overall(decisions, alpha=thresholds.alpha, multiple_comparisons=thresholds.multiple_comparisons)
     notes = [] if aa else ["decided without an A/A calibration (--allow-uncalibrated)"]
     aa_out = {t: {**a, **_aa_bound(overall.tasks.get(t))} for t, a in aa.items()}
     return Verdict(overall.verdict, overall.exit_code, overall, scored, thresholds, aa=aa_out, notes=notes)
-
-
-def _noise_on_items_run(pairs, dec):
-    """A stopped-early task's best completion counts every item not run right, which turns each item the
-    baseline got wrong into a gain: its ψ says nothing about the kernel. Whether the candidate moves more items
-    than the baseline's own noise is said on the items run instead."""
-    if not pairs.imputed or dec.aa_psi0_upper is None:
-        return dec
-    kept = tuple(w for w in dec.data_warnings if not w.startswith(NOISE_WARNING))
-    seen = pairs.observed_counts()
-    if seen["items_run"] and (seen["b"] + seen["c"]) / seen["items_run"] > dec.aa_psi0_upper:
-        kept += (f"{NOISE_WARNING}: ψ = {100 * (seen['b'] + seen['c']) / seen['items_run']:.2f}% on the "
-                 f"{seen['items_run']} items run > {100 * dec.aa_psi0_upper:.2f}%, the upper bound of the A/A ψ₀",)
-    return replace(dec, data_warnings=kept)
 
 
 def _aa_bound(dec) -> dict:

@@ -203,6 +203,7 @@ def decide_task(
     ci_method: str = "tango",
     aa_psi0: float | None = None,
     aa_n: int | None = None,
+    items_run: Sequence[bool] | None = None,
     alpha_split: bool = True,
     alpha_validity: float = 0.01,
     min_rise_items: int = 4,
@@ -225,7 +226,10 @@ def decide_task(
       significant degradation then FAILs even within the margin (the original rule).
 
     ``aa_psi0`` / ``aa_n``: the baseline's A/A flip structure and item count. They never change the verdict;
-    the decision reports ψ₀, its one-sided (1 − α) upper bound and the MDE at that bound.
+    the decision reports ψ₀, its one-sided (1 − α) upper bound and the MDE at that bound, and warns when
+    the candidate's ψ exceeds that bound. ``items_run`` (per item; score vectors only): the items a
+    stopped-early candidate ran - the warning's ψ is taken on them, since the best completion of the others
+    turns every item the baseline got wrong into a gain.
     ``alpha_split=False, inconclusive=False, min_rise_items=0`` is docs/gate.md#the-original-rule exactly.
     WARN (never FAIL) when the candidate's mean generated tokens fall outside ``token_ratio_band`` times
     the baseline's.
@@ -243,6 +247,8 @@ def decide_task(
         raise ValueError(f"aa_psi0 must be a flip rate in [0, 1], got {aa_psi0}")
     if aa_n is not None and aa_n <= 0:
         raise ValueError(f"aa_n must be a positive item count, got {aa_n}")
+    if items_run is not None and counts is not None:
+        raise ValueError("items_run needs the per-item score vectors, not counts")
     ks = np.atleast_1d(np.asarray(n_samples, dtype=int))
     if ks.size == 0 or ks.min() < 1:
         raise ValueError("n_samples must be ≥ 1")
@@ -286,9 +292,16 @@ def decide_task(
         aa_mde = mde_binary(round(aa_upper, 9), n, alpha, POWER)
         if aa_n is not None and aa_n != n:
             warnings.append(f"the A/A calibration covered {aa_n} items, this comparison {n}")
-        if stats["flip_rate"] > aa_upper:
+        psi, on = stats["flip_rate"], ""
+        if items_run is not None:
+            run = np.asarray(items_run, dtype=bool)
+            if run.shape != diffs.shape:
+                raise ValueError(f"items_run has {run.size} entries for {diffs.size} items")
+            psi = second_moment(diffs[run]) if run.any() else None
+            on = f" on the {int(run.sum())} items run"
+        if psi is not None and psi > aa_upper:
             warnings.append(f"{NOISE_WARNING}: ψ = "
-                            f"{100 * stats['flip_rate']:.2f}% > {100 * aa_upper:.2f}%, the one-sided "
+                            f"{100 * psi:.2f}%{on} > {100 * aa_upper:.2f}%, the one-sided "
                             f"{100 * (1 - alpha):g}% upper bound of the A/A ψ₀ = {100 * aa_psi0:.2f}% "
                             f"({aa_items} A/A items)")
 
