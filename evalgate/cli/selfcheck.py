@@ -19,6 +19,7 @@ from typing import Callable
 import click
 
 from evalgate.cli.options import baselines_root_option, canary_thresholds, parse_tasks, run_spec
+from evalgate.gate.stopped import decided
 
 # The healthy kernels of the canary's table (w4a8_sglang is w4a8 behind a server's scale rule: opt in with
 # --kernels); the faulty ones are every registered faulty/ kernel.
@@ -87,9 +88,7 @@ def _task_cell(task: str, verdict: str, stopped: dict | None) -> str:
     """A task's verdict; "undecided" for a task a stopped-early run did not finish and whose best completion
     does not FAIL (its verdict there is only its best case), as the reports show it."""
     share = ((stopped or {}).get("tasks") or {}).get(task)
-    if share and share["items_run"] < share["items_total"] and verdict != "FAIL":
-        return "undecided"
-    return verdict
+    return verdict if decided(bool(share) and share["items_run"] < share["items_total"], verdict) else "undecided"
 
 
 def conformance_cell(conformance: dict | None) -> str:

@@ -9,6 +9,12 @@ from evalgate.errors import NotComparable
 HOLDS = "the FAIL holds whatever the remaining items give"
 
 
+def decided(partly_run: bool, verdict: str) -> bool:
+    """Whether a task's verdict stands: always for a task the candidate ran in full; for one it stopped
+    before finishing, only a FAIL (certain on the best completion; any other verdict is only its best case)."""
+    return not partly_run or verdict == "FAIL"
+
+
 def headline(info: dict) -> str:
     """"stopped early after 58 of 364 items: gsm8k 20/200, humaneval 38/164 — the FAIL holds whatever the
     remaining items give"."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from evalgate.gate.stopped import decided
+
 
 def paired_rows(decision, pairing, aa: dict) -> list[dict]:
     """Rows of a paired decision (``OverallDecision``) over its ``Pairing``; ``aa``: task -> A/A summary."""
@@ -21,8 +23,7 @@ def paired_rows(decision, pairing, aa: dict) -> list[dict]:
             "verdict": dec.verdict, "reasons": list(dec.reasons), "warnings": list(dec.warnings),
             # a stopped-early candidate: what the items run showed (the numbers above are its best completion)
             "observed": pairs.observed_counts() if pairs.imputed else None,
-            # a FAIL on the best completion is certain; any other verdict of a task not fully run is only its best case
-            "decided": not pairs.imputed or dec.verdict == "FAIL",
+            "decided": decided(bool(pairs.imputed), dec.verdict),
         })
     return rows
 
