@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 VERSION = "canonical-v1"
@@ -63,9 +64,23 @@ def exponent(x: torch.Tensor) -> torch.Tensor:
     return torch.frexp(x).exponent
 
 
+SMALL = 4096  # elements: below this, a chain of elementwise steps on a CPU tensor runs in NumPy (``_small``)
+
+
+def _small(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a small CPU tensor outside autograd, which the exact integer and IEEE steps below
+    compute in NumPy: the same operations, bit for bit, for a fraction of torch's dispatch cost per call
+    (these run on per-row maxima and norms, [B, 1, 1], dozens of times per decoding step)."""
+    return t.dim() > 0 and t.numel() <= SMALL and t.device.type == "cpu" and not t.requires_grad
+
+
 def grid_scales(top: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, 1/s) for non-negative float64 maxima ``top``: s = 2^(bits - e) with top < 2^e, so |x * s| < 2^bits
     for every |x| <= top. Read from the float64 exponent field (exact; a zero maximum gets some finite s)."""
+    if _small(top):  # the same integer steps in NumPy; 1 / s is exact (a power of two)
+        biased = np.maximum((2045 + bits) - (top.numpy().view(np.int64) >> 52), 1)  # (np.clip: slow on tiny arrays)
+        s = (np.minimum(biased, 2046, out=biased) << 52).view(np.float64)
+        return torch.from_numpy(s), torch.from_numpy(1.0 / s)
     biased = top.view(torch.int64) >> 52  # e + 1022 for a normal top
     s = (((2045 + bits) - biased).clamp_(1, 2046) << 52).view(torch.float64)
     return s, 1.0 / s
@@ -309,6 +324,8 @@ FORCE_EXACT = False  # tests: decide every element with mpmath, to check the fas
 def correctly_rounded(name: str, x: torch.Tensor) -> torch.Tensor:
     """RN_fp32(f(x)) for f in exp, softplus, cos, sin, sqrt, rsqrt; float32 out (same shape)."""
     x64 = x.to(torch.float64)
+    if name in ("sqrt", "rsqrt") and _small(x64) and not FORCE_EXACT:  # the norms' [B, 1, 1]
+        return _correctly_rounded_small(name, x64)
     y = _native_f64(name, x64)
     out = y.to(torch.float32)
     margin = y.abs() * CR_MARGIN
@@ -321,6 +338,23 @@ def correctly_rounded(name: str, x: torch.Tensor) -> torch.Tensor:
         out = out.clone()
         out[where] = torch.tensor(fixed, dtype=torch.float32, device=out.device)
     return out
+
+
+def _correctly_rounded_small(name: str, x64: torch.Tensor) -> torch.Tensor:
+    """``correctly_rounded`` of sqrt or rsqrt for a small CPU tensor (``_small``), all in NumPy: sqrt and
+    1 / sqrt in float64 are IEEE operations (the same bits as PyTorch's), and so are the rounding and the
+    margin test (the same elements are decided by mpmath)."""
+    with np.errstate(all="ignore"):  # NaN and infinities pass through silently, as in torch
+        y = np.sqrt(x64.numpy())
+        if name == "rsqrt":
+            y = 1.0 / y
+        out = y.astype(np.float32)
+        margin = np.abs(y) * CR_MARGIN
+        unsure = (y - margin).astype(np.float32) != (y + margin).astype(np.float32)
+    if unsure.any():
+        where = unsure.nonzero()
+        out[where] = _exact_f32(name, x64.numpy()[where].tolist())
+    return torch.from_numpy(out)
 
 
 def power(base: float, t: torch.Tensor) -> torch.Tensor:
@@ -348,10 +382,47 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + exp(-x.to(torch.float32)))
 
 
+_BF16_EXP: dict = {}  # device -> exp of every BF16 value, indexed by its 16 bits (``exp_bf16``)
+
+
+def _bf16_exp_table(device) -> torch.Tensor:
+    """``exp`` of all 65536 BF16 bit patterns as FP32 [65536], computed once by ``exp`` itself. NaNs give
+    the NaN ``exp`` gives them; from 89 on (and at +inf) exp(x) > 2^128, whose FP32 rounding is inf (what
+    ``exp`` finds there, after mpmath: float64 overflows from 710 on)."""
+    table = _BF16_EXP.get(device)
+    if table is None:
+        x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float32)
+        table = torch.full((65536,), math.nan)
+        ok = x < 89.0  # not NaN either
+        table[ok] = exp(x[ok])
+        table[x >= 89.0] = math.inf
+        table = _BF16_EXP[device] = table.to(device)
+    return table
+
+
+def exp_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` (FP32 out) by table lookup where ``x`` is BF16, or FP32 holding BF16 values only (the MoE's
+    gates, rounded to BF16 before SwiGLU; attention scores): the same bits as ``exp``, whose results the
+    table holds, for a gather instead of ~12 passes over the data (float64 exp, rounding, margin test).
+    Other inputs go to ``exp``."""
+    index = None
+    if FORCE_EXACT:  # tests: every element through exp's mpmath path
+        pass
+    elif x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        index = x.view(torch.int16).to(torch.int32) & 0xFFFF
+    elif x.device.type == "cpu" and x.dtype == torch.float32:  # FP32 holding BF16 values only
+        bits = x.view(torch.int32)
+        if not bool((bits & 0xFFFF).any()):
+            index = (bits >> 16) & 0xFFFF
+    if index is None:
+        return exp(x)
+    return _bf16_exp_table(x.device).index_select(0, index.reshape(-1)).view(index.shape)
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     """x / (1 + exp(-x)) in FP32 with exp correctly rounded (PyTorch's own CPU formula)."""
     x32 = x.to(torch.float32)
-    return x32 / (1.0 + exp(-x32))
+    return x32 / (1.0 + exp_bf16(-x32))
 
 
 def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:

@@ -60,8 +60,9 @@ def gate_up_to_bf16(acc: torch.Tensor, limit: float | None) -> tuple[torch.Tenso
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """docs/kernels.md#the-moe-forward step 5, FP32: silu = g / (1 + exp(-g)), then silu * u. exp(-g) is
-    correctly rounded (`canonical.exp`): libm and SLEEF's vector exp differ in the last bit."""
-    return (g / (1.0 + canonical.exp(-g))) * u
+    correctly rounded (`canonical.exp`): libm and SLEEF's vector exp differ in the last bit. g holds BF16
+    values (step 4), so `canonical.exp_bf16` looks the same bits up in a table."""
+    return (g / (1.0 + canonical.exp_bf16(-g))) * u
 
 
 def requantize_intermediate(v: torch.Tensor, recipe: Recipe) -> torch.Tensor:

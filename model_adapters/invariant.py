@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -94,6 +95,32 @@ def _stream_sum(hc: int):
     return lambda t, dim: ordered_sum(t, dim, keepdim=True)
 
 
+def _sinkhorn_2x2(e_comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The Sinkhorn loop of ``hyper_connection_forward`` for two streams on the CPU, bit for bit: the same
+    FP32 operations (a row's or a column's sum of two terms is one rounded add, then + eps in FP32, then one
+    division), in place in NumPy. On [B, 1, 2, 2] the torch loop's ~120 calls per module are all dispatch
+    overhead; a NumPy call costs a fraction of one."""
+    e = e_comb.numpy()
+    with np.errstate(all="ignore"):  # overflow and 0/0 give inf and NaN silently, as in torch
+        eps32 = np.float32(eps)  # what torch makes of the Python float beside an FP32 tensor
+        c = np.empty(e.shape, np.float32)
+        np.divide(e, e[..., :, 0:1] + e[..., :, 1:2], out=c)
+        c += eps32
+        rows, cols = np.empty(c.shape[:-1] + (1,), np.float32), np.empty(c.shape[:-2] + (1, 2), np.float32)
+        r0, r1, c0, c1 = c[..., :, 0:1], c[..., :, 1:2], c[..., 0:1, :], c[..., 1:2, :]  # views: follow c
+        np.add(c0, c1, out=cols)
+        cols += eps32
+        c /= cols
+        for _ in range(iters - 1):
+            np.add(r0, r1, out=rows)
+            rows += eps32
+            c /= rows
+            np.add(c0, c1, out=cols)
+            cols += eps32
+            c /= cols
+    return torch.from_numpy(c)
+
+
 def hyper_connection_forward(self, hidden_streams):
     batch_size, seq_len = hidden_streams.shape[:2]
     hc = self.hc_mult
@@ -111,12 +138,15 @@ def hyper_connection_forward(self, hidden_streams):
     pre = 1.0 / (1.0 + e_pre) + self.hc_eps
     post = 2 * (1.0 / (1.0 + e_post))
     e_comb = e_comb.view(*comb_z.shape)
-    total = _stream_sum(hc)
-    comb = e_comb / total(e_comb, -1) + self.hc_eps
-    comb = comb / (total(comb, -2) + self.hc_eps)
-    for _ in range(self.hc_sinkhorn_iters - 1):
-        comb = comb / (total(comb, -1) + self.hc_eps)
+    if hc == 2 and e_comb.device.type == "cpu" and not e_comb.requires_grad:
+        comb = _sinkhorn_2x2(e_comb, self.hc_sinkhorn_iters, self.hc_eps)
+    else:
+        total = _stream_sum(hc)
+        comb = e_comb / total(e_comb, -1) + self.hc_eps
         comb = comb / (total(comb, -2) + self.hc_eps)
+        for _ in range(self.hc_sinkhorn_iters - 1):
+            comb = comb / (total(comb, -1) + self.hc_eps)
+            comb = comb / (total(comb, -2) + self.hc_eps)
     collapsed = ordered_sum(pre.unsqueeze(-1) * hidden_streams, 2).to(hidden_streams.dtype)
     return post, comb, collapsed
 
@@ -336,7 +366,10 @@ def _attend(query, keys, values, mask, sinks, scaling):
     sink = sinks.reshape(1, -1, 1, 1).expand(b, -1, s, -1)
     combined = torch.cat([scores, sink], dim=-1)
     combined = combined - combined.amax(dim=-1, keepdim=True)
-    probs = canonical.softmax(combined, dim=-1)[..., :-1].to(query.dtype)
+    # canonical.softmax without its own subtraction of the maximum, which is exactly 0 here (x - 0 = x); the
+    # scores are BF16 values (the model's dtype), whose exp canonical.exp_bf16 looks up
+    e = canonical.exp_bf16(combined)
+    probs = (e / canonical.fixed_sum(e, -1, keepdim=True).to(torch.float32))[..., :-1].to(query.dtype)
     return fixed_matmul(probs.reshape(b, 1, h * s, -1), values, query.dtype).view(b, h, s, d)
 
 

@@ -102,6 +102,39 @@ def test_correctly_rounded_functions_agree_with_mpmath(name, monkeypatch):
     assert torch.equal(fast, canonical.correctly_rounded(name, x))
 
 
+def test_exp_of_bf16_values_is_exp_bit_for_bit():
+    # every BF16 bit pattern, as BF16 and as FP32: the table gives exp's own bits (NaNs stay NaN)
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x32 = x.float()
+    finite = x32.isfinite()
+    want = canonical.exp(x32[finite])
+    for inp in (x, x32):
+        got = canonical.exp_bf16(inp)
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        assert torch.equal(got[finite].view(torch.int32), want.view(torch.int32))
+        assert got[x32.isnan()].isnan().all() and got[x32 == -math.inf].eq(0).all()
+    # an FP32 value that is not a BF16 value falls back to exp itself
+    odd = torch.tensor([[0.1, -2.5, 3.0], [1e-3, 7.25, -0.3]])
+    assert torch.equal(canonical.exp_bf16(odd), canonical.exp(odd))
+
+
+def test_the_two_stream_sinkhorn_is_the_torch_loop_bit_for_bit():
+    from evalgate.model_adapters.invariant import _sinkhorn_2x2
+
+    g = torch.Generator().manual_seed(5)
+    eps = 1e-6
+    for scale in (0.1, 3.0, 80.0):
+        e = torch.exp(torch.randn(64, 3, 2, 2, generator=g) * scale).clamp(max=3e38)
+        for iters in (1, 2, 20):
+            ref = e / e.sum(-1, keepdim=True) + eps  # the loop as written for any number of streams
+            ref = ref / (ref.sum(-2, keepdim=True) + eps)
+            for _ in range(iters - 1):
+                ref = ref / (ref.sum(-1, keepdim=True) + eps)
+                ref = ref / (ref.sum(-2, keepdim=True) + eps)
+            got = _sinkhorn_2x2(e, iters, eps)
+            assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (scale, iters)
+
+
 def test_topk_breaks_ties_to_the_lower_index():
     values, idx = canonical.topk(torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]]), 2)
     assert idx.tolist() == [[1, 2]] and values.tolist() == [[3.0, 3.0]]
