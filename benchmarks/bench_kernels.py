@@ -62,11 +62,11 @@ def sync(device: str):
         torch.cuda.synchronize()
 
 
-def time_kernel(module, name, x, idx, w, repeat, device, same=None):
+def time_kernel(module, name, x, idx, w, repeat, device):
     """(first call s, median s per call, peak bytes a steady-state call allocates beyond what was resident
-    before it). The first call (weights quantized and cached, kernels compiled) is timed apart, and the
-    peak is measured over the calls after it. same (a list): gets whether every later call's output had the
-    first call's bits (on CUDA the later calls replay a CUDA graph; the first runs eagerly)."""
+    before it, whether every later call's output had the first call's bits). The first call (weights
+    quantized and cached, kernels compiled) is timed apart, and the peak is measured over the calls after
+    it; on CUDA the later calls replay a CUDA graph, the first runs eagerly."""
     module.config._experts_implementation = name
     sync(device)
     t0 = time.perf_counter()
@@ -87,10 +87,8 @@ def time_kernel(module, name, x, idx, w, repeat, device, same=None):
         times.append(time.perf_counter() - t0)
         identical &= torch.equal(out.view(torch.int16), reference.view(torch.int16))  # bits, not values
         del out  # (not held while the next call allocates: the peak stays the call's own)
-    if same is not None:
-        same.append(identical)
     extra = torch.cuda.max_memory_allocated() - resident if device == "cuda" else 0
-    return first, statistics.median(times), extra
+    return first, statistics.median(times), extra, identical
 
 
 def breakdown(module, x, idx, w) -> None:
@@ -132,7 +130,7 @@ def sweep(module, name, x, idx, w, repeat, base) -> None:
         fast.FAST.update(keep)
         fast.FAST.update(tiling)
         try:
-            _, per_call, _ = time_kernel(module, name, x, idx, w, repeat, "cuda")
+            _, per_call, _, _ = time_kernel(module, name, x, idx, w, repeat, "cuda")
             print(f"  tiling {tiling}: {per_call * 1e3:8.2f} ms  x bf16 {per_call / base:5.2f}", flush=True)
         except Exception as exc:  # noqa: BLE001  (a tiling this Triton cannot compile)
             print(f"  tiling {tiling}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
@@ -239,8 +237,7 @@ def main(argv=None) -> int:
         base = None
         for name in kernels:
             before = dict(triton_stats())
-            same = []
-            first, per_call, extra = time_kernel(module, name, x, idx, w, args.repeat, args.device, same)
+            first, per_call, extra, same = time_kernel(module, name, x, idx, w, args.repeat, args.device)
             after = triton_stats()
             base = per_call if name == "bf16" else base
             ratio = f"{per_call / base:7.2f}" if base else "      -"
@@ -251,7 +248,7 @@ def main(argv=None) -> int:
             slow = f"{(after['slow_rows'] - before['slow_rows']) / rows:9.3f}" if rows else "        -"
             # same bits: every timed call (a CUDA graph's replay, on the fused path) gave the first call's output
             print(f"{name:14s} {t:6d} {first:12.3f} {per_call * 1e3:10.2f} {ratio} {extra / 2**30:14.3f} {mem} {slow}"
-                  f" {same[0]!s:>9s}", flush=True)
+                  f" {same!s:>9s}", flush=True)
             if args.breakdown and args.device == "cuda" and name != "bf16":
                 breakdown(module, x, idx, w)
             if args.cpu_profile and name != "bf16":

@@ -454,10 +454,12 @@ def sin(x):
 
 def softmax(x: torch.Tensor, dim: int = -1, structural: bool = False) -> torch.Tensor:
     """exp(x - max) / sum, in FP32 like ``F.softmax(x, dtype=float32)``: each exp correctly rounded, the sum
-    canonical (``ordered_sum`` over a structural dimension, else ``fixed_sum``), one FP32 division."""
+    canonical (``ordered_sum`` over a structural dimension, else ``fixed_sum``), one FP32 division. exp goes
+    through ``exp_bf16``: BF16 inputs minus their maximum are often BF16 values still (attention scores after
+    their own maximum was taken off: x - 0 = x), whose exp the table holds."""
     x32 = x.to(torch.float32)
     z = x32 - x32.amax(dim=dim, keepdim=True)
-    e = exp(z)
+    e = exp_bf16(z)
     if structural:
         s = ordered_sum(e, dim, keepdim=True)
     else:

@@ -366,10 +366,7 @@ def _attend(query, keys, values, mask, sinks, scaling):
     sink = sinks.reshape(1, -1, 1, 1).expand(b, -1, s, -1)
     combined = torch.cat([scores, sink], dim=-1)
     combined = combined - combined.amax(dim=-1, keepdim=True)
-    # canonical.softmax without its own subtraction of the maximum, which is exactly 0 here (x - 0 = x); the
-    # scores are BF16 values (the model's dtype), whose exp canonical.exp_bf16 looks up
-    e = canonical.exp_bf16(combined)
-    probs = (e / canonical.fixed_sum(e, -1, keepdim=True).to(torch.float32))[..., :-1].to(query.dtype)
+    probs = canonical.softmax(combined, dim=-1)[..., :-1].to(query.dtype)
     return fixed_matmul(probs.reshape(b, 1, h * s, -1), values, query.dtype).view(b, h, s, d)
 
 
