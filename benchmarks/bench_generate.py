@@ -4,6 +4,11 @@ HumanEval canary profiles), decoded by the adapter the gate uses, through the ru
     python benchmarks/bench_generate.py --kernel w4a4_packed                      # all 364 items
     python benchmarks/bench_generate.py --kernel w4a8 --limit 40 --check          # texts vs the stored baseline
     python benchmarks/bench_generate.py --kernel w4a4_packed --save /tmp/new.json # texts, to diff two trees
+    python benchmarks/bench_generate.py --kernel w4a4_packed --stream             # where the decoding time goes
+
+``--stream`` decodes every task's prompts as one stream, as the gate does (``decode_stream`` with the gate's
+workers and batch size), and prints what each decoding worker spent (``generation.DecodeStats``): prefill
+calls, tokens and CPU seconds; decoding steps, rows per step, steps with fewer than 8 rows left, CPU seconds.
 
 ``--check`` compares every generated text with the stored W4A8 canary baseline (kernel w4a8 only): the
 canonical numerics make it bit-identical whatever the batch, order or thread count.
@@ -30,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="compare texts with the stored w4a8 canary baseline")
     ap.add_argument("--save", default=None, help="write {task: {doc_id: text}} here")
     ap.add_argument("--profile", default=None, help="cProfile the generation, print the top 40 (tottime)")
+    ap.add_argument("--stream", action="store_true", help="all tasks in one stream, as the gate; per-worker stats")
     args = ap.parse_args(argv)
 
     from evalgate import cores
@@ -78,6 +84,8 @@ def main(argv=None) -> int:
 
         prof = cProfile.Profile()
     total_tokens = 0
+    if args.stream:
+        return _stream(adapter, spec, tasks, data_dir, report, args)
     for name in tasks:
         task = get_task(name)
         items, resolved = load_task(task, spec, data_dir)
@@ -126,6 +134,36 @@ def main(argv=None) -> int:
                     print(f"DIFFERS {name} {doc_id}", file=sys.stderr)
         print(f"check: {sum(len(t) for t in texts.values())} texts, {bad} differ from the stored baseline")
         return 1 if bad else 0
+    return 0
+
+
+def _stream(adapter, spec, tasks, data_dir, report, args) -> int:
+    """Every task's requests as one ``decode_stream``, with the gate's workers: per-worker ``DecodeStats``."""
+    from dataclasses import asdict
+
+    from evalgate.cores import generation_workers
+    from evalgate.model_adapters.generation import decode_stream
+    from evalgate.run.runner import load_task
+    from evalgate.tasks import get_task
+
+    requests = []
+    for name in tasks:
+        task = get_task(name)
+        items, resolved = load_task(task, spec, data_dir)
+        requests += list(task.requests(items, resolved))
+    workers = generation_workers()[0]
+    stats = []
+    t0 = time.perf_counter()
+    tokens = 0
+    for finished in decode_stream(adapter.model, adapter.tokenizer, [r.prompt for r in requests],
+                                  [r.stop for r in requests], [r.max_new_tokens for r in requests],
+                                  batch_size=spec.batch_size, workers=workers, stats=stats):
+        tokens += sum(len(g.token_ids) for _, g in finished)
+    report.update({"workers": workers, "items": len(requests), "tokens": tokens,
+                   "generate_s": round(time.perf_counter() - t0, 2),
+                   "per_worker": [{k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(s).items()}
+                                  for s in stats]})
+    print(json.dumps(report))
     return 0
 
 

@@ -70,6 +70,24 @@ COMPACT_FRACTION = 16
 
 
 @dataclass
+class DecodeStats:
+    """Where one decoding loop's time went (``decode_stream(stats=...)``; benchmarks/bench_generate.py
+    --stream). CPU seconds of the loop's own thread; a step with fewer than ``FEW_ROWS`` rows still to
+    decode costs nearly a full step's fixed part for a few tokens (the tail of a worker's longest rows)."""
+
+    prefill_calls: int = 0
+    prefill_tokens: int = 0  # pads included: what the calls computed
+    prefill_cpu_s: float = 0.0
+    steps: int = 0
+    row_steps: int = 0  # rows decoded, summed over the steps (finished rows not yet dropped included)
+    steps_with_few_rows: int = 0
+    decode_cpu_s: float = 0.0
+
+
+FEW_ROWS = 8
+
+
+@dataclass
 class _Row:
     index: int  # the prompt's index in the call
     generated: list[int]
@@ -83,14 +101,14 @@ class _Row:
 @torch.inference_mode()
 def decode_stream(model, tokenizer, prompts: list[str], stops: list[tuple[str, ...]], max_new_tokens: list[int],
                   device: str = "cpu", keys: list[SampleKey | None] | None = None, batch_size: int | None = None,
-                  refill: int | None = None, workers: int = 1):
+                  refill: int | None = None, workers: int = 1, stats: list | None = None):
     """``decode`` as a stream with continuous batching: yields lists of (prompt index, RawGeneration) as rows
     finish. At most ``batch_size`` rows (default: all) decode together; a finished row leaves the batch
     (its rows of the KV cache, mask and positions are dropped, and padding no live row needs is cut), and
     once ``refill`` slots (default: a quarter of the batch) are free the next prompts, most work first, are
     prefilled in groups of like length and joined to the batch, left-padded to the cache's length.
     ``workers`` > 1 forks that many processes (one thread each) that take prompts from the same queue
-    (``_parallel``).
+    (``_parallel``). ``stats``: a list that gets each decoding loop's ``DecodeStats`` when it ends.
 
     With canonical numerics a row's tokens are a function of its prompt alone, so none of this changes what
     a row produces (``tests/test_invariance.py``). With PyTorch's own numerics, and for caches this does not
@@ -109,14 +127,16 @@ def decode_stream(model, tokenizer, prompts: list[str], stops: list[tuple[str, .
     order = sorted(range(n), key=lambda i: -(len(enc[i]) + max_new_tokens[i])) if dynamic else list(range(n))
     args = (model, tokenizer, enc, stops, max_new_tokens, device, keys, batch_size, refill, dynamic)
     if dynamic and workers > 1 and n > 1 and hasattr(os, "fork"):
-        yield from _parallel(args, order, workers)
+        yield from _parallel(args, order, workers, stats)
     else:
-        yield from _decode_queue(*args, _LocalQueue(order))
+        yield from _decode_queue(*args, _LocalQueue(order), stats)
 
 
 @torch.inference_mode()
-def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, batch_size, refill, dynamic, queue):
+def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, batch_size, refill, dynamic, queue,
+                  stats: list | None = None):
     n = len(enc)
+    spent = DecodeStats()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos_ids = set(_eos_ids(model, tokenizer))
     batch_size = max(1, batch_size or n)
@@ -134,13 +154,18 @@ def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
             parts = []
             for group in groups:
                 rows = [_Row(i, [], time.perf_counter()) for i in group]
+                t0 = time.thread_time()
                 logits, new_state = _prefill(model, [enc[i] for i in group], pad_id, device)
                 state = new_state if not live else _join(state, new_state)
+                spent.prefill_cpu_s += time.thread_time() - t0
+                spent.prefill_calls += 1
+                spent.prefill_tokens += len(group) * max(len(enc[i]) for i in group)
                 live.extend(rows)
                 parts.append(logits)
             stepped = live[len(live) - len(take):]
             logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         elif live:
+            t0 = time.thread_time()
             past, mask, last_pos, last_tok = state
             mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=mask.device)], -1)
             positions = last_pos + 1
@@ -149,7 +174,13 @@ def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
             state = (out.past_key_values, mask, positions, last_tok)
             logits = out.logits[:, -1, :].float()
             stepped = live
+            spent.decode_cpu_s += time.thread_time() - t0
+            spent.steps += 1
+            spent.row_steps += len(live)
+            spent.steps_with_few_rows += sum(not r.done for r in live) < FEW_ROWS
         else:
+            if stats is not None:
+                stats.append(spent)
             return
         tokens = _choose(logits, stepped, keys)
         finished = []
@@ -212,11 +243,13 @@ class _SharedQueue(_LocalQueue):
 
 
 def _worker(args, queue, conn) -> None:
-    """A forked worker: decodes what it takes from the shared queue, sends each finished list back."""
+    """A forked worker: decodes what it takes from the shared queue, sends each finished list back, then
+    what its loop spent (``DecodeStats``)."""
     try:
-        for finished in _decode_queue(*args, queue):
+        spent: list[DecodeStats] = []
+        for finished in _decode_queue(*args, queue, spent):
             conn.send(("items", finished))
-        conn.send(("done", None))
+        conn.send(("done", spent[0] if spent else None))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         try:
             import traceback
@@ -229,7 +262,7 @@ def _worker(args, queue, conn) -> None:
         conn.close()
 
 
-def _parallel(args, order: list[int], workers: int):
+def _parallel(args, order: list[int], workers: int, stats: list | None = None):
     """``workers`` processes forked from this one decode from one queue (the model is shared copy-on-write;
     each keeps its own thread count). This process only passes their lists on, as they arrive, so the
     workers are alike: none shares its GIL with the caller's scorer thread. A row's tokens do not depend on
@@ -247,7 +280,7 @@ def _parallel(args, order: list[int], workers: int):
             proc.start()
             send.close()
             children.append([proc, receive, False])
-        yield from _drain(children)
+        yield from _drain(children, stats)
     finally:
         for proc, receive, _ in children:
             if proc.is_alive():
@@ -256,8 +289,9 @@ def _parallel(args, order: list[int], workers: int):
             receive.close()
 
 
-def _drain(children: list):
-    """Each worker's lists as they arrive, until every worker has said it is done."""
+def _drain(children: list, stats: list | None = None):
+    """Each worker's lists as they arrive, until every worker has said it is done (and ``stats`` has what
+    each one spent)."""
     from multiprocessing.connection import wait
 
     while True:
@@ -276,6 +310,8 @@ def _drain(children: list):
                 yield value
             elif kind == "done":
                 child[2] = True
+                if stats is not None and value is not None:
+                    stats.append(value)
             else:
                 raise RuntimeError(f"a decoding worker failed: {value}")
 

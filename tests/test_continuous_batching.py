@@ -74,6 +74,28 @@ def test_rows_leaving_and_joining_the_batch_change_no_token(tiny, batch_size, re
     assert [len(g.token_ids) for g in got] == MAX_NEW or any(g.finish_reason == "stop" for g in got)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_each_decoding_loop_says_what_it_spent(tiny, workers):
+    """``stats``: one DecodeStats per decoding loop (per forked worker), counting every prefill call and
+    decoding step; asking for them changes no token."""
+    model, tok = tiny
+    stops = [("\n\n",)] * len(PROMPTS)
+    plain = _streamed(model, tok, stops, batch_size=3, refill=1, workers=workers)
+    stats = []
+    got = _streamed(model, tok, stops, batch_size=3, refill=1, workers=workers, stats=stats)
+    assert [g.token_ids for g in got] == [g.token_ids for g in plain]
+    assert len(stats) == workers
+    prompt_tokens = sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in PROMPTS)
+    assert sum(s.prefill_tokens for s in stats) >= prompt_tokens  # every prompt prefilled once, pads on top
+    assert sum(s.prefill_calls for s in stats) >= -(-len(PROMPTS) // 3)
+    # a row's first token comes from its prefill, each further one from a decoding step it was part of
+    assert sum(s.row_steps for s in stats) >= sum(len(g.token_ids) - 1 for g in got)
+    assert max(s.steps for s in stats) >= max(len(g.token_ids) for g in got) - 1
+    for s in stats:
+        assert s.steps_with_few_rows == s.steps  # batches of 3: always fewer than 8 rows
+        assert s.prefill_cpu_s > 0 and s.decode_cpu_s > 0
+
+
 def test_sampled_rows_draw_at_their_own_positions_when_they_join_late(tiny):
     model, tok = tiny
     keys = [SampleKey(sample_seed(5, i), 0.8) if i % 2 else None for i in range(len(PROMPTS))]
