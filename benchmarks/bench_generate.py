@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, help="cProfile the generation, print the top 40 (tottime)")
     ap.add_argument("--stream", action="store_true", help="all tasks in one stream, as the gate; per-worker stats")
     args = ap.parse_args(argv)
+    if args.stream and (args.check or args.save or args.profile):
+        ap.error("--stream prints what each decoding worker spent; drop --check, --save and --profile")
 
     from evalgate import cores
 
@@ -83,13 +85,16 @@ def main(argv=None) -> int:
         import cProfile
 
         prof = cProfile.Profile()
-    total_tokens = 0
-    if args.stream:
-        return _stream(adapter, spec, tasks, data_dir, report, args)
+    by_task = {}
     for name in tasks:
         task = get_task(name)
         items, resolved = load_task(task, spec, data_dir)
-        requests = list(task.requests(items, resolved))
+        by_task[name] = list(task.requests(items, resolved))
+    if args.stream:
+        return _stream(adapter, [r for name in tasks for r in by_task[name]], batch_size, report)
+    total_tokens = 0
+    for name in tasks:
+        requests = by_task[name]
         got = {}
         times = {"generate_s": 0.0}
 
@@ -137,27 +142,20 @@ def main(argv=None) -> int:
     return 0
 
 
-def _stream(adapter, spec, tasks, data_dir, report, args) -> int:
+def _stream(adapter, requests, batch_size: int, report: dict) -> int:
     """Every task's requests as one ``decode_stream``, with the gate's workers: per-worker ``DecodeStats``."""
     from dataclasses import asdict
 
     from evalgate.cores import generation_workers
     from evalgate.model_adapters.generation import decode_stream
-    from evalgate.run.runner import load_task
-    from evalgate.tasks import get_task
 
-    requests = []
-    for name in tasks:
-        task = get_task(name)
-        items, resolved = load_task(task, spec, data_dir)
-        requests += list(task.requests(items, resolved))
     workers = generation_workers()[0]
     stats = []
     t0 = time.perf_counter()
     tokens = 0
     for finished in decode_stream(adapter.model, adapter.tokenizer, [r.prompt for r in requests],
                                   [r.stop for r in requests], [r.max_new_tokens for r in requests],
-                                  batch_size=spec.batch_size, workers=workers, stats=stats):
+                                  batch_size=batch_size, workers=workers, stats=stats):
         tokens += sum(len(g.token_ids) for _, g in finished)
     report.update({"workers": workers, "items": len(requests), "tokens": tokens,
                    "generate_s": round(time.perf_counter() - t0, 2),
