@@ -19,7 +19,7 @@ import torch
 
 from . import canonical, formats
 from .formats import EPILOGUE, SCALE_RULES, bf16_round
-from .exact import SIG_BITS, GemmWeights, exact_matmul
+from .exact import SIG_BITS, GemmWeights, exact_matmul, row_span
 from .recipe import Recipe
 from .weights import check_shapes, expert_chunks, fp4_weights
 
@@ -131,6 +131,11 @@ class ExpertRows:
         """Rows [begin, end) of experts lo..hi-1."""
         return int(self.starts[lo]), int(self.starts[hi - 1] + self.counts[hi - 1])
 
+    def l1_span(self, begin: int, end: int) -> torch.Tensor | None:
+        """``exact.row_span`` of ``l1_input(begin, end)`` with ``l1_sig``, if known without reading the rows
+        (None: ``exact_matmul`` computes it)."""
+        return None
+
     def run_chunk(self, lo: int, hi: int, w1, w2) -> None:
         """Rows routed to experts lo..hi-1, with their weights w1 [n, 2I, H], w2 [n, H, I]: exact values as
         tensors, or `exact.GemmWeights`."""
@@ -139,7 +144,8 @@ class ExpertRows:
             return
         w1, w2 = as_gemm_weights(w1), as_gemm_weights(w2)
         group = self.expert[begin:end] - lo
-        acc = exact_matmul(self.l1_input(begin, end), self.l1_sig, w1, group, self.exact)
+        acc = exact_matmul(self.l1_input(begin, end), self.l1_sig, w1, group, self.exact,
+                           span_a=self.l1_span(begin, end))
         self.store(begin, end, exact_matmul(self.l2_input(begin, end, acc), self.l2_sig, w2, group, self.exact))
 
 
@@ -173,10 +179,17 @@ class MoEEmulation(ExpertRows):
         if recipe.routed_scaling == "unfused":  # SGLang: the kernel sees unscaled weights (docs/kernels.md#open-choices)
             self.w = self.w / self.rsf
         self.xq = quantize_input(bf16_round(x.to(torch.float32)), recipe)  # the kernel's input is BF16
+        self._xq_span: torch.Tensor | None = None
         self.slot_out = torch.zeros(self.shape[0] * self.shape[1], self.shape[2], device=x.device)
 
     def l1_input(self, begin: int, end: int) -> torch.Tensor:
         return self.xq[self.token[begin:end]]  # docs/kernels.md#the-moe-forward step 2 happened once per token, in __init__
+
+    def l1_span(self, begin: int, end: int) -> torch.Tensor:
+        """Per token, once (a token's row is the same in each of its slots)."""
+        if self._xq_span is None:
+            self._xq_span = row_span(self.xq, self.l1_sig)
+        return self._xq_span[self.token[begin:end]]
 
     def l2_input(self, begin: int, end: int, acc: torch.Tensor) -> torch.Tensor:
         return intermediate(acc, self.w[begin:end], self.limit, self.recipe)  # steps 4-6
@@ -208,14 +221,16 @@ def run_chunk_together(runners: list[ExpertRows], lo: int, hi: int, w1, w2) -> N
     order = torch.argsort(expert * len(spans) + runner, stable=True)
     checked = torch.tensor([r.exact for r, _, _ in spans], device=dev)[runner][order]
 
-    def together(parts, w, sigs):
+    def together(parts, w, sigs, spans_a=None):
         sig = torch.tensor(sigs, device=dev)[runner][order]
-        out = exact_matmul(torch.cat(parts)[order], sig, w, expert[order], checked)
+        span_a = None if spans_a is None or any(x is None for x in spans_a) else torch.cat(spans_a)[order]
+        out = exact_matmul(torch.cat(parts)[order], sig, w, expert[order], checked, span_a=span_a)
         back = torch.empty_like(out)
         back[order] = out
         return back.split(sizes)
 
-    acc = together([r.l1_input(b, e) for r, b, e in spans], w1, [r.l1_sig for r, _, _ in spans])
+    acc = together([r.l1_input(b, e) for r, b, e in spans], w1, [r.l1_sig for r, _, _ in spans],
+                   [r.l1_span(b, e) for r, b, e in spans])
     v = [r.l2_input(b, e, x) for (r, b, e), x in zip(spans, acc)]
     for (r, b, e), o in zip(spans, together(v, w2, [r.l2_sig for r, _, _ in spans])):
         r.store(b, e, o)

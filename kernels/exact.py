@@ -135,14 +135,16 @@ def _fp64_grouped(a: torch.Tensor, w: GemmWeights, group: torch.Tensor) -> torch
 
 
 def exact_matmul(a: torch.Tensor, sig, w: GemmWeights, group: torch.Tensor, checked=True,
-                 w_sig: int = SIG_BITS["e2m1"]) -> torch.Tensor:
+                 w_sig: int = SIG_BITS["e2m1"], span_a: torch.Tensor | None = None) -> torch.Tensor:
     """RN_fp32 of the exact dot products of each row of a [S, K] (FP32 values, sorted by ``group``) with the
     rows of its group's weights: [S, N] FP32. ``sig``: significant bits of a's elements, an int or one per
     row (LongTensor [S]). Rows where ``checked`` is False (references, not kernels) get the float64
-    products rounded to FP32, without a certificate."""
+    products rounded to FP32, without a certificate. ``span_a``: ``row_span(a, sig)``, where the caller has
+    it already (the L1 input repeats each token's row once per slot: its span is computed per token)."""
     if not isinstance(sig, int):
         sig = torch.as_tensor(sig, device=a.device)
-    span_a = row_span(a, sig)
+    if span_a is None:
+        span_a = row_span(a, sig)
     # every term is a multiple of the product of the units and below the product of the bounds (docstring);
     # an all-zero row (span -NONE) sums to 0 in any tier
     span = span_a + w.span.to(a.device)[group] + math.ceil(math.log2(max(a.shape[1], 1)))

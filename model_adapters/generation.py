@@ -444,25 +444,29 @@ def _select(state, keep: list[int]):
     return past, mask, last_pos.index_select(0, index), last_tok.index_select(0, index)
 
 
-def _left_pad(t: torch.Tensor, dim: int, n: int, value: float) -> torch.Tensor:
-    if n == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = n
-    return torch.cat([t.new_full(shape, value), t], dim)
+def _stacked(a: torch.Tensor, b: torch.Tensor, dim: int, t: int, value: float) -> torch.Tensor:
+    """a's rows then b's (along dim 0), each left-padded with ``value`` along ``dim`` to length ``t``;
+    written once into the result."""
+    shape = list(a.shape)
+    shape[0], shape[dim] = a.shape[0] + b.shape[0], t
+    out = a.new_empty(shape)
+    for rows, part in ((out.narrow(0, 0, a.shape[0]), a), (out.narrow(0, a.shape[0], b.shape[0]), b)):
+        pad = t - part.shape[dim]
+        rows.narrow(dim, 0, pad).fill_(value)
+        rows.narrow(dim, pad, part.shape[dim]).copy_(part)
+    return out
 
 
 def _join(state, new):
     """Two states side by side along the batch, the shorter one left-padded (masked keys: exact zeros)."""
     past, mask, last_pos, last_tok = state
     past2, mask2, last_pos2, _ = new
-    t1, t2 = mask.shape[-1], mask2.shape[-1]
-    t = max(t1, t2)
-    mask = torch.cat([_left_pad(mask, 1, t - t1, 0), _left_pad(mask2, 1, t - t2, 0)])
+    t = max(mask.shape[-1], mask2.shape[-1])
+    mask = _stacked(mask, mask2, 1, t, 0)
     for layer, other in zip(_check_layers(past), _check_layers(past2)):
         a, b = t - layer.keys.shape[-2], t - other.keys.shape[-2]
-        layer.keys = torch.cat([_left_pad(layer.keys, 2, a, 0), _left_pad(other.keys, 2, b, 0)])
-        layer.values = torch.cat([_left_pad(layer.values, 2, a, 0), _left_pad(other.values, 2, b, 0)])
+        layer.keys = _stacked(layer.keys, other.keys, 2, t, 0)
+        layer.values = _stacked(layer.values, other.values, 2, t, 0)
         mine, theirs = layer.__dict__.get("_evalgate_kv"), other.__dict__.get("_evalgate_kv")
         if mine is not None and theirs is not None:  # invariant.KeptOperands
             mine.join(theirs, a, b)

@@ -338,22 +338,28 @@ class KeptOperands:
         self.length += new
 
     def select(self, index: torch.Tensor, cut: int) -> None:
-        """Keep the rows ``index`` and drop the first ``cut`` keys."""
-        views = self._views()
-        self.length -= cut
-        self._alloc([v.index_select(0, index)[:, :, cut:] for v in views], self.length + self.GROW)
+        """Keep the rows ``index`` and drop the first ``cut`` keys: each kept row is copied once, straight into
+        a new buffer with room to grow."""
+        length = self.length - cut
+        bufs = []
+        for v in self._views():
+            buf = v.new_empty(len(index), v.shape[1], length + self.GROW, v.shape[3])
+            torch.index_select(v[:, :, cut:], 0, index, out=buf[:, :, :length])
+            bufs.append(buf)
+        self.bufs, self.length = bufs, length
 
     def join(self, other: "KeptOperands", pad_self: int, pad_other: int) -> None:
-        """``other``'s rows after these, each left-padded to a common length."""
+        """``other``'s rows after these, each left-padded to a common length (written once, in place)."""
         length = self.length + pad_self
-        parts = []
+        bufs = []
         for j, (a, b) in enumerate(zip(self._views(), other._views())):
             fill = 1.0 if j in (1, 4) else 0.0
-            pa = a.new_full((a.shape[0], a.shape[1], pad_self, a.shape[3]), fill)
-            pb = b.new_full((b.shape[0], b.shape[1], pad_other, b.shape[3]), fill)
-            parts.append(torch.cat([torch.cat([pa, a], 2), torch.cat([pb, b], 2)]))
-        self.length = length
-        self._alloc(parts, length + self.GROW)
+            buf = a.new_empty(a.shape[0] + b.shape[0], a.shape[1], length + self.GROW, a.shape[3])
+            for rows, part, pad in ((buf[:a.shape[0]], a, pad_self), (buf[a.shape[0]:], b, pad_other)):
+                rows[:, :, :pad].fill_(fill)
+                rows[:, :, pad:length] = part
+            bufs.append(buf)
+        self.bufs, self.length = bufs, length
 
 
 def _attend(query, keys, values, mask, sinks, scaling):

@@ -115,3 +115,38 @@ def test_a_native_model_keeps_static_batches(tiny_model):
     assert not _dynamic(model, enc, MAX_NEW)
     got = _streamed(model, tok, [()] * len(PROMPTS), batch_size=3, workers=2)
     assert [len(g.token_ids) for g in got] == MAX_NEW
+
+
+def _kept(kv):
+    from evalgate.kernels.canonical import fixed_operand
+    from evalgate.model_adapters.invariant import KeptOperands
+
+    return KeptOperands(fixed_operand(kv.transpose(-1, -2), "columns"), fixed_operand(kv, "rows"))
+
+
+def test_kept_operands_select_and_join_hold_exactly_the_rows_and_keys_they_keep():
+    """``select`` (rows leave, leading keys cut) and ``join`` (rows of a new prefill, left-padded) write each
+    kept key once into new buffers; what they hold is what the operands of those keys are, the padding keys
+    are q = 0 with scale 1, and a key appended afterwards lands after them."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(5, 1, 9, 8, generator=gen).to(torch.bfloat16)
+    kept = _kept(kv)
+    kept.select(torch.tensor([0, 2, 4]), 3)
+    fresh = _kept(kv[[0, 2, 4]][:, :, 3:])
+    assert kept.length == 6 and all(torch.equal(a, b) for a, b in zip(kept._views(), fresh._views()))
+
+    new_key = torch.randn(3, 1, 1, 8, generator=gen).to(torch.bfloat16)
+    kept.append(*_kept(new_key).operands())
+    grown = _kept(torch.cat([kv[[0, 2, 4]][:, :, 3:], new_key], 2))
+    assert all(torch.equal(a, b) for a, b in zip(kept._views(), grown._views()))
+
+    other = torch.randn(2, 1, 4, 8, generator=gen).to(torch.bfloat16)
+    kept.join(_kept(other), 0, 3)
+    assert kept.length == 7 and kept.batch == 5
+    views, theirs = kept._views(), _kept(other)._views()
+    for j, (mine, ref, their) in enumerate(zip(views, grown._views(), theirs)):
+        fill = 1.0 if j in (1, 4) else 0.0
+        assert torch.equal(mine[:3], ref)
+        assert torch.equal(mine[3:, :, 3:], their) and bool((mine[3:, :, :3] == fill).all())

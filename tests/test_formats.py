@@ -25,6 +25,24 @@ def test_t1_e2m1_codes(ties):
     assert codes.tolist() == T1_CODES[ties]
 
 
+@pytest.mark.parametrize("ties", ["zero", "even"])
+def test_e2m1_round_is_the_codes_grid_value_for_every_bf16_value_and_every_midpoint_neighbour(ties):
+    """e2m1_round (FP32: read from the exponent field, in place) gives the value of e2m1_magnitude_index's
+    code, bit for bit: every BF16 value, each midpoint and grid value with its FP32 neighbours, subnormals."""
+    every_bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 7.0])
+    around = torch.cat([points, torch.nextafter(points, torch.zeros_like(points)),
+                        torch.nextafter(points, torch.full_like(points, 9.0))])
+    subnormal = torch.arange(1, 2**23, 4099, dtype=torch.int32).view(torch.float32)
+    y = torch.cat([every_bf16, around, -around, subnormal, torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 4])
+    y = y[~y.isnan()]
+    grid = torch.tensor(formats.E2M1_MAGNITUDES)[formats.e2m1_magnitude_index(y, ties)].copysign(y)
+    got = formats.e2m1_round(y, ties)
+    assert torch.equal(got.view(torch.int32), grid.view(torch.int32))
+    assert torch.equal(formats.e2m1_round(y.double(), ties), grid.double())  # the generic path agrees
+    assert formats.e2m1_round(torch.tensor([float("nan")]), ties).isnan().all()
+
+
 def test_e2m1_never_emits_negative_zero_code():
     codes = formats.e2m1_encode(torch.tensor([-0.0, -0.1, -0.25]), "even")
     assert codes.tolist() == [0, 0, 0]

@@ -159,6 +159,19 @@ def test_vectorised_forward_matches_step_by_step(name):
     assert torch.equal(got.float(), want)  # exact accumulation: no summation order to differ in
 
 
+@pytest.mark.parametrize("name", ["w4a8", "w4a4_packed", "faulty/w4a4_packed-fp8-layout"])
+def test_l1_spans_computed_per_token_are_those_of_the_l1_rows(name):
+    """The L1 input repeats each token's quantized row in every slot: its certificate span is computed once
+    per token and must equal the span of the rows the GEMM reads, for every expert range."""
+    from evalgate.kernels.exact import row_span
+
+    module, x, idx, w = _experts_case(t=20, k=4)
+    em = MoEEmulation(x, idx, w, K.get_kernel(name).experts_forward.recipe, module.num_experts, None)
+    for lo, hi in ((0, module.num_experts), (0, 2), (3, 6)):
+        begin, end = em.span(lo, hi)
+        assert torch.equal(em.l1_span(begin, end), row_span(em.l1_input(begin, end), em.l1_sig))
+
+
 def test_empty_slots_contribute_nothing():
     module, x, idx, w = _experts_case()
     f = K.get_kernel("w4a4").experts_forward

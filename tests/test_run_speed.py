@@ -130,3 +130,48 @@ def test_the_selftest_child_yields_to_the_run_it_serves():
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_console_script_pauses_the_collector_for_its_imports():
+    """``entry`` stops automatic collection before any import (the start-up's full collections find no garbage);
+    a command that never loads a model ends with it still paused."""
+    code = ("import atexit, gc, sys\n"
+            "sys.argv = ['evalgate', '--version']\n"
+            "atexit.register(lambda: print('collecting:', gc.isenabled()))\n"
+            "from evalgate.cli.main import entry\n"
+            "entry()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "collecting: False" in out.stdout
+
+
+def test_a_run_resumes_collection_before_it_generates(tmp_path, data_dir):
+    """Once the model is loaded, ``execute`` freezes what exists and collects again, so decoding (and a
+    server) never runs with the collector off; a collector someone else disabled is left as they left it."""
+    import gc
+
+    from evalgate import collector
+    from evalgate.run.progress import Progress
+    from evalgate.run.runner import RunSpec, execute
+
+    class Observing(StreamingAdapter):
+        def generate_stream(self, requests, batch_size=None):
+            self.collecting = (gc.isenabled(), gc.get_freeze_count())
+            yield from super().generate_stream(requests, batch_size)
+
+    spec = RunSpec(model="fake", kernel="w4a8", tasks=["gsm8k"], limit=2, batch_size=2, data_dir=str(data_dir))
+    adapter = Observing()
+    try:
+        collector.pause()
+        assert not gc.isenabled() and collector.paused()
+        with open(os.devnull, "w") as devnull:
+            execute(spec, tmp_path / "run", adapter=adapter, progress=Progress(enabled=False, stream=devnull))
+        enabled, frozen = adapter.collecting
+        assert enabled and frozen > 0 and not collector.paused()
+
+        gc.disable()  # not ours: resume leaves it alone
+        collector.resume()
+        assert not gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.enable()

@@ -49,8 +49,10 @@ def entry() -> None:
     import atexit
     import os
 
+    from evalgate import collector
     from evalgate.allocator import keep_freed_memory
 
+    collector.pause()  # until the model is loaded: the imports' full collections find no garbage
     keep_freed_memory()  # before any tensor: decoding reuses its memory instead of faulting it in every step
     try:
         main()  # standalone: click ends with SystemExit carrying the exit code

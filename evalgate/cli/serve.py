@@ -28,6 +28,9 @@ def serve(model, kernel, host, port, batch_size, batch_window_ms, device, dtype,
     get_kernel(kernel)  # a bad name fails before the model loads
     app = build_app(resolve_model(model), kernel, device=device, dtype=dtype, batch_size=batch_size,
                     served_model=served_model_name, window_s=batch_window_ms / 1000)
+    from evalgate import collector
+
+    collector.resume()  # start-up is over: a server runs for hours
     click.echo(f"evalgate serve: {app.served_model} with kernel {kernel} on http://{host}:{port}", err=True)
     run_server(app, host, port)
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from evalgate import collector
 from evalgate.version import __version__
 from evalgate.errors import UserError
 from evalgate.run.progress import Progress
@@ -178,6 +179,7 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
         if history:
             manifest["early_stop_history"] = history
     write_manifest(out, manifest)
+    collector.resume()  # start-up is over (the console script paused collection for its imports)
 
     stop = _Stop(stop_when, out, manifest)
     progress = progress or Progress()
