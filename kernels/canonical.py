@@ -86,11 +86,22 @@ def grid_scales(top: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     return s, 1.0 / s
 
 
-def _to_grid(x64: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x64 on the fixed-point grid of each slice along ``dim``: (integers |q| <= 2^bits as float64, 1/s) with
+def _scaled64(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x * s in float64 (exact: s is a power of two), in place on the float64 copy where x has another dtype."""
+    return x * s if x.dtype == torch.float64 else x.to(torch.float64).mul_(s)
+
+
+def _top64(x: torch.Tensor, dim: int, nonnegative: bool = False) -> torch.Tensor:
+    """The largest magnitude of each slice along ``dim`` (keepdim), as float64. abs and max are exact in any
+    dtype, so they run on x as it is (a BF16 input moves a quarter of the bytes of its float64 copy)."""
+    return (x if nonnegative else x.abs()).amax(dim=dim, keepdim=True).to(torch.float64)
+
+
+def _to_grid(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x on the fixed-point grid of each slice along ``dim``: (integers |q| <= 2^bits as float64, 1/s) with
     x ~ q / s, s the power of two that puts the slice's largest magnitude just below 2^bits."""
-    s, inv = grid_scales(x64.abs().amax(dim=dim, keepdim=True), bits)
-    return torch.round(x64 * s), inv
+    s, inv = grid_scales(_top64(x, dim), bits)
+    return _scaled64(x, s).round_(), inv
 
 
 # --- matrix products --------------------------------------------------------------------------------
@@ -136,9 +147,9 @@ def fixed_operand(b: torch.Tensor, mode: str = "columns") -> FixedOperand:
     if mode not in ("columns", "rows"):
         raise ValueError(f"mode {mode!r}; expected 'columns' or 'rows'")
     if mode == "columns":
-        q, inv = _to_grid(b.to(torch.float64), columns_bits(b.shape[-2]), -2)
+        q, inv = _to_grid(b, columns_bits(b.shape[-2]), -2)
     else:
-        q, inv = _to_grid(b.to(torch.float64), ROWS_B_BITS, -1)
+        q, inv = _to_grid(b, ROWS_B_BITS, -1)
     return FixedOperand(q, inv, mode)
 
 
@@ -171,16 +182,14 @@ def fixed_matmul(a: torch.Tensor, b: FixedOperand, out_dtype: torch.dtype | None
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """A [..., M, K] @ B [..., K, N] with canonical accumulation (module docstring); batch dims broadcast.
     Rounded once to FP32 (+ bias in FP32), then to ``out_dtype`` (default: a's dtype)."""
-    a64 = a if a.dtype == torch.float64 else a.to(torch.float64)
     if b.mode == "columns":
-        top = a64.abs().amax(dim=-1, keepdim=True)
-        s, inv = grid_scales(top, A_BITS)
+        s, inv = grid_scales(_top64(a, -1), A_BITS)
         # every term of an output is an integer multiple of its row's and column's units: exact in any order
-        total = _integer_matmul(torch.round(a64 * s), b.values) * inv
+        total = _integer_matmul(_scaled64(a, s).round_(), b.values).mul_(inv)
     else:
-        a64 = a64 * b.scale.transpose(-1, -2)  # A·diag(s) · diag(1/s)·B = A·B, exactly
-        s, inv = grid_scales(a64.abs().amax(dim=-1, keepdim=True), ROWS_A_BITS)
-        total = _chunked_integer_matmul(torch.round(a64 * s), b.q) * inv
+        a64 = _scaled64(a, b.scale.transpose(-1, -2))  # A·diag(s) · diag(1/s)·B = A·B, exactly
+        s, inv = grid_scales(_top64(a64, -1), ROWS_A_BITS)
+        total = _chunked_integer_matmul(a64.mul_(s).round_(), b.q).mul_(inv)
     out = total.to(torch.float32)
     if bias is not None:
         out = out + bias.to(torch.float32)
@@ -217,9 +226,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def fixed_sum(x: torch.Tensor, dim: int, keepdim: bool = False, nonnegative: bool = False) -> torch.Tensor:
     """Canonical sum along ``dim`` (module docstring), as float64; round it to the dtype you need."""
-    x64 = x if x.dtype == torch.float64 else x.to(torch.float64)
-    s, inv = grid_scales((x64 if nonnegative else x64.abs()).amax(dim=dim, keepdim=True), SUM_BITS)
-    q = torch.round(x64 * s)
+    s, inv = grid_scales(_top64(x, dim, nonnegative), SUM_BITS)
+    q = _scaled64(x, s).round_()
     if x.shape[dim] <= 2 ** (53 - SUM_BITS):  # every partial sum is an integer below 2^53: exact in float64
         total = q.sum(dim=dim, keepdim=True)
     else:
