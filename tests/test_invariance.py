@@ -78,6 +78,43 @@ def test_fixed_matmul_values_ignore_padding_keys():
     assert torch.equal(canonical.fixed_matmul(pad_p, canonical.fixed_operand(pad_v, "rows")), want)
 
 
+def _plain_grid(x64, bits, dim):
+    """The documented grid, step by step in float64 (module docstring of kernels/canonical.py)."""
+    top = x64.abs().amax(dim=dim, keepdim=True)
+    e = torch.frexp(top).exponent.to(torch.int64)  # top < 2^e
+    s = canonical.pow2(torch.where(top > 0, bits - e, torch.zeros_like(e)))
+    return torch.round(x64 * s), 1.0 / s
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_fixed_matmul_and_sum_are_their_definition_for_every_input_dtype(dtype):
+    """The grid is taken from each slice's largest magnitude in the input's own dtype and applied in place
+    on a float64 copy: the result is the plain float64 definition, bit for bit, in both operand modes, and a
+    float64 input is left as it was."""
+    g = torch.Generator().manual_seed(5)
+    a = (torch.randn(2, 6, 96, generator=g) * torch.exp(2 * torch.randn(2, 6, 96, generator=g))).to(dtype)
+    a[0, 1] = 0  # an all-zero row
+    w = torch.randn(96, 40, generator=g).to(dtype)
+    before = a.clone()
+    a64 = a.double()
+    q, inv = _plain_grid(a64, canonical.A_BITS, -1)
+    b = canonical.fixed_operand(w, "columns")
+    bq, binv = _plain_grid(w.double(), canonical.columns_bits(96), -2)
+    assert torch.equal(b.q, bq) and torch.equal(b.scale, binv)
+    want = ((q @ (bq * binv)) * inv).to(torch.float32)
+    assert torch.equal(canonical.fixed_matmul(a, b, torch.float32), want)
+
+    v = canonical.fixed_operand(w[:40], "rows")  # 40 keys of 40 channels
+    p = a[..., :40]
+    scaled = p.double() * v.scale.transpose(-1, -2)
+    pq, pinv = _plain_grid(scaled, canonical.ROWS_A_BITS, -1)
+    assert torch.equal(canonical.fixed_matmul(p, v, torch.float32), ((pq @ v.q) * pinv).to(torch.float32))
+
+    sq, sinv = _plain_grid(a64, canonical.SUM_BITS, -1)
+    assert torch.equal(canonical.fixed_sum(a, -1), (sq.sum(-1, keepdim=True) * sinv).squeeze(-1))
+    assert torch.equal(a, before)
+
+
 def test_fixed_sum_ignores_order_and_zeros():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(4, 3000, generator=g) * torch.exp(3 * torch.randn(4, 3000, generator=g))
