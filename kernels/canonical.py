@@ -336,8 +336,9 @@ def correctly_rounded(name: str, x: torch.Tensor) -> torch.Tensor:
         return _correctly_rounded_small(name, x64)
     y = _native_f64(name, x64)
     out = y.to(torch.float32)
-    margin = y.abs() * CR_MARGIN
-    unsure = (y - margin).to(torch.float32) != (y + margin).to(torch.float32)
+    margin = y.abs().mul_(CR_MARGIN)
+    below = (y - margin).to(torch.float32)
+    unsure = below != margin.add_(y).to(torch.float32)  # RN(y - margin) != RN(y + margin)
     if FORCE_EXACT:
         unsure = torch.ones_like(unsure)
     if bool(unsure.any()):

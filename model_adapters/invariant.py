@@ -57,7 +57,9 @@ def grouped_linear_forward(self, x):
 
 def _mean_square(h: torch.Tensor) -> torch.Tensor:
     """Mean of squares over the last dim, FP32 (squares exact in float64, canonical sum)."""
-    return canonical.fixed_mean(h.to(torch.float64).square(), -1, keepdim=True, nonnegative=True).to(torch.float32)
+    h64 = h.to(torch.float64)
+    squares = h64.square_() if h64 is not h else h64.square()  # in place on the copy, never on the caller's
+    return canonical.fixed_mean(squares, -1, keepdim=True, nonnegative=True).to(torch.float32)
 
 
 def rms_norm_forward(self, hidden_states):
