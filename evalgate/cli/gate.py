@@ -51,8 +51,6 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     """Compare a candidate kernel with the stored W4A8 baseline: PASS (exit 0) or FAIL (exit 1); 2 = error.
 
     With --server or --launch, the candidate runs on an OpenAI-compatible server; server arguments follow `--`."""
-    from evalgate.gate.decide import gate_runs
-
     sampling = sampling_settings(samples, temperature, seed)
     if not (candidate or server or launch):
         thresholds_path = canary_thresholds(model, thresholds_path)
@@ -64,6 +62,8 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
         if sampling != sampling_settings(1, 0.0, None):
             raise UserError("--candidate decides from a stored run, made with its own sampling settings; drop "
                             "--samples/--temperature/--seed")
+        from evalgate.gate.decide import gate_runs
+
         verdict = gate_runs(list(baselines), candidate, policy_file(thresholds_path, candidate), allow_uncalibrated)
         run_dir = Path(candidate)
     else:
@@ -82,6 +82,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
         with server_adapter(server, launch, model, kernel, run_out, model_id, server_args, launch_timeout,
                             request_timeout, concurrency, retries, batch_size) as adapter:
             if baselines:
+                from evalgate.gate.decide import gate_runs
                 from evalgate.pipeline import early_stop_hook, run_or_resume
 
                 hook = None
