@@ -87,7 +87,8 @@ def grid_scales(top: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _scaled64(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x * s in float64 (exact: s is a power of two), in place on the float64 copy where x has another dtype."""
+    """x * s in float64 (exact: s is a power of two), in place on the float64 copy where x has another dtype.
+    ``s`` has x's shape but for dimensions of 1 (a slice's own scale), so the product has x's shape."""
     return x * s if x.dtype == torch.float64 else x.to(torch.float64).mul_(s)
 
 
@@ -187,7 +188,8 @@ def fixed_matmul(a: torch.Tensor, b: FixedOperand, out_dtype: torch.dtype | None
         # every term of an output is an integer multiple of its row's and column's units: exact in any order
         total = _integer_matmul(_scaled64(a, s).round_(), b.values).mul_(inv)
     else:
-        a64 = _scaled64(a, b.scale.transpose(-1, -2))  # A·diag(s) · diag(1/s)·B = A·B, exactly
+        a64 = a.to(torch.float64) * b.scale.transpose(-1, -2)  # A·diag(s) · diag(1/s)·B = A·B, exactly (and
+        # a new tensor of the broadcast shape, which the grid below may overwrite)
         s, inv = grid_scales(_top64(a64, -1), ROWS_A_BITS)
         total = _chunked_integer_matmul(a64.mul_(s).round_(), b.q).mul_(inv)
     out = total.to(torch.float32)
