@@ -444,29 +444,18 @@ def _select(state, keep: list[int]):
     return past, mask, last_pos.index_select(0, index), last_tok.index_select(0, index)
 
 
-def _stacked(a: torch.Tensor, b: torch.Tensor, dim: int, t: int, value: float) -> torch.Tensor:
-    """a's rows then b's (along dim 0), each left-padded with ``value`` along ``dim`` to length ``t``;
-    written once into the result."""
-    shape = list(a.shape)
-    shape[0], shape[dim] = a.shape[0] + b.shape[0], t
-    out = a.new_empty(shape)
-    for rows, part in ((out.narrow(0, 0, a.shape[0]), a), (out.narrow(0, a.shape[0], b.shape[0]), b)):
-        pad = t - part.shape[dim]
-        rows.narrow(dim, 0, pad).fill_(value)
-        rows.narrow(dim, pad, part.shape[dim]).copy_(part)
-    return out
-
-
 def _join(state, new):
     """Two states side by side along the batch, the shorter one left-padded (masked keys: exact zeros)."""
     past, mask, last_pos, last_tok = state
     past2, mask2, last_pos2, _ = new
+    from evalgate.model_adapters.invariant import stack_left_padded
+
     t = max(mask.shape[-1], mask2.shape[-1])
-    mask = _stacked(mask, mask2, 1, t, 0)
+    mask = stack_left_padded(mask, mask2, 1, t, 0)
     for layer, other in zip(_check_layers(past), _check_layers(past2)):
         a, b = t - layer.keys.shape[-2], t - other.keys.shape[-2]
-        layer.keys = _stacked(layer.keys, other.keys, 2, t, 0)
-        layer.values = _stacked(layer.values, other.values, 2, t, 0)
+        layer.keys = stack_left_padded(layer.keys, other.keys, 2, t, 0)
+        layer.values = stack_left_padded(layer.values, other.values, 2, t, 0)
         mine, theirs = layer.__dict__.get("_evalgate_kv"), other.__dict__.get("_evalgate_kv")
         if mine is not None and theirs is not None:  # invariant.KeptOperands
             mine.join(theirs, a, b)

@@ -353,15 +353,24 @@ class KeptOperands:
     def join(self, other: "KeptOperands", pad_self: int, pad_other: int) -> None:
         """``other``'s rows after these, each left-padded to a common length (written once, in place)."""
         length = self.length + pad_self
-        bufs = []
-        for j, (a, b) in enumerate(zip(self._views(), other._views())):
-            fill = 1.0 if j in (1, 4) else 0.0
-            buf = a.new_empty(a.shape[0] + b.shape[0], a.shape[1], length + self.GROW, a.shape[3])
-            for rows, part, pad in ((buf[:a.shape[0]], a, pad_self), (buf[a.shape[0]:], b, pad_other)):
-                rows[:, :, :pad].fill_(fill)
-                rows[:, :, pad:length] = part
-            bufs.append(buf)
-        self.bufs, self.length = bufs, length
+        self.bufs = [stack_left_padded(a, b, 2, length, 1.0 if j in (1, 4) else 0.0, length + self.GROW)
+                     for j, (a, b) in enumerate(zip(self._views(), other._views()))]
+        self.length = length
+
+
+def stack_left_padded(a: torch.Tensor, b: torch.Tensor, dim: int, length: int, value: float,
+                      capacity: int | None = None) -> torch.Tensor:
+    """a's rows then b's (along dim 0), each left-padded with ``value`` along ``dim`` to ``length``, written
+    once into a new tensor of ``capacity`` (default ``length``) along ``dim``; beyond ``length`` it is not
+    written. Rows joining a decoding batch (``generation._join``, ``KeptOperands.join``)."""
+    shape = list(a.shape)
+    shape[0], shape[dim] = a.shape[0] + b.shape[0], capacity or length
+    out = a.new_empty(shape)
+    for rows, part in ((out.narrow(0, 0, a.shape[0]), a), (out.narrow(0, a.shape[0], b.shape[0]), b)):
+        pad = length - part.shape[dim]
+        rows.narrow(dim, 0, pad).fill_(value)
+        rows.narrow(dim, pad, part.shape[dim]).copy_(part)
+    return out
 
 
 def _attend(query, keys, values, mask, sinks, scaling):

@@ -146,8 +146,8 @@ def test_the_console_script_pauses_the_collector_for_its_imports():
 
 
 def test_a_run_resumes_collection_before_it_generates(tmp_path, data_dir):
-    """Once the model is loaded, ``execute`` freezes what exists and collects again, so decoding (and a
-    server) never runs with the collector off; a collector someone else disabled is left as they left it."""
+    """Once the model is loaded, ``execute`` freezes what exists and collects again, so decoding never runs
+    with the collector off; a collector someone else disabled is left as they left it."""
     import gc
 
     from evalgate import collector
