@@ -7,8 +7,10 @@ HumanEval canary profiles), decoded by the adapter the gate uses, through the ru
     python benchmarks/bench_generate.py --kernel w4a4_packed --stream             # where the decoding time goes
 
 ``--stream`` decodes every task's prompts as one stream, as the gate does (``decode_stream`` with the gate's
-workers and batch size), and prints what each decoding worker spent (``generation.DecodeStats``): prefill
-calls, tokens and CPU seconds; decoding steps, rows per step, steps with fewer than 8 rows left, CPU seconds.
+workers and batch size, and the stored W4A8 canary baseline's answer lengths as the expected ones;
+``--no-expected`` leaves them out), and prints what each decoding worker spent (``generation.DecodeStats``):
+prefill calls, tokens and CPU seconds; decoding steps, rows per step, steps with fewer than 8 rows left, CPU
+seconds.
 
 ``--check`` compares every generated text with the stored W4A8 canary baseline (kernel w4a8 only): the
 canonical numerics make it bit-identical whatever the batch, order or thread count.
@@ -36,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--save", default=None, help="write {task: {doc_id: text}} here")
     ap.add_argument("--profile", default=None, help="cProfile the generation, print the top 40 (tottime)")
     ap.add_argument("--stream", action="store_true", help="all tasks in one stream, as the gate; per-worker stats")
+    ap.add_argument("--no-expected", action="store_true",
+                    help="--stream without the baseline's answer lengths (the schedule of a run without a baseline)")
     args = ap.parse_args(argv)
     if args.stream and (args.check or args.save or args.profile):
         ap.error("--stream prints what each decoding worker spent; drop --check, --save and --profile")
@@ -91,7 +95,10 @@ def main(argv=None) -> int:
         items, resolved = load_task(task, spec, data_dir)
         by_task[name] = list(task.requests(items, resolved))
     if args.stream:
-        return _stream(adapter, [r for name in tasks for r in by_task[name]], batch_size, report)
+        requests = [r for name in tasks for r in by_task[name]]
+        if not args.no_expected:
+            requests = _with_baseline_lengths(requests, tasks, by_task)
+        return _stream(adapter, requests, batch_size, report)
     total_tokens = 0
     for name in tasks:
         requests = by_task[name]
@@ -142,6 +149,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def _with_baseline_lengths(requests, tasks, by_task):
+    """The requests with the stored W4A8 canary baseline's answer lengths, as the gate gives them."""
+    from dataclasses import replace
+
+    from evalgate.canary import BASELINES
+    from evalgate.run.baselines import answer_lengths
+
+    lengths = answer_lengths([p.parent for name in tasks for p in BASELINES.glob(f"*/{name}-*/w4a8/{name}.jsonl")])
+    return [replace(r, expected_tokens=lengths[name].get(r.doc_id)) for name in tasks for r in by_task[name]]
+
+
 def _stream(adapter, requests, batch_size: int, report: dict) -> int:
     """Every task's requests as one ``decode_stream``, with the gate's workers: per-worker ``DecodeStats``."""
     from dataclasses import asdict
@@ -153,11 +171,14 @@ def _stream(adapter, requests, batch_size: int, report: dict) -> int:
     stats = []
     t0 = time.perf_counter()
     tokens = 0
+    expected = [r.expected_tokens for r in requests]
     for finished in decode_stream(adapter.model, adapter.tokenizer, [r.prompt for r in requests],
                                   [r.stop for r in requests], [r.max_new_tokens for r in requests],
-                                  batch_size=batch_size, workers=workers, stats=stats):
+                                  batch_size=batch_size, workers=workers, stats=stats,
+                                  expected_tokens=expected if any(x is not None for x in expected) else None):
         tokens += sum(len(g.token_ids) for _, g in finished)
-    report.update({"workers": workers, "items": len(requests), "tokens": tokens,
+    report.update({"workers": workers, "expected_tokens": any(x is not None for x in expected),
+                   "items": len(requests), "tokens": tokens,
                    "generate_s": round(time.perf_counter() - t0, 2),
                    "per_worker": [{k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(s).items()}
                                   for s in stats]})

@@ -13,7 +13,8 @@ from evalgate.gate.compare import compare
 from evalgate.gate.decide import decide, gate_runs
 from evalgate.gate.policy import load_thresholds
 from evalgate.gate.verdict import Verdict
-from evalgate.run.baselines import ROOT_ENV, find_stored_baseline, lookup_roots, record, user_root, write_aa
+from evalgate.run.baselines import (ROOT_ENV, answer_lengths, find_stored_baseline, lookup_roots, record, user_root,
+                                    write_aa)
 from evalgate.run.runner import RunSpec, execute, load_task
 from evalgate.run.store import MANIFEST, load_run
 from evalgate.tasks import get_task
@@ -54,17 +55,19 @@ def _stamp() -> str:
     return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def run_or_resume(spec: RunSpec, out: Path, adapter=None, stop_when=None) -> Path:
+def run_or_resume(spec: RunSpec, out: Path, adapter=None, stop_when=None,
+                  expected_tokens: dict[str, dict] | None = None) -> Path:
     """A complete run in ``out`` is reused, a partial one resumed, otherwise a new one is started.
 
     ``stop_when``: the gate's early-stop hook (``evalgate.gate.early_stop.EarlyStop``; None: every item runs).
     A run the gate stopped early is resumed like an interrupted one — to completion without the hook, or
-    until the hook stops it (at once, when what is stored already decides)."""
+    until the hook stops it (at once, when what is stored already decides). ``expected_tokens``: the
+    baselines' answer lengths (``baselines.answer_lengths``), for the decoding schedule only."""
     if (out / MANIFEST).is_file():
         if load_run(out).manifest.get("status") == "complete":
             return out
-        return execute(spec, out, resume=True, adapter=adapter, stop_when=stop_when)
-    return execute(spec, out, adapter=adapter, stop_when=stop_when)
+        return execute(spec, out, resume=True, adapter=adapter, stop_when=stop_when, expected_tokens=expected_tokens)
+    return execute(spec, out, adapter=adapter, stop_when=stop_when, expected_tokens=expected_tokens)
 
 
 def early_stop_hook(baselines: list[Path], thresholds_path: str | None, allow_uncalibrated: bool,
@@ -108,7 +111,7 @@ def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path | None =
     out = out or gate_out(spec.kernel)
     dirs = [baselines[t] for t in spec.tasks]
     hook = early_stop_hook(dirs, thresholds_path, allow_uncalibrated, stop_on_conformance) if early_stop else None
-    run_dir = run_or_resume(spec, out, adapter, stop_when=hook)
+    run_dir = run_or_resume(spec, out, adapter, stop_when=hook, expected_tokens=answer_lengths(dirs))
     verdict = gate_runs(dirs, run_dir, thresholds_path, allow_uncalibrated)
     return verdict, run_dir
 

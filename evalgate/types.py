@@ -93,6 +93,9 @@ class Request:
     sample: int = 0
     temperature: float = 0.0
     seed: int | None = None
+    # how many tokens the answer is expected to have (the stored baseline's, in a gate): the in-process model
+    # schedules its decoding workers by it; nothing any item produces depends on it (and it is never stored)
+    expected_tokens: int | None = None
 
 
 @dataclass

@@ -101,7 +101,8 @@ class _Row:
 @torch.inference_mode()
 def decode_stream(model, tokenizer, prompts: list[str], stops: list[tuple[str, ...]], max_new_tokens: list[int],
                   device: str = "cpu", keys: list[SampleKey | None] | None = None, batch_size: int | None = None,
-                  refill: int | None = None, workers: int = 1, stats: list | None = None):
+                  refill: int | None = None, workers: int = 1, stats: list | None = None,
+                  expected_tokens: list[int | None] | None = None):
     """``decode`` as a stream with continuous batching: yields lists of (prompt index, RawGeneration) as rows
     finish. At most ``batch_size`` rows (default: all) decode together; a finished row leaves the batch
     (its rows of the KV cache, mask and positions are dropped, and padding no live row needs is cut), and
@@ -109,6 +110,9 @@ def decode_stream(model, tokenizer, prompts: list[str], stops: list[tuple[str, .
     prefilled in groups of like length and joined to the batch, left-padded to the cache's length.
     ``workers`` > 1 forks that many processes (one thread each) that take prompts from the same queue
     (``_parallel``). ``stats``: a list that gets each decoding loop's ``DecodeStats`` when it ends.
+    ``expected_tokens``: how long each answer is expected to be (e.g. the stored baseline's; None for a prompt
+    without one), which orders the queue by expected cost and lets each worker take only its share of it
+    (``_SharedQueue``); a schedule, never an output.
 
     With canonical numerics a row's tokens are a function of its prompt alone, so none of this changes what
     a row produces (``tests/test_invariance.py``). With PyTorch's own numerics, and for caches this does not
@@ -122,12 +126,17 @@ def decode_stream(model, tokenizer, prompts: list[str], stops: list[tuple[str, .
         yield [(i, RawGeneration([], "", "length", None, len(enc[i]))) for i in range(n)]
         return
     dynamic = _dynamic(model, enc, max_new_tokens)
-    # the most work first (prompt plus token limit: an upper bound on a row's cost), so the tail is made of
-    # short rows; e.g. HumanEval (320-token limit) before GSM8K
-    order = sorted(range(n), key=lambda i: -(len(enc[i]) + max_new_tokens[i])) if dynamic else list(range(n))
+    # the most work first, so the tail is made of short rows: without expected lengths, prompt plus token
+    # limit (an upper bound on a row's cost; e.g. HumanEval, 320 tokens, before GSM8K)
+    if expected_tokens is None:
+        costs = None
+        order = sorted(range(n), key=lambda i: -(len(enc[i]) + max_new_tokens[i])) if dynamic else list(range(n))
+    else:
+        costs = Costs.of(enc, max_new_tokens, expected_tokens)
+        order = sorted(range(n), key=lambda i: -costs.prompt[i]) if dynamic else list(range(n))
     args = (model, tokenizer, enc, stops, max_new_tokens, device, keys, batch_size, refill, dynamic)
     if dynamic and workers > 1 and n > 1 and hasattr(os, "fork"):
-        yield from _parallel(args, order, workers, stats)
+        yield from _parallel(args, order, workers, stats, costs)
     else:
         yield from _decode_queue(*args, _LocalQueue(order), stats)
 
@@ -146,7 +155,10 @@ def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
     while True:
         alive = sum(not r.done for r in live)
         free = batch_size - alive
-        take = queue.take(free) if not alive or (dynamic and free >= refill) else []
+        if not alive or (dynamic and free >= refill):
+            take = queue.take(free, [(r.index, len(r.generated)) for r in live if not r.done])
+        else:
+            take = []
         if take and alive < len(live):  # rows that finished since the last compaction leave first
             live, state = _without_finished(live, state)
         if take:
@@ -175,6 +187,8 @@ def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
             logits = out.logits[:, -1, :].float()
             stepped = live
             spent.decode_cpu_s += time.thread_time() - t0
+            if queue.balances:
+                queue.publish([(r.index, len(r.generated)) for r in live if not r.done])
             spent.steps += 1
             spent.row_steps += len(live)
             spent.steps_with_few_rows += sum(not r.done for r in live) < FEW_ROWS
@@ -209,37 +223,110 @@ def _without_finished(live: list[_Row], state):
     return [live[j] for j in keep], (_select(state, keep) if keep else None)
 
 
+# Expected costs, in decoded rows (one row of one decoding step). Measured on the canary (2-core EPYC, batch
+# 128): a step costs ~52 ms + ~1.3 ms per row; a prefilled prompt token ~0.7 ms.
+STEP_ROWS = 40.0  # a step's fixed part: a row's last steps cost that much each, whatever else decodes beside it
+PREFILL_TOKEN_ROWS = 0.55  # a prompt token, prefilled
+
+
+@dataclass
+class Costs:
+    """What each prompt is expected to cost a decoding worker (``_SharedQueue``)."""
+
+    tokens: list[int]  # the answer's expected length: the given one, capped by the token limit; else the limit
+    prompt: list[float]  # the whole prompt's cost alone: prefill plus tokens
+
+    @classmethod
+    def of(cls, enc, max_new_tokens, expected_tokens) -> "Costs":
+        tokens = [m if x is None else max(1, min(int(x), m)) for m, x in zip(max_new_tokens, expected_tokens)]
+        return cls(tokens, [PREFILL_TOKEN_ROWS * len(e) + t for e, t in zip(enc, tokens)])
+
+    def load(self, rest: list[float], prefill: float = 0.0) -> float:
+        """What a worker has left: its rows' remaining tokens, the steps its longest row still needs (a step's
+        fixed part, paid whatever else decodes beside it) and prompts not yet prefilled."""
+        return sum(rest) + STEP_ROWS * max(rest, default=0.0) + prefill
+
+    def rest(self, live) -> list[float]:
+        """Tokens still expected of each live row, (prompt index, tokens generated); at least one."""
+        return [max(self.tokens[i] - n, 1.0) for i, n in live]
+
+
 class _LocalQueue:
     """Prompt indices in the order they are admitted."""
+
+    balances = False  # whether ``publish`` is wanted after each step
 
     def __init__(self, order: list[int]):
         self.order, self.next = order, 0
 
-    def take(self, k: int) -> list[int]:
+    def take(self, k: int, live=()) -> list[int]:
+        """Up to ``k`` prompts. ``live``: the taker's rows still decoding, (prompt index, tokens generated)."""
         out = self.order[self.next:self.next + k]
         self.next += len(out)
         return out
 
+    def publish(self, live) -> None:
+        """The taker's rows still decoding, after a step (what a shared queue balances on)."""
+
 
 class _SharedQueue(_LocalQueue):
-    """The same order shared by forked workers: a counter in shared memory says how far it has been taken."""
+    """The same order shared by forked workers: a counter in shared memory says how far it has been taken.
 
-    def __init__(self, order: list[int], ctx, workers: int):
+    Without costs, near the end of the queue a worker takes only a fair share of what is left, so that the last
+    prompts spread over the workers instead of leaving one decoding a full batch alone. With ``Costs`` every
+    worker publishes what it has left after each step, and takes the next prompts only while that is below
+    an even split of all that is left (the workers' and the queue's): the worker that took the costliest
+    prompts, whose longest answer sets its finish, takes fewer of the rest and the workers end together."""
+
+    def __init__(self, order: list[int], ctx, workers: int, costs: Costs | None = None):
         super().__init__(order)
         self.counter = ctx.Value("q", 0)
         self.workers = workers
+        self.costs = costs
+        self.balances = costs is not None
+        self.left = ctx.Array("d", workers, lock=False)  # each worker's load; written under the counter's lock
+        self.worker = 0  # set in each forked worker (``of_worker``)
+        self.queued = [0.0] * (len(order) + 1)  # the cost of order[j:]
+        if costs is not None:
+            for j in range(len(order) - 1, -1, -1):
+                self.queued[j] = self.queued[j + 1] + costs.prompt[order[j]]
 
-    def take(self, k: int) -> list[int]:
-        """Up to ``k`` prompts; near the end of the queue only a fair share of what is left, so that the
-        last prompts spread over the workers instead of leaving one decoding a full batch alone."""
+    def of_worker(self, worker: int) -> "_SharedQueue":
+        """This queue as worker ``worker`` uses it (called before the fork: each process keeps its own)."""
+        self.worker = worker
+        return self
+
+    def publish(self, live) -> None:
+        self.left[self.worker] = self.costs.load(self.costs.rest(live))  # one aligned double: no lock needed
+
+    def take(self, k: int, live=()) -> list[int]:
         with self.counter.get_lock():
             start = self.counter.value
-            left = len(self.order) - start
-            if left < k * self.workers:
-                k = min(k, -(-left // self.workers))
-            end = min(len(self.order), start + k)
+            if self.costs is None:
+                left = len(self.order) - start
+                if left < k * self.workers:
+                    k = min(k, -(-left // self.workers))
+                end = min(len(self.order), start + k)
+            else:
+                end = self._share(start, k, live)
             self.counter.value = end
         return self.order[start:end]
+
+    def _share(self, start: int, k: int, live) -> int:
+        """Where this worker's take ends: prompts while its load is below an even split of everything left
+        (an idle worker takes at least one)."""
+        costs, rest = self.costs, self.costs.rest(live)
+        self.left[self.worker] = mine = costs.load(rest)
+        share = (self.queued[start] + sum(self.left)) / self.workers
+        end, prefill = start, 0.0
+        while end < len(self.order) and end - start < k and (mine < share or (not live and end == start)):
+            i = self.order[end]
+            rest.append(float(costs.tokens[i]))
+            prefill += costs.prompt[i] - costs.tokens[i]
+            mine = costs.load(rest, prefill)
+            end += 1
+        self.left[self.worker] = mine
+        return end
 
 
 def _worker(args, queue, conn) -> None:
@@ -262,7 +349,7 @@ def _worker(args, queue, conn) -> None:
         conn.close()
 
 
-def _parallel(args, order: list[int], workers: int, stats: list | None = None):
+def _parallel(args, order: list[int], workers: int, stats: list | None = None, costs: Costs | None = None):
     """``workers`` processes forked from this one decode from one queue (the model is shared copy-on-write;
     each keeps its own thread count). This process only passes their lists on, as they arrive, so the
     workers are alike: none shares its GIL with the caller's scorer thread. A row's tokens do not depend on
@@ -270,13 +357,14 @@ def _parallel(args, order: list[int], workers: int, stats: list | None = None):
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
-    queue = _SharedQueue(order, ctx, workers)
+    queue = _SharedQueue(order, ctx, workers, costs)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer's pool does not survive a fork
     children = []
     try:
         for _ in range(workers):
             receive, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker, args=(args, queue, send), daemon=True, name="evalgate-decode")
+            proc = ctx.Process(target=_worker, args=(args, queue.of_worker(len(children)), send), daemon=True,
+                               name="evalgate-decode")
             proc.start()
             send.close()
             children.append([proc, receive, False])

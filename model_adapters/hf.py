@@ -200,14 +200,17 @@ class HFAdapter:
         """Continuous batching over all ``requests``: yields lists of (request index, Generation) as items
         finish, at most ``batch_size`` (default: the adapter's) decoding at once in each of the decoding
         processes (``cores.generation_workers``: on a CPU, one per available core, forked). What an item produces does
-        not depend on when it ran beside which others (canonical numerics, ``generation.decode_stream``)."""
+        not depend on when it ran beside which others (canonical numerics, ``generation.decode_stream``); the
+        requests' ``expected_tokens`` only balance the decoding processes."""
         keys = _sample_keys(requests)
         from evalgate.cores import generation_workers
 
         workers = generation_workers()[0] if self.device == "cpu" else 1
+        expected = [r.expected_tokens for r in requests]
         stream = decode_stream(self.model, self.tokenizer, [r.prompt for r in requests], [r.stop for r in requests],
                                [r.max_new_tokens for r in requests], device=self.device, keys=keys,
-                               batch_size=batch_size or self.batch_size, workers=workers)
+                               batch_size=batch_size or self.batch_size, workers=workers,
+                               expected_tokens=expected if any(x is not None for x in expected) else None)
         for finished in stream:
             yield [(i, _generation(g, g.latency_s or 0.0)) for i, g in finished]
 

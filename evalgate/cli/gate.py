@@ -92,7 +92,10 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
                                                allow_uncalibrated)
                     except UserError:
                         pass  # the gate below says what is wrong with the baselines
-                run_dir = run_or_resume(spec, run_out, adapter=adapter, stop_when=hook)
+                from evalgate.run.baselines import answer_lengths
+
+                run_dir = run_or_resume(spec, run_out, adapter=adapter, stop_when=hook,
+                                        expected_tokens=answer_lengths([Path(b) for b in baselines]))
                 verdict = gate_runs(list(baselines), run_dir, policy_file(thresholds_path, run_dir), allow_uncalibrated)
             else:
                 verdict, run_dir = gate_model(spec, baseline_kernel, Path(baselines_root), run_out,

@@ -76,7 +76,7 @@ def run_options(f):
         click.option("--tasks", default=None, help="Comma-separated tasks [default: gsm8k for run; gsm8k,humaneval for gate and calibrate]."),
         click.option("--profile", "profiles", multiple=True, help="Scoring profile, e.g. gsm8k-cot-8shot (or task=NAME). Repeatable."),
         click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N items of each task."),
-        click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
+        click.option("--batch-size", type=click.IntRange(min=1), default=128, show_default=True,
                      help="In-process rows decoded together per process (finished rows are refilled); with canonical "
                           "numerics no output depends on it."),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1..."),

@@ -231,6 +231,23 @@ def find_stored_baseline(roots: list[Path], fingerprint: str, profile_id: str, k
     return None
 
 
+def answer_lengths(baselines: list[Path]) -> dict[str, dict] | None:
+    """{task: {doc_id: tokens}}: how long each stored baseline's answers are (records without a length, and
+    aggregate-only baselines, give none). A candidate's answers are expected to be about as long, which is
+    what the in-process model schedules its decoding workers by (``Request.expected_tokens``). None when a
+    baseline cannot be read: the gate says why when it compares."""
+    out: dict[str, dict] = {}
+    try:
+        for path in baselines:
+            run = load_run(path)
+            for task, records in run.records.items():
+                out.setdefault(task, {}).update(
+                    {r["doc_id"]: r["n_tokens"] for r in records if isinstance(r.get("n_tokens"), int)})
+    except (UserError, OSError, ValueError):
+        return None
+    return out
+
+
 def read_aa_record(baseline: str | Path) -> AARecord | None:
     """The baseline's A/A record as a typed model (a version-1 file migrated), or None if it has none."""
     path = Path(baseline) / AA_FILE

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from evalgate import collector
@@ -128,14 +128,18 @@ class _Stop:
 
 
 def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, progress: Progress | None = None,
-            stop_when=None) -> Path:
+            stop_when=None, expected_tokens: dict[str, dict] | None = None) -> Path:
     """Run ``spec`` into ``out``; returns the run directory. ``adapter`` defaults to the in-process one.
 
     ``stop_when(out, manifest)`` (the gate's ``EarlyStop``; None: run every item) is consulted before
     anything is generated and after each batch of items is scored and stored; once it returns a record the
     generation stops (the decoding stream closed, its workers ended), whatever finished is scored and stored,
     and the manifest says ``"status": "stopped_early"`` with the record as ``early_stop``. Such a run resumes
-    like an interrupted one (``resume=True``; the record moves to ``early_stop_history``)."""
+    like an interrupted one (``resume=True``; the record moves to ``early_stop_history``).
+
+    ``expected_tokens`` ({task: {doc_id: tokens}}, e.g. ``baselines.answer_lengths`` of the stored baselines)
+    goes on each request (``Request.expected_tokens``) for the in-process model's schedule: no output, record
+    or manifest depends on it."""
     from evalgate.tasks.data import resolve_data_dir
 
     out = Path(out)
@@ -192,13 +196,15 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
                     if previous.get("early_stop_history"):
                         manifest["early_stop_history"] = previous["early_stop_history"]
             elif getattr(adapter, "dispatch", None) is None and getattr(adapter, "generate_stream", None) is not None:
-                _run_tasks_in_one_stream(tasks, loaded, adapter, out, manifest, progress, spec, data_dir, stop)
+                _run_tasks_in_one_stream(tasks, loaded, adapter, out, manifest, progress, spec, data_dir, stop,
+                                         expected_tokens)
             else:
                 for task in tasks:
                     if stop.record is not None:
                         break  # the gate's FAIL is already certain: later tasks are not started
                     items, resolved = loaded[task.name]
-                    _run_task(task, items, resolved, adapter, out, manifest, progress, spec, data_dir, stop)
+                    _run_task(task, items, resolved, adapter, out, manifest, progress, spec, data_dir, stop,
+                              expected_tokens)
     except BaseException:
         manifest["status"] = "interrupted"
         write_manifest(out, manifest)
@@ -241,7 +247,7 @@ class _TaskRun:
     file, scorer and progress bar. ``score_and_write`` takes finished samples; ``close`` settles the file."""
 
     def __init__(self, task, items, resolved, adapter, out: Path, manifest: dict, progress: Progress, spec: RunSpec,
-                 data_dir):
+                 data_dir, expected_tokens: dict[str, dict] | None = None):
         self.task, self.items, self.resolved, self.manifest = task, items, resolved, manifest
         self.entry = manifest["tasks"][task.name]
         prepared = task.prepare(resolved, data_dir)  # e.g. HumanEval's executor self-test: refuses a broken executor
@@ -252,6 +258,9 @@ class _TaskRun:
         done = {r["doc_id"] for r in existing}
         self.by_id = {item["doc_id"]: item for item in items}
         requests = [r for r in task.requests(items, resolved) if r.doc_id not in done]
+        lengths = (expected_tokens or {}).get(task.name) or {}
+        if lengths:
+            requests = [replace(r, expected_tokens=lengths.get(r.doc_id)) for r in requests]
         if spec.order == "reverse":
             requests.reverse()
         sampling = spec.sampling()
@@ -290,8 +299,8 @@ class _TaskRun:
 
 
 def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progress: Progress, spec: RunSpec, data_dir,
-              stop: _Stop | None = None) -> None:
-    run = _TaskRun(task, items, resolved, adapter, out, manifest, progress, spec, data_dir)
+              stop: _Stop | None = None, expected_tokens: dict[str, dict] | None = None) -> None:
+    run = _TaskRun(task, items, resolved, adapter, out, manifest, progress, spec, data_dir, expected_tokens)
     dispatch = getattr(adapter, "dispatch", None)  # a server adapter: continuous dispatch
     stats = None
     should_stop = stop.should_stop if stop is not None else None
@@ -307,7 +316,8 @@ def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progres
 
 
 def _run_tasks_in_one_stream(tasks, loaded: dict, adapter, out: Path, manifest: dict, progress: Progress,
-                             spec: RunSpec, data_dir, stop: _Stop | None = None) -> None:
+                             spec: RunSpec, data_dir, stop: _Stop | None = None,
+                             expected_tokens: dict[str, dict] | None = None) -> None:
     """Every task's requests in one continuous-batching stream (an in-process model): the decoding processes
     never wait at a task's tail for the next task's first prompts. Each finished sample goes to its own
     task's scorer and file; nothing an item produces depends on what it was batched with."""
@@ -315,7 +325,8 @@ def _run_tasks_in_one_stream(tasks, loaded: dict, adapter, out: Path, manifest: 
     try:
         for task in tasks:  # every task prepared (and its self-test passed) before anything decodes
             items, resolved = loaded[task.name]
-            runs.append(_TaskRun(task, items, resolved, adapter, out, manifest, progress, spec, data_dir))
+            runs.append(_TaskRun(task, items, resolved, adapter, out, manifest, progress, spec, data_dir,
+                                 expected_tokens))
         requests = [r for run in runs for r in run.requests]
         owner = {id(r): run for run in runs for r in run.requests}
         times = {"generate_s": 0.0, "score_s": 0.0}
