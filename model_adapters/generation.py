@@ -225,7 +225,7 @@ def _without_finished(live: list[_Row], state):
 
 # Expected costs, in decoded rows (one row of one decoding step). Measured on the canary (2-core EPYC, batch
 # 128): a step costs ~52 ms + ~1.3 ms per row; a prefilled prompt token ~0.7 ms.
-STEP_ROWS = 40.0  # a step's fixed part: a row's last steps cost that much each, whatever else decodes beside it
+STEP_ROWS = 50.0  # a step's fixed part: a row's last steps cost that much each, whatever else decodes beside it
 PREFILL_TOKEN_ROWS = 0.55  # a prompt token, prefilled
 
 

@@ -38,15 +38,19 @@ keyring, drops every capability, sets no_new_privs and the rlimits, and sends th
 
 import ctypes
 import errno
+import fcntl  # these three are what every sandbox's own setup uses: imported once here, not once per fork
 import io
 import marshal
 import os
 import platform
+import resource
 import select
 import signal
 import socket
 import sys
 import time
+
+import _socket
 
 import _evalgate_channel as channel
 import _evalgate_judge as judge
@@ -95,8 +99,14 @@ def _bind_read_only(source, target, flags=MS_NOSUID | MS_NODEV):
 
 
 def _write(path, text):
-    with open(path, "w") as f:
-        f.write(text)
+    """``text`` into ``path`` with one write (what the kernel's id maps and limits files take)."""
+    data = text.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.EIO, f"short write to {path}")
+    finally:
+        os.close(fd)
 
 
 # ---- the executor ----------------------------------------------------------------------------------------
@@ -643,8 +653,6 @@ def isolate(header, sock, out_fd, err_fd, namespaces, work_dir):
     if namespaces and net is not None and libc.setns(net, CLONE_NEWNET) != 0:
         net = None
     null = os.open("/dev/null", os.O_RDWR)
-    import fcntl
-
     sources = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in (null, out_fd, err_fd, sock.fileno())]
     for target, source in enumerate(sources):
         os.dup2(source, target, inheritable=False)
@@ -723,14 +731,15 @@ class _CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
+_CapDataPair = _CapData * 2  # made here: a ctypes array type made in each sandbox is a new class each time
+
+
 def drop_capabilities():
-    if libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), (_CapData * 2)()) != 0:
+    if libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), _CapDataPair()) != 0:
         _fail("capset")
 
 
 def apply_limits(limits):
-    import resource
-
     pairs = [
         (resource.RLIMIT_AS, limits["memory_bytes"]),
         (resource.RLIMIT_CPU, limits["cpu_seconds"]),
@@ -746,7 +755,6 @@ def apply_limits(limits):
 
 def disable_sockets():
     """Fallback when no network namespace is available: weaker (ctypes can bypass it), and reported so."""
-    import _socket
 
     def refuse(*args, **kwargs):
         raise OSError(101, "network disabled by the evalgate sandbox")
