@@ -1,7 +1,7 @@
 """In-process generation beside a competing CPU load: the same canary GSM8K items, timed on an idle machine
 and again beside one busy-loop process, and the ratio (target: at most 2x).
 
-    python benchmarks/bench_contention.py [--items 40] [--batch-size 64] [--kernel w4a4_packed] [--threads N]
+    python benchmarks/bench_contention.py [--items 40] [--batch-size 128] [--kernel w4a4_packed] [--threads N]
 
 The model loads once, with the thread count evalgate chooses at load (``model_adapters/threads.py``:
 --threads, else OMP_NUM_THREADS, else the cores this process may use, capped by the model's size);
@@ -18,6 +18,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from evalgate.cli.options import BATCH_SIZE
 
 HOG = "while True:\n    pass\n"
 
@@ -44,7 +46,7 @@ def timed(adapter, requests, batch_size: int, give_up_s: float = float("inf")) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=40)
-    parser.add_argument("--batch-size", type=int, default=64, help="the gate's default")
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="the gate's default")
     parser.add_argument("--kernel", default="w4a4_packed")
     parser.add_argument("--threads", type=int, default=None, help="force a thread count (default: evalgate's choice)")
     parser.add_argument("--settle-s", type=float, default=1.0, help="seconds the hog runs before timing starts")

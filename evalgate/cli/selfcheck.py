@@ -18,13 +18,13 @@ from typing import Callable
 
 import click
 
-from evalgate.cli.options import baselines_root_option, canary_thresholds, parse_tasks, run_spec
+# the gate's default batch; not the stored baseline's 32, so the w4a8 row is a real A/A
+from evalgate.cli.options import BATCH_SIZE, baselines_root_option, canary_thresholds, parse_tasks, run_spec
 from evalgate.gate.stopped import decided
 
 # The healthy kernels of the canary's table (w4a8_sglang is w4a8 behind a server's scale rule: opt in with
 # --kernels); the faulty ones are every registered faulty/ kernel.
 HEALTHY = ("bf16", "w4a8", "w4a4", "w4a4_packed", "w4a4_te")
-BATCH_SIZE = 64  # the gate's default; not the stored baseline's 32, so the w4a8 row is a real A/A
 
 
 @dataclass
