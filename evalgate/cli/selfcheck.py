@@ -18,13 +18,15 @@ from typing import Callable
 
 import click
 
-# the gate's default batch; not the stored baseline's 32, so the w4a8 row is a real A/A
-from evalgate.cli.options import BATCH_SIZE, baselines_root_option, canary_thresholds, parse_tasks, run_spec
+from evalgate.cli.options import baselines_root_option, canary_thresholds, parse_tasks, run_spec
 from evalgate.gate.stopped import decided
 
 # The healthy kernels of the canary's table (w4a8_sglang is w4a8 behind a server's scale rule: opt in with
 # --kernels); the faulty ones are every registered faulty/ kernel.
 HEALTHY = ("bf16", "w4a8", "w4a4", "w4a4_packed", "w4a4_te")
+# Not the stored baseline's 32, so the w4a8 row is a real A/A; and half the gate's default (128): the faulty
+# rows run until their accuracy FAIL is certain, which fewer rows in flight let them see sooner.
+BATCH_SIZE = 64
 
 
 @dataclass
