@@ -284,20 +284,22 @@ class _SharedQueue(_LocalQueue):
         self.workers = workers
         self.costs = costs
         self.balances = costs is not None
-        self.left = ctx.Array("d", workers, lock=False)  # each worker's load; written under the counter's lock
-        self.worker = 0  # set in each forked worker (``of_worker``)
+        # each worker's load, written by that worker alone (a lone aligned double: no lock), read by the others
+        self.loads = ctx.Array("d", workers, lock=False)
+        self.worker = 0  # which worker this process is (``of_worker``)
         self.queued = [0.0] * (len(order) + 1)  # the cost of order[j:]
         if costs is not None:
             for j in range(len(order) - 1, -1, -1):
                 self.queued[j] = self.queued[j + 1] + costs.prompt[order[j]]
 
     def of_worker(self, worker: int) -> "_SharedQueue":
-        """This queue as worker ``worker`` uses it (called before the fork: each process keeps its own)."""
+        """This queue as worker ``worker`` uses it: called just before that worker is forked, which keeps its
+        own copy of this object (the counter and the loads stay shared)."""
         self.worker = worker
         return self
 
     def publish(self, live) -> None:
-        self.left[self.worker] = self.costs.load(self.costs.rest(live))  # one aligned double: no lock needed
+        self.loads[self.worker] = self.costs.load(self.costs.rest(live))
 
     def take(self, k: int, live=()) -> list[int]:
         with self.counter.get_lock():
@@ -316,8 +318,8 @@ class _SharedQueue(_LocalQueue):
         """Where this worker's take ends: prompts while its load is below an even split of everything left
         (an idle worker takes at least one)."""
         costs, rest = self.costs, self.costs.rest(live)
-        self.left[self.worker] = mine = costs.load(rest)
-        share = (self.queued[start] + sum(self.left)) / self.workers
+        self.loads[self.worker] = mine = costs.load(rest)
+        share = (self.queued[start] + sum(self.loads)) / self.workers
         end, prefill = start, 0.0
         while end < len(self.order) and end - start < k and (mine < share or (not live and end == start)):
             i = self.order[end]
@@ -325,7 +327,7 @@ class _SharedQueue(_LocalQueue):
             prefill += costs.prompt[i] - costs.tokens[i]
             mine = costs.load(rest, prefill)
             end += 1
-        self.left[self.worker] = mine
+        self.loads[self.worker] = mine
         return end
 
 
