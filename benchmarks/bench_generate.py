@@ -95,10 +95,9 @@ def main(argv=None) -> int:
         items, resolved = load_task(task, spec, data_dir)
         by_task[name] = list(task.requests(items, resolved))
     if args.stream:
-        requests = [r for name in tasks for r in by_task[name]]
         if not args.no_expected:
-            requests = _with_baseline_lengths(requests, tasks, by_task)
-        return _stream(adapter, requests, batch_size, report)
+            by_task = _with_baseline_lengths(by_task)
+        return _stream(adapter, [r for name in tasks for r in by_task[name]], batch_size, report)
     total_tokens = 0
     for name in tasks:
         requests = by_task[name]
@@ -149,15 +148,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def _with_baseline_lengths(requests, tasks, by_task):
-    """The requests with the stored W4A8 canary baseline's answer lengths, as the gate gives them."""
+def _with_baseline_lengths(by_task: dict) -> dict:
+    """Each task's requests with the stored W4A8 canary baseline's answer lengths, as the gate gives them."""
     from dataclasses import replace
 
     from evalgate.canary import BASELINES
     from evalgate.run.baselines import answer_lengths
 
-    lengths = answer_lengths([p.parent for name in tasks for p in BASELINES.glob(f"*/{name}-*/w4a8/{name}.jsonl")])
-    return [replace(r, expected_tokens=lengths[name].get(r.doc_id)) for name in tasks for r in by_task[name]]
+    lengths = answer_lengths([p.parent for name in by_task for p in BASELINES.glob(f"*/{name}-*/w4a8/{name}.jsonl")])
+    return {name: [replace(r, expected_tokens=lengths[name].get(r.doc_id)) for r in requests]
+            for name, requests in by_task.items()}
 
 
 def _stream(adapter, requests, batch_size: int, report: dict) -> int:
@@ -174,8 +174,7 @@ def _stream(adapter, requests, batch_size: int, report: dict) -> int:
     expected = [r.expected_tokens for r in requests]
     for finished in decode_stream(adapter.model, adapter.tokenizer, [r.prompt for r in requests],
                                   [r.stop for r in requests], [r.max_new_tokens for r in requests],
-                                  batch_size=batch_size, workers=workers, stats=stats,
-                                  expected_tokens=expected if any(x is not None for x in expected) else None):
+                                  batch_size=batch_size, workers=workers, stats=stats, expected_tokens=expected):
         tokens += sum(len(g.token_ids) for _, g in finished)
     report.update({"workers": workers, "expected_tokens": any(x is not None for x in expected),
                    "items": len(requests), "tokens": tokens,

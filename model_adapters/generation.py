@@ -111,7 +111,7 @@ def decode_stream(model, tokenizer, prompts: list[str], stops: list[tuple[str, .
     ``workers`` > 1 forks that many processes (one thread each) that take prompts from the same queue
     (``_parallel``). ``stats``: a list that gets each decoding loop's ``DecodeStats`` when it ends.
     ``expected_tokens``: how long each answer is expected to be (e.g. the stored baseline's; None for a prompt
-    without one), which orders the queue by expected cost and lets each worker take only its share of it
+    without one; none at all, or only None: the queue as without them), which orders the queue by expected cost and lets each worker take only its share of it
     (``_SharedQueue``); a schedule, never an output.
 
     With canonical numerics a row's tokens are a function of its prompt alone, so none of this changes what
@@ -128,12 +128,12 @@ def decode_stream(model, tokenizer, prompts: list[str], stops: list[tuple[str, .
     dynamic = _dynamic(model, enc, max_new_tokens)
     # the most work first, so the tail is made of short rows: without expected lengths, prompt plus token
     # limit (an upper bound on a row's cost; e.g. HumanEval, 320 tokens, before GSM8K)
-    if expected_tokens is None:
+    if expected_tokens is None or all(x is None for x in expected_tokens):
         costs = None
         order = sorted(range(n), key=lambda i: -(len(enc[i]) + max_new_tokens[i])) if dynamic else list(range(n))
     else:
         costs = Costs.of(enc, max_new_tokens, expected_tokens)
-        order = sorted(range(n), key=lambda i: -costs.prompt[i]) if dynamic else list(range(n))
+        order = sorted(range(n), key=lambda i: -costs.whole[i]) if dynamic else list(range(n))
     args = (model, tokenizer, enc, stops, max_new_tokens, device, keys, batch_size, refill, dynamic)
     if dynamic and workers > 1 and n > 1 and hasattr(os, "fork"):
         yield from _parallel(args, order, workers, stats, costs)
@@ -234,7 +234,7 @@ class Costs:
     """What each prompt is expected to cost a decoding worker (``_SharedQueue``)."""
 
     tokens: list[int]  # the answer's expected length: the given one, capped by the token limit; else the limit
-    prompt: list[float]  # the whole prompt's cost alone: prefill plus tokens
+    whole: list[float]  # each prompt's whole cost alone: its prefill plus its tokens
 
     @classmethod
     def of(cls, enc, max_new_tokens, expected_tokens) -> "Costs":
@@ -283,14 +283,17 @@ class _SharedQueue(_LocalQueue):
         self.counter = ctx.Value("q", 0)
         self.workers = workers
         self.costs = costs
-        self.balances = costs is not None
         # each worker's load, written by that worker alone (a lone aligned double: no lock), read by the others
         self.loads = ctx.Array("d", workers, lock=False)
         self.worker = 0  # which worker this process is (``of_worker``)
         self.queued = [0.0] * (len(order) + 1)  # the cost of order[j:]
         if costs is not None:
             for j in range(len(order) - 1, -1, -1):
-                self.queued[j] = self.queued[j + 1] + costs.prompt[order[j]]
+                self.queued[j] = self.queued[j + 1] + costs.whole[order[j]]
+
+    @property
+    def balances(self) -> bool:
+        return self.costs is not None
 
     def of_worker(self, worker: int) -> "_SharedQueue":
         """This queue as worker ``worker`` uses it: called just before that worker is forked, which keeps its
@@ -324,7 +327,7 @@ class _SharedQueue(_LocalQueue):
         while end < len(self.order) and end - start < k and (mine < share or (not live and end == start)):
             i = self.order[end]
             rest.append(float(costs.tokens[i]))
-            prefill += costs.prompt[i] - costs.tokens[i]
+            prefill += costs.whole[i] - costs.tokens[i]
             mine = costs.load(rest, prefill)
             end += 1
         self.loads[self.worker] = mine

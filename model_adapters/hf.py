@@ -206,11 +206,10 @@ class HFAdapter:
         from evalgate.cores import generation_workers
 
         workers = generation_workers()[0] if self.device == "cpu" else 1
-        expected = [r.expected_tokens for r in requests]
         stream = decode_stream(self.model, self.tokenizer, [r.prompt for r in requests], [r.stop for r in requests],
                                [r.max_new_tokens for r in requests], device=self.device, keys=keys,
                                batch_size=batch_size or self.batch_size, workers=workers,
-                               expected_tokens=expected if any(x is not None for x in expected) else None)
+                               expected_tokens=[r.expected_tokens for r in requests])
         for finished in stream:
             yield [(i, _generation(g, g.latency_s or 0.0)) for i, g in finished]
 

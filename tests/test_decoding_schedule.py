@@ -20,7 +20,7 @@ from evalgate.types import Generation
 def _queue(prompt_lens, expected, max_new=320):
     enc = [[0] * n for n in prompt_lens]
     costs = Costs.of(enc, [max_new] * len(enc), expected)
-    order = sorted(range(len(enc)), key=lambda i: -costs.prompt[i])
+    order = sorted(range(len(enc)), key=lambda i: -costs.whole[i])
     queue = _SharedQueue(order, multiprocessing.get_context("fork"), workers=2, costs=costs)
     return queue, order
 
@@ -55,7 +55,7 @@ def test_without_expected_lengths_the_queue_shares_as_before():
 def test_costs_use_the_expected_length_capped_by_the_limit_else_the_limit():
     costs = Costs.of([[0] * 10, [0] * 20, [0] * 30], [50, 50, 50], [20, None, 500])
     assert costs.tokens == [20, 50, 50]
-    assert costs.prompt == [pytest.approx(generation.PREFILL_TOKEN_ROWS * n + t) for n, t in
+    assert costs.whole == [pytest.approx(generation.PREFILL_TOKEN_ROWS * n + t) for n, t in
                             ((10, 20), (20, 50), (30, 50))]
     # a row's last steps cost a whole step each: a long row weighs more than many short ones of its tokens
     assert costs.load([100.0]) > costs.load([10.0] * 10)
