@@ -55,7 +55,7 @@ import numpy as np
 from scipy.stats import beta, binom, norm
 
 from evalgate.gate.policy import load_thresholds
-from evalgate.gate.rule import decide_overall, decide_task, gate_levels
+from evalgate.gate.rule import TaskData, TaskRule, decide_overall, decide_task, gate_levels
 from evalgate.stats.margin import aa_margin_floor, mde_binary
 from evalgate.stats.paired import Counts, tango_lower_bound
 from evalgate.stats.scores import score_lower_bound, score_z, signflip_from_histogram
@@ -405,13 +405,15 @@ def cross_check(worlds, hists, kept, rates, outcome, samples: int) -> int:
                 cand_flags[gone[j]:gone[j] + new[j]] = True
                 flags.append((base_flags, cand_flags))
             common = dict(base_invalid=flags[0][0], cand_invalid=flags[0][1], base_truncated=flags[1][0],
-                          cand_truncated=flags[1][1], **POLICY.decision_kwargs(task))
+                          cand_truncated=flags[1][1])
+            rule = TaskRule.from_policy(POLICY, task)
             if world.k == 1:
                 h = hists[task][i].astype(int)
-                decisions.append(decide_task(task, counts=Counts(h[1], h[0], h[2], 0, world.n), **common))
+                decisions.append(decide_task(TaskData.from_counts(task, Counts(h[1], h[0], h[2], 0, world.n), **common),
+                                             rule))
             elif task in kept and i < len(kept[task]):
                 base, cand = kept[task][i]
-                decisions.append(decide_task(task, base, cand, n_samples=world.k, **common))
+                decisions.append(decide_task(TaskData(task, base, cand, n_samples=world.k, **common), rule))
             else:
                 return mismatches
         overall = decide_overall(decisions, alpha=ALPHA, multiple_comparisons=POLICY.multiple_comparisons)

@@ -27,6 +27,9 @@ Types are strict (a count written as ``"200"`` is refused, not coerced) where th
 open (``extra="allow"``) everywhere else, so settings, machine descriptions and scorer details can grow
 without a schema change. A field the code starts to read, or a change in the meaning or type of one, is a
 new version: bump :data:`SCHEMA_VERSION`, add a migration from the previous one, keep reading the old ones.
+A field no longer written whose number another field holds is not: both evalgates still read both files.
+So ``gate.json``'s ``margin_requested`` and ``margin_enforced`` (always equal to ``margin``; no longer
+written) are read, in a file of any version, as its one ``margin`` (:class:`TaskDecisionRecord`).
 
 Reading keeps the file's own dict too (:attr:`Record.as_read`), so code that reads records as dicts sees
 exactly what is on disk. This module imports only pydantic, the standard library and ``evalgate.errors``.
@@ -39,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from evalgate.errors import UserError
 
@@ -362,14 +365,25 @@ class TaskDecisionRecord(Part):
     task: str | None = None
     reasons: list[str] = Field(default_factory=list)
     warnings: list[str] | None = None
-    # what the data can resolve and what was enforced (issue 14; absent in older gate.json files)
+    margin: float | None = None  # the margin gated on, a fraction
+    # what the data can resolve (issue 14; absent in older gate.json files)
     n_samples: int | None = None  # k, samples per item
     mde: float | None = None  # minimum detectable effect at 80% power, a fraction
-    margin_requested: float | None = None
-    margin_enforced: float | None = None
     aa_psi0: float | None = None  # the A/A flip structure ψ₀ and its one-sided upper bound
     aa_psi0_upper: float | None = None
     aa_n: int | None = None  # items the A/A calibration rests on
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_margin(cls, data: Any) -> Any:
+        """gate.json files written before issue 28 carry the margin three times (``margin``,
+        ``margin_requested``, ``margin_enforced``; always equal): read as the one ``margin``."""
+        if not isinstance(data, dict) or not {"margin_requested", "margin_enforced"} & data.keys():
+            return data
+        data = dict(data)
+        old = [data.pop(key) for key in ("margin_enforced", "margin_requested") if key in data]
+        data.setdefault("margin", old[0])
+        return data
 
 
 class DecisionRecord(Part):

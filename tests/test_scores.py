@@ -11,12 +11,21 @@ import numpy as np
 import pytest
 from scipy.stats import beta, binomtest, norm
 
-from evalgate.gate.rule import decide_overall, decide_task, gate_levels
+from evalgate.gate.rule import TaskData, TaskRule, decide_overall, decide_task, gate_levels
 from evalgate.stats.margin import mde_binary, mde_normal, project_samples, pooled_psi, psi_upper_bound
 from evalgate.stats.paired import (Counts, mcnemar_exact_one_sided, mcnemar_exact_two_sided, mcnemar_mid_p_one_sided,
                                    tango_interval, tango_lower_bound, tango_upper_bound)
 from evalgate.stats.scores import (item_differences, lattice_steps, score_interval, score_lower_bound,
                                    score_upper_bound, score_z, second_moment, signflip_pvalues, symmetrised)
+
+
+RULE_FIELDS = set(TaskRule.__dataclass_fields__)
+
+
+def decide(task, base=None, cand=None, **kwargs):
+    """decide_task on ``TaskData(task, base, cand, ...)`` and ``TaskRule(...)``, the keywords split between them."""
+    rule = TaskRule(**{k: v for k, v in kwargs.items() if k in RULE_FIELDS})
+    return decide_task(TaskData(task, base, cand, **{k: v for k, v in kwargs.items() if k not in RULE_FIELDS}), rule)
 
 
 def binary_diffs(b: int, c: int, n: int) -> np.ndarray:
@@ -58,14 +67,14 @@ def test_greedy_decisions_pinned():
     # documented function of them — here recomputed independently over a grid of tables, both task sizes
     for n, margin in ((1319, 0.015), (164, 0.05)):
         for b, c in itertools.product(range(0, 60, 7), range(0, 40, 6)):
-            dec = decide_task("t", counts=Counts(a=n - b - c, b=b, c=c, d=0, n=n), margin=margin)
+            dec = decide("t", counts=Counts(a=n - b - c, b=b, c=c, d=0, n=n), margin=margin)
             assert dec.p_degradation == mcnemar_exact_one_sided(b, c)  # bit for bit
             assert dec.tango_lower == tango_lower_bound(b, c, n, 0.05)
             assert dec.verdict == independent_rule(b, c, n, margin), (n, b, c)
             # from per-item vectors, the same decision, field for field
             base = np.array([1] * b + [0] * c + [1] * (n - b - c))
             cand = np.array([0] * b + [1] * c + [1] * (n - b - c))
-            assert decide_task("t", base, cand, margin=margin) == dec
+            assert decide("t", base, cand, margin=margin) == dec
 
 
 def test_original_rule_decisions_pinned():
@@ -73,7 +82,7 @@ def test_original_rule_decisions_pinned():
     spec = dict(alpha_split=False, inconclusive=False, min_rise_items=0)
     for n, margin in ((1319, 0.015), (164, 0.05)):
         for b, c in itertools.product(range(0, 60, 9), range(0, 40, 9)):
-            dec = decide_task("t", counts=Counts(a=n - b - c, b=b, c=c, d=0, n=n), margin=margin, **spec)
+            dec = decide("t", counts=Counts(a=n - b - c, b=b, c=c, d=0, n=n), margin=margin, **spec)
             fail = mcnemar_exact_one_sided(b, c) <= 0.05 or tango_lower_bound(b, c, n) <= -margin
             assert dec.verdict == ("FAIL" if fail else "PASS") == dec.spec_verdict
 
@@ -155,7 +164,7 @@ def test_k_sample_decision_aggregates_per_item():
     p_items = rng.beta(0.4, 0.08, size=n)
     yb, yc = k_sample_items(rng, n, k, p_items, np.full(n, 0.3))
     base, cand = yb.mean(axis=1), yc.mean(axis=1)
-    dec = decide_task("humaneval", base, cand, n_samples=k, base_samples=yb, cand_samples=yc, margin=0.05)
+    dec = decide("humaneval", base, cand, n_samples=k, base_samples=yb, cand_samples=yc, margin=0.05)
     diffs = cand - base
     assert dec.n_samples == k and dec.mde_method == "normal"
     assert dec.delta == pytest.approx(diffs.mean()) and dec.flip_rate == pytest.approx(np.mean(diffs ** 2))
@@ -165,10 +174,10 @@ def test_k_sample_decision_aggregates_per_item():
     assert dec.newcombe_ci is None and dec.within_variance == pytest.approx(np.mean(np.var(yc - yb, axis=1, ddof=1)))
     assert dec.verdict in ("PASS", "INCONCLUSIVE") and "k = 4 samples per item" in dec.reasons[0]
     # items, not samples, are the unit: the same data as n·k "items" would claim far more precision
-    flat = decide_task("humaneval", yb.ravel(), yc.ravel(), margin=0.05)
+    flat = decide("humaneval", yb.ravel(), yc.ravel(), margin=0.05)
     assert flat.tango_ci[1] - flat.tango_ci[0] < dec.tango_ci[1] - dec.tango_ci[0]
     with pytest.raises(ValueError, match="multiple of 1/3"):
-        decide_task("humaneval", base, cand, n_samples=3, margin=0.05)
+        decide("humaneval", base, cand, n_samples=3, margin=0.05)
 
 
 def test_fractional_rate_checks():
@@ -177,7 +186,7 @@ def test_fractional_rate_checks():
     cand = np.zeros(n)
     cand[:40] = 0.5  # 40 items with 2 of 4 samples newly invalid: +20 items' worth
     scores = np.ones(n)
-    dec = decide_task("gsm8k", scores, scores, n_samples=4, margin=0.03, base_invalid=base, cand_invalid=cand,
+    dec = decide("gsm8k", scores, scores, n_samples=4, margin=0.03, base_invalid=base, cand_invalid=cand,
                       base_truncated=base, cand_truncated=base)
     assert dec.invalid.cand_count == pytest.approx(20.0) and dec.invalid.over_limit and dec.invalid.significant
     assert dec.verdict == "FAIL" and "sign-flip" in dec.reasons[0]
@@ -321,7 +330,7 @@ def test_samples_needed_projection():
 
 
 def test_inconclusive_message_names_the_samples_needed():
-    dec = decide_task("humaneval", counts=Counts(a=130, b=8, c=5, d=21, n=164), margin=0.05)
+    dec = decide("humaneval", counts=Counts(a=130, b=8, c=5, d=21, n=164), margin=0.05)
     assert not dec.resolves_margin and dec.samples_needed == 2 and dec.samples_needed_is_bound
     overall = decide_overall([dec])
     assert overall.exit_code == 3 and "use k ≥ 2 samples per item" in overall.reasons[0]
@@ -377,7 +386,7 @@ def test_stored_k_sample_runs_gate_end_to_end(tmp_path):
     paths = write_outputs(verdict, tmp_path / "rep")
     record = load_verdict(paths["json"]) if "json" in paths else load_verdict(tmp_path / "rep" / "gate.json")
     task = record.decision.tasks["gsm8k"]
-    assert task.n_samples == 4 and task.mde == pytest.approx(dec.mde) and task.margin_enforced == pytest.approx(0.2)
+    assert task.n_samples == 4 and task.mde == pytest.approx(dec.mde) and task.margin == pytest.approx(0.2)
     assert "MDE (80% power)" in markdown(verdict) and "(k = 4)" in markdown(verdict)
 
 

@@ -8,7 +8,7 @@ from scipy.stats import binomtest, norm
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 
-from evalgate.gate.rule import decide_overall, decide_task, gate_levels
+from evalgate.gate.rule import TaskData, TaskRule, decide_overall, decide_task, gate_levels
 from evalgate.stats.margin import aa_margin_floor
 from evalgate.stats.multiplicity import holm, holm_adjusted
 from evalgate.stats.paired import (
@@ -25,6 +25,15 @@ from evalgate.stats.paired import (
     wald_interval,
 )
 from evalgate.stats.unpaired import unpaired_two_proportion
+
+RULE_FIELDS = set(TaskRule.__dataclass_fields__)
+
+
+def decide(task, base=None, cand=None, **kwargs):
+    """decide_task on ``TaskData(task, base, cand, ...)`` and ``TaskRule(...)``, the keywords split between them."""
+    rule = TaskRule(**{k: v for k, v in kwargs.items() if k in RULE_FIELDS})
+    return decide_task(TaskData(task, base, cand, **{k: v for k, v in kwargs.items() if k not in RULE_FIELDS}), rule)
+
 
 # ---------------------------------------------------------------------------- counts
 
@@ -220,7 +229,7 @@ def test_unpaired_fallback_is_labelled_and_wider():
 
 
 def test_worked_example_gsm8k_pass():
-    dec = decide_task("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015)
+    dec = decide("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015)
     assert 100 * dec.delta == pytest.approx(-0.38, abs=0.005)
     assert dec.p_degradation == pytest.approx(0.295, abs=5e-4)
     assert 100 * dec.tango_lower == pytest.approx(-1.33, abs=0.005)
@@ -230,24 +239,24 @@ def test_worked_example_gsm8k_pass():
 def test_worked_example_humaneval_is_inconclusive():
     # docs/gate.md#worked-examples: L = −5.84 pp ≤ −5 pp, but McNemar p = 0.29: the data show neither
     # non-inferiority at 5 pp nor a degradation, and n = 164 greedy at ψ = 7.9% cannot resolve 5 pp
-    dec = decide_task("humaneval", counts=Counts(a=130, b=8, c=5, d=21, n=164), margin=0.05)
+    dec = decide("humaneval", counts=Counts(a=130, b=8, c=5, d=21, n=164), margin=0.05)
     assert 100 * dec.delta == pytest.approx(-1.83, abs=0.005)
     assert dec.p_degradation == pytest.approx(0.291, abs=5e-4)
     assert 100 * dec.tango_lower == pytest.approx(-5.84, abs=0.005)
     assert dec.verdict == "INCONCLUSIVE" and not dec.degraded and not dec.non_inferior
-    assert dec.margin_requested == dec.margin_enforced == dec.margin == 0.05  # never raised
+    assert dec.margin == 0.05  # never raised
     assert not dec.resolves_margin and dec.mde == pytest.approx(aa_mde_exact(13 / 164, 164), abs=1e-6)
     reason = dec.reasons[0]
     assert reason.startswith("inconclusive: non-inferiority not shown") and "-5.84 pp" in reason
     assert "cannot resolve 5.00 pp at n = 164, k = 1 (greedy) and ψ = 7.93%" in reason
     assert f"resolvable: {100 * dec.mde:.2f} pp at 80% power" in reason and "use k ≥ 2 samples per item" in reason
     overall = decide_overall([
-        decide_task("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015), dec])
+        decide("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015), dec])
     assert overall.verdict == "INCONCLUSIVE" and overall.exit_code == 3
     assert overall.tasks["gsm8k"].verdict == "PASS"
     assert overall.reasons[0].startswith("humaneval: inconclusive")
     # the original rule (two outcomes) fails it for lack of evidence, as docs/gate.md's worked example says
-    spec = decide_task("humaneval", counts=Counts(a=130, b=8, c=5, d=21, n=164), margin=0.05, **SPEC_RULE)
+    spec = decide("humaneval", counts=Counts(a=130, b=8, c=5, d=21, n=164), margin=0.05, **SPEC_RULE)
     assert spec.verdict == "FAIL" and spec.reasons[0].startswith("non-inferiority not shown")
     assert dec.spec_verdict == "FAIL" and any("the original rule" in w for w in dec.warnings)
 
@@ -260,22 +269,22 @@ def aa_mde_exact(psi, n):
 
 def test_fail_needs_evidence_of_degradation():
     # 20 lost, 4 gained of 164: non-inferiority not shown and McNemar p = 0.0008: FAIL (exit 1)
-    dec = decide_task("humaneval", counts=Counts(a=120, b=20, c=4, d=20, n=164), margin=0.05)
+    dec = decide("humaneval", counts=Counts(a=120, b=20, c=4, d=20, n=164), margin=0.05)
     assert dec.degraded and not dec.non_inferior and dec.verdict == "FAIL"
     assert dec.reasons[0].startswith("accuracy degraded: exact one-sided McNemar p = ")
     assert "non-inferiority not shown" in dec.reasons[0] and "≤ -M = -5.00 pp" in dec.reasons[0]
-    overall = decide_overall([dec, decide_task("gsm8k", counts=Counts(a=1170, b=0, c=0, d=149, n=1319),
+    overall = decide_overall([dec, decide("gsm8k", counts=Counts(a=1170, b=0, c=0, d=149, n=1319),
                                                margin=0.015)])
     assert overall.verdict == "FAIL" and overall.exit_code == 1
 
 
 def test_degradation_within_the_margin_passes_with_a_warning():
     # n = 1319, 40 lost / 15 gained: Δ̂ = −1.9 pp, significantly worse (p = 0.0006) but L = −2.8 pp > −4 pp
-    dec = decide_task("gsm8k", counts=Counts(a=1150, b=40, c=15, d=114, n=1319), margin=0.04)
+    dec = decide("gsm8k", counts=Counts(a=1150, b=40, c=15, d=114, n=1319), margin=0.04)
     assert dec.degraded and dec.non_inferior and dec.verdict == "PASS"
     assert any(w.startswith("significantly worse than the baseline, but within the margin") for w in dec.warnings)
     # the original rule fails it
-    assert decide_task("gsm8k", counts=Counts(a=1150, b=40, c=15, d=114, n=1319), margin=0.04,
+    assert decide("gsm8k", counts=Counts(a=1150, b=40, c=15, d=114, n=1319), margin=0.04,
                        **SPEC_RULE).verdict == "FAIL"
 
 
@@ -283,8 +292,8 @@ def test_decide_task_from_vectors_equals_from_counts():
     rng = np.random.default_rng(9)
     base = rng.random(300) < 0.85
     cand = base ^ (rng.random(300) < 0.03)
-    from_vectors = decide_task("t", base, cand, margin=0.05)
-    from_counts = decide_task("t", counts=paired_counts(base, cand), margin=0.05)
+    from_vectors = decide("t", base, cand, margin=0.05)
+    from_counts = decide("t", counts=paired_counts(base, cand), margin=0.05)
     assert from_vectors == from_counts
 
 
@@ -293,16 +302,16 @@ def test_holm_turns_a_single_task_failure_into_inconclusive():
     # M = 1 pp non-inferiority is not shown (L = −1.42 pp), so the FAIL depends on the degradation test.
     bad = Counts(a=1250, b=18, c=8, d=43, n=1319)
     clean = Counts(a=140, b=3, c=3, d=18, n=164)
-    alone = decide_task("gsm8k", counts=bad, margin=0.01)
+    alone = decide("gsm8k", counts=bad, margin=0.01)
     assert 0.025 < alone.p_degradation <= 0.04
     assert alone.degraded and not alone.non_inferior and alone.verdict == "FAIL"
-    overall = decide_overall([alone, decide_task("humaneval", counts=clean, margin=0.10)])
+    overall = decide_overall([alone, decide("humaneval", counts=clean, margin=0.10)])
     gsm = overall.tasks["gsm8k"]
     assert not gsm.degraded and gsm.verdict == "INCONCLUSIVE" and overall.verdict == "INCONCLUSIVE"
     assert gsm.p_degradation_adjusted == pytest.approx(2 * alone.p_degradation)
     assert gsm.n_tasks == 2 and gsm.multiple_comparisons == "holm"
     # with no correction the same data fail, and the reason says which rule was applied
-    none = decide_overall([alone, decide_task("humaneval", counts=clean, margin=0.10)],
+    none = decide_overall([alone, decide("humaneval", counts=clean, margin=0.10)],
                           multiple_comparisons="none")
     assert none.verdict == "FAIL" and "McNemar" in none.reasons[0] and "K = 2" in none.reasons[0]
 
@@ -323,14 +332,14 @@ def test_rate_gates_limit_and_significance():
     base_invalid = flags(n, range(10))
     # +14 items = +1.06 pp: over the 1 pp limit (13.19 items), and McNemar p = 2^-14
     for policy in ({}, SPEC_RULE):
-        dec = decide_task("gsm8k", counts=counts, margin=0.015, base_invalid=base_invalid,
+        dec = decide("gsm8k", counts=counts, margin=0.015, base_invalid=base_invalid,
                           cand_invalid=flags(n, range(24)), base_truncated=flags(n, []),
                           cand_truncated=flags(n, []), **policy)
         assert dec.verdict == "FAIL" and dec.invalid.over_limit and dec.invalid.significant
         assert dec.invalid.p == pytest.approx(2.0**-14)
         assert not dec.truncation.failed
     # exactly the limit (1 of 100 items) is allowed; flags that move but do not rise pass
-    dec = decide_task("t", counts=Counts(90, 0, 0, 10, 100), margin=0.05, base_invalid=flags(100, []),
+    dec = decide("t", counts=Counts(90, 0, 0, 10, 100), margin=0.05, base_invalid=flags(100, []),
                       cand_invalid=flags(100, [0]), base_truncated=flags(100, [1, 2]),
                       cand_truncated=flags(100, [3, 4]), **SPEC_RULE)
     assert not dec.invalid.failed and not dec.truncation.failed and dec.verdict == "PASS"
@@ -343,22 +352,22 @@ def test_rate_significance_uses_its_share_of_alpha():
     counts = Counts(a=1187, b=0, c=0, d=132, n=n)
     kwargs = dict(counts=counts, margin=0.015, base_truncated=flags(n, []), cand_truncated=flags(n, range(5)),
                   base_invalid=flags(n, range(10)), cand_invalid=flags(n, range(10)))
-    spec = decide_task("gsm8k", **kwargs, **SPEC_RULE)
+    spec = decide("gsm8k", **kwargs, **SPEC_RULE)
     assert spec.verdict == "FAIL" and spec.truncation.significant and not spec.truncation.over_limit
     assert any(r.startswith("truncation rate rose significantly") for r in spec.reasons)
-    dec = decide_task("gsm8k", **kwargs)
+    dec = decide("gsm8k", **kwargs)
     assert dec.truncation.alpha == pytest.approx(0.005) and not dec.truncation.significant
     assert dec.verdict == "PASS"
     # the spec check is still reported, and a warning says the original rule (docs/gate.md#the-original-rule) would fail
     assert dec.truncation.significant_at_alpha and dec.spec_verdict == "FAIL"
     assert any("the original rule (docs/gate.md#the-original-rule)" in w and "truncation McNemar p = 0.03125" in w for w in dec.warnings)
-    overall = decide_overall([dec, decide_task("humaneval", counts=Counts(140, 0, 0, 24, 164), margin=0.05,
+    overall = decide_overall([dec, decide("humaneval", counts=Counts(140, 0, 0, 24, 164), margin=0.05,
                                                base_invalid=flags(164, []), cand_invalid=flags(164, []),
                                                base_truncated=flags(164, []), cand_truncated=flags(164, []))])
     assert overall.tasks["gsm8k"].truncation.alpha == pytest.approx(0.0025)
     assert overall.verdict == "PASS" and overall.spec_verdict == "FAIL"
     # a large rise is significant at the share too: +12 items, p = 2^-12
-    big = decide_task("gsm8k", **{**kwargs, "cand_truncated": flags(n, range(12))})
+    big = decide("gsm8k", **{**kwargs, "cand_truncated": flags(n, range(12))})
     assert big.truncation.significant and not big.truncation.over_limit and big.verdict == "FAIL"
 
 
@@ -367,14 +376,14 @@ def test_rate_limit_at_humaneval_size():
     # which indicator noise alone does ~20% of the time; the item floor (min_rise_items = 4) needs 5
     kwargs = dict(counts=Counts(140, 0, 0, 24, 164), margin=0.05, base_invalid=flags(164, []),
                   base_truncated=flags(164, []), cand_truncated=flags(164, []))
-    spec = decide_task("humaneval", cand_invalid=flags(164, [0, 1]), **kwargs, **SPEC_RULE)
+    spec = decide("humaneval", cand_invalid=flags(164, [0, 1]), **kwargs, **SPEC_RULE)
     assert spec.invalid.over_limit and not spec.invalid.significant and spec.verdict == "FAIL"
-    dec = decide_task("humaneval", cand_invalid=flags(164, [0, 1]), **kwargs)
+    dec = decide("humaneval", cand_invalid=flags(164, [0, 1]), **kwargs)
     assert dec.invalid.limit_items == 4 and not dec.invalid.over_limit and dec.invalid.over_raw_limit
     assert dec.verdict == "PASS" and dec.spec_verdict == "FAIL"
-    four = decide_task("humaneval", cand_invalid=flags(164, range(4)), **kwargs)
+    four = decide("humaneval", cand_invalid=flags(164, range(4)), **kwargs)
     assert four.verdict == "PASS"
-    five = decide_task("humaneval", cand_invalid=flags(164, range(5)), **kwargs)
+    five = decide("humaneval", cand_invalid=flags(164, range(5)), **kwargs)
     assert five.invalid.over_limit and five.verdict == "FAIL"
     assert any("5 net new items > max(1.00 pp of n, 4 items) = 4.00" in r for r in five.reasons)
 
@@ -437,23 +446,24 @@ def test_the_margin_is_never_raised_and_the_aa_noise_is_reported_with_its_bound(
     # and ψ₀ is reported with its one-sided 95% Clopper–Pearson bound and the items it rests on
     from scipy.stats import beta
 
-    dec = decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.04, aa_n=164)
-    assert dec.margin == dec.margin_enforced == dec.margin_requested == 0.05
+    dec = decide("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.04, aa_n=164)
+    assert dec.margin == 0.05
     assert dec.verdict == "INCONCLUSIVE"
     x = 0.04 * 164
     assert dec.aa_psi0_upper == pytest.approx(beta.ppf(0.95, x + 1, 164 - x)) and dec.aa_n == 164
     assert dec.aa_mde == pytest.approx(aa_mde_exact(round(dec.aa_psi0_upper, 9), 164))
-    out = decide_overall([decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319),
+    out = decide_overall([decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319),
                           dec]).to_dict()["tasks"]["humaneval"]
-    for key in ("margin_requested", "margin_enforced", "mde", "aa_psi0", "aa_psi0_upper", "aa_n", "n_samples"):
+    for key in ("margin", "mde", "aa_psi0", "aa_psi0_upper", "aa_n", "n_samples"):
         assert key in out
+    assert "margin_requested" not in out and "margin_enforced" not in out  # one margin (issue 28)
     assert "margin_floor" not in out and "margin_raised_because" not in out
     # the verdict is the same with any ψ₀, or none: it never depends on the A/A estimate
     for psi0 in (None, 0.0, 0.01, 0.2):
-        assert decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=psi0,
+        assert decide("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=psi0,
                            aa_n=None if psi0 is None else 164).verdict == "INCONCLUSIVE"
     # a candidate that moves far more items than the A/A noise is named
-    quiet = decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.0, aa_n=164)
+    quiet = decide("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.0, aa_n=164)
     assert any("moves more items than the baseline's own noise" in w and "(164 A/A items)" in w
                for w in quiet.warnings)
 
@@ -465,31 +475,31 @@ def test_a_stopped_early_candidate_is_compared_with_the_aa_noise_on_the_items_it
     cand = [1.0] * 40
     run = [True] * 10 + [False] * 30
     noise = "moves more items than the baseline's own noise"
-    everything = decide_task("gsm8k", base, cand, margin=0.03, aa_psi0=0.0, aa_n=200)
+    everything = decide("gsm8k", base, cand, margin=0.03, aa_psi0=0.0, aa_n=200)
     assert any(noise in w for w in everything.warnings)
-    on_run = decide_task("gsm8k", base, cand, margin=0.03, aa_psi0=0.0, aa_n=200, items_run=run)
+    on_run = decide("gsm8k", base, cand, margin=0.03, aa_psi0=0.0, aa_n=200, items_run=run)
     assert not any(noise in w for w in on_run.warnings)
     assert on_run.verdict == everything.verdict  # a warning only: the verdict never depends on it
     # a flip among the items run is still named, with the items it rests on
-    moved = decide_task("gsm8k", [0.0] + base[1:], cand, margin=0.03, aa_psi0=0.0, aa_n=200, items_run=run)
+    moved = decide("gsm8k", [0.0] + base[1:], cand, margin=0.03, aa_psi0=0.0, aa_n=200, items_run=run)
     assert any(noise in w and "ψ = 10.00% on the 10 items run" in w for w in moved.warnings)
     with pytest.raises(ValueError, match="items_run has 3 entries for 40 items"):
-        decide_task("gsm8k", base, cand, margin=0.03, aa_psi0=0.0, aa_n=200, items_run=[True] * 3)
+        decide("gsm8k", base, cand, margin=0.03, aa_psi0=0.0, aa_n=200, items_run=[True] * 3)
 
 
 def test_without_aa_data_nothing_changes_but_the_report():
-    dec = decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015)
-    assert dec.margin == dec.margin_requested == dec.margin_enforced == 0.015
+    dec = decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015)
+    assert dec.margin == 0.015
     assert dec.aa_psi0 is None and dec.aa_psi0_upper is None and dec.aa_mde is None
-    assert dec.verdict == decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319).verdict
-    dec = decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1000)
+    assert dec.verdict == decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319).verdict
+    dec = decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1000)
     assert any("A/A calibration covered 1000 items" in w for w in dec.warnings)
 
 
 def test_spec_rule_reproduces_section_4_8_exactly():
     # with the split off, two outcomes and no item floor, both worked examples and their numbers are docs/gate.md#the-decision-rule's
-    gsm = decide_task("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319, **SPEC_RULE)
-    he = decide_task("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.04, aa_n=164, **SPEC_RULE)
+    gsm = decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319, **SPEC_RULE)
+    he = decide("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.04, aa_n=164, **SPEC_RULE)
     assert gsm.verdict == "PASS" and gsm.alpha_accuracy == 0.05 and gsm.margin == 0.015
     assert he.verdict == "FAIL" and he.margin == 0.05
     overall = decide_overall([gsm, he])
@@ -498,27 +508,27 @@ def test_spec_rule_reproduces_section_4_8_exactly():
 
 
 def test_decision_policies_must_agree_across_tasks():
-    a = decide_task("t", counts=Counts(1, 0, 0, 0, 1), margin=0.01)
-    b = decide_task("u", counts=Counts(1, 0, 0, 0, 1), margin=0.01, alpha_validity=0.02)
+    a = decide("t", counts=Counts(1, 0, 0, 0, 1), margin=0.01)
+    b = decide("u", counts=Counts(1, 0, 0, 0, 1), margin=0.01, alpha_validity=0.02)
     with pytest.raises(ValueError, match="α budgets or outcomes"):
         decide_overall([a, b])
 
 
 def test_missing_flags_warn_and_tokens_warn_but_never_fail():
     counts = Counts(a=1170, b=30, c=25, d=94, n=1319)
-    dec = decide_task("gsm8k", counts=counts, margin=0.015, base_tokens=[100] * 10, cand_tokens=[115] * 10)
+    dec = decide("gsm8k", counts=counts, margin=0.015, base_tokens=[100] * 10, cand_tokens=[115] * 10)
     assert dec.verdict == "PASS"
     assert dec.invalid is None and dec.truncation is None
     assert any("mean generated tokens" in w and "115.0%" in w for w in dec.warnings)
     assert any("invalid rate not checked" in w for w in dec.warnings)
-    dec = decide_task("gsm8k", counts=counts, margin=0.015, base_tokens=[100] * 10, cand_tokens=[108] * 10)
+    dec = decide("gsm8k", counts=counts, margin=0.015, base_tokens=[100] * 10, cand_tokens=[108] * 10)
     assert dec.tokens.ratio == pytest.approx(1.08) and not dec.tokens.warn
     overall = decide_overall([dec])
     assert overall.verdict == "PASS" and overall.exit_code == 0 and overall.warnings
 
 
 def test_decision_serialises():
-    dec = decide_task("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015,
+    dec = decide("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015,
                       base_invalid=flags(1319, [1]), cand_invalid=flags(1319, [1, 2]),
                       base_truncated=flags(1319, []), cand_truncated=flags(1319, []))
     out = decide_overall([dec]).to_dict()
@@ -530,22 +540,96 @@ def test_decision_serialises():
 
 def test_newcombe_ci_method_gates_on_newcombe():
     counts = Counts(a=1170, b=30, c=25, d=94, n=1319)
-    dec = decide_task("gsm8k", counts=counts, margin=0.015, ci_method="newcombe")
+    dec = decide("gsm8k", counts=counts, margin=0.015, ci_method="newcombe")
     assert dec.gate_lower == dec.newcombe_lower == newcombe_interval(1170, 30, 25, 94, 0.10)[0]
     assert dec.newcombe_ci == newcombe_interval(1170, 30, 25, 94, 0.05)
 
 
 def test_decide_rejects_misuse():
-    with pytest.raises(ValueError):
-        decide_task("t", margin=0.01)
-    with pytest.raises(ValueError):
-        decide_task("t", [1], [1], counts=Counts(1, 0, 0, 0, 1), margin=0.01)
-    a = decide_task("t", counts=Counts(1, 0, 0, 0, 1), margin=0.01, alpha=0.05)
-    b = decide_task("u", counts=Counts(1, 0, 0, 0, 1), margin=0.01, alpha=0.10)
+    with pytest.raises(ValueError, match="give either"):
+        TaskData("t")
+    with pytest.raises(ValueError, match="not both"):
+        TaskData("t", [1], [1], counts=Counts(1, 0, 0, 0, 1))
+    a = decide("t", counts=Counts(1, 0, 0, 0, 1), margin=0.01, alpha=0.05)
+    b = decide("u", counts=Counts(1, 0, 0, 0, 1), margin=0.01, alpha=0.10)
     with pytest.raises(ValueError, match="α"):
         decide_overall([a, b])
     with pytest.raises(ValueError, match="duplicate"):
         decide_overall([a, a])
-    for bad in (dict(alpha_validity=0.05), dict(min_rise_items=-1), dict(aa_psi0=1.5), dict(aa_n=0)):
+    for bad in (dict(alpha_validity=0.05), dict(min_rise_items=-1), dict(margin=-0.01), dict(ci_method="wald"),
+                dict(alpha=1.5)):
         with pytest.raises(ValueError):
-            decide_task("t", counts=Counts(1, 0, 0, 0, 1), margin=0.01, **bad)
+            TaskRule(**{"margin": 0.01, **bad})
+    for bad in (dict(aa_psi0=1.5), dict(aa_n=0), dict(items_run=[True])):
+        with pytest.raises(ValueError):
+            TaskData.from_counts("t", Counts(1, 0, 0, 0, 1), **bad)
+    with pytest.raises(ValueError, match="n_samples"):
+        decide_task(TaskData("t", [1.0], [1.0], n_samples=0), TaskRule(margin=0.01))
+
+
+# ---------------------------------------------------------------------------- the decision's inputs and record (issue 28)
+
+
+def test_decide_task_takes_the_data_and_one_rule():
+    import inspect
+
+    params = inspect.signature(decide_task).parameters
+    assert list(params) == ["data", "rule"] and len(params) <= 6
+    # the policy's settings for a task are one rule, built from the policy alone
+    from evalgate.gate.policy import load_thresholds
+
+    policy = load_thresholds()
+    rule = TaskRule.from_policy(policy, "humaneval")
+    assert rule == TaskRule(**policy.decision_kwargs("humaneval")) and rule.margin == pytest.approx(0.05)
+    assert set(policy.decision_kwargs("humaneval")) == RULE_FIELDS
+    assert rule.original() == TaskRule(**{**policy.decision_kwargs("humaneval"), **SPEC_RULE})
+    # from counts and from the equivalent vectors: the same decision, with the hand-computed numbers
+    by_counts = decide_task(TaskData.from_counts("humaneval", HE_EXAMPLE), TaskRule(margin=0.05))
+    assert 100 * by_counts.tango_lower == pytest.approx(-5.84, abs=0.005) and by_counts.verdict == "INCONCLUSIVE"
+    base = [1.0] * 138 + [0.0] * 26
+    cand = [1.0] * 130 + [0.0] * 8 + [1.0] * 5 + [0.0] * 21
+    assert decide_task(TaskData("humaneval", base, cand), TaskRule(margin=0.05)) == by_counts
+
+
+def test_a_task_decision_carries_each_number_once():
+    from dataclasses import fields
+
+    from evalgate.gate.verdict import TaskDecision
+
+    names = {f.name for f in fields(TaskDecision)}
+    assert "margin" in names and not names & {"margin_requested", "margin_enforced", "spec_non_inferior"}
+    # what follows from other fields is derived, and still written for gate.json's readers
+    assert not names & {"gate_lower", "non_inferior", "resolves_margin"}
+    dec = decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015, ci_method="newcombe")
+    out = dec.to_dict()
+    assert out["gate_lower"] == dec.newcombe_lower and out["non_inferior"] is True and out["resolves_margin"] is True
+    assert out["margin"] == 0.015 and "margin_requested" not in out
+
+
+def test_an_old_gate_json_with_three_margins_still_loads(tmp_path):
+    import json
+
+    from evalgate.records import load_verdict, verdict_json
+
+    dec = decide("humaneval", counts=HE_EXAMPLE, margin=0.05)
+    new = {"verdict": "INCONCLUSIVE", "exit_code": 3,
+           "thresholds": {"alpha": 0.05, "multiple_comparisons": "holm", "ci_method": "tango"},
+           "decision": decide_overall([dec]).to_dict()}
+    old = json.loads(json.dumps(new, default=list))
+    task = old["decision"]["tasks"]["humaneval"]
+    task.update(margin_requested=0.05, margin_enforced=0.05)  # as evalgate wrote them before issue 28
+    for version in (None, 2, 3):
+        data = dict(old) if version is None else {**old, "schema_version": version}
+        (tmp_path / "gate.json").write_text(json.dumps(data))
+        record = load_verdict(tmp_path / "gate.json")
+        read = record.decision.tasks["humaneval"]
+        assert read.margin == 0.05 and read.verdict == "INCONCLUSIVE"
+        assert "margin_requested" not in read.model_dump() and "margin_enforced" not in read.model_dump()
+        assert record.as_read == data  # the file as it is on disk
+    # a file with only the old fields: its margin is theirs
+    del task["margin"]
+    (tmp_path / "gate.json").write_text(json.dumps(old))
+    assert load_verdict(tmp_path / "gate.json").decision.tasks["humaneval"].margin == 0.05
+    # what is written now: one margin
+    written = json.loads(verdict_json(new))["decision"]["tasks"]["humaneval"]
+    assert written["margin"] == 0.05 and "margin_requested" not in written and "margin_enforced" not in written

@@ -15,7 +15,7 @@ from pathlib import Path
 from evalgate.errors import NotComparable
 from evalgate.gate.compare import Pairing, compare
 from evalgate.gate.policy import Thresholds, load_thresholds
-from evalgate.gate.rule import decide_overall, decide_task
+from evalgate.gate.rule import TaskData, TaskRule, decide_overall, decide_task
 from evalgate.gate.verdict import EXIT_CODES, Verdict
 from evalgate.run.baselines import aa_for_baseline, assemble
 from evalgate.run.store import Run, load_run
@@ -66,7 +66,7 @@ def decide(pairing: Pairing, thresholds: Thresholds, aa: dict | None = None, req
     for task, pairs in scored.pairs.items():
         task_aa = aa.get(task) or {}
         # per-item scores are means over k samples (docs/gate.md#k-samples); k = 1: binary, McNemar and Tango
-        decisions.append(decide_task(
+        data = TaskData(
             task, pairs.scores("base"), pairs.scores("cand"), n_samples=pairs.n_samples("base"),
             base_samples=pairs.sample_scores("base"), cand_samples=pairs.sample_scores("cand"),
             base_invalid=pairs.invalid("base"), cand_invalid=pairs.invalid("cand"),
@@ -77,8 +77,8 @@ def decide(pairing: Pairing, thresholds: Thresholds, aa: dict | None = None, req
             aa_psi0=task_aa.get("psi0"), aa_n=task_aa.get("n"),
             # a stopped-early task: the noise warning looks at the items run, not the best completion's gains
             items_run=pairs.observed() if pairs.imputed else None,
-            **thresholds.decision_kwargs(task),
-        ))
+        )
+        decisions.append(decide_task(data, TaskRule.from_policy(thresholds, task)))
     overall = decide_overall(decisions, alpha=thresholds.alpha, multiple_comparisons=thresholds.multiple_comparisons)
     notes = [] if aa else ["decided without an A/A calibration (--allow-uncalibrated)"]
     aa_out = {t: {**a, **_aa_bound(overall.tasks.get(t))} for t, a in aa.items()}

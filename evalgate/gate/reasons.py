@@ -11,8 +11,8 @@ def spec_failures(dec: TaskDecision) -> list[str]:
     out = []
     if dec.spec_degraded:
         out.append(f"{degradation_test(dec)} p = {dec.p_degradation:.4g} rejects at α = {dec.alpha:g}")
-    if not dec.spec_non_inferior:
-        out.append(f"L = {pp(dec.gate_lower)} ≤ -M = {pp(-dec.margin_requested)}")
+    if not dec.non_inferior:
+        out.append(f"L = {pp(dec.gate_lower)} ≤ -M = {pp(-dec.margin)}")
     for check in (dec.invalid, dec.truncation):
         if check is not None and check.significant_at_alpha:
             out.append(f"{check.name} McNemar p = {check.p:.4g} ≤ α = {dec.alpha:g}")
@@ -56,8 +56,8 @@ def resolution_text(dec: TaskDecision) -> str:
     power = f"{100 * dec.mde_power:g}%"
     if dec.resolves_margin:
         return (f"resolvable: {mde} at {power} power ({structure_text(dec)}), within M = "
-                f"{100 * dec.margin_requested:.2f} pp")
-    return (f"cannot resolve {100 * dec.margin_requested:.2f} pp at {structure_text(dec)}; resolvable: {mde} at "
+                f"{100 * dec.margin:.2f} pp")
+    return (f"cannot resolve {100 * dec.margin:.2f} pp at {structure_text(dec)}; resolvable: {mde} at "
             f"{power} power; {samples_text(dec)}")
 
 

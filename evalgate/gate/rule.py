@@ -1,12 +1,13 @@
-"""The gate's decision rule for paired runs, as pure functions: one task (``decide_task``), then all tasks
-(``decide_overall``). The statistics come from ``evalgate.stats``; the words a verdict gives come from
-``evalgate.gate.reasons``. docs/gate.md explains the rule and why it departs from the textbook one.
+"""The gate's decision rule for paired runs, as pure functions: one task (``decide_task``, on its paired data
+``TaskData`` and the policy's ``TaskRule`` for it), then all tasks (``decide_overall``). The statistics come
+from ``evalgate.stats``; the words a verdict gives come from ``evalgate.gate.reasons``. docs/gate.md explains the
+rule and why it departs from the textbook one.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
@@ -19,6 +20,9 @@ from evalgate.stats.paired import (Counts, _as_bool_vector, _check_alpha, mcnema
                                    paired_counts, tango_interval, tango_lower_bound, wald_interval)
 from evalgate.stats.scores import (as_score_vector, lattice_steps, score_interval, score_lower_bound,
                                    second_moment, signflip_pvalues, symmetrised, wald_interval_scores)
+
+if TYPE_CHECKING:
+    from evalgate.gate.policy import Thresholds
 
 # --------------------------------------------------------------------------------------------------------
 # One α for the whole gate (docs/gate.md#one-alpha)
@@ -180,42 +184,207 @@ def within_item_variance(base_samples, cand_samples) -> float | None:
     return float(np.mean(variances)) if variances else None
 
 
-def decide_task(
-    task: str,
-    base: Sequence[float] | None = None,
-    cand: Sequence[float] | None = None,
-    *,
-    counts: Counts | None = None,
-    n_samples: int | Sequence[int] = 1,
-    base_samples: Sequence[Sequence[float]] | None = None,
-    cand_samples: Sequence[Sequence[float]] | None = None,
-    margin: float,
-    alpha: float = 0.05,
-    base_invalid: Sequence[float] | None = None,
-    cand_invalid: Sequence[float] | None = None,
-    base_truncated: Sequence[float] | None = None,
-    cand_truncated: Sequence[float] | None = None,
-    max_invalid_rise: float = 0.01,
-    max_truncation_rise: float = 0.01,
-    base_tokens: Sequence[float] | None = None,
-    cand_tokens: Sequence[float] | None = None,
-    token_ratio_band: tuple[float, float] = (0.9, 1.1),
-    ci_method: str = "tango",
-    aa_psi0: float | None = None,
-    aa_n: int | None = None,
-    items_run: Sequence[bool] | None = None,
-    alpha_split: bool = True,
-    alpha_validity: float = 0.01,
-    min_rise_items: int = 4,
-    inconclusive: bool = True,
-) -> TaskDecision:
-    """The per-task decision (docs/gate.md#the-decision-rule), as a pure function.
+# --------------------------------------------------------------------------------------------------------
+# The inputs: one task's paired data, and the policy's settings for it
+# --------------------------------------------------------------------------------------------------------
 
-    Give the per-item scores ``base`` and ``cand`` (same item order) or, for binary scores, ``counts``.
-    Scores are means over ``n_samples`` samples per item (k; one value or one per item): binary when k = 1.
-    ``base_samples`` / ``cand_samples`` (per item, the k sample scores in seed order) only refine how many
-    samples the margin needs. ``margin``, ``max_invalid_rise`` and ``max_truncation_rise`` are fractions
-    (1.5 pp = 0.015). Verdict:
+
+@dataclass(frozen=True)
+class TaskRule:
+    """The policy's settings for one task (docs/gate.md#the-decision-rule): what ``decide_task`` gates on.
+
+    ``margin``, ``max_invalid_rise`` and ``max_truncation_rise`` are fractions (1.5 pp = 0.015).
+    ``alpha_split=False, inconclusive=False, min_rise_items=0`` is docs/gate.md#the-original-rule exactly
+    (:meth:`original`). Checked when built: a bad setting is a ValueError here, not in the middle of a decision.
+    """
+
+    margin: float
+    alpha: float = 0.05
+    ci_method: str = "tango"  # the bound gated on: "tango" (its k-sample generalisation when k > 1) or "newcombe"
+    max_invalid_rise: float = 0.01
+    max_truncation_rise: float = 0.01
+    token_ratio_band: tuple[float, float] = (0.9, 1.1)  # WARN (never FAIL) outside it
+    alpha_split: bool = True  # α_acc = α − α_validity for accuracy, α_validity shared by the rate checks
+    alpha_validity: float = 0.01
+    min_rise_items: int = 4  # the item floor of a rate check's absolute limit
+    inconclusive: bool = True  # the third outcome (False: FAIL whenever non-inferiority is not shown)
+
+    def __post_init__(self):
+        _check_alpha(self.alpha)
+        if self.margin < 0:
+            raise ValueError(f"margin must be ≥ 0 (a fraction), got {self.margin}")
+        if self.ci_method not in ("tango", "newcombe"):
+            raise ValueError(f"ci_method must be 'tango' or 'newcombe', got {self.ci_method!r}")
+        if self.alpha_split and not 0.0 <= self.alpha_validity < self.alpha:
+            raise ValueError(f"alpha_validity must be in [0, alpha = {self.alpha}), got {self.alpha_validity}")
+        if self.min_rise_items < 0:
+            raise ValueError(f"min_rise_items must be ≥ 0, got {self.min_rise_items}")
+        object.__setattr__(self, "token_ratio_band", tuple(self.token_ratio_band))
+
+    @classmethod
+    def from_policy(cls, thresholds: Thresholds, task: str) -> TaskRule:
+        """The rule a policy (thresholds.yaml) sets for ``task``."""
+        return cls(**thresholds.decision_kwargs(task))
+
+    def original(self) -> TaskRule:
+        """The same settings under docs/gate.md#the-original-rule: every test at α, two outcomes, no item floor."""
+        return replace(self, alpha_split=False, inconclusive=False, min_rise_items=0)
+
+
+@dataclass(frozen=True)
+class TaskData:
+    """One task's paired data, baseline and candidate in the same item order.
+
+    The per-item scores ``base`` and ``cand``, or for binary scores their ``counts`` alone
+    (:meth:`from_counts`). Scores are means over ``n_samples`` samples per item (k; one value or one per
+    item): binary when k = 1. ``base_samples`` / ``cand_samples`` (per item, the k sample scores in seed
+    order) only refine how many samples the margin needs. The flags (per item; fractions of an item's
+    samples when k > 1) feed the validity checks, which are skipped with a warning when a side is missing;
+    the tokens (per item) the token-ratio warning.
+
+    ``aa_psi0`` / ``aa_n``: the baseline's A/A flip structure and item count. They never change the verdict;
+    the decision reports ψ₀, its one-sided (1 − α) upper bound and the MDE at that bound, and warns when the
+    candidate's ψ exceeds that bound. ``items_run`` (per item; score vectors only): the items a stopped-early
+    candidate ran - the warning's ψ is taken on them, since the best completion of the others turns every
+    item the baseline got wrong into a gain.
+    """
+
+    task: str
+    base: Sequence[float] | None = None
+    cand: Sequence[float] | None = None
+    counts: Counts | None = None
+    n_samples: int | Sequence[int] = 1
+    base_samples: Sequence[Sequence[float]] | None = None
+    cand_samples: Sequence[Sequence[float]] | None = None
+    base_invalid: Sequence[float] | None = None
+    cand_invalid: Sequence[float] | None = None
+    base_truncated: Sequence[float] | None = None
+    cand_truncated: Sequence[float] | None = None
+    base_tokens: Sequence[float] | None = None
+    cand_tokens: Sequence[float] | None = None
+    aa_psi0: float | None = None
+    aa_n: int | None = None
+    items_run: Sequence[bool] | None = None
+
+    def __post_init__(self):
+        if self.aa_psi0 is not None and not 0.0 <= self.aa_psi0 <= 1.0:
+            raise ValueError(f"aa_psi0 must be a flip rate in [0, 1], got {self.aa_psi0}")
+        if self.aa_n is not None and self.aa_n <= 0:
+            raise ValueError(f"aa_n must be a positive item count, got {self.aa_n}")
+        if self.items_run is not None and self.counts is not None:
+            raise ValueError("items_run needs the per-item score vectors, not counts")
+        if self.counts is not None and (self.base is not None or self.cand is not None):
+            raise ValueError("give either base and cand vectors or counts, not both")
+        if self.counts is None and (self.base is None or self.cand is None):
+            raise ValueError("give either base and cand vectors or counts")
+
+    @classmethod
+    def from_counts(cls, task: str, counts: Counts, **rest) -> TaskData:
+        """Binary scores given by their paired counts alone (the flags, tokens and A/A record as keywords)."""
+        return cls(task, counts=counts, **rest)
+
+    @property
+    def samples_per_item(self) -> tuple[int, int | np.ndarray]:
+        """(k, the samples per item as the tests take them: k, or one value per item where they differ)."""
+        ks = np.atleast_1d(np.asarray(self.n_samples, dtype=int))
+        if ks.size == 0 or ks.min() < 1:
+            raise ValueError("n_samples must be ≥ 1")
+        k = int(ks.max())
+        return k, ks if ks.size > 1 else k
+
+
+# --------------------------------------------------------------------------------------------------------
+# One task: a helper per check, then the verdict
+# --------------------------------------------------------------------------------------------------------
+
+
+def _paired_statistics(data: TaskData, alpha: float) -> tuple[Counts, dict, np.ndarray | None]:
+    """The counts, the statistics of the paired difference and the per-item differences (None from counts)."""
+    if data.counts is not None:
+        if data.counts.n <= 0:
+            raise ValueError(f"task {data.task!r} has no items")
+        return data.counts, _binary_statistics(data.counts, alpha), None
+    base, cand = as_score_vector(data.base, "base"), as_score_vector(data.cand, "cand")
+    if base.shape != cand.shape:
+        raise ValueError(f"paired vectors differ in length: base {base.size}, cand {cand.size}")
+    if base.size == 0:
+        raise ValueError(f"task {data.task!r} has no items")
+    k, per_item = data.samples_per_item
+    diffs = cand - base
+    lattice_steps(diffs, per_item if np.ndim(per_item) == 0 else np.broadcast_to(per_item, diffs.shape))  # means of k
+    if np.isin(base, (0.0, 1.0)).all() and np.isin(cand, (0.0, 1.0)).all():
+        # k = 1, or k samples that all agree within each item: exactly McNemar and Tango
+        counts = paired_counts(base, cand)
+        return counts, _binary_statistics(counts, alpha), diffs
+    counts, stats = _score_statistics(base, diffs, per_item, alpha)
+    return counts, stats, diffs
+
+
+def _gated_bound(stats: dict, ci_method: str, warnings: list[str]) -> str:
+    """The interval gated on: the policy's, unless it is Newcombe's and the scores are not binary."""
+    if ci_method == "newcombe" and stats["newcombe_lower"] is None:
+        warnings.append("ci_method newcombe is defined for binary scores only: gated on the score interval")
+        return "tango"
+    return ci_method
+
+
+def _aa_noise(data: TaskData, stats: dict, diffs: np.ndarray | None, n: int, alpha: float,
+              warnings: list[str]) -> tuple[float | None, float | None]:
+    """ψ₀'s one-sided (1 − α) upper bound and the MDE at it; warns when the candidate moves more items."""
+    if data.aa_psi0 is None:
+        return None, None
+    aa_items = data.aa_n if data.aa_n is not None else n
+    upper = psi_upper_bound(data.aa_psi0, aa_items, alpha)
+    mde = mde_binary(round(upper, 9), n, alpha, POWER)
+    if data.aa_n is not None and data.aa_n != n:
+        warnings.append(f"the A/A calibration covered {data.aa_n} items, this comparison {n}")
+    psi, on = stats["flip_rate"], ""
+    if data.items_run is not None:
+        run = np.asarray(data.items_run, dtype=bool)
+        if run.shape != diffs.shape:
+            raise ValueError(f"items_run has {run.size} entries for {diffs.size} items")
+        psi = second_moment(diffs[run]) if run.any() else None
+        on = f" on the {int(run.sum())} items run"
+    if psi is not None and psi > upper:
+        warnings.append(f"{NOISE_WARNING}: ψ = {100 * psi:.2f}%{on} > {100 * upper:.2f}%, the one-sided "
+                        f"{100 * (1 - alpha):g}% upper bound of the A/A ψ₀ = {100 * data.aa_psi0:.2f}% "
+                        f"({aa_items} A/A items)")
+    return upper, mde
+
+
+def _rate_checks(data: TaskData, rule: TaskRule, n: int, warnings: list[str]) -> dict[str, RateCheck | None]:
+    """The invalid and truncation checks (None, with a warning, where a side's flags are missing)."""
+    _, per_item = data.samples_per_item
+    checks: dict[str, RateCheck | None] = {}
+    for name, base_flags, cand_flags, limit in (
+        ("invalid", data.base_invalid, data.cand_invalid, rule.max_invalid_rise),
+        ("truncation", data.base_truncated, data.cand_truncated, rule.max_truncation_rise),
+    ):
+        if base_flags is None or cand_flags is None:
+            checks[name] = None
+            warnings.append(f"{name} rate not checked: no per-item {name} flags given")
+            continue
+        check = _rate_check(name, base_flags, cand_flags, rule.alpha, limit, rule.min_rise_items, per_item)
+        if check.n != n:
+            raise ValueError(f"{name} flags cover {check.n} items, the metric covers {n}")
+        checks[name] = check
+    return checks
+
+
+def _token_check(data: TaskData, band: tuple[float, float], warnings: list[str]) -> TokenCheck | None:
+    """Mean generated tokens, candidate vs baseline; a warning outside the band."""
+    if data.base_tokens is None or data.cand_tokens is None:
+        return None
+    tokens = TokenCheck(float(np.mean(data.base_tokens)), float(np.mean(data.cand_tokens)), band)
+    if tokens.warn:
+        warnings.append(f"mean generated tokens moved: {tokens.base_mean:.1f} → {tokens.cand_mean:.1f} "
+                        f"({100 * tokens.ratio:.1f}% of baseline, outside {100 * band[0]:g}–{100 * band[1]:g}%)")
+    return tokens
+
+
+def decide_task(data: TaskData, rule: TaskRule) -> TaskDecision:
+    """The per-task decision (docs/gate.md#the-decision-rule), as a pure function of the task's paired data
+    and the policy's rule for it. Verdict:
 
     - FAIL when a validity rate rose (exact one-sided McNemar on the indicator at its share α_validity/J,
       or more than max(limit·n, ``min_rise_items``) net new items), or when non-inferiority is not shown
@@ -225,156 +394,38 @@ def decide_task(
     - INCONCLUSIVE otherwise: the data show neither. ``inconclusive=False`` turns it into FAIL, and a
       significant degradation then FAILs even within the margin (the original rule).
 
-    ``aa_psi0`` / ``aa_n``: the baseline's A/A flip structure and item count. They never change the verdict;
-    the decision reports ψ₀, its one-sided (1 − α) upper bound and the MDE at that bound, and warns when
-    the candidate's ψ exceeds that bound. ``items_run`` (per item; score vectors only): the items a
-    stopped-early candidate ran - the warning's ψ is taken on them, since the best completion of the others
-    turns every item the baseline got wrong into a gain.
-    ``alpha_split=False, inconclusive=False, min_rise_items=0`` is docs/gate.md#the-original-rule exactly.
     WARN (never FAIL) when the candidate's mean generated tokens fall outside ``token_ratio_band`` times
-    the baseline's.
+    the baseline's, or its flip rate exceeds the A/A bound.
     """
-    _check_alpha(alpha)
-    if margin < 0:
-        raise ValueError(f"margin must be ≥ 0 (a fraction), got {margin}")
-    if ci_method not in ("tango", "newcombe"):
-        raise ValueError(f"ci_method must be 'tango' or 'newcombe', got {ci_method!r}")
-    if alpha_split and not 0.0 <= alpha_validity < alpha:
-        raise ValueError(f"alpha_validity must be in [0, alpha = {alpha}), got {alpha_validity}")
-    if min_rise_items < 0:
-        raise ValueError(f"min_rise_items must be ≥ 0, got {min_rise_items}")
-    if aa_psi0 is not None and not 0.0 <= aa_psi0 <= 1.0:
-        raise ValueError(f"aa_psi0 must be a flip rate in [0, 1], got {aa_psi0}")
-    if aa_n is not None and aa_n <= 0:
-        raise ValueError(f"aa_n must be a positive item count, got {aa_n}")
-    if items_run is not None and counts is not None:
-        raise ValueError("items_run needs the per-item score vectors, not counts")
-    ks = np.atleast_1d(np.asarray(n_samples, dtype=int))
-    if ks.size == 0 or ks.min() < 1:
-        raise ValueError("n_samples must be ≥ 1")
-    k = int(ks.max())
-    if counts is not None:
-        if base is not None or cand is not None:
-            raise ValueError("give either base and cand vectors or counts, not both")
-        if counts.n <= 0:
-            raise ValueError(f"task {task!r} has no items")
-        stats, binary = _binary_statistics(counts, alpha), True
-    else:
-        if base is None or cand is None:
-            raise ValueError("give either base and cand vectors or counts")
-        base_arr, cand_arr = as_score_vector(base, "base"), as_score_vector(cand, "cand")
-        if base_arr.shape != cand_arr.shape:
-            raise ValueError(f"paired vectors differ in length: base {base_arr.size}, cand {cand_arr.size}")
-        if base_arr.size == 0:
-            raise ValueError(f"task {task!r} has no items")
-        binary = bool(np.isin(base_arr, (0.0, 1.0)).all() and np.isin(cand_arr, (0.0, 1.0)).all())
-        diffs = cand_arr - base_arr
-        lattice_steps(diffs, np.broadcast_to(ks, diffs.shape) if ks.size > 1 else k)  # scores must be means of k
-        if binary:  # k = 1, or k samples that all agree within each item: exactly McNemar and Tango
-            counts = paired_counts(base_arr, cand_arr)
-            stats = _binary_statistics(counts, alpha)
-        else:
-            counts, stats = _score_statistics(base_arr, diffs, ks if ks.size > 1 else k, alpha)
+    k, _ = data.samples_per_item
+    counts, stats, diffs = _paired_statistics(data, rule.alpha)
     n = counts.n
     warnings: list[str] = []
-    if ci_method == "newcombe" and stats["newcombe_lower"] is None:
-        warnings.append("ci_method newcombe is defined for binary scores only: gated on the score interval")
-        ci_method = "tango"
-    gate_lower = stats["tango_lower"] if ci_method == "tango" else stats["newcombe_lower"]
-
+    ci_method = _gated_bound(stats, rule.ci_method, warnings)
     # what this n, k and flip structure resolve; how many samples per item would resolve the margin
-    within = within_item_variance(base_samples, cand_samples) if k > 1 else None
-    needed, limit, is_bound = project_samples(stats["mde"], margin, stats["flip_rate"], k, within)
-    aa_upper = aa_mde = None
-    if aa_psi0 is not None:
-        aa_items = aa_n if aa_n is not None else n
-        aa_upper = psi_upper_bound(aa_psi0, aa_items, alpha)
-        aa_mde = mde_binary(round(aa_upper, 9), n, alpha, POWER)
-        if aa_n is not None and aa_n != n:
-            warnings.append(f"the A/A calibration covered {aa_n} items, this comparison {n}")
-        psi, on = stats["flip_rate"], ""
-        if items_run is not None:
-            run = np.asarray(items_run, dtype=bool)
-            if run.shape != diffs.shape:
-                raise ValueError(f"items_run has {run.size} entries for {diffs.size} items")
-            psi = second_moment(diffs[run]) if run.any() else None
-            on = f" on the {int(run.sum())} items run"
-        if psi is not None and psi > aa_upper:
-            warnings.append(f"{NOISE_WARNING}: ψ = "
-                            f"{100 * psi:.2f}%{on} > {100 * aa_upper:.2f}%, the one-sided "
-                            f"{100 * (1 - alpha):g}% upper bound of the A/A ψ₀ = {100 * aa_psi0:.2f}% "
-                            f"({aa_items} A/A items)")
-
-    checks: dict[str, RateCheck | None] = {}
-    for name, base_flags, cand_flags, limit_pp in (
-        ("invalid", base_invalid, cand_invalid, max_invalid_rise),
-        ("truncation", base_truncated, cand_truncated, max_truncation_rise),
-    ):
-        if base_flags is None or cand_flags is None:
-            checks[name] = None
-            warnings.append(f"{name} rate not checked: no per-item {name} flags given")
-            continue
-        check = _rate_check(name, base_flags, cand_flags, alpha, limit_pp, min_rise_items,
-                            ks if ks.size > 1 else k)
-        if check.n != n:
-            raise ValueError(f"{name} flags cover {check.n} items, the metric covers {n}")
-        checks[name] = check
-
-    tokens = None
-    if base_tokens is not None and cand_tokens is not None:
-        tokens = TokenCheck(float(np.mean(base_tokens)), float(np.mean(cand_tokens)), tuple(token_ratio_band))
-        if tokens.warn:
-            warnings.append(
-                f"mean generated tokens moved: {tokens.base_mean:.1f} → {tokens.cand_mean:.1f} "
-                f"({100 * tokens.ratio:.1f}% of baseline, outside {100 * token_ratio_band[0]:g}–"
-                f"{100 * token_ratio_band[1]:g}%)"
-            )
+    within = within_item_variance(data.base_samples, data.cand_samples) if k > 1 else None
+    needed, limit, is_bound = project_samples(stats["mde"], rule.margin, stats["flip_rate"], k, within)
+    aa_upper, aa_mde = _aa_noise(data, stats, diffs, n, rule.alpha, warnings)
+    checks = _rate_checks(data, rule, n, warnings)
+    tokens = _token_check(data, rule.token_ratio_band, warnings)
 
     p = stats["p_degradation"]
     decision = TaskDecision(
-        task=task,
-        counts=counts,
-        margin=margin,
-        alpha=alpha,
-        ci_method=ci_method,
-        p_degradation_adjusted=p,
-        gate_lower=gate_lower,
-        degraded=False,
-        non_inferior=bool(gate_lower > -margin),
-        invalid=checks["invalid"],
-        truncation=checks["truncation"],
-        tokens=tokens,
-        multiple_comparisons="holm",
-        n_tasks=1,
-        verdict="PASS",
-        reasons=(),
-        margin_requested=margin,
-        margin_enforced=margin,
-        n_samples=k,
-        mde_power=POWER,
-        resolves_margin=bool(stats["mde"] <= margin),
-        samples_needed=needed,
-        samples_needed_is_bound=is_bound,
-        mde_limit=limit,
-        within_variance=within,
-        aa_psi0=aa_psi0,
-        aa_psi0_upper=aa_upper,
-        aa_n=aa_n,
-        aa_mde=aa_mde,
-        alpha_split=alpha_split,
-        alpha_validity=alpha_validity,
-        min_rise_items=min_rise_items,
-        inconclusive_enabled=inconclusive,
-        spec_non_inferior=bool(gate_lower > -margin),
-        data_warnings=tuple(warnings),
+        task=data.task, counts=counts, margin=rule.margin, alpha=rule.alpha, ci_method=ci_method,
+        p_degradation_adjusted=p, degraded=False, invalid=checks["invalid"], truncation=checks["truncation"],
+        tokens=tokens, multiple_comparisons="holm", n_tasks=1, verdict="PASS", reasons=(), n_samples=k,
+        mde_power=POWER, samples_needed=needed, samples_needed_is_bound=is_bound, mde_limit=limit,
+        within_variance=within, aa_psi0=data.aa_psi0, aa_psi0_upper=aa_upper, aa_n=data.aa_n, aa_mde=aa_mde,
+        alpha_split=rule.alpha_split, alpha_validity=rule.alpha_validity, min_rise_items=rule.min_rise_items,
+        inconclusive_enabled=rule.inconclusive, data_warnings=tuple(warnings),
         **{key: stats[key] for key in ("delta", "flip_rate", "p_degradation", "p_mid", "p_two_sided", "tango_ci",
                                        "tango_lower", "newcombe_ci", "newcombe_lower", "wald_ci", "mde",
                                        "mde_method")},
     )
     n_rate_checks = sum(check is not None for check in checks.values())
-    alpha_acc, _ = gate_levels(alpha, alpha_split, alpha_validity, 1, n_rate_checks)
+    alpha_acc, _ = gate_levels(rule.alpha, rule.alpha_split, rule.alpha_validity, 1, n_rate_checks)
     return _finalise(decision, n_tasks=1, n_rate_checks=n_rate_checks, multiple_comparisons="holm",
-                     degraded=p <= alpha_acc, p_adjusted=p, spec_degraded=p <= alpha)
+                     degraded=p <= alpha_acc, p_adjusted=p, spec_degraded=p <= rule.alpha)
 
 
 def decide_overall(

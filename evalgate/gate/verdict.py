@@ -93,7 +93,7 @@ class TaskDecision:
     counts: Counts
     delta: float  # Δ̂ = mean per-item difference, candidate − baseline
     flip_rate: float  # ψ = mean squared per-item difference ((b + c)/n for binary scores)
-    margin: float  # the margin gated on (= margin_enforced = margin_requested: never raised)
+    margin: float  # the margin the policy sets and the rule gates on (never raised: docs/gate.md#margins)
     alpha: float
     ci_method: str  # the interval gated on: "tango" (default; its k-sample generalisation when k > 1) or "newcombe"
     p_degradation: float  # exact one-sided McNemar (sign-flip when k > 1), unadjusted
@@ -105,9 +105,7 @@ class TaskDecision:
     newcombe_ci: tuple[float, float] | None  # two-sided (1 − α); binary scores only
     newcombe_lower: float | None  # one-sided (1 − α): lower end of the two-sided (1 − 2α) interval
     wald_ci: tuple[float, float]  # report only
-    gate_lower: float  # the one-sided lower bound compared with −M (tango_lower unless ci_method says)
     degraded: bool  # the degradation test rejected "no degradation" at α_acc (after the multiple-comparison rule)
-    non_inferior: bool  # gate_lower > −margin
     invalid: RateCheck | None
     truncation: RateCheck | None
     tokens: TokenCheck | None
@@ -116,15 +114,11 @@ class TaskDecision:
     verdict: str  # "PASS", "FAIL" or "INCONCLUSIVE"
     reasons: tuple[str, ...]
     warnings: tuple[str, ...] = field(default=())
-    # the margin: requested by the policy, enforced as requested (docs/gate.md#margins)
-    margin_requested: float = 0.0
-    margin_enforced: float = 0.0
     # what this n, k and flip structure can resolve (docs/gate.md#resolution)
     n_samples: int = 1  # k: samples per item (1 = greedy)
     mde: float = 0.0  # minimum detectable effect at ``mde_power`` for n, k and the measured (symmetrised) structure
     mde_power: float = 0.8
     mde_method: str = "exact"  # "exact" (binary: trinomial sum) or "normal" (k > 1)
-    resolves_margin: bool = True  # margin_requested ≥ mde
     samples_needed: int | None = None  # the fewest samples per item whose MDE reaches the margin (None: none ≤ 64)
     samples_needed_is_bound: bool = True  # True when K assumes all per-item variation averages out (a lower bound)
     mde_limit: float | None = None  # the MDE as k → ∞ (what averaging samples cannot remove)
@@ -140,8 +134,7 @@ class TaskDecision:
     min_rise_items: int = 0
     inconclusive_enabled: bool = True  # the policy's third outcome (False: the original rule's two outcomes)
     # the original rule (docs/gate.md#the-original-rule) (every test at α, raw 1 pp limit, two outcomes): reported even when not gated
-    spec_degraded: bool = False
-    spec_non_inferior: bool = True
+    spec_degraded: bool = False  # (its non-inferiority test is the gated one: ``non_inferior``)
     data_warnings: tuple[str, ...] = field(default=())  # warnings from the inputs (flags, tokens, A/A)
 
     @property
@@ -153,11 +146,26 @@ class TaskDecision:
         return self.verdict == "FAIL"
 
     @property
+    def gate_lower(self) -> float:
+        """The one-sided lower bound compared with −M: ``tango_lower``, or ``newcombe_lower`` when ci_method says."""
+        return self.tango_lower if self.ci_method == "tango" else self.newcombe_lower
+
+    @property
+    def non_inferior(self) -> bool:
+        """gate_lower > −margin (the original rule's non-inferiority test too)."""
+        return bool(self.gate_lower > -self.margin)
+
+    @property
+    def resolves_margin(self) -> bool:
+        """The margin is at least the minimum detectable effect."""
+        return bool(self.mde <= self.margin)
+
+    @property
     def spec_verdict(self) -> str:
         """The verdict of the original rule (docs/gate.md#the-original-rule) on the same data (reported, not gated unless the policy says so)."""
         rates = any(c is not None and (c.significant_at_alpha or c.over_raw_limit)
                     for c in (self.invalid, self.truncation))
-        return "FAIL" if self.spec_degraded or not self.spec_non_inferior or rates else "PASS"
+        return "FAIL" if self.spec_degraded or not self.non_inferior or rates else "PASS"
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -168,7 +176,9 @@ class TaskDecision:
                                 limit_items=check.limit_items, failed=check.failed)
         if self.tokens is not None:
             out["tokens"].update(ratio=self.tokens.ratio, warn=self.tokens.warn)
-        out["spec_verdict"] = self.spec_verdict
+        # derived, written for the readers of gate.json
+        out.update(gate_lower=self.gate_lower, non_inferior=self.non_inferior, resolves_margin=self.resolves_margin,
+                   spec_verdict=self.spec_verdict)
         return out
 
 

@@ -18,7 +18,7 @@ def paired_rows(decision, pairing, aa: dict) -> list[dict]:
             "p": dec.p_degradation, "p_adj": dec.p_degradation_adjusted, "psi": dec.flip_rate,
             "psi0": dec.aa_psi0 if dec.aa_psi0 is not None else (aa.get(task) or {}).get("psi0"),
             "psi0_upper": dec.aa_psi0_upper, "aa_n": dec.aa_n,
-            "margin": dec.margin_enforced, "margin_requested": dec.margin_requested, "mde": dec.mde,
+            "margin": dec.margin, "mde": dec.mde,
             "samples_needed": dec.samples_needed, "resolves_margin": dec.resolves_margin,
             "verdict": dec.verdict, "reasons": list(dec.reasons), "warnings": list(dec.warnings),
             # a stopped-early candidate: what the items run showed (the numbers above are its best completion)
@@ -64,7 +64,7 @@ def bound_cells(r: dict) -> dict:
 def unpaired_rows(unpaired: dict, alpha: float) -> list[dict]:
     """Rows of an aggregate-only (unpaired) verdict: task -> ``UnpairedResult.to_dict()``."""
     return [{"task": task, "paired": False, "decided": True, "observed": None, "delta": res["delta"], "ci": res["ci"], "lower": res["lower_bound"],
-             "p": res["p_degradation"], "margin": res["margin"], "margin_requested": res["margin"], "mde": None,
+             "p": res["p_degradation"], "margin": res["margin"], "mde": None,
              "verdict": "PASS" if res["non_inferior"] and res["p_degradation"] > alpha else "FAIL",
              "reasons": [res["note"]], "warnings": []}
             for task, res in unpaired.items()]
