@@ -1,5 +1,5 @@
 """The project's `kernels/` folder is `evalgate.kernels`, never the top-level `kernels` that Hugging Face
-publishes and transformers probes for."""
+publishes and transformers probes for; a built install carries the top-level thresholds.yaml as its default."""
 
 from __future__ import annotations
 
@@ -55,3 +55,69 @@ def test_distribution_maps_the_folders_under_evalgate():
 
     assert Path(evalgate.kernels.__file__).parent == REPO / "kernels"
     assert Path(evalgate.model_adapters.__file__).parent == REPO / "model_adapters"
+
+
+# --- the default policy: the top-level thresholds.yaml, built into an install as package data ----------------
+
+INSTALLED = """
+import sys
+from pathlib import Path
+from evalgate.gate.policy import default_thresholds_path, resolve_policy
+policy = resolve_policy(None)
+print(Path(sys.modules["evalgate"].__file__).parent)
+print(default_thresholds_path())
+print(policy.source, policy.path, policy.sha256)
+"""
+
+
+def test_a_built_install_ships_the_top_level_policy(tmp_path):
+    # a non-editable install: build a wheel from the sources git tracks, install it into a fresh venv (its
+    # dependencies from this interpreter's site-packages) and ask from an empty directory, then from one
+    # holding its own thresholds.yaml
+    import hashlib
+    import os
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "thresholds.yaml"):
+        shutil.copy2(REPO / name, src / name)
+    for folder in ("evalgate", "kernels", "model_adapters"):
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    wheels = tmp_path / "wheels"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(wheels), str(src)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = wheels.glob("evalgate-*.whl")
+    policy_bytes = (REPO / "thresholds.yaml").read_bytes()
+    with zipfile.ZipFile(wheel) as whl:
+        names = whl.namelist()
+        assert [n for n in names if n.startswith("evalgate/policy_default/")] == ["evalgate/policy_default/thresholds.yaml"]
+        assert whl.read("evalgate/policy_default/thresholds.yaml") == policy_bytes
+        assert not [n for n in names if n.endswith("thresholds.yaml") and "policy_default" not in n]
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    python = venv / "bin" / "python"
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
+                              str(wheel)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("EVALGATE_THRESHOLDS", "PYTHONPATH")}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    def ask(cwd):
+        proc = subprocess.run([str(python), "-P", "-c", INSTALLED], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.splitlines()
+
+    package, default, chosen = ask(empty)
+    assert Path(package).is_relative_to(venv) and not Path(package).is_relative_to(REPO)
+    assert Path(default) == Path(package) / "policy_default" / "thresholds.yaml"
+    assert chosen == f"packaged default {default} {hashlib.sha256(policy_bytes).hexdigest()}"
+    (empty / "thresholds.yaml").write_bytes(policy_bytes.replace(b"margin_pp: 1.5", b"margin_pp: 2.0"))
+    _, _, chosen = ask(empty)
+    assert chosen.startswith(f"./thresholds.yaml {empty / 'thresholds.yaml'} ")

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from evalgate.cli.options import baselines_root_option
+from evalgate.cli.options import KERNEL, baselines_root_option
 
 
 @click.group()
@@ -32,7 +32,7 @@ def baseline_record(run, root, force):
 @click.option("--n", "n_items", type=int, required=True, help="Item count behind the score.")
 @click.option("--model-id", required=True, help="A name for the model the score belongs to.")
 @click.option("--profile", required=True, help="The profile the score was measured with, as far as known.")
-@click.option("--kernel", default="w4a8", show_default=True)
+@click.option("--kernel", type=KERNEL, default="w4a8", show_default=True, help="The kernel the score was measured with.")
 @click.option("--source", default="", help="Where the score comes from.")
 @baselines_root_option("--root", "root")
 @click.option("--force", is_flag=True)

@@ -7,15 +7,16 @@ from pathlib import Path
 
 import click
 
-from evalgate.cli.options import (baselines_root_option, canary_thresholds, run_options, run_spec, sampling_options,
-                                  sampling_settings, served_model_name, server_adapter, server_options)
+from evalgate.cli.options import (KERNEL, baselines_root_option, run_options, run_spec, sampling_options,
+                                  sampling_settings, served_model_name, server_adapter, server_options,
+                                  uses_canary_profiles)
 
 
 @click.command()
 @run_options
-@click.option("--kernel", default="w4a8", show_default=True, help="The baseline kernel to calibrate.")
+@click.option("--kernel", type=KERNEL, default="w4a8", show_default=True, help="The baseline kernel to calibrate.")
 @baselines_root_option()
-@click.option("--thresholds", "thresholds_path", type=click.Path(), default=None)
+@click.option("--thresholds", "thresholds_path", type=click.Path(), default=None, help="Policy file of the A/A verdicts (default: $EVALGATE_THRESHOLDS, else the canary's own for canary runs, else ./thresholds.yaml, else the packaged one).")
 @click.option("--second-batch-size", type=click.IntRange(min=1), default=None, help="Batch size of the second in-process run (default: another one).")
 @click.option("--runs-dir", type=click.Path(), default="results/runs", show_default=True, help="Where the two A/A runs (and a launched server's log) go.")
 @sampling_options
@@ -28,15 +29,14 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
 
     With --server or --launch both runs go to an OpenAI-compatible server (one launched server serves both);
     the second run sends the items in reverse order with half the concurrency. Server arguments follow `--`."""
-    from evalgate.kernels import get_kernel
+    from evalgate.gate.policy import resolve_policy
     from evalgate.pipeline import calibrate as run_calibration, calibration_stamp
 
-    get_kernel(kernel)
     served = bool(server or launch)
-    thresholds_path = thresholds_path if served else canary_thresholds(model, thresholds_path)
     name = served_model_name(model, server, launch, model_id) if served else None
     spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name,
                     sampling_settings(samples, temperature, seed))
+    policy = resolve_policy(thresholds_path, canary=not served and uses_canary_profiles(spec.profiles))
     stamp = calibration_stamp()
     runs = Path(runs_dir)
     if launch:  # one server for both runs; its log beside them
@@ -50,7 +50,7 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
     try:
         with server_adapter(server, launch, model, kernel, log_dir, model_id, server_args, launch_timeout,
                             request_timeout, concurrency, retries, batch_size, resume_hint=False) as adapter:
-            results = run_calibration(spec, Path(baselines_root), runs_dir=runs, thresholds_path=thresholds_path,
+            results = run_calibration(spec, Path(baselines_root), runs_dir=runs, thresholds_path=policy,
                                       second_batch_size=second_batch_size, adapter=adapter, stamp=stamp)
     except ServerError as exc:  # a calibration is not resumed: it starts again, on a healthy server
         raise UserError(str(exc).replace(RESUME_HINT, "restart the server and run the calibration again")) from None

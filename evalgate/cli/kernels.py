@@ -15,6 +15,7 @@ import time
 
 import click
 
+from evalgate.cli.options import KERNELS
 from evalgate.errors import UserError
 
 kernels_group = click.Group(
@@ -105,7 +106,7 @@ MODEL_COLUMNS = [("kernel", "kernel", ""), ("mean_kl", "mean KL vs bf16", ".3e")
 @click.option("--model", "model_path", default=None, help="Model-level check: a local checkpoint directory.")
 @click.option("--tasks", default="gsm8k", show_default=True, help="Tasks whose prompts feed the model-level check.")
 @click.option("--limit", default=32, show_default=True, type=int, help="Items per task (model-level).")
-@click.option("--kernels", "kernel_list", default=None, help="Comma-separated kernels (default: all).")
+@click.option("--kernels", "kernels", type=KERNELS, default=None, help="Comma-separated kernels (default: all).")
 @click.option("--data-dir", type=click.Path(file_okay=False), envvar="EVALGATE_DATA_DIR", default=None,
               help="Offline copy of the task data (model-level).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic layer.")
@@ -113,18 +114,14 @@ MODEL_COLUMNS = [("kernel", "kernel", ""), ("mean_kl", "mean KL vs bf16", ".3e")
 @click.option("--backend", type=click.Choice(["torch", "triton"]), default="torch", show_default=True,
               help="triton: run the emulated kernels' Triton implementation on the layer (--shape) and compare it "
                    "with the PyTorch emulator bit for bit (on a CPU needs TRITON_INTERPRET=1).")
-def check(shape, tokens, model_path, tasks, limit, kernel_list, data_dir, seed, as_json, backend):
+def check(shape, tokens, model_path, tasks, limit, kernels, data_dir, seed, as_json, backend):
     """Numerics of every kernel: one synthetic layer vs FP32 (--shape), or a model vs bf16 (--model)."""
     from evalgate.kernels import check as checks
-    from evalgate.kernels import get_kernel
 
     if (shape is None) == (model_path is None):
         raise UserError("kernels check needs exactly one of --shape (layer-level) or --model PATH (model-level)")
     if backend == "triton" and shape is None:
         raise UserError("--backend triton checks one synthetic layer: pass --shape (tiny, small or dsv4-flash)")
-    kernels = _parse_list(kernel_list, "kernels")
-    for k in kernels or []:
-        get_kernel(k)
     t0 = time.perf_counter()
     if shape is not None:
         checks.shape_params(shape)

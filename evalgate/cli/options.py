@@ -6,6 +6,7 @@ import datetime as dt
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from evalgate.errors import UserError
 
@@ -14,6 +15,42 @@ DEFAULT_BASELINES = "results/baselines"  # relative to the current directory
 # EPYC) for more rows; 128 with the baseline's answer lengths ended the default gate's decoding ~10% sooner
 # than 64 (README "Measured"); no output depends on it
 BATCH_SIZE = 128
+
+
+class KernelName(click.ParamType):
+    """A kernel name of `evalgate kernels list` (``multiple``: comma-separated names, converted to a list). An
+    unknown name is a usage error (exit 2) on one line listing the known kernels. Listing them imports the
+    registry (and torch), so a command's own default is taken as written: a command that runs no kernel
+    (``gate --candidate``) never pays for it; tests/test_cli_options.py checks every default is known."""
+
+    name = "kernel"
+
+    def __init__(self, multiple: bool = False):
+        self.multiple = multiple
+        if multiple:
+            self.name = "kernels"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, list):
+            return value
+        names = [v.strip() for v in value.split(",") if v.strip()] if self.multiple else [value]
+        if not names:
+            self.fail("is empty; name at least one kernel, comma-separated", param, ctx)
+        own_default = (ctx is not None and param is not None and param.name is not None
+                       and ctx.get_parameter_source(param.name) is ParameterSource.DEFAULT)
+        if not own_default:
+            from evalgate.kernels import kernel_names
+
+            known = kernel_names()
+            for name in names:
+                if name not in known:
+                    self.fail(f"unknown kernel {name!r}; choose one of: {', '.join(known)} "
+                              "(see `evalgate kernels list`)", param, ctx)
+        return names if self.multiple else value
+
+
+KERNEL = KernelName()  # --kernel, --baseline-kernel
+KERNELS = KernelName(multiple=True)  # --kernels a,b,c
 
 
 def baselines_root_option(flag: str = "--baselines-root", dest: str = "baselines_root"):
@@ -177,13 +214,19 @@ def with_canary_profiles(model: str | None, task_list: list[str], chosen: dict[s
     return {**{t: PROFILES[t] for t in task_list if t in PROFILES}, **chosen}
 
 
-def canary_thresholds(model: str | None, thresholds_path: str | None) -> str | None:
-    """The canary's own policy (its item counts differ from GSM8K test's) unless --thresholds is given."""
-    if model or thresholds_path:
-        return thresholds_path
-    from evalgate.canary import THRESHOLDS
+def canary_thresholds(model: str | None, thresholds_path):
+    """The policy of a gate on the in-process model: ``resolve_policy`` with the canary's own policy when no
+    --model is given. A thin wrapper kept for callers not yet switched to ``resolve_policy``."""
+    from evalgate.gate.policy import resolve_policy
 
-    return str(THRESHOLDS)
+    return resolve_policy(thresholds_path, canary=not model)
+
+
+def uses_canary_profiles(profiles: dict[str, str]) -> bool:
+    """Whether every task is scored with the built-in canary's profile (such a gate takes the canary's policy)."""
+    from evalgate.canary import PROFILES
+
+    return bool(profiles) and all(PROFILES.get(task) == name for task, name in profiles.items())
 
 
 def resolve_model(model: str | None) -> str:
@@ -219,13 +262,13 @@ def run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, m
                    device=device, dtype=dtype, data_dir=data_dir, max_new_tokens=max_new_tokens, **(sampling or {}))
 
 
-def policy_file(thresholds_path: str | None, candidate) -> str | None:
-    """--thresholds, else the canary's own policy for a run scored with the canary profiles, else None
-    (the packaged default)."""
-    if thresholds_path:
-        return thresholds_path
+def policy_file(thresholds_path, candidate):
+    """The policy of a gate on a stored candidate run: ``resolve_policy`` with the canary's own policy when the
+    run is scored with the canary's profiles. A thin wrapper kept for callers not yet switched to it."""
     from evalgate.canary import policy_for
+    from evalgate.gate.policy import resolve_policy
     from evalgate.run.store import load_run
 
-    found = policy_for(load_run(candidate))
-    return str(found) if found else None
+    if thresholds_path:
+        return resolve_policy(thresholds_path)
+    return resolve_policy(None, canary=policy_for(load_run(candidate)) is not None)

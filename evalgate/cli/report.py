@@ -7,7 +7,6 @@ from pathlib import Path
 
 import click
 
-from evalgate.cli.options import policy_file
 from evalgate.errors import UserError
 
 
@@ -17,19 +16,24 @@ from evalgate.errors import UserError
 @click.option("--candidate", type=click.Path(), required=True, help="Candidate run folder.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default="report.html", show_default=True,
               help="Where to write the self-contained HTML report.")
-@click.option("--thresholds", "thresholds_path", type=click.Path(), default=None, help="Policy file (default: the packaged policy; the canary's own for canary runs).")
+@click.option("--thresholds", "thresholds_path", type=click.Path(), default=None, help="Policy file (default: $EVALGATE_THRESHOLDS, else the canary's own for canary runs, else ./thresholds.yaml, else the packaged one).")
 @click.option("--allow-uncalibrated", is_flag=True, help="Decide even if the baseline has no A/A calibration (recorded).")
 def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated):
     """Per-item HTML report of a candidate run against a baseline: exit 0 PASS, 1 FAIL, 2 error."""
+    from evalgate.canary import policy_for
     from evalgate.gate.decide import gate_runs
+    from evalgate.gate.policy import resolve_policy
     from evalgate.report.html import report_html
+    from evalgate.run.store import load_run
 
     out = Path(html_path)
     if out.exists() and out.is_dir():
         raise UserError(f"--html {html_path!r} is a folder; give a file name such as report.html")
     if not out.parent.exists():
         raise UserError(f"--html {html_path!r}: folder {str(out.parent)!r} does not exist; create it or choose another path")
-    verdict = gate_runs(list(baselines), candidate, policy_file(thresholds_path, candidate), allow_uncalibrated)
+    run = load_run(candidate)  # read once: for its profiles (a canary run has its own policy) and the decision
+    policy = resolve_policy(thresholds_path, canary=policy_for(run) is not None)
+    verdict = gate_runs(list(baselines), run, policy, allow_uncalibrated)
     text = report_html(verdict)  # rendered fully before the file is touched
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text, encoding="utf-8")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from evalgate.cli.options import (default_out, parse_profiles, parse_tasks, run_options, sampling_options,
+from evalgate.cli.options import (KERNEL, default_out, parse_profiles, parse_tasks, run_options, sampling_options,
                                   sampling_settings, served_model_name, server_adapter, server_options,
                                   with_canary_profiles)
 from evalgate.errors import UserError
@@ -14,7 +14,7 @@ from evalgate.errors import UserError
 
 @click.command()
 @run_options
-@click.option("--kernel", default="bf16", show_default=True, help="Kernel name (see `evalgate kernels list`).")
+@click.option("--kernel", type=KERNEL, default="bf16", show_default=True, help="Kernel name (see `evalgate kernels list`).")
 @click.option("--out", type=click.Path(), default=None, help="Run folder (default: results/runs/<time>-<kernel>).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out: finished items are kept, never redone.")
 @sampling_options
@@ -25,12 +25,10 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
     """Run tasks with one kernel and store per-item records.
 
     With --server or --launch, requests go to an OpenAI-compatible server; server arguments follow `--`."""
-    from evalgate.kernels import get_kernel
     from evalgate.run.runner import RunSpec, execute
 
     if resume and out is None:
         raise UserError("--resume needs --out: the folder of the run to continue")
-    get_kernel(kernel)  # fail on a bad name before loading anything
     sampling = sampling_settings(samples, temperature, seed)
     task_list = parse_tasks(tasks)
     chosen = parse_profiles(profiles, task_list)

@@ -18,7 +18,7 @@ from typing import Callable
 
 import click
 
-from evalgate.cli.options import baselines_root_option, canary_thresholds, parse_tasks, run_spec
+from evalgate.cli.options import KERNELS, baselines_root_option, parse_tasks, run_spec
 from evalgate.gate.stopped import decided
 
 # The healthy kernels of the canary's table (w4a8_sglang is w4a8 behind a server's scale rule: opt in with
@@ -148,7 +148,10 @@ def canary_gate(tasks: list[str], batch_size: int, runs_dir: Path, baselines_roo
     """``evalgate gate --kernel K`` on the canary, its run in ``runs_dir/K`` and its reports beside it; as the
     gate, a run stops early once its FAIL is certain unless ``early_stop`` is False — on accuracy only: every
     faulty kernel fails its conformance check before any item, and the table is there to show what the
-    canary's accuracy catches."""
+    canary's accuracy catches. The policy is resolved once, as the gate resolves it for the canary."""
+    from evalgate.gate.policy import resolve_policy
+
+    policy = resolve_policy(None, canary=True)
 
     def gate_one(kernel: str):
         from evalgate.pipeline import gate_model
@@ -156,7 +159,7 @@ def canary_gate(tasks: list[str], batch_size: int, runs_dir: Path, baselines_roo
 
         spec = run_spec(None, kernel, ",".join(tasks), (), None, batch_size, device, None, None, data_dir)
         out = runs_dir / kernel.replace("/", "_")
-        verdict, run_dir = gate_model(spec, "w4a8", baselines_root, out, canary_thresholds(None, None),
+        verdict, run_dir = gate_model(spec, "w4a8", baselines_root, out, policy,
                                       early_stop=early_stop, stop_on_conformance=False)
         write_outputs(verdict, Path(run_dir) / "gate")
         return verdict, run_dir
@@ -165,7 +168,7 @@ def canary_gate(tasks: list[str], batch_size: int, runs_dir: Path, baselines_roo
 
 
 @click.command()
-@click.option("--kernels", default=None, help="Comma-separated kernels [default: the healthy ones and every faulty/ kernel].")
+@click.option("--kernels", type=KERNELS, default=None, help="Comma-separated kernels [default: the healthy ones and every faulty/ kernel].")
 @click.option("--tasks", default="gsm8k,humaneval", show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=BATCH_SIZE, show_default=True,
               help="Not the stored baseline's 32, so that the w4a8 row is an A/A.")
@@ -178,11 +181,7 @@ def canary_gate(tasks: list[str], batch_size: int, runs_dir: Path, baselines_roo
               help="Run every item of every kernel (default: a gate stops once its FAIL is certain).")
 def selfcheck(kernels, tasks, batch_size, runs_dir, baselines_root, data_dir, device, json_path, no_early_stop):
     """Gate every kernel on the canary: healthy ones must PASS, faulty ones FAIL. Exit 0 when all do, else 1."""
-    from evalgate.kernels import get_kernel
-
-    names = [k.strip() for k in kernels.split(",") if k.strip()] if kernels else default_kernels()
-    for name in names:
-        get_kernel(name)  # an unknown name fails before anything runs
+    names = kernels or default_kernels()
     task_list = parse_tasks(tasks)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     runs = Path(runs_dir) if runs_dir else Path("results/runs") / f"selfcheck-{stamp}"

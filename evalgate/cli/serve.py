@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import click
 
-from evalgate.cli.options import resolve_model
+from evalgate.cli.options import KERNEL, resolve_model
 
 
 @click.command()
 @click.option("--model", "--model-path", "model", default=None,
               help="Local transformers checkpoint folder (default: the built-in canary).")
-@click.option("--kernel", default="bf16", show_default=True, help="Kernel name (see `evalgate kernels list`).")
+@click.option("--kernel", type=KERNEL, default="bf16", show_default=True, help="Kernel name (see `evalgate kernels list`).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
@@ -22,10 +22,8 @@ from evalgate.cli.options import resolve_model
 @click.option("--served-model-name", default=None, help="The model id clients send (default: the folder name).")
 def serve(model, kernel, host, port, batch_size, batch_window_ms, device, dtype, served_model_name):
     """Serve /v1/completions, /v1/chat/completions, /v1/models and /health (greedy decoding only)."""
-    from evalgate.kernels import get_kernel
     from evalgate.model_adapters.server import build_app, serve as run_server
 
-    get_kernel(kernel)  # a bad name fails before the model loads
     app = build_app(resolve_model(model), kernel, device=device, dtype=dtype, batch_size=batch_size,
                     served_model=served_model_name, window_s=batch_window_ms / 1000)
     from evalgate import collector

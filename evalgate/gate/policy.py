@@ -1,23 +1,28 @@
 """The gate's policy file, thresholds.yaml: alpha and its split, multiplicity rule, CI method, margins.
 
-``load_thresholds(path=None)`` reads and validates it. Any problem (missing file, bad YAML, duplicate or
-unknown key, wrong type, value out of range, missing task) raises ``UserError`` with one line naming the
-file, the line where known, the dotted key, and what is expected. The file's sha256 is kept so a verdict
-can record exactly which policy decided it.
+``load_thresholds(path=None)`` reads a file and validates it with a pydantic model (``PolicyFile``). Any problem
+(missing file, bad YAML, duplicate or unknown key, wrong type, value out of range, missing task) raises
+``UserError`` with one line, "FILE[:LINE]: KEY: problem; expected ...": the YAML line comes from the node tree.
+The file's sha256 is kept so a verdict can record exactly which policy decided it.
 
-Without a path, the default policy shipped in the package is used (``evalgate/gate/thresholds.yaml``).
+``resolve_policy(explicit, canary)`` is the one place that chooses the file: ``--thresholds``, else
+``$EVALGATE_THRESHOLDS``, else (a run scored with the built-in canary's profiles) the canary's own policy, else
+``./thresholds.yaml`` in the current directory, else the packaged default; ``Thresholds.source`` says which.
+The packaged default is the repository's top-level ``thresholds.yaml`` (the one copy), built into installs.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
+import os
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from evalgate.errors import UserError
 from evalgate.stats.multiplicity import MULTIPLE_COMPARISONS
@@ -25,7 +30,10 @@ from evalgate.stats.multiplicity import MULTIPLE_COMPARISONS
 REQUIRED_TASKS = ("gsm8k", "humaneval")
 CI_METHODS = ("tango", "newcombe")
 PACKAGE_DEFAULT = "thresholds.yaml"
-_TASK_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+DEFAULT_PACKAGE = "policy_default"  # evalgate/policy_default/thresholds.yaml in a built install (pyproject.toml)
+ENV = "EVALGATE_THRESHOLDS"
+# where a policy came from (Thresholds.source), in the order resolve_policy tries them
+SOURCES = ("--thresholds", ENV, "canary", "./thresholds.yaml", "packaged default")
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,7 @@ class Thresholds:
     alpha_split: bool = True  # one α budget for the whole gate (False: the original rule (docs/gate.md#the-original-rule), every test at α)
     alpha_validity: float = 0.01  # the validity-rate checks' share of α (all tasks together)
     inconclusive: bool = True  # a third outcome, INCONCLUSIVE (exit 3), when the data show neither (docs/gate.md#inconclusive)
+    source: str = ""  # how the file was chosen: one of SOURCES, or "path given" (a path passed to load_thresholds)
 
     def task(self, name: str) -> TaskThresholds:
         """The policy for one task; a task with no section is a user error (margins are set before runs)."""
@@ -76,7 +85,6 @@ class Thresholds:
                 f"expected a section under 'tasks:' (have: {', '.join(sorted(self.tasks))})"
             )
         return self.tasks[name]
-
 
     def decision_kwargs(self, task: str) -> dict:
         """The policy settings ``evalgate.gate.rule.decide_task`` takes by name, for one task."""
@@ -92,86 +100,92 @@ class Thresholds:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Locating the file
+# The file's schema. Each field's description is what the error message says is expected.
 # --------------------------------------------------------------------------------------------------------
 
+PP = "a number of percentage points in [0, 100]"
+WHOLE = "a whole number >= 0"
 
-def default_thresholds_path() -> Path:
-    """The default policy, shipped inside the package (one copy: ``evalgate/gate/thresholds.yaml``)."""
-    return Path(str(resources.files("evalgate.gate") / PACKAGE_DEFAULT))
+
+def _number(expected: str, **bounds) -> Any:
+    return Annotated[float, Strict(), Field(description=expected, allow_inf_nan=False, **bounds)]
+
+
+def _whole(expected: str) -> Any:
+    return Annotated[int, Strict(), Field(description=expected, ge=0)]
+
+
+def _flag() -> Any:
+    return Annotated[bool, Strict(), Field(description="true or false")]
+
+
+def _name(expected: str) -> Any:
+    return Annotated[str, Strict(), Field(description=expected, pattern=r"\S")]
+
+
+def _problem(key: str, problem: str, expected: str) -> PydanticCustomError:
+    """A check of ours: it names its own key (pydantic's location would be the model's)."""
+    return PydanticCustomError("policy", "{problem}", {"key": key, "problem": problem, "expected": expected})
+
+
+class TaskSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    EXPECTED: ClassVar[str] = "a mapping with keys profile, metric, margin_pp"
+
+    profile: _name("a profile name, e.g. gsm8k-lmeval-v3")
+    metric: _name("a metric name, e.g. exact_match,strict-match")
+    margin_pp: _number("a margin in percentage points, > 0 and <= 100 (e.g. 1.5)", gt=0, le=100)
+    max_invalid_rise_pp: _number(PP, ge=0, le=100) = 1.0
+    max_truncation_rise_pp: _number(PP, ge=0, le=100) = 1.0
+    require_paired: _flag() = True
+    min_aa_runs: _whole(WHOLE) = 1
+    min_rise_items: _whole("a whole number of items >= 0 (0: the limit alone, as in docs/gate.md#the-original-rule)") = 4
+
+
+TaskName = Annotated[str, Strict(), Field(pattern=r"^[a-z][a-z0-9_]*$")]
+BAND = "[low, high] with 0 < low <= 1 <= high, e.g. [0.9, 1.1]"
+
+
+class PolicyFile(BaseModel):
+    """thresholds.yaml as written; ``parse_thresholds`` turns it into a ``Thresholds``."""
+
+    model_config = ConfigDict(extra="forbid")
+    EXPECTED: ClassVar[str] = "a mapping with keys alpha, tasks"
+
+    alpha: _number("a number in (0, 0.5], e.g. 0.05", gt=0, le=0.5)
+    tasks: Annotated[dict[TaskName, TaskSection], Strict(), Field(description="a mapping of task name to its thresholds")]
+    multiple_comparisons: Literal[tuple(MULTIPLE_COMPARISONS)] = "holm"  # type: ignore[valid-type]
+    ci_method: Literal[CI_METHODS] = "tango"  # type: ignore[valid-type]
+    token_ratio_band: Annotated[tuple[_number(BAND), _number(BAND)], Field(description=BAND)] = (0.9, 1.1)
+    alpha_split: _flag() = True
+    alpha_validity: _number("a number in [0, alpha), e.g. 0.01") = 0.01
+    inconclusive: _flag() = True
+
+    @model_validator(mode="after")
+    def _across_fields(self) -> PolicyFile:
+        low, high = self.token_ratio_band
+        if not 0 < low <= 1 <= high:
+            raise _problem("token_ratio_band", f"{[low, high]!r} is out of range", BAND)
+        # the accuracy checks get alpha - alpha_validity, so it must stay below alpha
+        if not 0 <= self.alpha_validity < self.alpha:
+            raise _problem("alpha_validity", f"{self.alpha_validity!r} is out of range",
+                           f"a number in [0, alpha) = [0, {self.alpha:g}), e.g. 0.01")
+        for name in REQUIRED_TASKS:
+            if name not in self.tasks:
+                raise _problem(f"tasks.{name}", "missing task section",
+                               f"a section for each of {', '.join(REQUIRED_TASKS)}")
+        return self
+
+
+# keys of earlier policies that no longer exist, with what to do instead
+_REMOVED = {"margin_floor": ("no longer a setting: the gate never raises the margin (issue 14); a margin the data "
+                             "cannot resolve gives INCONCLUSIVE (docs/gate.md#inconclusive)",
+                             "the line deleted (inconclusive: false gives the original two outcomes)")}
 
 
 # --------------------------------------------------------------------------------------------------------
-# Validation helpers: every error is one line, "FILE[:LINE]: KEY: problem; expected ..."
+# Error messages: one line, "FILE[:LINE]: KEY: problem; expected ..."
 # --------------------------------------------------------------------------------------------------------
-
-
-class _Validator:
-    def __init__(self, path: str, lines: dict[str, int]):
-        self.path = path
-        self.lines = lines  # dotted key -> 1-based line number, from the YAML node tree
-
-    def error(self, key: str, problem: str, expected: str) -> UserError:
-        line = self._line(key)
-        where = f"{self.path}:{line}" if line else self.path
-        return UserError(_one_line(f"{where}: {key}: {problem}; expected {expected}"))
-
-    def _line(self, key: str) -> int | None:
-        # a missing key has no line of its own: point at its nearest parent that has one
-        while key:
-            if key in self.lines:
-                return self.lines[key]
-            key = key.rpartition(".")[0]
-        return None
-
-    def mapping(self, value: Any, key: str, expected: str) -> dict:
-        if not isinstance(value, dict):
-            raise self.error(key, f"is {_describe(value)}", expected)
-        return value
-
-    def keys(self, mapping: dict, key: str, required: tuple, optional: tuple) -> None:
-        prefix = f"{key}." if key else ""
-        allowed = required + optional
-        for name in mapping:
-            if not isinstance(name, str) or name not in allowed:
-                raise self.error(f"{prefix}{name}", "unknown key", f"one of {', '.join(allowed)}")
-        for name in required:
-            if name not in mapping:
-                raise self.error(f"{prefix}{name}", "missing required key", f"it under {key or 'the top level'}")
-
-    def number(self, value: Any, key: str, low: float, high: float, *, low_open: bool = False,
-               expected: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.error(key, f"is {_describe(value)}", expected)
-        too_low = value <= low if low_open else value < low
-        if too_low or value > high or value != value:  # value != value: NaN
-            raise self.error(key, f"{value!r} is out of range", expected)
-        return float(value)
-
-    def integer(self, value: Any, key: str, low: int, expected: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.error(key, f"is {_describe(value)}", expected)
-        if value < low:
-            raise self.error(key, f"{value!r} is out of range", expected)
-        return value
-
-    def boolean(self, value: Any, key: str) -> bool:
-        if not isinstance(value, bool):
-            raise self.error(key, f"is {_describe(value)}", "true or false")
-        return value
-
-    def text(self, value: Any, key: str, expected: str) -> str:
-        if not isinstance(value, str) or not value.strip():
-            raise self.error(key, f"is {_describe(value)}", expected)
-        return value
-
-    def choice(self, value: Any, key: str, choices: tuple) -> str:
-        expected = f"one of {', '.join(choices)}"
-        if not isinstance(value, str):
-            raise self.error(key, f"is {_describe(value)}", expected)
-        if value not in choices:
-            raise self.error(key, f"unknown value {value!r}", expected)
-        return value
 
 
 def _one_line(message: str) -> str:
@@ -185,6 +199,49 @@ def _describe(value: Any) -> str:
             dict: "a mapping"}.get(type(value), type(value).__name__)
     shown = repr(value)
     return f"{kind} ({shown[:40]}{'...' if len(shown) > 40 else ''})" if kind != "a mapping" else kind
+
+
+def _error(path: str, lines: dict[str, int], key: str, problem: str, expected: str) -> UserError:
+    line, probe = None, key
+    while probe and line is None:  # a missing key has no line of its own: its nearest parent's
+        line = lines.get(probe)
+        probe = probe.rpartition(".")[0]
+    where = f"{path}:{line}" if line else path
+    return UserError(_one_line(f"{where}: {key}: {problem}; expected {expected}"))
+
+
+_OUT_OF_RANGE = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
+
+
+def _schema(loc: list) -> tuple[type[BaseModel], Any]:
+    """The model a location's last key belongs to, and that key's field (None for a whole task section)."""
+    if loc[:1] == ["tasks"] and len(loc) >= 2:
+        return TaskSection, TaskSection.model_fields.get(loc[2]) if len(loc) > 2 else None
+    return PolicyFile, PolicyFile.model_fields.get(loc[0]) if loc else None
+
+
+def _explain(err: dict) -> tuple[str, str, str]:
+    """(dotted key, problem, expected) of one pydantic error on a ``PolicyFile``."""
+    if err["type"] == "policy":
+        ctx = err["ctx"]
+        return ctx["key"], ctx["problem"], ctx["expected"]
+    if err["loc"][-1:] == ("[key]",):  # tasks.NAME's name
+        return ".".join(map(str, err["loc"][:-1])), "invalid task name", "lower-case letters, digits and underscores"
+    loc = [part for part in err["loc"] if not isinstance(part, int)]  # a band's element is the band
+    key = ".".join(map(str, loc))
+    model, info = _schema(loc)
+    value, kind = err.get("input"), err["type"]
+    if kind == "extra_forbidden":
+        return key, "unknown key", f"one of {', '.join(model.model_fields)}"
+    if kind == "missing":
+        return key, "missing required key", f"it under {key.rpartition('.')[0] or 'the top level'}"
+    if kind == "literal_error":
+        expected = f"one of {', '.join(get_args(info.annotation))}"
+        return key, f"unknown value {value!r}" if isinstance(value, str) else f"is {_describe(value)}", expected
+    expected = info.description if info is not None else model.EXPECTED
+    if kind in _OUT_OF_RANGE:
+        return key, f"{value!r} is out of range", expected
+    return key, f"is {_describe(value)}", expected
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -223,94 +280,57 @@ def _parse_yaml(text: str, path: str) -> tuple[Any, dict[str, int]]:
     return data, lines
 
 
-# --------------------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------------------
-
-_TOP_REQUIRED = ("alpha", "tasks")
-_TOP_OPTIONAL = ("multiple_comparisons", "ci_method", "token_ratio_band", "alpha_split", "alpha_validity",
-                 "inconclusive")
-# keys of earlier policies that no longer exist, with what to do instead
-_REMOVED = {"margin_floor": ("no longer a setting: the gate never raises the margin (issue 14); a margin the data "
-                             "cannot resolve gives INCONCLUSIVE (docs/gate.md#inconclusive)",
-                             "the line deleted (inconclusive: false gives the original two outcomes)")}
-_TASK_REQUIRED = ("profile", "metric", "margin_pp")
-_TASK_OPTIONAL = ("max_invalid_rise_pp", "max_truncation_rise_pp", "require_paired", "min_aa_runs",
-                  "min_rise_items")
-
-
-def _task_thresholds(name: str, section: Any, check: _Validator) -> TaskThresholds:
-    key = f"tasks.{name}"
-    if not isinstance(name, str) or not _TASK_NAME.match(name):
-        raise check.error(key, "invalid task name", "lower-case letters, digits and underscores")
-    section = check.mapping(section, key, f"a mapping with keys {', '.join(_TASK_REQUIRED)}")
-    check.keys(section, key, _TASK_REQUIRED, _TASK_OPTIONAL)
-    pp = "a number of percentage points in [0, 100]"
-    return TaskThresholds(
-        name=name,
-        profile=check.text(section["profile"], f"{key}.profile", "a profile name, e.g. gsm8k-lmeval-v3"),
-        metric=check.text(section["metric"], f"{key}.metric", "a metric name, e.g. exact_match,strict-match"),
-        margin_pp=check.number(section["margin_pp"], f"{key}.margin_pp", 0, 100, low_open=True,
-                               expected="a margin in percentage points, > 0 and <= 100 (e.g. 1.5)"),
-        max_invalid_rise_pp=check.number(section.get("max_invalid_rise_pp", 1.0),
-                                         f"{key}.max_invalid_rise_pp", 0, 100, expected=pp),
-        max_truncation_rise_pp=check.number(section.get("max_truncation_rise_pp", 1.0),
-                                            f"{key}.max_truncation_rise_pp", 0, 100, expected=pp),
-        require_paired=check.boolean(section.get("require_paired", True), f"{key}.require_paired"),
-        min_aa_runs=check.integer(section.get("min_aa_runs", 1), f"{key}.min_aa_runs", 0,
-                                  "a whole number >= 0"),
-        min_rise_items=check.integer(section.get("min_rise_items", 4), f"{key}.min_rise_items", 0,
-                                     "a whole number of items >= 0 (0: the limit alone, as in docs/gate.md#the-original-rule)"),
-    )
-
-
-def _token_band(value: Any, check: _Validator) -> tuple[float, float]:
-    expected = "[low, high] with 0 < low <= 1 <= high, e.g. [0.9, 1.1]"
-    if not isinstance(value, list) or len(value) != 2:
-        raise check.error("token_ratio_band", f"is {_describe(value)}", expected)
-    low = check.number(value[0], "token_ratio_band", 0, 1, low_open=True, expected=expected)
-    high = check.number(value[1], "token_ratio_band", 1, float("inf"), expected=expected)
-    return low, high
-
-
-def parse_thresholds(text: str, path: str = "<thresholds>", sha256: str | None = None) -> Thresholds:
-    """Validate thresholds YAML text; ``path`` only labels the error messages."""
+def parse_thresholds(text: str, path: str = "<thresholds>", sha256: str | None = None,
+                     source: str = "path given") -> Thresholds:
+    """Validate thresholds YAML text; ``path`` labels the error messages, ``source`` says how it was chosen."""
     data, lines = _parse_yaml(text, path)
-    check = _Validator(path, lines)
     if data is None:
-        raise UserError(f"{path}: file is empty; expected a mapping with keys {', '.join(_TOP_REQUIRED)}")
+        raise UserError(f"{path}: file is empty; expected {PolicyFile.EXPECTED}")
     if not isinstance(data, dict):
-        raise UserError(f"{path}: top level is {_describe(data)}; expected a mapping with keys "
-                        f"{', '.join(_TOP_REQUIRED)}")
+        raise UserError(f"{path}: top level is {_describe(data)}; expected {PolicyFile.EXPECTED}")
     for name, (problem, expected) in _REMOVED.items():
         if name in data:
-            raise check.error(name, problem, expected)
-    check.keys(data, "", _TOP_REQUIRED, _TOP_OPTIONAL)
-    alpha = check.number(data["alpha"], "alpha", 0, 0.5, low_open=True, expected="a number in (0, 0.5], e.g. 0.05")
-    rule = check.choice(data.get("multiple_comparisons", "holm"), "multiple_comparisons",
-                        tuple(MULTIPLE_COMPARISONS))
-    ci_method = check.choice(data.get("ci_method", "tango"), "ci_method", CI_METHODS)
-    band = _token_band(data.get("token_ratio_band", [0.9, 1.1]), check)
-    alpha_split = check.boolean(data.get("alpha_split", True), "alpha_split")
-    # the accuracy checks get alpha - alpha_validity, so it must stay below alpha
-    alpha_validity = check.number(data.get("alpha_validity", 0.01), "alpha_validity", 0, alpha,
-                                  expected=f"a number in [0, alpha) = [0, {alpha:g}), e.g. 0.01")
-    if alpha_validity >= alpha:
-        raise check.error("alpha_validity", f"{alpha_validity!r} is out of range",
-                          f"a number in [0, alpha) = [0, {alpha:g}), e.g. 0.01")
-    inconclusive = check.boolean(data.get("inconclusive", True), "inconclusive")
-    sections = check.mapping(data["tasks"], "tasks", "a mapping of task name to its thresholds")
-    for name in REQUIRED_TASKS:
-        if name not in sections:
-            raise check.error(f"tasks.{name}", "missing task section",
-                              f"a section for each of {', '.join(REQUIRED_TASKS)}")
-    tasks = {name: _task_thresholds(name, section, check) for name, section in sections.items()}
+            raise _error(path, lines, name, problem, expected)
+    try:
+        policy = PolicyFile.model_validate(data)
+    except ValidationError as exc:
+        raise _error(path, lines, *_explain(exc.errors()[0])) from None
+    tasks = {name: TaskThresholds(name, **section.model_dump()) for name, section in policy.tasks.items()}
+    settings = policy.model_dump(exclude={"tasks"})
     digest = sha256 or hashlib.sha256(text.encode("utf-8")).hexdigest()
-    return Thresholds(path, digest, alpha, rule, ci_method, band, tasks, alpha_split, alpha_validity, inconclusive)
+    return Thresholds(path=path, sha256=digest, tasks=tasks, source=source, **settings)
 
 
-def load_thresholds(path: str | Path | None = None) -> Thresholds:
-    """Load and validate a thresholds file (default: ``default_thresholds_path()``); errors are UserError."""
+# --------------------------------------------------------------------------------------------------------
+# Locating and loading the file
+# --------------------------------------------------------------------------------------------------------
+
+
+def default_thresholds_path() -> Path:
+    """The packaged default policy: the repository's top-level thresholds.yaml (its one copy). A built install
+    carries it as ``evalgate/policy_default/thresholds.yaml``; a source checkout (an editable install) reads it
+    in place, beside ``evalgate/``."""
+    package = resources.files("evalgate")
+    built = package / DEFAULT_PACKAGE / PACKAGE_DEFAULT
+    if built.is_file():
+        return Path(str(built))
+    checkout = Path(str(package)).parent / PACKAGE_DEFAULT
+    return checkout if checkout.is_file() else Path(str(built))
+
+
+def _source_of(file: Path) -> str:
+    """How a path handed to ``load_thresholds`` was chosen, where the path itself says so."""
+    from evalgate.canary import THRESHOLDS
+
+    known = {default_thresholds_path().resolve(): "packaged default", THRESHOLDS.resolve(): "canary"}
+    return known.get(file.resolve(), "path given")
+
+
+def load_thresholds(path: str | Path | Thresholds | None = None, source: str | None = None) -> Thresholds:
+    """Load and validate a thresholds file (default: ``default_thresholds_path()``); errors are UserError.
+    A ``Thresholds`` is returned as it is, so callers may pass a policy already parsed."""
+    if isinstance(path, Thresholds):
+        return path
     file = Path(path) if path is not None else default_thresholds_path()
     shown = str(file)
     try:
@@ -325,4 +345,33 @@ def load_thresholds(path: str | Path | None = None) -> Thresholds:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise UserError(f"{shown}: not UTF-8 text; expected a thresholds YAML file") from None
-    return parse_thresholds(text, shown, hashlib.sha256(raw).hexdigest())
+    return parse_thresholds(text, shown, hashlib.sha256(raw).hexdigest(), source or _source_of(file))
+
+
+def policy_source(explicit: str | Path | None = None, canary: bool = False) -> tuple[Path, str]:
+    """Which policy file a gate uses, and why (one of ``SOURCES``): ``explicit`` (--thresholds), else
+    $EVALGATE_THRESHOLDS, else the canary's own policy when ``canary`` (the run is scored with the built-in
+    canary's profiles), else ./thresholds.yaml in the current directory, else the packaged default."""
+    if explicit:
+        return Path(explicit), "--thresholds"
+    env = os.environ.get(ENV, "").strip()
+    if env:
+        if not Path(env).is_file():
+            raise UserError(f"{ENV}={env}: file not found; expected a thresholds YAML file, or {ENV} unset")
+        return Path(env), ENV
+    if canary:
+        from evalgate.canary import THRESHOLDS
+
+        return THRESHOLDS, "canary"
+    local = Path(PACKAGE_DEFAULT)
+    if local.is_file():
+        return local.resolve(), "./thresholds.yaml"
+    return default_thresholds_path(), "packaged default"
+
+
+def resolve_policy(explicit: str | Path | Thresholds | None = None, canary: bool = False) -> Thresholds:
+    """The gate's policy, parsed once: the file ``policy_source`` chooses, its path, sha256 and source kept."""
+    if isinstance(explicit, Thresholds):
+        return explicit
+    file, source = policy_source(explicit, canary)
+    return load_thresholds(file, source)

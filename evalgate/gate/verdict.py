@@ -250,6 +250,7 @@ class Verdict:
             "exit_code": self.exit_code,
             "notes": self.notes,
             "thresholds": {"path": self.thresholds.path, "sha256": self.thresholds.sha256,
+                           "source": self.thresholds.source,
                            "alpha": self.thresholds.alpha, "multiple_comparisons": self.thresholds.multiple_comparisons,
                            "ci_method": self.thresholds.ci_method},
             "aa": {t: {k: v for k, v in a.items() if k != "flips"} | {"flips": sorted(a.get("flips", []), key=str)}
