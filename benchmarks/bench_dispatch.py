@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from evalgate.types import AdapterBase
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -53,7 +54,7 @@ def start_server(lo: float, hi: float) -> tuple[subprocess.Popen, str]:
             time.sleep(0.05)
 
 
-class BatchSynchronous:
+class BatchSynchronous(AdapterBase):
     """The server adapter without ``dispatch``: the runner hands it one batch at a time (the old behaviour)."""
 
     def __init__(self, adapter):

@@ -17,7 +17,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Literal, Protocol
 
 
 def canonical_json(obj: Any) -> str:
@@ -139,14 +139,52 @@ class Task(Protocol):
         """An answer the scorer could not use (the validity-rate checks of the gate)."""
 
 
+Serving = Literal["batches", "stream", "dispatch"]
+
+
 class ModelAdapter(Protocol):
-    """A model that answers requests: in-process transformers, or an OpenAI-compatible server."""
+    """A model that answers requests: in-process transformers, or an OpenAI-compatible server.
+
+    Everything the runner calls is declared here (no optional hooks found by reflection). ``serving`` says
+    which of the three ways to generate the runner drives; ``AdapterBase`` gives the defaults of the two an
+    adapter does not serve by."""
 
     kernel: Any  # the ``evalgate.kernels.Kernel`` it runs (or a server was started with)
     load_s: float  # seconds spent loading the model (0 for a server)
+    serving: Serving  # "batches": generate(); "stream": generate_stream(); "dispatch": dispatch()
 
     def info(self) -> dict:
         """The model's identity and serving settings for the run manifest (fingerprint, dtype, adapter...)."""
 
+    def conformance(self) -> dict | None:
+        """The kernel checked against the kernel it declares (kernels/conformance.py), for the run manifest;
+        None where the kernel is out of reach (a server)."""
+
     def generate(self, requests: list[Request]) -> list[Generation]:
         """One generation per request, in request order."""
+
+    def generate_stream(self, requests: list[Request], batch_size: int | None = None) -> Iterator[list[tuple[int, Generation]]]:
+        """Continuous batching (``serving == "stream"``): yields (request index, Generation) lists as items
+        finish, at most ``batch_size`` in flight; closing the generator ends its workers."""
+
+    def dispatch(self, requests: list[Request]) -> Any:
+        """Continuous dispatch to a server (``serving == "dispatch"``): iterate the result for lists of
+        (request, Generation) in the order they finish; its ``close()`` returns those finished and not yet
+        handed over, ``stats()`` what the pool measured."""
+
+
+class AdapterBase:
+    """Defaults for a ``ModelAdapter``: served one batch at a time, no conformance record; the ways it does
+    not serve by say so when called."""
+
+    serving: Serving = "batches"
+    load_s: float = 0.0
+
+    def conformance(self) -> dict | None:
+        return None
+
+    def generate_stream(self, requests: list[Request], batch_size: int | None = None):
+        raise NotImplementedError(f"{type(self).__name__} serves by {self.serving!r}, not by a stream")
+
+    def dispatch(self, requests: list[Request]):
+        raise NotImplementedError(f"{type(self).__name__} serves by {self.serving!r}, not by dispatch")

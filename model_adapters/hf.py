@@ -20,7 +20,7 @@ from evalgate.kernels import get_kernel
 from evalgate.model_adapters.fingerprint import model_fingerprint
 from evalgate.model_adapters.generation import decode, decode_stream
 from evalgate.model_adapters.sampling import SampleKey
-from evalgate.types import Generation, Request
+from evalgate.types import AdapterBase, Generation, Request
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -136,10 +136,11 @@ def _load_streamed(d: Path, kernel, device_map: str, dtype: str | None, numerics
     return dispatch(model), tokenizer
 
 
-class HFAdapter:
+class HFAdapter(AdapterBase):
     """Generates for evalgate's requests with a local checkpoint and one kernel."""
 
     kind = "hf"
+    serving = "stream"
 
     def __init__(self, path: str | Path, kernel_name: str, device: str = "cpu", dtype: str | None = None,
                  batch_size: int = 8, numerics: str = "canonical"):

@@ -38,7 +38,7 @@ from evalgate.errors import UserError
 from evalgate.kernels import get_kernel
 from evalgate.model_adapters.generation import cut_at_stop
 from evalgate.model_adapters.sampling import SEED_RULE, sample_seed
-from evalgate.types import Generation, Request
+from evalgate.types import AdapterBase, Generation, Request
 
 # Server settings that can change numerics; hashed into the fingerprint. Ports, seeds, paths of logs and
 # memory-dependent sizes are left out so a restarted server keeps its identity.
@@ -89,10 +89,12 @@ def _warn(message: str) -> None:
     print(f"evalgate: warning: {message}", file=sys.stderr, flush=True)
 
 
-class OpenAIAdapter:
-    """Generates for evalgate's requests through an OpenAI-compatible HTTP API."""
+class OpenAIAdapter(AdapterBase):
+    """Generates for evalgate's requests through an OpenAI-compatible HTTP API (its kernel is out of reach:
+    no conformance record)."""
 
     kind = "openai"
+    serving = "dispatch"
 
     def __init__(self, url: str, kernel_name: str, model_id: str | None = None, concurrency: int = 64,
                  request_timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0, batch_size: int = 8,

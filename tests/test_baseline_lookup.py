@@ -43,7 +43,7 @@ def test_user_root_is_the_flag_else_the_variable_else_results_baselines_here(els
 
 
 def test_the_packaged_canary_baseline_is_found_from_any_directory(elsewhere, data_dir):
-    from evalgate.pipeline import stored_baselines
+    from evalgate.plan import stored_baselines
 
     found = stored_baselines(canary_spec(data_dir), "w4a8")
     assert set(found) == set(TASKS)
@@ -53,7 +53,7 @@ def test_the_packaged_canary_baseline_is_found_from_any_directory(elsewhere, dat
 
 
 def test_a_user_baseline_wins_over_the_packaged_one(elsewhere, data_dir):
-    from evalgate.pipeline import stored_baselines
+    from evalgate.plan import stored_baselines
 
     packaged = stored_baselines(canary_spec(data_dir), "w4a8")["gsm8k"]
     mine = elsewhere / "results" / "baselines" / packaged.relative_to(BASELINES)
@@ -65,7 +65,7 @@ def test_a_user_baseline_wins_over_the_packaged_one(elsewhere, data_dir):
 
 def test_calibrate_looks_in_the_user_root_only(elsewhere, data_dir):
     # calibrate writes its A/A next to the baseline it finds: it must never find the packaged one
-    from evalgate.pipeline import stored_baselines
+    from evalgate.plan import stored_baselines
 
     assert stored_baselines(canary_spec(data_dir), "w4a8", packaged=False) == {t: None for t in TASKS}
 
@@ -125,7 +125,7 @@ def test_a_non_editable_install_finds_its_baseline_from_an_empty_directory(tmp_p
     empty = tmp_path / "empty"
     empty.mkdir()
     code = ("import evalgate\n"
-            "from evalgate.pipeline import stored_baselines\n"
+            "from evalgate.plan import stored_baselines\n"
             "from evalgate.canary import PROFILES, canary_path\n"
             "from evalgate.run.runner import RunSpec\n"
             "spec = RunSpec(model=str(canary_path()), kernel='w4a8', tasks=['gsm8k', 'humaneval'], "

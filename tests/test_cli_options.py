@@ -28,8 +28,8 @@ def test_unknown_kernel_is_one_usage_line(command, flag):
     value = "w4a3" if flag == "--kernel" else "bf16,w4a3"
     res = CliRunner().invoke(main, [*command.split(), flag, value])
     assert res.exit_code == 2, res.output
-    errors = [line for line in res.output.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("evalgate: error:")]
+    assert len(errors) == 1 and len(res.output.splitlines()) == 1, res.output
     assert f"Invalid value for '{flag}': unknown kernel 'w4a3'; choose one of: " in errors[0]
     assert all(name in errors[0] for name in KNOWN)
 

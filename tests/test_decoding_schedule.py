@@ -14,7 +14,7 @@ import pytest
 
 from evalgate.model_adapters import generation
 from evalgate.model_adapters.generation import Costs, _SharedQueue
-from evalgate.types import Generation
+from evalgate.types import AdapterBase, Generation
 
 
 def _queue(prompt_lens, expected, max_new=320):
@@ -91,11 +91,11 @@ def test_expected_lengths_change_no_token(tiny, expected):
            [(got[i].token_ids, got[i].text, got[i].finish_reason) for i in range(len(PROMPTS))]
 
 
-class LengthAdapter:
+class LengthAdapter(AdapterBase):
     """Answers GSM8K with 18 in a number of tokens that depends on the item; records what each stream was
     told to expect."""
 
-    load_s = 0.0
+    serving = "stream"
 
     def __init__(self, kernel: str):
         self.kernel = SimpleNamespace(name=kernel, version="fake 1.0", id=f"{kernel}@fake 1.0", description="fake",
@@ -129,7 +129,7 @@ def test_the_gate_hands_the_baselines_answer_lengths_to_the_decoder(tmp_path, da
                        progress=Progress(enabled=False, stream=devnull))
     (stored,) = record(base, root)
     lengths = {r["doc_id"]: r["n_tokens"] for r in load_run(base).records["gsm8k"]}
-    assert len(set(lengths.values())) > 1 and answer_lengths([stored]) == {"gsm8k": lengths}
+    assert len(set(lengths.values())) > 1 and answer_lengths(load_run(stored)) == {"gsm8k": lengths}
 
     candidate = LengthAdapter("w4a4_packed")
     spec = RunSpec(model="fake", kernel="w4a4_packed", tasks=["gsm8k"], limit=6, batch_size=2,
@@ -142,7 +142,9 @@ def test_the_gate_hands_the_baselines_answer_lengths_to_the_decoder(tmp_path, da
     assert json.loads((run_dir / "manifest.json").read_text())["status"] == "complete"
 
 
-def test_unreadable_baselines_give_no_lengths(tmp_path):
-    from evalgate.run.baselines import answer_lengths
+def test_unreadable_baselines_are_one_line_errors(tmp_path):
+    from evalgate.errors import UserError
+    from evalgate.run.baselines import load_baseline
 
-    assert answer_lengths([tmp_path / "missing"]) is None
+    with pytest.raises(UserError, match="is not a run directory"):
+        load_baseline([tmp_path / "missing"])

@@ -14,9 +14,9 @@ import pytest
 
 from evalgate.model_adapters.openai_client import OpenAIAdapter
 from evalgate.run.progress import Progress
-from evalgate.run.runner import RunSpec, execute, restore_item_order
-from evalgate.run.store import load_run
-from evalgate.types import Generation
+from evalgate.run.runner import RunSpec, execute
+from evalgate.run.store import RecordWriter, load_run
+from evalgate.types import AdapterBase, Generation
 from fake_server import FakeServer
 
 DETERMINISTIC = {"model_path": "/models/fake-model", "enable_deterministic_inference": True}
@@ -116,14 +116,14 @@ def test_restoring_the_order_moves_lines_untouched_and_drops_a_torn_tail(tmp_pat
     path = tmp_path / "gsm8k.jsonl"
     rows = [b'{"doc_id": 2, "x": "\\u00e9"}\n', b'{"doc_id": 0}\n', b'{"doc_id": 1}\n']
     path.write_bytes(b"".join(rows) + b'{"doc_id": 3')
-    restore_item_order(path, [0, 1, 2, 3])
+    assert [r["doc_id"] for r in RecordWriter(path).close([0, 1, 2, 3])] == [0, 1, 2]
     assert path.read_bytes() == rows[1] + rows[2] + rows[0]
     before = path.stat().st_mtime_ns
-    restore_item_order(path, [0, 1, 2, 3])  # already in order: left alone
+    RecordWriter(path).close([0, 1, 2, 3])  # already in order: left alone
     assert path.stat().st_mtime_ns == before
 
 
-class BatchRecorder:
+class BatchRecorder(AdapterBase):
     """An in-process-like adapter (no ``dispatch``): records the batches it is handed."""
 
     def __init__(self):

@@ -26,6 +26,7 @@ from evalgate.gate.policy import load_thresholds
 from evalgate.run.store import Run
 from evalgate.stats.multiplicity import adjusted_pvalues
 from evalgate.stats.paired import mcnemar_exact_one_sided, newcombe_interval, tango_lower_bound
+from evalgate.types import AdapterBase
 
 CANARY_N = (164, 200)  # the canary's HumanEval and GSM8K item counts
 
@@ -265,14 +266,14 @@ def test_certain_means_every_completion_fails_and_uncertain_means_one_does_not(w
 # ------------------------------------------------------------------------------------------ the runner
 
 
-class StreamingAdapter:
+class StreamingAdapter(AdapterBase):
     """Answers every GSM8K item wrong, one item per yield; says whether its stream was closed."""
 
     from types import SimpleNamespace as _NS
 
     kernel = _NS(name="faulty/x", version="fake 1.0", id="faulty/x@fake 1.0", description="fake", env={},
                  recipe={}, faulty=True)
-    load_s = 0.0
+    serving = "stream"
 
     def __init__(self):
         self.closed = False
@@ -301,21 +302,43 @@ def quiet():
     return Progress(enabled=False, stream=open(os.devnull, "w"))
 
 
-def stop_after(count: int):
-    """A stop_when hook that stops once ``count`` items are stored (what EarlyStop returns, without a gate)."""
-    seen = []
+class stop_after:
+    """An observer that stops the run once ``count`` items are stored (what EarlyStop returns, without a
+    gate), counting only what the runner tells it."""
 
-    def hook(out, manifest):
-        from evalgate.run.store import read_records
+    def __init__(self, count: int):
+        self.count, self.stored, self.seen, self.run = count, 0, [], None
 
-        stored = {t: len(read_records(Path(out) / f"{t}.jsonl")[0]) for t in manifest["tasks"]}
-        seen.append(sum(stored.values()))
-        if sum(stored.values()) < count:
+    def started(self, run) -> None:
+        self.stored = sum(len(r) for r in run.records.values())
+
+    def scored(self, task, records) -> None:
+        self.stored += len(records)
+
+    def should_stop(self):
+        self.seen.append(self.stored)
+        if self.stored < self.count:
             return None
-        return {"reason": "test", "items_run": sum(stored.values()), "items_total": 0, "tasks": {}}
+        return {"reason": "test", "items_run": self.stored, "items_total": 0, "tasks": {}}
 
-    hook.seen = seen
-    return hook
+    def finished(self, run) -> None:
+        self.run = run
+
+
+def watch(policy, base, **kwargs) -> EarlyStop:
+    """The gate's EarlyStop over a stored baseline folder and a policy file, as the gate plan loads them."""
+    from evalgate.gate.policy import load_thresholds
+    from evalgate.run.baselines import load_baseline
+
+    return EarlyStop(load_baseline([base]), load_thresholds(policy), **kwargs)
+
+
+def ask(hook: EarlyStop, cand_dir, run):
+    """What the runner does with a run's stored records: hand them over at the start, then ask."""
+    from evalgate.run.store import Run
+
+    hook.started(Run(path=Path(cand_dir), manifest=run.manifest, records=run.records))
+    return hook.should_stop()
 
 
 def test_the_stream_stops_and_the_stored_run_resumes_to_completion(tmp_path, data_dir):
@@ -324,7 +347,7 @@ def test_the_stream_stops_and_the_stored_run_resumes_to_completion(tmp_path, dat
 
     spec = RunSpec(model="fake", kernel="faulty/x", tasks=["gsm8k"], limit=30, batch_size=1, data_dir=str(data_dir))
     adapter = StreamingAdapter()
-    out = execute(spec, tmp_path / "run", adapter=adapter, progress=quiet(), stop_when=stop_after(4))
+    out = execute(spec, tmp_path / "run", adapter=adapter, progress=quiet(), observer=stop_after(4))
     assert adapter.closed and adapter.yielded < 30
     run = load_run(out)
     info = run.manifest["early_stop"]
@@ -358,10 +381,10 @@ def test_a_hook_that_is_satisfied_by_the_stored_items_generates_nothing_on_resum
     from evalgate.run.store import load_run
 
     spec = RunSpec(model="fake", kernel="faulty/x", tasks=["gsm8k"], limit=12, batch_size=1, data_dir=str(data_dir))
-    out = execute(spec, tmp_path / "run", adapter=StreamingAdapter(), progress=quiet(), stop_when=stop_after(3))
+    out = execute(spec, tmp_path / "run", adapter=StreamingAdapter(), progress=quiet(), observer=stop_after(3))
     before = load_run(out).manifest["early_stop"]["items_run"]
     adapter = StreamingAdapter()
-    execute(spec, out, resume=True, adapter=adapter, progress=quiet(), stop_when=stop_after(3))
+    execute(spec, out, resume=True, adapter=adapter, progress=quiet(), observer=stop_after(3))
     run = load_run(out)
     assert adapter.yielded == 0 and run.manifest["status"] == "stopped_early"
     assert len(run.records["gsm8k"]) == before and "early_stop_history" not in run.manifest
@@ -374,7 +397,7 @@ def test_batch_by_batch_and_server_dispatch_stop_too(tmp_path, data_dir, monkeyp
     from evalgate.types import Generation
 
     class Batches(StreamingAdapter):
-        generate_stream = None
+        serving = "batches"
 
         def __init__(self):
             super().__init__()
@@ -386,7 +409,7 @@ def test_batch_by_batch_and_server_dispatch_stop_too(tmp_path, data_dir, monkeyp
 
     adapter = Batches()
     spec = RunSpec(model="fake", kernel="faulty/x", tasks=["gsm8k"], limit=20, batch_size=3, data_dir=str(data_dir))
-    out = execute(spec, tmp_path / "run", adapter=adapter, progress=quiet(), stop_when=stop_after(5))
+    out = execute(spec, tmp_path / "run", adapter=adapter, progress=quiet(), observer=stop_after(5))
     assert adapter.batches == [3, 3] and load_run(out).manifest["status"] == "stopped_early"
 
     class Pool:  # a server's continuous dispatch: yields chunks, close() hands back what finished
@@ -424,7 +447,7 @@ def test_the_hook_is_asked_before_anything_is_generated(tmp_path, data_dir):
     from evalgate.types import Generation
 
     class Batches(StreamingAdapter):
-        generate_stream = None
+        serving = "batches"
 
         def generate(self, requests):
             self.yielded += len(requests)
@@ -434,7 +457,7 @@ def test_the_hook_is_asked_before_anything_is_generated(tmp_path, data_dir):
         spec = RunSpec(model="fake", kernel="faulty/x", tasks=["gsm8k"], limit=10, batch_size=2,
                        data_dir=str(data_dir))
         out = execute(spec, tmp_path / type(adapter).__name__, adapter=adapter, progress=quiet(),
-                      stop_when=stop_after(0))
+                      observer=stop_after(0))
         run = load_run(out)
         assert adapter.yielded == 0 and run.manifest["status"] == "stopped_early"
         assert run.manifest["early_stop"]["items_run"] == 0 and run.records["gsm8k"] == []
@@ -478,9 +501,9 @@ def test_a_stopped_early_candidate_is_decided_on_its_best_completion_with_the_no
 
     base, cand_dir, cand_out, policy = stopped_gate
     partial = _run("faulty/x", cand_out, "running")
-    hook = EarlyStop([base], policy, allow_uncalibrated=True)
+    hook = watch(policy, base, allow_uncalibrated=True)
     _write(cand_dir, partial)
-    info = hook(cand_dir, partial.manifest)
+    info = ask(hook, cand_dir, partial)
     assert info is not None and info["tasks"] == {"gsm8k": {"items_run": 12, "items_total": 40},
                                                   "humaneval": {"items_run": 0, "items_total": 20}}
     manifest = {**partial.manifest, "status": "stopped_early", "early_stop": info}
@@ -562,13 +585,13 @@ def test_a_kernel_that_fails_its_conformance_check_stops_before_its_first_item(s
         "kernel": "faulty/x", "reference": "w4a4_packed", "checked": True, "ok": ok, "summary": "test summary",
         "calc_diff": 0.0 if ok else 0.02, "limit": 1e-5}
     _write(cand_dir, nothing)
-    info = EarlyStop([base], policy, allow_uncalibrated=True)(cand_dir, nothing.manifest)
+    info = ask(watch(policy, base, allow_uncalibrated=True), cand_dir, nothing)
     if ok:  # nothing run, and a best completion that passes: go on
         assert info is None
         return
     assert (info["items_run"], info["items_total"]) == (0, 60) and "kernel conformance FAIL (test summary)" in info["reason"]
     # selfcheck's monitor: only a certain accuracy FAIL stops (nothing run yet: not certain)
-    assert EarlyStop([base], policy, allow_uncalibrated=True, on_conformance=False)(cand_dir, nothing.manifest) is None
+    assert ask(watch(policy, base, allow_uncalibrated=True, on_conformance=False), cand_dir, nothing) is None
     manifest = {**nothing.manifest, "status": "stopped_early", "early_stop": info}
     (cand_dir / "manifest.json").write_text(json.dumps(manifest))
     verdict = gate_runs([base], cand_dir, policy, allow_uncalibrated=True)
@@ -584,9 +607,11 @@ def test_a_kernel_that_fails_its_conformance_check_stops_before_its_first_item(s
 
 def test_no_early_stop_for_k_samples(stopped_gate):
     base, _, _, policy = stopped_gate
-    hook = EarlyStop([base], policy, allow_uncalibrated=True)
+    from evalgate.run.store import Run
+
+    hook = watch(policy, base, allow_uncalibrated=True)
     assert hook.why_not({"spec": {"samples": 4}}) and hook.why_not({"spec": {"samples": 1}}) is None
-    assert hook(Path("nowhere"), {"spec": {"samples": 4}, "tasks": {}}) is None
+    assert ask(hook, Path("nowhere"), Run(path=Path("nowhere"), manifest={"spec": {"samples": 4}, "tasks": {}})) is None
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -599,7 +624,7 @@ def test_a_real_stream_of_the_tiny_model_stops_and_its_workers_end(tiny_model, t
 
     spec = RunSpec(model=str(tiny_model), kernel="w4a8", tasks=["gsm8k"], limit=24, batch_size=2,
                    data_dir=str(data_dir), max_new_tokens=3)
-    out = execute(spec, tmp_path / "run", progress=quiet(), stop_when=stop_after(2))
+    out = execute(spec, tmp_path / "run", progress=quiet(), observer=stop_after(2))
     run = load_run(out)
     assert run.manifest["status"] == "stopped_early" and 2 <= len(run.records["gsm8k"]) < 24
     assert multiprocessing.active_children() == []  # the decoding workers were terminated
@@ -609,18 +634,18 @@ def test_a_real_stream_of_the_tiny_model_stops_and_its_workers_end(tiny_model, t
 
 def test_the_monitor_decides_again_only_when_an_item_ran_below_its_best(stopped_gate):
     base, cand_dir, _, policy = stopped_gate
-    hook = EarlyStop([base], policy, allow_uncalibrated=True)
+    hook = watch(policy, base, allow_uncalibrated=True)
     outcomes = {"gsm8k": [None] * 40, "humaneval": [None] * 20}
-    cand_dir.mkdir()
+    ask(hook, cand_dir, _run("faulty/x", outcomes, "running"))  # nothing stored yet
 
-    def store(**items):
+    def store(**items):  # as the runner tells it: only the records just stored
         for task, values in items.items():
             for i, o in values:
                 outcomes[task][i] = o
-        run = _run("faulty/x", outcomes, "running")
-        for task, records in run.records.items():
-            (cand_dir / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        return hook(cand_dir, run.manifest)
+            run = _run("faulty/x", outcomes, "running")
+            new = {i for i, _ in values}
+            hook.scored(task, [r for r in run.records[task] if r["doc_id"] in new])
+        return hook.should_stop()
 
     assert store(gsm8k=[(0, (True, False, False))]) is None and hook.checks == 1
     assert store(gsm8k=[(1, (True, False, False)), (2, (True, False, False))]) is None

@@ -44,7 +44,7 @@ def _legacy_copy(root: Path, python: str = "3.11") -> tuple[Path, str, str]:
 
 @pytest.mark.skipif(len(HUMANEVAL) != 1, reason="needs exactly one packaged HumanEval baseline")
 def test_a_legacy_baseline_moves_to_the_new_id_and_the_gate_finds_it(tmp_path):
-    from evalgate.pipeline import planned_profile_ids
+    from evalgate.plan import planned_profile_ids
     from evalgate.run.baselines import find_stored_baseline
     from evalgate.run.runner import RunSpec
     from evalgate.run.store import load_run

@@ -14,15 +14,15 @@ import pytest
 
 from evalgate.errors import UserError
 from evalgate.tasks.humaneval import selftest
-from evalgate.types import Generation
+from evalgate.types import AdapterBase, Generation
 
 
-class StreamingAdapter:
+class StreamingAdapter(AdapterBase):
     """Answers GSM8K with 18 and HumanEval with a body that returns None; records every stream call."""
 
     kernel = SimpleNamespace(name="w4a8", version="fake 1.0", id="w4a8@fake 1.0", description="fake kernel",
                              env={}, recipe={"weights": "e2m1"}, faulty=False)
-    load_s = 0.0
+    serving = "stream"
 
     def __init__(self):
         self.calls = []

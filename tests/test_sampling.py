@@ -280,7 +280,7 @@ CANARY_BASELINE_PROFILE_IDS = {
 
 
 def test_greedy_settings_leave_requests_decoding_and_canary_profile_ids_unchanged(data_dir):
-    from evalgate.pipeline import planned_profile_ids
+    from evalgate.plan import planned_profile_ids
 
     greedy = Sampling()
     assert greedy.greedy and greedy.decoding({"temperature": 0.0, "n": 1}) == {"temperature": 0.0, "n": 1}

@@ -92,7 +92,7 @@ def test_selfcheck_runs_the_default_gate_per_kernel_and_exits_0_when_all_match(g
     assert [c["spec"].kernel for c in calls] == ["w4a8", FAULTY]
     for c in calls:  # exactly the default gate: the canary, its profiles and policy, against stored W4A8
         assert c["spec"].model == str(canary_path()) and c["spec"].profiles == {"gsm8k": PROFILES["gsm8k"]}
-        assert c["baseline_kernel"] == "w4a8" and c["thresholds"] == str(THRESHOLDS)
+        assert c["baseline_kernel"] == "w4a8" and c["thresholds"].path == str(THRESHOLDS) and c["thresholds"].source == "canary"
         assert c["spec"].batch_size == selfcheck.BATCH_SIZE != 32
         assert c["early_stop"] is True  # as the gate: a FAIL stops once it is certain
     assert calls[1]["out"] == tmp_path / "runs" / "faulty_w4a4_packed-drop-slot"

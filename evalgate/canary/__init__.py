@@ -29,9 +29,11 @@ def canary_path() -> Path:
     return CANARY_DIR
 
 
+def scored_as_canary(profiles: dict[str, str | None]) -> bool:
+    """Whether every task is scored with the canary's own profile (such a gate takes the canary's policy)."""
+    return bool(profiles) and all(PROFILES.get(t) == name for t, name in profiles.items())
+
+
 def policy_for(run) -> Path | None:
     """The canary's own policy for a run scored with the canary's profiles; None (the default policy) otherwise."""
-    names = {t: s.get("name") for t, s in run.manifest.get("tasks", {}).items()}
-    if names and all(PROFILES.get(t) == name for t, name in names.items()):
-        return THRESHOLDS
-    return None
+    return THRESHOLDS if scored_as_canary({t: s.get("name") for t, s in run.manifest.get("tasks", {}).items()}) else None

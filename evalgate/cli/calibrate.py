@@ -8,8 +8,7 @@ from pathlib import Path
 import click
 
 from evalgate.cli.options import (KERNEL, baselines_root_option, run_options, run_spec, sampling_options,
-                                  sampling_settings, served_model_name, server_adapter, server_options,
-                                  uses_canary_profiles)
+                                  sampling_settings, served_model_name, server_adapter, server_options)
 
 
 @click.command()
@@ -29,6 +28,7 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
 
     With --server or --launch both runs go to an OpenAI-compatible server (one launched server serves both);
     the second run sends the items in reverse order with half the concurrency. Server arguments follow `--`."""
+    from evalgate.canary import scored_as_canary
     from evalgate.gate.policy import resolve_policy
     from evalgate.pipeline import calibrate as run_calibration, calibration_stamp
 
@@ -36,7 +36,7 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
     name = served_model_name(model, server, launch, model_id) if served else None
     spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name,
                     sampling_settings(samples, temperature, seed))
-    policy = resolve_policy(thresholds_path, canary=not served and uses_canary_profiles(spec.profiles))
+    policy = resolve_policy(thresholds_path, canary=not served and scored_as_canary(spec.profiles))
     stamp = calibration_stamp()
     runs = Path(runs_dir)
     if launch:  # one server for both runs; its log beside them

@@ -1,4 +1,4 @@
-"""The ``evalgate`` command line. Exit codes: 0 pass/ok, 1 fail, 2 error or not comparable.
+"""The ``evalgate`` command line. Exit codes: 0 PASS/ok, 1 FAIL, 2 bad input or usage error, 3 INCONCLUSIVE.
 
 Every command lives in its own module beside this one and is registered here, by name.
 """
@@ -14,13 +14,17 @@ from evalgate.errors import UserError
 
 
 class EvalgateGroup(click.Group):
-    """Turns user errors into one line on stderr and exit 2, from any command."""
+    """Turns user errors and a command's usage errors (an unknown kernel, a bad option value) into one line
+    on stderr and exit 2, from any command."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except UserError as exc:
             click.echo(f"evalgate: error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            click.echo(f"evalgate: error: {exc.format_message()}", err=True)
             sys.exit(exc.exit_code)
 
 

@@ -214,21 +214,6 @@ def with_canary_profiles(model: str | None, task_list: list[str], chosen: dict[s
     return {**{t: PROFILES[t] for t in task_list if t in PROFILES}, **chosen}
 
 
-def canary_thresholds(model: str | None, thresholds_path):
-    """The policy of a gate on the in-process model: ``resolve_policy`` with the canary's own policy when no
-    --model is given. A thin wrapper kept for callers not yet switched to ``resolve_policy``."""
-    from evalgate.gate.policy import resolve_policy
-
-    return resolve_policy(thresholds_path, canary=not model)
-
-
-def uses_canary_profiles(profiles: dict[str, str]) -> bool:
-    """Whether every task is scored with the built-in canary's profile (such a gate takes the canary's policy)."""
-    from evalgate.canary import PROFILES
-
-    return bool(profiles) and all(PROFILES.get(task) == name for task, name in profiles.items())
-
-
 def resolve_model(model: str | None) -> str:
     if model:
         return model
@@ -260,15 +245,3 @@ def run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, m
     return RunSpec(model=name or resolve_model(model), kernel=kernel, tasks=task_list,
                    profiles=chosen, limit=limit, batch_size=batch_size,
                    device=device, dtype=dtype, data_dir=data_dir, max_new_tokens=max_new_tokens, **(sampling or {}))
-
-
-def policy_file(thresholds_path, candidate):
-    """The policy of a gate on a stored candidate run: ``resolve_policy`` with the canary's own policy when the
-    run is scored with the canary's profiles. A thin wrapper kept for callers not yet switched to it."""
-    from evalgate.canary import policy_for
-    from evalgate.gate.policy import resolve_policy
-    from evalgate.run.store import load_run
-
-    if thresholds_path:
-        return resolve_policy(thresholds_path)
-    return resolve_policy(None, canary=policy_for(load_run(candidate)) is not None)

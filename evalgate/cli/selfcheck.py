@@ -125,7 +125,7 @@ def check_baselines(tasks: list[str], batch_size: int, baselines_root, data_dir:
     """The stored canary W4A8 baseline of every task, each with its A/A: checked once, before any kernel
     runs (the gate itself would find a missing A/A only after each run)."""
     from evalgate.errors import UserError
-    from evalgate.pipeline import stored_baselines
+    from evalgate.plan import stored_baselines
     from evalgate.run.baselines import read_aa_record
 
     spec = run_spec(None, "w4a8", ",".join(tasks), (), None, batch_size, "cpu", None, None, data_dir)

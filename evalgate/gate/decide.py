@@ -17,7 +17,7 @@ from evalgate.gate.compare import Pairing, compare
 from evalgate.gate.policy import Thresholds, load_thresholds
 from evalgate.gate.rule import TaskData, TaskRule, decide_overall, decide_task
 from evalgate.gate.verdict import EXIT_CODES, Verdict
-from evalgate.run.baselines import aa_for_baseline, assemble
+from evalgate.run.baselines import StoredBaseline, load_baseline
 from evalgate.run.store import Run, load_run
 from evalgate.stats.unpaired import unpaired_two_proportion
 from evalgate.tasks.humaneval.runtime import python_warnings
@@ -115,10 +115,11 @@ def decide_unpaired(baseline: Run, candidate: Run, thresholds: Thresholds) -> Ve
 
 def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = None,
               allow_uncalibrated: bool = False) -> Verdict:
-    """Decide from stored runs only. ``baseline`` is a run/baseline folder or a list of baseline folders;
-    ``thresholds`` a policy or its file (None: the default policy)."""
-    dirs = [Path(b) for b in (baseline if isinstance(baseline, (list, tuple)) else [baseline])]
-    base_run = assemble(dirs)
+    """Decide from runs. ``baseline`` is a loaded ``StoredBaseline``, or a run/baseline folder or a list of
+    baseline folders (read here); ``candidate`` a ``Run`` or its folder; ``thresholds`` a policy or its file
+    (None: the default policy)."""
+    stored = baseline if isinstance(baseline, StoredBaseline) else load_baseline(baseline)
+    dirs, base_run = list(stored.dirs), stored.run
     cand_run = candidate if isinstance(candidate, Run) else load_run(candidate)
     policy = thresholds if isinstance(thresholds, Thresholds) else load_thresholds(thresholds)
     if base_run.manifest.get("aggregate_only"):
@@ -128,8 +129,9 @@ def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = 
     missing = [t for t in cand_run.tasks if t not in tasks]
     if missing:
         raise NotComparable(f"the baseline has no {', '.join(missing)}; record a baseline for every task the candidate ran")
-    pairing = compare(base_run, cand_run, tasks=tasks, metrics={t: policy.task(t).metric for t in tasks})
-    verdict = decide(pairing, policy, aa=aa_for_baseline(dirs), require_aa=not allow_uncalibrated)
+    pairing = compare(base_run, cand_run, tasks=tasks, metrics={t: policy.task(t).metric for t in tasks},
+                      aa_flips={t: a["flips"] for t, a in stored.aa.items()})
+    verdict = decide(pairing, policy, aa=stored.aa, require_aa=not allow_uncalibrated)
     # runs whose HumanEval programs ran under different Python minors: compared, said in the verdict (gate.json)
     notes = [*verdict.notes, *python_warnings(base_run.manifest, cand_run.manifest, tasks)]
     verdict = replace(verdict, baseline_dirs=[str(d) for d in dirs], notes=notes)

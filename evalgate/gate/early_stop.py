@@ -21,11 +21,10 @@ not proven) and aggregate-only baselines.
 from __future__ import annotations
 
 import datetime as dt
-import json
 from pathlib import Path
 
 from evalgate.errors import NotComparable, UserError
-from evalgate.gate.policy import Thresholds, load_thresholds
+from evalgate.gate.policy import Thresholds
 
 
 def _now() -> str:
@@ -49,50 +48,39 @@ def best_completion_verdict(baseline, candidate, policy: Thresholds, aa: dict | 
 
 
 class EarlyStop:
-    """The gate's ``stop_when`` hook for ``evalgate.run.runner.execute``: called with the run folder and its
-    manifest before generating and after items are scored and stored; returns the early-stop record when the
-    gate's verdict is FAIL for every outcome of the items not yet run (a failed kernel conformance, or the
-    best completion's FAIL), else None. Never raises for a comparison it cannot
-    make (the complete run's gate reports that)."""
+    """The gate's observer of its candidate run (``evalgate.run.observer.RunObserver``): it keeps the records
+    the runner hands it and, asked ``should_stop()`` before generating and after items are scored and
+    stored, returns the early-stop record when the gate's verdict is FAIL for every outcome of the items not
+    yet run (a failed kernel conformance, or the best completion's FAIL), else None. Never raises for a
+    comparison it cannot make (the complete run's gate reports that). Nothing is read from disk: the
+    baseline comes loaded, the candidate's records from the runner."""
 
-    def __init__(self, baselines, thresholds: Thresholds | str | Path | None = None,
-                 allow_uncalibrated: bool = False, on_conformance: bool = True):
-        from evalgate.run.baselines import aa_for_baseline, assemble
-
-        self.dirs = [Path(b) for b in (baselines if isinstance(baselines, (list, tuple)) else [baselines])]
-        self.policy = thresholds if isinstance(thresholds, Thresholds) else load_thresholds(thresholds)
-        self.base = assemble(self.dirs)
-        self.aa = aa_for_baseline(self.dirs)
+    def __init__(self, baseline, policy: Thresholds, allow_uncalibrated: bool = False, on_conformance: bool = True):
+        self.baseline = baseline  # evalgate.run.baselines.StoredBaseline
+        self.policy = policy
         self.require_aa = not allow_uncalibrated
         # False: only the accuracy FAIL stops (selfcheck, which measures what the canary's accuracy catches)
         self.on_conformance = on_conformance
         self.checks = 0  # decisions made on a best completion
+        self.run = None  # the finished run (``finished``)
         self._seen = -1
-        self._out: Path | None = None
-        self._files: dict[str, tuple[int, list]] = {}  # task -> (bytes read, records) of the run watched
+        self._manifest: dict | None = None
+        self._path: Path | None = None
+        self._records: dict[str, list[dict]] = {}
         self._below_best: frozenset | None = None  # items run below their best outcome, at the last decision
 
-    def _read(self, out: Path, task: str) -> list[dict]:
-        """The task's stored records, reading only what was appended since the last look."""
-        path = out / f"{task}.jsonl"
-        offset, records = self._files.get(task, (0, []))
-        size = path.stat().st_size if path.exists() else 0
-        if size < offset:  # rewritten (not during a run): read it again
-            offset, records = 0, []
-        if size > offset:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read()
-            for line in data.splitlines(keepends=True):
-                if not line.endswith(b"\n"):
-                    break  # still being written
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
-                offset += len(line)
-        self._files[task] = (offset, records)
-        return list(records)
+    # ---- RunObserver ----
+
+    def started(self, run) -> None:
+        self._path, self._manifest = run.path, run.manifest
+        self._records = {t: list(run.records.get(t, [])) for t in run.manifest.get("tasks", {})}
+        self._seen, self._below_best = -1, None
+
+    def scored(self, task: str, records: list[dict]) -> None:
+        self._records.setdefault(task, []).extend(records)
+
+    def finished(self, run) -> None:
+        self.run = run
 
     def _below_best_items(self, records: dict) -> frozenset:
         """The items run whose outcome is worse than the best completion's (wrong, invalid or truncated): when
@@ -109,27 +97,25 @@ class EarlyStop:
 
     def why_not(self, manifest: dict) -> str | None:
         """Why this run cannot be stopped early (None: it can)."""
-        if self.base.manifest.get("aggregate_only"):
+        if self.baseline.run.manifest.get("aggregate_only"):
             return "an aggregate-only baseline"
         k = (manifest.get("spec") or {}).get("samples") or 1
         if k > 1:
             return f"k = {k} samples per item (stopping early is proven for k = 1 only)"
         return None
 
-    def __call__(self, out: Path, manifest: dict) -> dict | None:
+    def should_stop(self) -> dict | None:
         from evalgate.run.store import Run
 
-        if self.why_not(manifest):
+        manifest = self._manifest
+        if manifest is None or self.why_not(manifest):
             return None
-        out = Path(out)
-        if out != self._out:
-            self._out, self._files, self._below_best, self._seen = out, {}, None, -1
         totals = {t: int(s["n_items"]) for t, s in manifest["tasks"].items()}
         try:
-            records = {t: self._read(out, t) for t in totals}
+            records = {t: list(self._records.get(t, [])) for t in totals}
             run = {t: len({r["doc_id"] for r in records[t]}) for t in totals}
             below = self._below_best_items(records)
-        except (OSError, KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, UserError):
             return None
         if all(run[t] >= totals[t] for t in totals):
             return None  # nothing left to save
@@ -145,8 +131,9 @@ class EarlyStop:
             return None  # every item since the last decision ran as its best completion: the same verdict
         tasks = list(totals)
         try:
-            verdict = best_completion_verdict(self.base, Run(path=out, manifest=manifest, records=records),
-                                              self.policy, self.aa, self.require_aa)
+            candidate = Run(path=self._path, manifest=manifest, records=records)
+            verdict = best_completion_verdict(self.baseline.run, candidate, self.policy, self.baseline.aa,
+                                              self.require_aa)
         except (NotComparable, UserError, ValueError, KeyError):
             return None
         self.checks += 1

@@ -22,10 +22,11 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from evalgate.errors import UserError
-from evalgate.records import SCHEMA_VERSION, AARecord, dump_aa, dump_manifest, load_aa, load_manifest
+from evalgate.records import SCHEMA_VERSION, AARecord, RunManifest, dump_aa, dump_manifest, load_aa, load_manifest
 from evalgate.run.store import MANIFEST, Run, load_run, write_json_atomic
 
 DEFAULT_ROOT = Path("results/baselines")  # relative: the current directory's
@@ -198,13 +199,19 @@ def import_aggregate(task: str, score: float, n_items: int, model_id: str, profi
     return final
 
 
-def list_baselines(root: str | Path = DEFAULT_ROOT) -> list[dict]:
-    rows = []
+def _stored(root: str | Path) -> list[tuple[Path, RunManifest]]:
+    """Every baseline folder under ``root`` with its manifest (read once here)."""
+    found = []
     for manifest_path in sorted(Path(root).glob(f"*/*/*/{MANIFEST}")):
         d = manifest_path.parent
-        if any(part.startswith(".tmp-") for part in d.parts):
-            continue
-        m = load_manifest(manifest_path)
+        if not any(part.startswith(".tmp-") for part in d.parts):
+            found.append((d, load_manifest(manifest_path)))
+    return found
+
+
+def list_baselines(root: str | Path = DEFAULT_ROOT) -> list[dict]:
+    rows = []
+    for d, m in _stored(root):
         (task, summary), = m.tasks.items()
         aa = read_aa_record(d)
         aa_task = aa.tasks.get(task) if aa else None
@@ -214,38 +221,45 @@ def list_baselines(root: str | Path = DEFAULT_ROOT) -> list[dict]:
     return rows
 
 
+def _find(roots: list[Path], fingerprint: str, profile_id: str, kernel: str) -> tuple[Path, RunManifest] | None:
+    """The first root's matching baseline folder and its manifest (a user's own baseline wins)."""
+    for root in roots:
+        for d, m in _stored(root):
+            (summary,) = m.tasks.values()
+            if m.model.fingerprint == fingerprint and summary.profile_id == profile_id and m.kernel.name == kernel:
+                return d, m
+    return None
+
+
 def find_baseline(root: str | Path, fingerprint: str, profile_id: str, kernel: str) -> Path | None:
     """The baseline under this one root, or None."""
-    for row in list_baselines(root):
-        if row["model"] == fingerprint and row["profile_id"] == profile_id and row["kernel"] == kernel:
-            return Path(row["path"])
-    return None
+    found = _find([Path(root)], fingerprint, profile_id, kernel)
+    return found[0] if found else None
 
 
 def find_stored_baseline(roots: list[Path], fingerprint: str, profile_id: str, kernel: str) -> Path | None:
     """The first root's baseline (``lookup_roots`` order: a user's own baseline wins over the packaged one)."""
-    for root in roots:
-        found = find_baseline(root, fingerprint, profile_id, kernel)
-        if found is not None:
-            return found
-    return None
+    found = _find(roots, fingerprint, profile_id, kernel)
+    return found[0] if found else None
 
 
-def answer_lengths(baselines: list[Path]) -> dict[str, dict] | None:
-    """{task: {doc_id: tokens}}: how long each stored baseline's answers are (records without a length, and
+def load_stored_baseline(roots: list[Path], fingerprint: str, profile_ids: dict[str, str],
+                         kernel: str) -> tuple["StoredBaseline | None", list[str]]:
+    """The stored ``kernel`` baseline of every task (``lookup_roots`` order), each file read once; or None
+    and the tasks that have none."""
+    found = {task: _find(roots, fingerprint, pid, kernel) for task, pid in profile_ids.items()}
+    missing = [t for t, f in found.items() if f is None]
+    if missing:
+        return None, missing
+    return load_baseline([d for d, _ in found.values()], {d: m for d, m in found.values()}), []
+
+
+def answer_lengths(run: Run) -> dict[str, dict]:
+    """{task: {doc_id: tokens}}: how long a stored baseline's answers are (records without a length, and
     aggregate-only baselines, give none). A candidate's answers are expected to be about as long, which is
-    what the in-process model schedules its decoding workers by (``Request.expected_tokens``). None when a
-    baseline cannot be read: the gate says why when it compares."""
-    out: dict[str, dict] = {}
-    try:
-        for path in baselines:
-            run = load_run(path)
-            for task, records in run.records.items():
-                out.setdefault(task, {}).update(
-                    {r["doc_id"]: r["n_tokens"] for r in records if isinstance(r.get("n_tokens"), int)})
-    except (UserError, OSError, ValueError):
-        return None
-    return out
+    what the in-process model schedules its decoding workers by (``Request.expected_tokens``)."""
+    return {task: {r["doc_id"]: r["n_tokens"] for r in records if isinstance(r.get("n_tokens"), int)}
+            for task, records in run.records.items()}
 
 
 def read_aa_record(baseline: str | Path) -> AARecord | None:
@@ -276,9 +290,9 @@ def write_aa(baseline: str | Path, aa: dict, second_run: str | Path) -> None:
     write_json_atomic(baseline / AA_FILE, aa_json)
 
 
-def assemble(baselines: list[str | Path]) -> Run:
+def assemble(baselines: list[str | Path], manifests: dict[Path, RunManifest] | None = None) -> Run:
     """One Run over several single-task baseline folders (or run folders), for pairing with a candidate."""
-    runs = [load_run(b) for b in baselines]
+    runs = [load_run(b, (manifests or {}).get(Path(b))) for b in baselines]
     for run in runs:
         _refuse_stopped_early(run)
     if len(runs) == 1:
@@ -301,3 +315,24 @@ def aa_for_baseline(baseline_dirs: list[Path]) -> dict:
             for task, entry in aa.get("tasks", {}).items():
                 found[task] = {**entry, "flips": set(entry.get("flips", []))}
     return found
+
+
+@dataclass(frozen=True)
+class StoredBaseline:
+    """The baseline a gate compares with, read once: its folders (one per task), the runs assembled into
+    one, and their A/A records."""
+
+    dirs: tuple[Path, ...]
+    run: Run
+    aa: dict  # task -> {"psi0", "n", "flips", "verdict", ...}
+
+    @property
+    def answer_lengths(self) -> dict[str, dict]:
+        return answer_lengths(self.run)
+
+
+def load_baseline(dirs: list[str | Path] | str | Path, manifests: dict[Path, RunManifest] | None = None) -> StoredBaseline:
+    """Read the baseline folder(s) once: manifests (unless a lookup already read them), records and A/A
+    records (UserError when unreadable)."""
+    dirs = tuple(Path(d) for d in (dirs if isinstance(dirs, (list, tuple)) else [dirs]))
+    return StoredBaseline(dirs, assemble(list(dirs), manifests), aa_for_baseline(list(dirs)))

@@ -14,9 +14,10 @@ from evalgate.run.progress import Progress
 from evalgate.run.samples import SampleGroups, Sampling
 from evalgate.records import SCHEMA_VERSION
 from evalgate.files import write_bytes_atomic
-from evalgate.run.store import MANIFEST, RecordWriter, load_run, read_records, write_manifest
+from evalgate.run.observer import RunObserver
+from evalgate.run.store import MANIFEST, RecordWriter, Run, load_run, write_manifest
 from evalgate.tasks import get_task, resolve_profile
-from evalgate.types import Request
+from evalgate.types import ModelAdapter, Request, ResolvedProfile, Task
 
 
 @dataclass
@@ -58,14 +59,39 @@ def with_overrides(profile, spec: RunSpec):
     return replace(profile, settings=settings)
 
 
+@dataclass(frozen=True)
+class LoadedTask:
+    """One task of a run, loaded once: its items and its profile resolved against them."""
+
+    task: Task
+    items: list[dict]
+    resolved: ResolvedProfile
+    data_dir: Path | None  # where its data came from (None: packaged); ``prepare`` takes it too
+
+    @property
+    def profile_id(self) -> str:
+        return self.resolved.profile_id
+
+
 def load_task(task, spec: RunSpec, data_dir):
     """(items, resolved profile) of ``task`` for ``spec``: overrides folded into the settings, the run's
     sampling settings into the decoding settings (both hashed into the profile id)."""
-    from dataclasses import replace
-
     profile = with_overrides(resolve_profile(task, spec.profiles.get(task.name)), spec)
     items, resolved = task.load(profile, data_dir, spec.limit)
     return items, replace(resolved, decoding=spec.sampling().decoding(resolved.decoding))
+
+
+def load_tasks(spec: RunSpec) -> dict[str, LoadedTask]:
+    """Every task of ``spec``, its data read and checked once (before any model is loaded)."""
+    from evalgate.tasks.data import resolve_data_dir
+
+    data_dir = resolve_data_dir(spec.data_dir)
+    loaded = {}
+    for name in spec.tasks:
+        task = get_task(name)
+        items, resolved = load_task(task, spec, data_dir)
+        loaded[name] = LoadedTask(task, items, resolved, data_dir)
+    return loaded
 
 
 # Files a run's own helpers may write before the run starts (the launched server's log).
@@ -84,21 +110,12 @@ def prepare_out(out: Path, resume: bool) -> dict | None:
     return None
 
 
-def prepare_ahead(spec: RunSpec) -> None:
+def prepare_ahead(tasks: dict[str, LoadedTask]) -> None:
     """Start every task's preparation (HumanEval's executor self-test: ~6 s of sandboxed programs) now, in
     the background, so that it runs beside the single-threaded imports and model load that follow; the
-    run's ``prepare`` takes the result or waits for it. Anything that goes wrong here is left for the run to
-    raise, where it always did."""
-    try:
-        from evalgate.tasks.data import resolve_data_dir
-
-        data_dir = resolve_data_dir(spec.data_dir)
-        for name in spec.tasks:
-            task = get_task(name)
-            _, resolved = load_task(task, spec, data_dir)
-            task.prepare_ahead(resolved, data_dir)
-    except Exception:  # noqa: BLE001 - raised again, with its message, by the run itself
-        pass
+    run's ``prepare`` takes the result or waits for it (and raises what went wrong)."""
+    for loaded in tasks.values():
+        loaded.task.prepare_ahead(loaded.resolved, loaded.data_dir)
 
 
 def _dg_environment() -> dict[str, str]:
@@ -108,47 +125,44 @@ def _dg_environment() -> dict[str, str]:
 
 
 class _Stop:
-    """A run's early-stop hook (docs/gate.md#stopping-early): ``stop_when(out, manifest)`` is consulted after
-    each batch of items is scored and stored, and returns a record (why, when, items per task) once the run
-    need not go on; ``check`` remembers the first such record and says True from then on."""
+    """A run's early stop (docs/gate.md#stopping-early): the observer's ``should_stop()`` is asked after each
+    batch of items is scored and stored, and returns a record (why, when, items per task) once the run need
+    not go on; ``check`` remembers the first such record and says True from then on."""
 
-    def __init__(self, stop_when, out: Path, manifest: dict):
-        self.stop_when, self.out, self.manifest = stop_when, out, manifest
+    def __init__(self, observer: RunObserver | None):
+        self.observer = observer
         self.record: dict | None = None
 
     def check(self) -> bool:
-        if self.record is None and self.stop_when is not None:
-            self.record = self.stop_when(self.out, self.manifest)
+        if self.record is None and self.observer is not None:
+            self.record = self.observer.should_stop()
         return self.record is not None
 
     @property
     def should_stop(self):
-        """``check`` for the generation loops, or None when there is no hook (they then never ask)."""
-        return self.check if self.stop_when is not None else None
+        """``check`` for the generation loops, or None when there is no observer (they then never ask)."""
+        return self.check if self.observer is not None else None
 
 
-def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, progress: Progress | None = None,
-            stop_when=None, expected_tokens: dict[str, dict] | None = None) -> Path:
-    """Run ``spec`` into ``out``; returns the run directory. ``adapter`` defaults to the in-process one.
+def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter: ModelAdapter | None = None,
+            progress: Progress | None = None, observer: RunObserver | None = None,
+            expected_tokens: dict[str, dict] | None = None, tasks: dict[str, LoadedTask] | None = None) -> Path:
+    """Run ``spec`` into ``out``; returns the run directory. ``adapter`` defaults to the in-process one;
+    ``tasks`` (``load_tasks(spec)``) are loaded here when not given.
 
-    ``stop_when(out, manifest)`` (the gate's ``EarlyStop``; None: run every item) is consulted before
-    anything is generated and after each batch of items is scored and stored; once it returns a record the
-    generation stops (the decoding stream closed, its workers ended), whatever finished is scored and stored,
-    and the manifest says ``"status": "stopped_early"`` with the record as ``early_stop``. Such a run resumes
-    like an interrupted one (``resume=True``; the record moves to ``early_stop_history``).
+    ``observer`` (``evalgate.run.observer.RunObserver``, e.g. the gate's ``EarlyStop``; None: nobody watches)
+    is told what is stored as it is stored, and asked ``should_stop()`` before anything is generated and
+    after each batch; once it returns a record the generation stops (the decoding stream closed, its workers
+    ended), whatever finished is scored and stored, and the manifest says ``"status": "stopped_early"`` with
+    the record as ``early_stop``. Such a run resumes like an interrupted one (``resume=True``; the record
+    moves to ``early_stop_history``). At the end the observer gets the whole run, without a read back.
 
-    ``expected_tokens`` ({task: {doc_id: tokens}}, e.g. ``baselines.answer_lengths`` of the stored baselines)
-    goes on each request (``Request.expected_tokens``) for the in-process model's schedule: no output, record
-    or manifest depends on it."""
-    from evalgate.tasks.data import resolve_data_dir
-
+    ``expected_tokens`` ({task: {doc_id: tokens}}, e.g. the stored baselines' answer lengths) goes on each
+    request (``Request.expected_tokens``) for the in-process model's schedule: no output, record or manifest
+    depends on it."""
     out = Path(out)
     previous = prepare_out(out, resume)
-    data_dir = resolve_data_dir(spec.data_dir)
-    tasks = [get_task(name) for name in spec.tasks]
-    loaded = {}
-    for task in tasks:  # load and validate all data before the (slow) model
-        loaded[task.name] = load_task(task, spec, data_dir)
+    loaded = tasks if tasks is not None else load_tasks(spec)  # all data checked before the (slow) model
 
     if adapter is None:
         from evalgate.model_adapters.hf import HFAdapter
@@ -168,12 +182,12 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
                    "description": kernel.description, "env": kernel.env, "recipe": kernel.recipe,
                    "faulty": kernel.faulty},
         "dg_env": _dg_environment(),
-        "tasks": {name: {**resolved.summary(), "n_items": len(items)} for name, (items, resolved) in loaded.items()},
+        "tasks": {name: {**t.resolved.summary(), "n_items": len(t.items)} for name, t in loaded.items()},
         "timings": {"load_model_s": round(adapter.load_s, 3)},
     }
-    conformance = getattr(adapter, "conformance", None)  # in-process kernels only: a server's is out of reach
+    conformance = adapter.conformance()  # in-process kernels only: a server's is out of reach (None)
     if conformance is not None:
-        manifest["kernel"]["conformance"] = conformance()
+        manifest["kernel"]["conformance"] = conformance
     if previous is not None:
         _check_resumable(previous, manifest, out)
         manifest["timings"] = {**previous.get("timings", {}), **manifest["timings"]}
@@ -185,7 +199,11 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
     write_manifest(out, manifest)
     collector.resume()  # start-up is over (the console script paused collection for its imports)
 
-    stop = _Stop(stop_when, out, manifest)
+    runs = {name: _TaskRun(t, adapter, out, manifest, spec, expected_tokens, observer) for name, t in loaded.items()}
+    if observer is not None:
+        observer.started(Run(path=out, manifest=manifest,  # the live manifest: the tasks' preparation joins it
+                             records={name: list(run.writer.records) for name, run in runs.items()}))
+    stop = _Stop(observer)
     progress = progress or Progress()
     try:
         with progress:
@@ -195,23 +213,23 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
                     manifest.pop("early_stop_history", None)
                     if previous.get("early_stop_history"):
                         manifest["early_stop_history"] = previous["early_stop_history"]
-            elif getattr(adapter, "dispatch", None) is None and getattr(adapter, "generate_stream", None) is not None:
-                _run_tasks_in_one_stream(tasks, loaded, adapter, out, manifest, progress, spec, data_dir, stop,
-                                         expected_tokens)
+            elif adapter.serving == "stream":
+                _run_tasks_in_one_stream(list(runs.values()), adapter, manifest, progress, spec, stop)
             else:
-                for task in tasks:
+                for run in runs.values():
                     if stop.record is not None:
                         break  # the gate's FAIL is already certain: later tasks are not started
-                    items, resolved = loaded[task.name]
-                    _run_task(task, items, resolved, adapter, out, manifest, progress, spec, data_dir, stop,
-                              expected_tokens)
+                    _run_task(run, adapter, progress, spec, stop)
     except BaseException:
+        for run in runs.values():
+            run.writer.close()
         manifest["status"] = "interrupted"
         write_manifest(out, manifest)
         raise
-    stored = None if stop.record is None else {  # items per task on disk, read only when the hook said stop
-        name: len({r["doc_id"] for r in read_records(out / f"{name}.jsonl")[0]}) for name in manifest["tasks"]}
-    if stored is not None and any(stored[t] < manifest["tasks"][t]["n_items"] for t in stored):
+    for run in runs.values():
+        run.close()
+    stored = {name: len(run.writer.stored) for name, run in runs.items()}
+    if stop.record is not None and any(stored[t] < manifest["tasks"][t]["n_items"] for t in stored):
         manifest["status"] = "stopped_early"
         manifest["early_stop"] = {
             **stop.record, "items_run": sum(stored.values()),
@@ -222,7 +240,9 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter=None, 
     else:
         manifest["status"] = "complete"
     manifest["finished"] = _now()
-    write_manifest(out, manifest)
+    written = write_manifest(out, manifest)
+    if observer is not None:
+        observer.finished(Run(path=out, manifest=written, records={n: list(r.writer.records) for n, r in runs.items()}))
     return out
 
 
@@ -246,19 +266,15 @@ class _TaskRun:
     """One task's share of a run: its prepared profile, the requests still to do (k samples each), its record
     file, scorer and progress bar. ``score_and_write`` takes finished samples; ``close`` settles the file."""
 
-    def __init__(self, task, items, resolved, adapter, out: Path, manifest: dict, progress: Progress, spec: RunSpec,
-                 data_dir, expected_tokens: dict[str, dict] | None = None):
-        self.task, self.items, self.resolved, self.manifest = task, items, resolved, manifest
-        self.entry = manifest["tasks"][task.name]
-        prepared = task.prepare(resolved, data_dir)  # e.g. HumanEval's executor self-test: refuses a broken executor
-        if prepared:
-            self.entry["prepare"] = prepared
-        self.path = out / f"{task.name}.jsonl"
-        existing, _ = read_records(self.path)
-        done = {r["doc_id"] for r in existing}
-        self.by_id = {item["doc_id"]: item for item in items}
-        requests = [r for r in task.requests(items, resolved) if r.doc_id not in done]
-        lengths = (expected_tokens or {}).get(task.name) or {}
+    def __init__(self, loaded: LoadedTask, adapter: ModelAdapter, out: Path, manifest: dict, spec: RunSpec,
+                 expected_tokens: dict[str, dict] | None = None, observer: RunObserver | None = None):
+        self.task, self.items, self.resolved, self.manifest = loaded.task, loaded.items, loaded.resolved, manifest
+        self.data_dir, self.observer, self.kernel_name = loaded.data_dir, observer, adapter.kernel.name
+        self.entry = manifest["tasks"][self.task.name]
+        self.writer = RecordWriter(out / f"{self.task.name}.jsonl")  # a resumed run's records, read once
+        self.by_id = {item["doc_id"]: item for item in self.items}
+        requests = [r for r in self.task.requests(self.items, self.resolved) if r.doc_id not in self.writer.stored]
+        lengths = (expected_tokens or {}).get(self.task.name) or {}
         if lengths:
             requests = [replace(r, expected_tokens=lengths.get(r.doc_id)) for r in requests]
         if spec.order == "reverse":
@@ -266,9 +282,18 @@ class _TaskRun:
         sampling = spec.sampling()
         self.groups = SampleGroups(sampling, requests)  # an item is scored once all its k samples are in
         self.requests = sampling.expand(requests)
-        self.writer = RecordWriter(self.path)
-        self.bar = progress.task(f"{task.name} [{adapter.kernel.name}]", total=len(items), done=len(done))
         self.times = {"generate_s": 0.0, "score_s": 0.0}
+        self.bar = None
+        self.closed = False
+
+    def prepare(self, progress: Progress) -> None:
+        """What must hold before any item is scored (HumanEval's executor self-test: refuses a broken
+        executor), then the task's progress bar."""
+        prepared = self.task.prepare(self.resolved, self.data_dir)
+        if prepared:
+            self.entry["prepare"] = prepared
+        self.bar = progress.task(f"{self.task.name} [{self.kernel_name}]", total=len(self.items),
+                                 done=len(self.writer.stored))
 
     def score_and_write(self, samples: list[Request], sample_generations) -> None:
         batch, generations = self.groups.add(samples, sample_generations)
@@ -282,51 +307,53 @@ class _TaskRun:
             record["profile_id"] = self.resolved.profile_id
         written = self.writer.append(records)
         self.times["score_s"] += time.perf_counter() - t0
-        self.bar.advance(written)
+        if self.bar is not None:
+            self.bar.advance(len(written))
+        if written and self.observer is not None:
+            self.observer.scored(self.task.name, written)
 
-    def close(self, stats: dict | None = None, generate_s: bool = True) -> None:
-        """Close the record file, put it in item order, add the times (``generate_s`` False: the task shared
-        one decoding stream with others, whose time is the run's) and say whether the task is complete."""
-        self.writer.close()
-        restore_item_order(self.path, [item["doc_id"] for item in self.items])
+    def add_times(self, stats: dict | None = None, generate_s: bool = True) -> None:
+        """Add the times (``generate_s`` False: the task shared one decoding stream with others, whose time
+        is the run's)."""
         timings = self.manifest["timings"].setdefault(self.task.name, {})
         if generate_s:
             timings["generate_s"] = round(timings.get("generate_s", 0.0) + self.times["generate_s"], 3)
         timings["score_s"] = round(timings.get("score_s", 0.0) + self.times["score_s"], 3)
         if stats is not None:
             timings["mean_in_flight"] = float(stats["mean_in_flight_until_tail"])
-        self.entry["complete"] = len(read_records(self.path)[0]) == len(self.items)
+
+    def close(self) -> None:
+        """Close the record file in item order and say whether the task is complete."""
+        if not self.closed:
+            self.writer.close([item["doc_id"] for item in self.items])
+            self.closed = True
+        self.entry["complete"] = len(self.writer.stored) == len(self.items)
 
 
-def _run_task(task, items, resolved, adapter, out: Path, manifest: dict, progress: Progress, spec: RunSpec, data_dir,
-              stop: _Stop | None = None, expected_tokens: dict[str, dict] | None = None) -> None:
-    run = _TaskRun(task, items, resolved, adapter, out, manifest, progress, spec, data_dir, expected_tokens)
-    dispatch = getattr(adapter, "dispatch", None)  # a server adapter: continuous dispatch
+def _run_task(run: _TaskRun, adapter: ModelAdapter, progress: Progress, spec: RunSpec, stop: _Stop) -> None:
+    run.prepare(progress)
     stats = None
-    should_stop = stop.should_stop if stop is not None else None
+    should_stop = stop.should_stop
     try:
         if should_stop is not None and should_stop():
             pass  # decided before anything is generated (a kernel that failed its conformance check)
-        elif dispatch is not None and run.requests:
-            stats = _dispatch_continuously(dispatch, run.requests, run.score_and_write, run.times, should_stop)
+        elif adapter.serving == "dispatch" and run.requests:
+            stats = _dispatch_continuously(adapter.dispatch, run.requests, run.score_and_write, run.times, should_stop)
         else:
             run_in_process(adapter, run.requests, spec.batch_size, run.score_and_write, run.times, should_stop)
     finally:
-        run.close(stats)
+        run.add_times(stats)
+        run.close()
 
 
-def _run_tasks_in_one_stream(tasks, loaded: dict, adapter, out: Path, manifest: dict, progress: Progress,
-                             spec: RunSpec, data_dir, stop: _Stop | None = None,
-                             expected_tokens: dict[str, dict] | None = None) -> None:
+def _run_tasks_in_one_stream(runs: list[_TaskRun], adapter: ModelAdapter, manifest: dict, progress: Progress,
+                             spec: RunSpec, stop: _Stop) -> None:
     """Every task's requests in one continuous-batching stream (an in-process model): the decoding processes
     never wait at a task's tail for the next task's first prompts. Each finished sample goes to its own
     task's scorer and file; nothing an item produces depends on what it was batched with."""
-    runs = []
     try:
-        for task in tasks:  # every task prepared (and its self-test passed) before anything decodes
-            items, resolved = loaded[task.name]
-            runs.append(_TaskRun(task, items, resolved, adapter, out, manifest, progress, spec, data_dir,
-                                 expected_tokens))
+        for run in runs:  # every task prepared (and its self-test passed) before anything decodes
+            run.prepare(progress)
         requests = [r for run in runs for r in run.requests]
         owner = {id(r): run for run in runs for r in run.requests}
         times = {"generate_s": 0.0, "score_s": 0.0}
@@ -340,26 +367,26 @@ def _run_tasks_in_one_stream(tasks, loaded: dict, adapter, out: Path, manifest: 
             for run, own_samples, own_generations in parts.values():
                 run.score_and_write(own_samples, own_generations)
 
-        should_stop = stop.should_stop if stop is not None else None
+        should_stop = stop.should_stop
         if should_stop is not None and should_stop():
             return  # decided before anything is generated (a kernel that failed its conformance check)
         run_in_process(adapter, requests, spec.batch_size, score_and_write, times, should_stop)
         manifest["timings"]["generate_s"] = round(manifest["timings"].get("generate_s", 0.0) + times["generate_s"], 3)
     finally:
         for run in runs:
-            run.close(generate_s=False)
+            run.add_times(generate_s=False)
+            run.close()
 
 
-def run_in_process(adapter, requests: list[Request], batch_size: int, score_and_write, times: dict,
+def run_in_process(adapter: ModelAdapter, requests: list[Request], batch_size: int, score_and_write, times: dict,
                    should_stop=None) -> None:
-    """The in-process model: continuous batching where the adapter streams (``generate_stream``), else one
-    batch of ``--batch-size`` at a time. ``should_stop()`` (None: never) is asked after each batch of items
-    is scored and stored; True ends the generation (what finished is still scored and stored)."""
-    stream = getattr(adapter, "generate_stream", None)
-    if stream is None or not requests:
+    """The in-process model: continuous batching where the adapter streams (``serving == "stream"``), else
+    one batch of ``--batch-size`` at a time. ``should_stop()`` (None: never) is asked after each batch of
+    items is scored and stored; True ends the generation (what finished is still scored and stored)."""
+    if adapter.serving != "stream" or not requests:
         _run_in_batches(adapter, requests, batch_size, score_and_write, times, should_stop)
     else:
-        _run_streaming(stream, requests, batch_size, score_and_write, times, should_stop)
+        _run_streaming(adapter.generate_stream, requests, batch_size, score_and_write, times, should_stop)
 
 
 def _run_streaming(stream, requests: list[Request], batch_size: int, score_and_write, times: dict,
@@ -491,27 +518,3 @@ def _dispatch_continuously(dispatch, requests: list[Request], score_and_write, t
     finally:
         times["generate_s"] += (time.perf_counter() - t0) - (times["score_s"] - score_before)
     return run.stats()
-
-
-def restore_item_order(path: Path, doc_ids: list) -> None:
-    """Rewrite ``<task>.jsonl`` with its records in item order (continuous dispatch and the reversed A/A run
-    append them in the order they finish). The record lines are moved as they are, never re-serialized;
-    the file is replaced atomically (temp file, fsync, rename), and left alone when already in order."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
-    lines, good = [], 0
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break  # a torn tail is dropped, as the store does on read
-        lines.append(line)
-        good += len(line)
-    records, _ = read_records(path)
-    if len(records) != len(lines):
-        return  # an unreadable line: leave the file for the store to report
-    rank = {doc_id: i for i, doc_id in enumerate(doc_ids)}
-    keys = [rank.get(r["doc_id"], len(rank)) for r in records]
-    if keys == sorted(keys) and good == len(data):
-        return
-    order = sorted(range(len(lines)), key=lambda i: keys[i])  # stable: unknown ids keep their place at the end
-    write_bytes_atomic(path, b"".join(lines[i] for i in order))

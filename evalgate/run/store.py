@@ -29,62 +29,98 @@ def write_json_atomic(path: Path, obj) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def write_manifest(run_dir: Path, manifest: dict) -> None:
-    """Write ``<run_dir>/manifest.json`` through the RunManifest model (``"schema_version": 3``), atomically."""
-    write_json_atomic(Path(run_dir) / MANIFEST, dump_manifest(manifest))
+def write_manifest(run_dir: Path, manifest: dict) -> dict:
+    """Write ``<run_dir>/manifest.json`` through the RunManifest model (``"schema_version": 3``), atomically;
+    returns what was written (what ``load_run`` would read back)."""
+    written = dump_manifest(manifest)
+    write_json_atomic(Path(run_dir) / MANIFEST, written)
+    return written
+
+
+def parse_lines(data: bytes, source: str) -> tuple[list[dict], list[bytes]]:
+    """The records of a JSONL file's bytes and their lines, by the store's one rule: a last line without its
+    newline is a torn write (the writer died mid-append) and is left out; any other line that is not JSON is
+    damage, refused in one line naming it (what a record must hold is the record models' to say)."""
+    records, lines = [], []
+    *complete, _torn = data.split(b"\n")  # the part after the last newline: empty, or a torn write
+    for number, body in enumerate(complete, 1):
+        try:
+            records.append(json.loads(body))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{source} line {number} is not JSON (a damaged file); restore it, or rerun into a "
+                            "new --out") from None
+        lines.append(body + b"\n")
+    return records, lines
 
 
 def read_records(path: Path) -> tuple[list[dict], int]:
-    """Complete records of a JSONL file, and the byte length they occupy (a torn tail is left out)."""
+    """Complete records of a JSONL file, and the byte length they occupy (a torn tail is left out).
+
+    The store's one JSONL reader (``parse_lines``'s rule)."""
+    records, lines = _read_lines(path)
+    return records, sum(len(line) for line in lines)
+
+
+def _read_lines(path: Path) -> tuple[list[dict], list[bytes]]:
     if not path.exists():
-        return [], 0
-    data = path.read_bytes()
-    records, good = [], 0
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break  # torn last line: the writer died mid-append
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-        good += len(line)
-    return records, good
+        return [], []
+    return parse_lines(path.read_bytes(), repr(str(path)))
 
 
 class RecordWriter:
     """Appends records to ``<task>.jsonl`` through the task's record model (``"schema_version": 3``); one fsync per batch.
 
-    A file never holds one item twice: ``stored`` holds the doc_ids in the file, and ``append`` skips those.
-    A Ctrl-C can land between a batch's write and the caller's bookkeeping, and the caller then hands the
-    same items over again to keep them; without the check they would be stored twice."""
+    The file is read once, when the writer opens it (a resumed run's records); from then on the writer keeps
+    every record and its line in memory (``records``), so nothing it wrote is read back. A file never holds
+    one item twice: ``append`` skips the doc_ids already stored. A Ctrl-C can land between a batch's write
+    and the caller's bookkeeping, and the caller then hands the same items over again to keep them; without
+    the check they would be stored twice."""
 
     def __init__(self, path: Path):
         self.path = path
         self.task = path.name.removesuffix(".jsonl")
-        existing, good = read_records(path)
+        self.records, self._lines = _read_lines(path)
+        good = sum(len(line) for line in self._lines)
         if path.exists() and path.stat().st_size != good:
             with open(path, "r+b") as f:  # drop a torn tail before appending after it
                 f.truncate(good)
-        self.stored = {r["doc_id"] for r in existing}
+        self.stored = {r["doc_id"] for r in self.records}
         self._f = open(path, "ab")
 
-    def append(self, records: list[dict]) -> int:
-        """Store the records not stored yet; returns how many were new."""
-        lines = []
+    def append(self, records: list[dict]) -> list[dict]:
+        """Store the records not stored yet; returns them as stored (what a reader of the file gets)."""
+        lines, new = [], []
         for r in records:
             if r["doc_id"] in self.stored:
                 continue
             # marked before the write: an interrupted write loses the item (a resume redoes it), never doubles it
             self.stored.add(r["doc_id"])
-            lines.append(json.dumps(dump_item(self.task, r), ensure_ascii=False, sort_keys=True) + "\n")
+            line = json.dumps(dump_item(self.task, r), ensure_ascii=False, sort_keys=True) + "\n"
+            lines.append(line.encode("utf-8"))
+            new.append(json.loads(line))  # the record exactly as a reader of the file gets it (keys sorted)
         if lines:
-            self._f.write("".join(lines).encode("utf-8"))
+            self._f.write(b"".join(lines))
             self._f.flush()
             os.fsync(self._f.fileno())
-        return len(lines)
+            self.records.extend(new)
+            self._lines.extend(lines)
+        return new
 
-    def close(self) -> None:
+    def close(self, doc_ids: list | None = None) -> list[dict]:
+        """Close the file and, given the items' order, put its records in that order (continuous dispatch and
+        the reversed A/A run append them in the order they finish): the lines are moved as they are, never
+        re-serialized, and the file is replaced atomically, only when out of order. Returns the records in
+        file order."""
         self._f.close()
+        if doc_ids is not None:
+            rank = {doc_id: i for i, doc_id in enumerate(doc_ids)}
+            keys = [rank.get(r["doc_id"], len(rank)) for r in self.records]
+            if keys != sorted(keys):
+                order = sorted(range(len(keys)), key=lambda i: keys[i])  # stable: unknown ids stay at the end
+                self.records = [self.records[i] for i in order]
+                self._lines = [self._lines[i] for i in order]
+                write_bytes_atomic(self.path, b"".join(self._lines))
+        return list(self.records)
 
 
 @dataclass
@@ -130,7 +166,7 @@ def _parse_manifest(manifest: dict, path: Path) -> RunManifest:
     return parse(RunManifest, manifest, repr(str(path)))
 
 
-def load_run(path: str | Path) -> Run:
+def load_run(path: str | Path, meta: RunManifest | None = None) -> Run:
     """A stored run, validated through the record models; its manifest and records are the files' dicts.
 
     UserError (one line) for a missing or damaged manifest, an unknown ``schema_version`` in the manifest or
@@ -138,13 +174,15 @@ def load_run(path: str | Path) -> Run:
     """
     path = Path(path)
     manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise UserError(f"{str(path)!r} is not a run directory (no {MANIFEST}); pass the folder `evalgate run --out` wrote")
-    meta = load_manifest(manifest_path)
+    if meta is None:  # (a baseline lookup that matched this folder has read its manifest already)
+        if not manifest_path.is_file():
+            raise UserError(f"{str(path)!r} is not a run directory (no {MANIFEST}); pass the folder `evalgate run "
+                            "--out` wrote")
+        meta = load_manifest(manifest_path)
     records = {}
     for task in meta.tasks:
         jsonl = path / f"{task}.jsonl"
-        records[task], _ = read_records(jsonl)
+        records[task], _ = _read_lines(jsonl)
         first_line: dict = {}
         for line, record in enumerate(records[task], 1):
             parse_item(task, record, f"{str(jsonl)!r} line {line}")

@@ -1,0 +1,136 @@
+"""The gate plan: one gate's inputs, read and checked once, before anything runs.
+
+``plan_gate`` turns a command's arguments into a frozen ``GatePlan`` — the run spec and its loaded tasks,
+the parsed policy, the stored baseline (records and A/A record), the output folders — and
+``evalgate.pipeline.gate(plan, adapter)`` runs it, for every branch (in-process model, server, stored
+candidate). Nothing downstream opens the policy file, the task data or a baseline file again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+from evalgate.errors import UserError
+from evalgate.canary import scored_as_canary
+from evalgate.gate.policy import Thresholds, resolve_policy
+from evalgate.run.baselines import (ROOT_ENV, StoredBaseline, find_stored_baseline, load_baseline,
+                                    load_stored_baseline, lookup_roots, user_root)
+from evalgate.run.runner import LoadedTask, RunSpec, load_tasks
+from evalgate.run.store import Run
+
+RUNS_DIR = Path("results/runs")
+
+
+@dataclass(frozen=True)
+class GatePlan:
+    """Everything one gate decides from. Either ``spec`` (a candidate to run, or resume, into ``out``) or
+    ``candidate`` (a stored run) is set."""
+
+    policy: Thresholds
+    baseline: StoredBaseline
+    report_dir: Path
+    allow_uncalibrated: bool = False
+    spec: RunSpec | None = None
+    tasks: Mapping[str, LoadedTask] = field(default_factory=lambda: MappingProxyType({}))
+    out: Path | None = None
+    early_stop: bool = True  # stop generating once the FAIL is certain (docs/gate.md#stopping-early)
+    stop_on_conformance: bool = True  # False: a kernel failing conformance runs until its accuracy FAIL is certain
+    candidate: Run | None = None
+
+
+def stamp() -> str:
+    """The time stamp that names a gate's or a calibration's runs."""
+    return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def gate_out(kernel: str) -> Path:
+    return RUNS_DIR / f"gate-{stamp()}-{kernel.replace('/', '_')}"
+
+
+def local_fingerprint(model: str) -> str:
+    """A local checkpoint's identity (config, headers, tokenizer: no weights loaded)."""
+    from evalgate.model_adapters.fingerprint import model_fingerprint
+    from evalgate.model_adapters.hf import check_model_dir
+
+    return model_fingerprint(check_model_dir(model))["fingerprint"]
+
+
+def find_baselines(fingerprint: str, profile_ids: dict[str, str], kernel: str, root: Path | None = None,
+                   packaged: bool = True) -> dict[str, Path | None]:
+    """task -> its stored baseline or None: the user's root first, then (``packaged``) the canary's baselines
+    shipped in the package. ``calibrate`` looks in the user's root only: it writes next to what it finds."""
+    roots = lookup_roots(root) if packaged else [user_root(root)]
+    return {task: find_stored_baseline(roots, fingerprint, pid, kernel) for task, pid in profile_ids.items()}
+
+
+def planned_profile_ids(spec: RunSpec) -> dict[str, str]:
+    """task -> the profile id a run of ``spec`` will have (loads the data, not the model)."""
+    return {t: lt.profile_id for t, lt in load_tasks(spec).items()}
+
+
+def stored_baselines(spec: RunSpec, kernel: str, root: Path | None = None,
+                     packaged: bool = True) -> dict[str, Path | None]:
+    """task -> the stored ``kernel`` baseline for ``spec``'s local model and task profiles, or None."""
+    return find_baselines(local_fingerprint(spec.model), planned_profile_ids(spec), kernel, root, packaged)
+
+
+def _missing_baseline(spec: RunSpec | None, missing: list[str], kernel: str, root: Path | None,
+                      served: bool) -> UserError:
+    if spec is None:
+        how = f"`evalgate calibrate --model MODEL --kernel {kernel}` with the candidate's model and tasks"
+    else:
+        sampled = ("" if spec.sampling().greedy else  # a sampled baseline must be sampled the same way
+                   f" --samples {spec.samples} --temperature {spec.temperature:g} --seed {spec.seed}")
+        how = (f"`evalgate calibrate --model {spec.model} --kernel {kernel}{sampled}` (runs it twice and "
+               "records it)" if not served else
+               f"`evalgate calibrate --server URL --kernel {kernel}{sampled}` (or --launch ENGINE; runs it "
+               "twice on the server and records it)")
+    return UserError(f"no stored {kernel} baseline for this model and the {', '.join(missing)} profile(s) "
+                     f"under {user_root(root)} (nor packaged with the canary); create one with {how}, or point "
+                     f"--baselines-root or ${ROOT_ENV} at the folder that holds it")
+
+
+def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, baselines: tuple = (),
+              baseline_kernel: str = "w4a8", baselines_root: str | Path | None = None,
+              thresholds: str | Path | None = None, out: str | Path | None = None,
+              report_dir: str | Path | None = None, allow_uncalibrated: bool = False, early_stop: bool = True,
+              stop_on_conformance: bool = True, fingerprint: str | None = None, served: bool = False,
+              tasks: Mapping[str, LoadedTask] | None = None) -> GatePlan:
+    """One gate's plan from its arguments. ``spec``: a candidate to run (``fingerprint`` is the served model's
+    when ``served``, else the local checkpoint's is computed); ``candidate``: a stored run to decide from.
+    ``baselines``: baseline folders (default: the stored ``baseline_kernel`` baseline for the model and the
+    tasks' profiles, under ``baselines_root``, else the canary's packaged ones). ``tasks``: already loaded
+    (``load_tasks(spec)``), e.g. to start their preparation early. Raises UserError (one line) for anything
+    that cannot be read or found."""
+    if (spec is None) == (candidate is None):
+        raise ValueError("plan_gate takes a spec to run or a stored candidate, not both")
+    root = Path(baselines_root) if baselines_root else None
+    if candidate is not None:
+        profiles = {t: s.get("name") for t, s in candidate.manifest.get("tasks", {}).items()}
+        profile_ids = {t: s.get("profile_id") for t, s in candidate.manifest.get("tasks", {}).items()}
+        fingerprint = fingerprint or candidate.manifest.get("model", {}).get("fingerprint")
+        loaded: Mapping[str, LoadedTask] = MappingProxyType({})
+    else:
+        loaded = MappingProxyType(dict(tasks if tasks is not None else load_tasks(spec)))
+        profiles = {t: lt.resolved.profile.name for t, lt in loaded.items()}
+        profile_ids = {t: lt.profile_id for t, lt in loaded.items()}
+    policy = resolve_policy(thresholds, canary=scored_as_canary(profiles))  # a bad policy fails before any run
+    if baselines:
+        baseline = load_baseline(list(baselines))
+    else:
+        if fingerprint is None:
+            fingerprint = local_fingerprint(spec.model)
+        baseline, missing = load_stored_baseline(lookup_roots(root), fingerprint, profile_ids, baseline_kernel)
+        if missing:
+            raise _missing_baseline(spec, missing, baseline_kernel, root, served)
+    if candidate is not None:
+        return GatePlan(policy=policy, baseline=baseline, allow_uncalibrated=allow_uncalibrated,
+                        report_dir=Path(report_dir) if report_dir else candidate.path / "gate", candidate=candidate)
+    run_out = Path(out) if out else gate_out(spec.kernel)
+    return GatePlan(policy=policy, baseline=baseline, allow_uncalibrated=allow_uncalibrated,
+                    report_dir=Path(report_dir) if report_dir else run_out / "gate", spec=spec, tasks=loaded,
+                    out=run_out, early_stop=early_stop, stop_on_conformance=stop_on_conformance)
