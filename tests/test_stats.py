@@ -396,7 +396,7 @@ def test_gate_levels_split_the_budget():
         gate_levels(0.05, True, 0.05, 2, 4)
 
 
-# ---------------------------------------------------------------------------- A/A margin floor, the rule before issue 14 (docs/gate.md#before-issue-14)
+# ---------------------------------------------------------------------------- A/A margin floor, never raising the margin (docs/gate.md#margins-are-never-raised)
 
 
 def union_false_fail(psi0, n, margin, share, alpha=0.05):

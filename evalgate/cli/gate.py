@@ -24,6 +24,8 @@ def _finish(verdict, report_dir: Path) -> None:
     for task, rows in (verdict.to_dict().get("flips") or {}).items():
         lost = sum(r["direction"] == "lost" for r in rows)
         click.echo(f"{task}: {lost} lost, {len(rows) - lost} gained{observed} (see {paths['markdown']})")
+    policy = verdict.thresholds
+    click.echo(f"policy: {policy.path} ({policy.source}, sha256 {policy.sha256[:12]})")
     click.echo(f"verdict: {verdict_text(verdict)}  (reports in {report_dir})")
     sys.exit(verdict.exit_code)
 

@@ -149,7 +149,7 @@ def markdown(verdict) -> str:
         lines += [f"- candidate: `{c['kernel'].get('id')}` ({cmp.candidate.path})",
                   f"- baseline: `{b['kernel'].get('id')}` ({cmp.baseline.path})",
                   f"- model: `{c['model'].get('fingerprint')}` ({c['model'].get('model_type')})"]
-    lines += [f"- policy: `{verdict.thresholds.path}` (sha256 `{verdict.thresholds.sha256[:12]}`), "
+    lines += [f"- policy: `{verdict.thresholds.path}` ({verdict.thresholds.source}, sha256 `{verdict.thresholds.sha256[:12]}`), "
               f"α = {verdict.thresholds.alpha}, {verdict.thresholds.multiple_comparisons}, gate CI {verdict.thresholds.ci_method}"]
     lines += [f"- note: {n}" for n in verdict.notes]
     stopped = early_stop_lines(verdict)

@@ -34,7 +34,7 @@ def trinomial_cells(psi: float, n: int) -> tuple[np.ndarray, np.ndarray, np.ndar
 def aa_margin_floor(psi0: float, n: int, alpha: float = 0.05, share: float = 0.02) -> float:
     """The smallest NI margin a candidate exactly as good as the baseline can live with, given the A/A noise.
 
-    No longer part of the gate's rule (docs/gate.md#before-issue-14: the margin is never raised now);
+    No longer part of the gate's rule (docs/gate.md#margins-are-never-raised);
     benchmarks/simulate_gate.py uses it to show the previous rule beside the current one.
 
     Under the A/A null (Δ = 0, flip rate ψ₀: P(b) = P(c) = ψ₀/2 per item, a trinomial over the n items)

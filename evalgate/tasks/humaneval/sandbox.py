@@ -135,7 +135,7 @@ def settings(limits: Limits = Limits()) -> dict:
 
     Frozen: it is part of every HumanEval profile id. The "marker" entry names the verdict mechanism of
     the first executor; the judge that replaced it gives the same verdict on honest programs, so the id
-    was kept (docs/humaneval-sandbox.md#what-changed-with-the-judge). The Python version the programs run
+    was kept (docs/humaneval-sandbox.md#profile-identity). The Python version the programs run
     under is not part of it: it is a recorded property of the run (the executor self-test's ``python``, in
     the manifest's ``tasks.humaneval.prepare``), and a comparison across Python minors warns instead of
     refusing. Profile ids recorded while it was hashed (``"python": "3.11"`` here) are migrated by
