@@ -51,6 +51,7 @@ class ResolvedProfile:
     item_ids: tuple
     per_item: dict = field(default_factory=dict)  # e.g. shot ids per doc_id
     decoding: dict = field(default_factory=dict)  # temperature, top_p, seed, n
+    data: dict = field(default_factory=dict)  # where the items came from (split -> source, files, items sha256); recorded, not hashed
 
     def identity(self) -> dict:
         return {
@@ -78,6 +79,7 @@ class ResolvedProfile:
             "dataset_sha256": self.dataset_sha256,
             "n_items": len(self.item_ids),
             "decoding": self.decoding,
+            "data": self.data,
         }
 
 
@@ -117,8 +119,10 @@ class Task(Protocol):
     default_profile: str
     gate_metric: str  # record field the gate scores, e.g. "exact_match,strict-match" or "pass@1"
 
-    def load(self, profile: Profile, data_dir: Path | None, limit: int | None) -> tuple[list[dict], ResolvedProfile]:
-        """Items (each with ``doc_id``) in stable order, and the profile resolved against them."""
+    def load(self, profile: Profile, data_dir: Path | None, limit: int | None,
+             dataset: dict | None = None) -> tuple[list[dict], ResolvedProfile]:
+        """Items (each with ``doc_id``) in stable order, and the profile resolved against them; ``dataset`` is
+        the task's ``--dataset`` choice ({"source", "columns"}), else the data dir or the packaged data."""
 
     def requests(self, items: list[dict], resolved: ResolvedProfile) -> list[Request]:
         """One request per item, in item order."""

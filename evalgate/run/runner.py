@@ -33,6 +33,7 @@ class RunSpec:
     device: str = "cpu"
     dtype: str | None = None
     data_dir: str | None = None
+    datasets: dict = field(default_factory=dict)  # task -> its --dataset choice {"source", "columns"} (evalgate.tasks.source)
     order: str = "doc"  # "doc" or "reverse": the A/A second run decodes items in another order
     max_new_tokens: int | None = None  # override of the profile's limit; changes the profile id (smoke runs)
     # k samples per item at temperature T from run seed S (docs/scoring.md#k-samples); 1, 0.0: greedy
@@ -77,7 +78,7 @@ def load_task(task, spec: RunSpec, data_dir):
     """(items, resolved profile) of ``task`` for ``spec``: overrides folded into the settings, the run's
     sampling settings into the decoding settings (both hashed into the profile id)."""
     profile = with_overrides(resolve_profile(task, spec.profiles.get(task.name)), spec)
-    items, resolved = task.load(profile, data_dir, spec.limit)
+    items, resolved = task.load(profile, data_dir, spec.limit, spec.datasets.get(task.name))
     return items, replace(resolved, decoding=spec.sampling().decoding(resolved.decoding))
 
 

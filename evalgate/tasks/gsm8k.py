@@ -16,7 +16,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from evalgate.tasks.data import parse_jsonl, read_verified
+from evalgate.tasks.source import TaskData
 from evalgate.errors import UserError
 from evalgate.types import Generation, Profile, Request, ResolvedProfile, sha256_text
 
@@ -138,9 +138,18 @@ def gold_answer(answer: str) -> str:
 
 # ---- data ----
 
-def load_split(split: str, data_dir: Path | None) -> list[dict]:
-    """A GSM8K split from ``data_dir`` (an override), else the copy shipped with evalgate; sha256-checked."""
-    return parse_jsonl(read_verified(data_dir, f"gsm8k/{split}.jsonl"))
+FIELDS = ("question", "answer")  # the columns every GSM8K source must hold (or map: --dataset gsm8k.FIELD=COLUMN)
+FILES = {"test": "gsm8k/test.jsonl", "train": "gsm8k/train.jsonl"}  # the published splits, by data-dir path
+
+
+def task_data(splits, data_dir: Path | None, dataset: dict | None = None) -> TaskData:
+    return TaskData("gsm8k", FIELDS, FILES, data_dir, dataset, splits)
+
+
+def load_split(split: str, data_dir: Path | None, dataset: dict | None = None) -> list[dict]:
+    """A GSM8K split's rows: from ``dataset`` (a --dataset choice), else ``data_dir`` (an override), else the
+    copy shipped with evalgate; loaded through ``datasets`` (evalgate.tasks.source)."""
+    return task_data([split], data_dir, dataset).split(split).rows
 
 
 # ---- the task ----
@@ -156,9 +165,12 @@ class GSM8K:
         """No answer under the gated filter (lm-eval's ``[invalid]``)."""
         return bool(record.get(f"invalid,{metric.split(',', 1)[-1]}", False))
 
-    def load(self, profile: Profile, data_dir: Path | None, limit: int | None):
+    def load(self, profile: Profile, data_dir: Path | None, limit: int | None, dataset: dict | None = None):
         split = profile.settings.get("split", "test")
-        rows = load_split(split, data_dir)
+        shots_from_train = profile.settings.get("shot_split") == "train"
+        data = task_data([split] + (["train"] if shots_from_train else []), data_dir, dataset)
+        main = data.split(split)
+        rows = main.rows
         subset = profile.settings.get("items")
         if subset is not None:  # a named subset of the split, by index (e.g. the canary's memorised items)
             if subset not in ITEM_SUBSETS:
@@ -169,10 +181,12 @@ class GSM8K:
         if limit is not None:
             items = items[:limit]  # the first N: shots of the first N docs are those of a full run
         per_item: dict = {}
-        sha = {f"gsm8k/{split}.jsonl": _known(f"gsm8k/{split}.jsonl")}
-        if profile.settings.get("shot_split") == "train":
-            train = load_split("train", data_dir)
-            sha["gsm8k/train.jsonl"] = _known("gsm8k/train.jsonl")
+        sha, record = dict(main.identity), {split: main.record}
+        if shots_from_train:
+            shots = data.split("train")
+            train = shots.rows
+            sha.update(shots.identity)
+            record["train"] = shots.record
             rnd = random.Random(profile.settings["shot_seed"])
             for item in items:
                 shot_ids = _sample_positions(rnd, len(train), profile.settings["num_shots"])
@@ -183,7 +197,8 @@ class GSM8K:
             for item in items:
                 item["shots"] = [{"question": q, "answer": a} for q, a in exemplars]
         resolved = ResolvedProfile(profile=profile, dataset_sha256=sha, item_ids=tuple(i["doc_id"] for i in items),
-                                   per_item=per_item, decoding={"temperature": 0.0, "do_sample": False, "n": 1})
+                                   per_item=per_item, decoding={"temperature": 0.0, "do_sample": False, "n": 1},
+                                   data=record)
         return items, resolved
 
     def prompt(self, item: dict, profile: Profile) -> str:
@@ -287,12 +302,6 @@ ITEM_SUBSETS = {"canary: evalgate.model_adapters.canary.items": short_train_item
 def _sample_positions(rnd: random.Random, population: int, k: int) -> list[int]:
     """``rnd.sample(train_docs, k)`` as lm-eval calls it, returning positions instead of docs (same RNG draws)."""
     return rnd.sample(range(population), k)
-
-
-def _known(rel: str) -> str:
-    from evalgate.tasks.data import KNOWN_FILES
-
-    return KNOWN_FILES[rel]
 
 
 # what each entry of a sampled record's ``samples`` keeps (the gate reads the gated metric, the invalid flag

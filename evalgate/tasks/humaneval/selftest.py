@@ -57,9 +57,12 @@ def _summarise(outcomes, problems, expect_pass: bool) -> dict:
     }
 
 
-def selftest_humaneval(data_dir: str | Path | None = None, workers: int | None = None) -> dict:
-    """Run the self-test now (uncached) and return counts, timings, isolation and calibrated timeouts."""
-    problems = load_problems(Path(data_dir) if data_dir is not None else None)
+def selftest_humaneval(data_dir: str | Path | None = None, workers: int | None = None,
+                       problems: list[dict] | None = None) -> dict:
+    """Run the self-test now (uncached) and return counts, timings, isolation and calibrated timeouts; on the
+    published problems unless ``problems`` (a --dataset's) are given."""
+    if problems is None:
+        problems = load_problems(Path(data_dir) if data_dir is not None else None)
     workers = workers or sandbox.default_workers()
     started = time.perf_counter()
 
@@ -168,12 +171,13 @@ def _lower_priority(pid: int) -> None:
         pass
 
 
-def require_selftest(data_dir: str | Path | None = None, workers: int | None = None) -> dict:
+def require_selftest(data_dir: str | Path | None = None, workers: int | None = None,
+                     problems: list[dict] | None = None) -> dict:
     """The cached self-test result of this process; raises ``UserError`` (exit 2) unless it passed."""
     with _cache_lock:  # one self-test per process, even when batches are scored from several threads
         result = _cache.get("humaneval")
         if result is None:
-            result = _cache["humaneval"] = selftest_humaneval(data_dir, workers)
+            result = _cache["humaneval"] = selftest_humaneval(data_dir, workers, problems)
     if not result["ok"]:
         raise UserError(failure_line(result))
     return result

@@ -15,11 +15,10 @@ import re
 from pathlib import Path
 
 from evalgate.tasks.humaneval import sandbox
-from evalgate.tasks.data import KNOWN_FILES
 from evalgate.errors import UserError
 from evalgate.tasks.humaneval.passk import pass_at_k
 from evalgate.tasks.humaneval.problems import (DATA_FILE, N_PROBLEMS, PROGRAM_TEMPLATE, TIMEOUT_POLICY,  # noqa: F401 (public)
-                                              build_program, load_problems)
+                                              build_program, load_problem_split, load_problems)
 from evalgate.tasks.humaneval.selftest import require_selftest, start_selftest
 from evalgate.types import Generation, Profile, Request, ResolvedProfile, sha256_text
 
@@ -110,19 +109,24 @@ class HumanEval:
 
     def __init__(self):
         self._data_dir: Path | None = None  # where the self-test reads the problems from
+        self._problems: list[dict] | None = None  # the self-test's problems when they are not the published ones
 
-    def load(self, profile: Profile, data_dir: Path | None, limit: int | None):
+    def load(self, profile: Profile, data_dir: Path | None, limit: int | None, dataset: dict | None = None):
         if profile.name not in PROFILES:
             raise UserError(f"unknown HumanEval profile {profile.name!r}; choose from: {', '.join(PROFILES)}")
         if limit is not None and limit < 1:
             raise UserError(f"--limit must be at least 1, got {limit}")
         self._data_dir = data_dir
-        problems = load_problems(data_dir)
-        items = [{"doc_id": p["task_id"], **p} for p in problems[:limit]]
+        split = load_problem_split(data_dir, dataset)
+        # the published problems, whatever their format, are the self-test's own (read by its child); others
+        # are handed to it, so every problem's timeout comes from its own canonical solution
+        self._problems = None if split.published else split.rows
+        items = [{"doc_id": p["task_id"], **p} for p in split.rows[:limit]]
         resolved = ResolvedProfile(
-            profile=profile, dataset_sha256={DATA_FILE: KNOWN_FILES[DATA_FILE]},
+            profile=profile, dataset_sha256=split.identity,
             item_ids=tuple(i["doc_id"] for i in items),
             decoding={"temperature": 0.0, "do_sample": False, "top_p": 1.0, "n": 1},
+            data={split.record["split"]: split.record},
         )
         return items, resolved
 
@@ -142,11 +146,12 @@ class HumanEval:
 
     def prepare_ahead(self, resolved: ResolvedProfile, data_dir: Path | None) -> None:
         """The executor self-test, started in a child interpreter beside whatever this process does next."""
-        start_selftest(data_dir if data_dir is not None else self._data_dir)
+        if self._problems is None:  # other problems are self-tested in this process, by prepare
+            start_selftest(data_dir if data_dir is not None else self._data_dir)
 
     def prepare(self, resolved: ResolvedProfile, data_dir: Path | None) -> dict:
         """The executor self-test (fail closed); what it returns is stored in the run manifest."""
-        return require_selftest(data_dir if data_dir is not None else self._data_dir)
+        return require_selftest(data_dir if data_dir is not None else self._data_dir, problems=self._problems)
 
     def is_invalid(self, record: dict, metric: str = "pass@1") -> bool:
         """No code, or code that does not parse: the answer could not be used (docs/gate.md#validity-checks)."""
@@ -164,7 +169,7 @@ class HumanEval:
         and the record carries n_samples = n = k, c (samples passed), pass@1 = c / k (the mean over the
         samples, what the gate scores), pass@k and each sample's outcome (docs/scoring.md#k-samples).
         """
-        timeouts = require_selftest(self._data_dir)["timeouts_s"]
+        timeouts = require_selftest(self._data_dir, problems=self._problems)["timeouts_s"]
         sampled = [isinstance(g, (list, tuple)) for g in generations]
         samples = [list(g) if is_list else [g] for g, is_list in zip(generations, sampled)]
         jobs = []  # (item index, sample index, program, timeout) for every completion that holds code
