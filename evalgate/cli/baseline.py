@@ -16,7 +16,7 @@ def baseline():
 
 @baseline.command("record")
 @click.argument("run", type=click.Path())
-@baselines_root_option("--root", "root")
+@baselines_root_option("root")
 @click.option("--force", is_flag=True, help="Replace an existing baseline.")
 def baseline_record(run, root, force):
     """Store a complete run as the baseline for its model, profile(s) and kernel."""
@@ -27,15 +27,15 @@ def baseline_record(run, root, force):
 
 
 @baseline.command("import")
-@click.option("--task", required=True)
+@click.option("--task", required=True, help="The task the score is for: gsm8k or humaneval.")
 @click.option("--score", type=float, required=True, help="Published score, a fraction (0.962).")
 @click.option("--n", "n_items", type=int, required=True, help="Item count behind the score.")
 @click.option("--model-id", required=True, help="A name for the model the score belongs to.")
 @click.option("--profile", required=True, help="The profile the score was measured with, as far as known.")
 @click.option("--kernel", type=KERNEL, default="w4a8", show_default=True, help="The kernel the score was measured with.")
 @click.option("--source", default="", help="Where the score comes from.")
-@baselines_root_option("--root", "root")
-@click.option("--force", is_flag=True)
+@baselines_root_option("root")
+@click.option("--force", is_flag=True, help="Replace an existing baseline.")
 def baseline_import(task, score, n_items, model_id, profile, kernel, source, root, force):
     """Store a published aggregate score (no per-item records): usable only by the weaker unpaired test."""
     from evalgate.run.baselines import import_aggregate
@@ -45,8 +45,8 @@ def baseline_import(task, score, n_items, model_id, profile, kernel, source, roo
 
 
 @baseline.command("list")
-@baselines_root_option("--root", "root")
-@click.option("--json", "as_json", is_flag=True)
+@baselines_root_option("root")
+@click.option("--json", "as_json", is_flag=True, help="One JSON list instead of lines.")
 def baseline_list(root, as_json):
     """Stored baselines."""
     from evalgate.run.baselines import list_baselines

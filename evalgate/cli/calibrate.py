@@ -9,6 +9,8 @@ import click
 
 from evalgate.cli.options import (KERNEL, baselines_root_option, run_options, run_spec, sampling_options,
                                   sampling_settings, served_model_name, server_adapter, server_options)
+from evalgate.cli import preflight
+
 
 
 @click.command()
@@ -24,10 +26,16 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
               baselines_root, thresholds_path, second_batch_size, runs_dir, samples, temperature, seed, server,
               model_id, launch, launch_timeout, request_timeout, concurrency, retries, server_args):
     """A/A: run the baseline kernel twice and store how often it disagrees with itself next to the baseline.
-    Exit 0 when every task's A/A pair passes, 1 when one fails, 3 when one is inconclusive, 2 on an error.
+    Exit 0 when every task's A/A pair passes, 1 when one fails, 3 when one is inconclusive.
 
     With --server or --launch both runs go to an OpenAI-compatible server (one launched server serves both);
     the second run sends the items in reverse order with half the concurrency. Server arguments follow `--`."""
+    if not (server or launch):
+        preflight.model_folder(model)
+    preflight.server(server)
+    preflight.thresholds_file(thresholds_path)
+    preflight.writable_folder(runs_dir, "--runs-dir")
+    preflight.writable_folder(baselines_root, "--baselines-root")
     from evalgate.canary import scored_as_canary
     from evalgate.gate.policy import resolve_policy
     from evalgate.pipeline import calibrate as run_calibration, calibration_stamp

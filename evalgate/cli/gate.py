@@ -2,32 +2,71 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
-from evalgate.cli.options import (KERNEL, baselines_root_option, run_options, run_spec, sampling_options, sampling_settings,
-                                  served_model_name, server_adapter, server_options)
-from evalgate.errors import UserError
+from evalgate.cli import preflight
+from evalgate.cli.options import (KERNEL, baselines_root_option, note_resumable, run_options, run_spec, sampling_options,
+                                  sampling_settings, served_model_name, server_adapter, server_options)
+from evalgate.errors import EnvironmentFailure, UserError, describe_os_error
 
 
-def _finish(verdict, report_dir: Path) -> None:
+def _finish(verdict, report_dir: Path, stored_run: Path, rerun_flags: list[str]) -> None:
+    """Print the verdict, then write its reports; reports that cannot be written end the command with the
+    environment code (4) and the command that writes them from the stored run — the verdict is printed
+    first, so it is never lost."""
     from evalgate.report.outputs import write_outputs
     from evalgate.report.text import print_verdict
 
     from evalgate.gate.stopped import verdict_text
 
-    paths = write_outputs(verdict, report_dir)
     print_verdict(verdict)  # a table that fits a terminal, or a CI log without wrapped cells
+    policy = verdict.thresholds
+    click.echo(f"policy: {policy.path} ({policy.source}, sha256 {policy.sha256[:12]})")
+    try:
+        paths = write_outputs(verdict, report_dir)
+    except OSError as exc:
+        what = describe_os_error(exc)
+        if what is None:
+            raise
+        click.get_current_context().meta.pop("evalgate.resume", None)  # the run is complete: nothing to resume
+        command = shlex.join(["evalgate", "gate", "--candidate", str(stored_run), *rerun_flags,
+                              "--report-dir", "DIR"])
+        raise EnvironmentFailure(f"the verdict is {verdict_text(verdict)} (exit {verdict.exit_code}), but its "
+                                 f"reports could not be written to {str(report_dir)!r} ({what}); write them "
+                                 f"elsewhere with: {command}") from None
     observed = " of the items run" if verdict.early_stop else ""
     for task, rows in (verdict.to_dict().get("flips") or {}).items():
         lost = sum(r["direction"] == "lost" for r in rows)
         click.echo(f"{task}: {lost} lost, {len(rows) - lost} gained{observed} (see {paths['markdown']})")
-    policy = verdict.thresholds
-    click.echo(f"policy: {policy.path} ({policy.source}, sha256 {policy.sha256[:12]})")
     click.echo(f"verdict: {verdict_text(verdict)}  (reports in {report_dir})")
     sys.exit(verdict.exit_code)
+
+
+# options that only shape a run the gate makes: given with --candidate they would be ignored
+RUN_ONLY = ("model", "kernel", "tasks", "profiles", "limit", "batch_size", "device", "dtype", "max_new_tokens",
+            "data_dir", "out", "no_early_stop", "model_id", "launch_timeout", "request_timeout", "concurrency",
+            "retries")
+
+
+def _explicit(name: str) -> bool:
+    return click.get_current_context().get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+
+
+def _decision_flags(baselines, baseline_kernel, baselines_root, thresholds_path, allow_uncalibrated) -> list[str]:
+    """The flags that decide a stored run as this command decides it (for the hint that rewrites reports)."""
+    flags = [f for b in baselines for f in ("--baseline", str(b))]
+    if _explicit("baseline_kernel"):
+        flags += ["--baseline-kernel", baseline_kernel]
+    if _explicit("baselines_root"):
+        flags += ["--baselines-root", str(baselines_root)]
+    if thresholds_path:
+        flags += ["--thresholds", str(thresholds_path)]
+    return flags + (["--allow-uncalibrated"] if allow_uncalibrated else [])
 
 
 @click.command()
@@ -38,7 +77,7 @@ def _finish(verdict, report_dir: Path) -> None:
 @click.option("--baseline-kernel", type=KERNEL, default="w4a8", show_default=True, help="The kernel the stored baseline was run with.")
 @baselines_root_option()
 @click.option("--thresholds", "thresholds_path", type=click.Path(), default=None, help="Policy file (default: $EVALGATE_THRESHOLDS, else the canary's own for canary runs, else ./thresholds.yaml, else the packaged one).")
-@click.option("--out", type=click.Path(), default=None, help="Candidate run folder (default: results/runs/gate-<time>-<kernel>).")
+@click.option("--out", type=click.Path(), default=None, help="Candidate run folder (default: results/runs/gate-<time>-<kernel>); a gate into the folder of an unfinished one resumes it.")
 @click.option("--report-dir", type=click.Path(), default=None, help="Where gate.json, report.md, junit.xml go (default: <run>/gate).")
 @click.option("--allow-uncalibrated", is_flag=True, help="Decide even if the baseline has no A/A calibration (recorded).")
 @click.option("--no-early-stop", "no_early_stop", is_flag=True,
@@ -49,20 +88,30 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
          baselines, baseline_kernel, baselines_root, thresholds_path, out, report_dir, allow_uncalibrated,
          no_early_stop, samples, temperature, seed, server, model_id, launch, launch_timeout, request_timeout,
          concurrency, retries, server_args):
-    """Compare a candidate kernel with the stored W4A8 baseline and decide.
-
-    Exit codes: 0 PASS, 1 FAIL (the kernel is worse, or does not compute what it declares), 2 bad input or
-    usage error, 3 INCONCLUSIVE (the data show neither; the verdict says how many samples would).
+    """Compare a candidate kernel with the stored W4A8 baseline and decide: PASS (exit 0), FAIL (1: the
+    kernel is worse, or does not compute what it declares), INCONCLUSIVE (3: the data show neither; the
+    verdict says how many samples would).
 
     With --server or --launch, the candidate runs on an OpenAI-compatible server; server arguments follow `--`.
-    With --candidate, the gate decides from a stored run (no model needed)."""
+    With --candidate, the gate decides from a stored run (no model needed). Rerunning an interrupted gate with
+    the same --out resumes it."""
     sampling = sampling_settings(samples, temperature, seed)
+    # what can be checked before the heavy start (torch, the model, a server), within a second or two
+    preflight.thresholds_file(thresholds_path)
+    preflight.baselines_root(baselines_root, _explicit("baselines_root"))
+    decision_flags = _decision_flags(baselines, baseline_kernel, baselines_root, thresholds_path, allow_uncalibrated)
     if candidate:
         if server or launch:
             raise UserError("--candidate decides from a stored run; drop --server/--launch")
         if sampling != sampling_settings(1, 0.0, None):
             raise UserError("--candidate decides from a stored run, made with its own sampling settings; drop "
                             "--samples/--temperature/--seed")
+        ignored = [name for name in RUN_ONLY if _explicit(name)]
+        if ignored:  # settings given and ignored are an error
+            flags = "/".join("--" + name.replace("_", "-") for name in ignored)
+            raise UserError(f"--candidate decides from a stored run, made with its own settings; drop {flags}")
+        preflight.stored_run(candidate)
+        preflight.writable_folder(report_dir or Path(candidate) / "gate", "--report-dir")
         from evalgate.pipeline import gate as run_gate
         from evalgate.plan import plan_gate
         from evalgate.run.store import load_run
@@ -70,7 +119,17 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
         plan = plan_gate(candidate=load_run(candidate), baselines=baselines, baseline_kernel=baseline_kernel,
                          baselines_root=baselines_root, thresholds=thresholds_path, report_dir=report_dir,
                          allow_uncalibrated=allow_uncalibrated)
-        _finish(run_gate(plan), plan.report_dir)
+        _finish(run_gate(plan), plan.report_dir, Path(candidate), decision_flags)
+    if not (server or launch):
+        preflight.model_folder(model)
+    preflight.server(server)
+    from evalgate.plan import gate_out
+
+    run_out = Path(out) if out else gate_out(kernel)
+    preflight.writable_folder(run_out, "--out")
+    if report_dir:
+        preflight.writable_folder(report_dir, "--report-dir")
+
     from evalgate.run.runner import load_tasks, prepare_ahead
 
     served = bool(server or launch)
@@ -78,18 +137,25 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name,
                     sampling)
     loaded = load_tasks(spec)  # the task data, read once
-    prepare_ahead(loaded)  # the executor self-test runs beside the imports and the model's load
+    preflight.free_space(run_out, preflight.run_bytes(sum(len(t.items) for t in loaded.values()), spec.samples),
+                         "--out")
+    with preflight.run_lock(run_out):
+        prepare_ahead(loaded)  # the executor self-test runs beside the imports and the model's load
 
-    from evalgate.pipeline import gate as run_gate  # imports torch: only when a model runs
-    from evalgate.plan import gate_out, plan_gate
+        from evalgate.model_adapters.openai_client import RESUME_HINT, ServerError
+        from evalgate.pipeline import gate as run_gate  # imports torch: only when a model runs
+        from evalgate.plan import plan_gate
 
-    run_out = Path(out) if out else gate_out(kernel)
-    with server_adapter(server, launch, model, kernel, run_out, model_id, server_args, launch_timeout,
-                        request_timeout, concurrency, retries, batch_size) as adapter:
-        plan = plan_gate(spec=spec, tasks=loaded, baselines=baselines, baseline_kernel=baseline_kernel,
-                         baselines_root=baselines_root, thresholds=thresholds_path, out=run_out,
-                         report_dir=report_dir, allow_uncalibrated=allow_uncalibrated,
-                         early_stop=not no_early_stop, served=served,
-                         fingerprint=adapter.info()["fingerprint"] if adapter is not None else None)
-        verdict = run_gate(plan, adapter)
-    _finish(verdict, plan.report_dir)
+        note_resumable(run_out, f"--out {shlex.quote(str(run_out))}")
+        try:
+            with server_adapter(server, launch, model, kernel, run_out, model_id, server_args, launch_timeout,
+                                request_timeout, concurrency, retries, batch_size, resume_hint=False) as adapter:
+                plan = plan_gate(spec=spec, tasks=loaded, baselines=baselines, baseline_kernel=baseline_kernel,
+                                 baselines_root=baselines_root, thresholds=thresholds_path, out=run_out,
+                                 report_dir=report_dir, allow_uncalibrated=allow_uncalibrated,
+                                 early_stop=not no_early_stop, served=served,
+                                 fingerprint=adapter.info()["fingerprint"] if adapter is not None else None)
+                verdict = run_gate(plan, adapter)
+        except ServerError as exc:  # the server went away mid-run: the environment, not the input
+            raise EnvironmentFailure(str(exc).replace(f"; {RESUME_HINT}", "").replace(RESUME_HINT, "")) from None
+    _finish(verdict, plan.report_dir, run_out, decision_flags)

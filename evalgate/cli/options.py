@@ -53,10 +53,10 @@ KERNEL = KernelName()  # --kernel, --baseline-kernel
 KERNELS = KernelName(multiple=True)  # --kernels a,b,c
 
 
-def baselines_root_option(flag: str = "--baselines-root", dest: str = "baselines_root"):
-    """The user's baselines root (``--baselines-root``, ``baseline --root``); the gate then falls back to the
-    canary's packaged baselines (evalgate.run.baselines.lookup_roots)."""
-    return click.option(flag, dest, type=click.Path(), default=DEFAULT_BASELINES, show_default=True,
+def baselines_root_option(dest: str = "baselines_root"):
+    """The user's baselines root, ``--baselines-root`` in every command (``--root`` is kept as another name
+    for it); the gate then falls back to the canary's packaged baselines (evalgate.run.baselines.lookup_roots)."""
+    return click.option("--baselines-root", "--root", dest, type=click.Path(), default=DEFAULT_BASELINES, show_default=True,
                         envvar="EVALGATE_BASELINES",
                         help="Your baselines: where calibrate and `baseline record` write, and where the gate looks "
                              "first, before the built-in canary's (shipped with evalgate) [env: EVALGATE_BASELINES].")
@@ -77,6 +77,25 @@ def _request_device_map(ctx, param, value):
 
     request_device_map(value)
     return value
+
+
+DATASETS_KEY = "evalgate.datasets"
+
+
+def _remember_datasets(ctx, param, value):
+    """--dataset is kept on the click context like --deterministic (the commands' signatures do not carry
+    it); ``dataset_choice`` reads it into the RunSpec."""
+    from evalgate.tasks import TASKS
+    from evalgate.tasks.source import parse_dataset_options
+
+    ctx.meta[DATASETS_KEY] = parse_dataset_options(value or (), list(TASKS))
+    return value
+
+
+def dataset_choice() -> dict:
+    """task -> its --dataset choice ({"source", "columns"}); empty without one (or outside a command)."""
+    ctx = click.get_current_context(silent=True)
+    return {} if ctx is None else dict(ctx.meta.get(DATASETS_KEY) or {})
 
 
 def parse_tasks(value: str | None, default: str = "gsm8k") -> list[str]:
@@ -124,6 +143,10 @@ def run_options(f):
         click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None, help="Override the checkpoint dtype."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="Override every profile's token limit (changes the profile id; for smoke runs)."),
         click.option("--data-dir", type=click.Path(), default=None, envvar="EVALGATE_DATA_DIR", help="Offline data folder laid out as in docs/scoring.md#data-directory [env: EVALGATE_DATA_DIR]."),
+        click.option("--dataset", multiple=True, metavar="TASK=SOURCE", expose_value=False, callback=_remember_datasets,
+                     help="A task's items from your own dataset, read by `datasets`: a save_to_disk folder, Parquet/JSONL/CSV "
+                          "file(s) or a hub id OWNER/NAME[:CONFIG][@REV]; TASK.FIELD=COLUMN maps a column. Repeatable "
+                          "(docs/scoring.md#your-own-dataset)."),
         click.option("--device-map", default=None, expose_value=False, callback=_request_device_map,
                      help="Stream an FP4 checkpoint onto devices, experts kept packed: auto (every visible GPU), cpu, "
                           "or cuda:0,cuda:1; refused before loading, with the bytes needed and available, when it does not fit."),
@@ -244,4 +267,26 @@ def run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, m
         chosen = with_canary_profiles(model, task_list, chosen)
     return RunSpec(model=name or resolve_model(model), kernel=kernel, tasks=task_list,
                    profiles=chosen, limit=limit, batch_size=batch_size,
-                   device=device, dtype=dtype, data_dir=data_dir, max_new_tokens=max_new_tokens, **(sampling or {}))
+                   device=device, dtype=dtype, data_dir=data_dir, datasets=dataset_choice(),
+                   max_new_tokens=max_new_tokens, **(sampling or {}))
+
+
+RESUME_KEY = "evalgate.resume"
+
+
+def note_resumable(out: str | Path, rerun: str) -> None:
+    """Remember the run folder a command writes and the flags that resume it, for the one line an
+    interruption or an environment failure ends with (``resume_note``)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta[RESUME_KEY] = (str(out), rerun)
+
+
+def resume_note(ctx) -> str:
+    """"; finished items in 'X' are kept: run the same command with --out X to resume", or "" before a run
+    folder was chosen."""
+    noted = ctx.meta.get(RESUME_KEY)
+    if not noted:
+        return ""
+    out, rerun = noted
+    return f"; finished items in {out!r} are kept: run the same command with {rerun} to resume"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from evalgate.cli import preflight
 from evalgate.errors import UserError
 
 
@@ -19,7 +20,8 @@ from evalgate.errors import UserError
 @click.option("--thresholds", "thresholds_path", type=click.Path(), default=None, help="Policy file (default: $EVALGATE_THRESHOLDS, else the canary's own for canary runs, else ./thresholds.yaml, else the packaged one).")
 @click.option("--allow-uncalibrated", is_flag=True, help="Decide even if the baseline has no A/A calibration (recorded).")
 def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated):
-    """Per-item HTML report of a candidate run against a baseline: exit 0 PASS, 1 FAIL, 2 error."""
+    """Per-item HTML report of a candidate run against a baseline, and its verdict (exit 0 PASS, 1 FAIL,
+    3 INCONCLUSIVE)."""
     from evalgate.canary import policy_for
     from evalgate.gate.decide import gate_runs
     from evalgate.gate.policy import resolve_policy
@@ -31,6 +33,8 @@ def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated)
         raise UserError(f"--html {html_path!r} is a folder; give a file name such as report.html")
     if not out.parent.exists():
         raise UserError(f"--html {html_path!r}: folder {str(out.parent)!r} does not exist; create it or choose another path")
+    preflight.writable_folder(out.parent, "--html's folder")
+    preflight.stored_run(candidate)
     run = load_run(candidate)  # read once: for its profiles (a canary run has its own policy) and the decision
     policy = resolve_policy(thresholds_path, canary=policy_for(run) is not None)
     verdict = gate_runs(list(baselines), run, policy, allow_uncalibrated)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import click
 
-from evalgate.cli.options import (KERNEL, default_out, parse_profiles, parse_tasks, run_options, sampling_options,
-                                  sampling_settings, served_model_name, server_adapter, server_options,
-                                  with_canary_profiles)
-from evalgate.errors import UserError
+from evalgate.cli import preflight
+from evalgate.cli.options import (KERNEL, dataset_choice, default_out, note_resumable, parse_profiles, parse_tasks, run_options,
+                                  sampling_options, sampling_settings, served_model_name, server_adapter,
+                                  server_options, with_canary_profiles)
+from evalgate.errors import EnvironmentFailure, UserError
 
 
 @click.command()
@@ -22,30 +24,67 @@ from evalgate.errors import UserError
 def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel, out, resume,
         samples, temperature, seed, server, model_id, launch, launch_timeout, request_timeout, concurrency, retries,
         server_args):
-    """Run tasks with one kernel and store per-item records.
+    """Run tasks with one kernel and store per-item records (exit 0 when stored).
 
     With --server or --launch, requests go to an OpenAI-compatible server; server arguments follow `--`."""
-    from evalgate.run.runner import RunSpec, execute
-
     if resume and out is None:
         raise UserError("--resume needs --out: the folder of the run to continue")
     sampling = sampling_settings(samples, temperature, seed)
+    if not (server or launch):
+        preflight.model_folder(model)
+    preflight.server(server)
+    out = Path(out) if out else default_out(kernel)
+    preflight.writable_folder(out, "--out")
+
+    from evalgate.run.runner import RunSpec, execute, load_tasks, prepare_out
+
     task_list = parse_tasks(tasks)
     chosen = parse_profiles(profiles, task_list)
     if not (server or launch):
         chosen = with_canary_profiles(model, task_list, chosen)
     spec = RunSpec(model=served_model_name(model, server, launch, model_id), kernel=kernel, tasks=task_list,
                    profiles=chosen, limit=limit, batch_size=batch_size,
-                   device=device, dtype=dtype, data_dir=data_dir, max_new_tokens=max_new_tokens, **sampling)
-    out = Path(out) if out else default_out(kernel)
-    if launch:  # refuse a bad --out before a server spends minutes starting
-        from evalgate.run.runner import prepare_out
+                   device=device, dtype=dtype, data_dir=data_dir, datasets=dataset_choice(),
+                   max_new_tokens=max_new_tokens, **sampling)
+    if resume:
+        spec = _resumed_spec(spec, prepare_out(out, resume=True))
+    loaded = load_tasks(spec)
+    preflight.free_space(out, preflight.run_bytes(sum(len(t.items) for t in loaded.values()), spec.samples), "--out")
+    with preflight.run_lock(out):
+        prepare_out(out, resume)  # refuse a bad --out before the model loads or a server spends minutes starting
+        from evalgate.model_adapters.openai_client import RESUME_HINT, ServerError
 
-        prepare_out(out, resume)
-    with server_adapter(server, launch, model, kernel, out, model_id, server_args, launch_timeout, request_timeout,
-                        concurrency, retries, batch_size) as adapter:
-        path = execute(spec, out, resume=resume, adapter=adapter)
+        note_resumable(out, f"--out {shlex.quote(str(out))} --resume")
+        try:
+            with server_adapter(server, launch, model, kernel, out, model_id, server_args, launch_timeout,
+                                request_timeout, concurrency, retries, batch_size, resume_hint=False) as adapter:
+                path = execute(spec, out, resume=resume, adapter=adapter, tasks=loaded)
+        except ServerError as exc:  # the server went away mid-run: the environment, not the input
+            raise EnvironmentFailure(str(exc).replace(f"; {RESUME_HINT}", "").replace(RESUME_HINT, "")) from None
     _print_run_summary(path)
+
+
+# RunSpec fields a resumed run takes from its manifest unless the option is given (option name, field)
+RESUMED = (("model", "model"), ("kernel", "kernel"), ("tasks", "tasks"), ("profiles", "profiles"), ("limit", "limit"),
+           ("batch_size", "batch_size"), ("device", "device"), ("dtype", "dtype"), ("data_dir", "data_dir"),
+           ("max_new_tokens", "max_new_tokens"), ("samples", "samples"), ("temperature", "temperature"),
+           ("seed", "seed"))
+
+
+def _resumed_spec(spec, manifest: dict):
+    """``run --resume --out X`` continues X with the settings it was started with: each option left at its
+    default takes the stored run's value (an option given still wins, and a mismatch is refused later)."""
+    from dataclasses import replace
+
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    stored = manifest.get("spec") or {}
+    taken = {field: stored[field] for option, field in RESUMED
+             if field in stored and ctx.get_parameter_source(option) in (ParameterSource.DEFAULT, None)}
+    if "order" in stored:
+        taken["order"] = stored["order"]
+    return replace(spec, **taken)
 
 
 def _print_run_summary(path: Path) -> None:

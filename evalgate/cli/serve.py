@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from evalgate.cli.options import KERNEL, resolve_model
+from evalgate.errors import UserError
 
 
 @click.command()
@@ -18,10 +19,16 @@ from evalgate.cli.options import KERNEL, resolve_model
 @click.option("--batch-window-ms", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="How long the first request of a batch waits for others.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1...")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None, help="Override the checkpoint dtype.")
 @click.option("--served-model-name", default=None, help="The model id clients send (default: the folder name).")
 def serve(model, kernel, host, port, batch_size, batch_window_ms, device, dtype, served_model_name):
-    """Serve /v1/completions, /v1/chat/completions, /v1/models and /health (greedy decoding only)."""
+    """Serve /v1/completions, /v1/chat/completions, /v1/models and /health: greedy at temperature 0, evalgate's
+    coupled sampler at temperature > 0 with a per-request seed. Needs the `serve` extra: pip install
+    'evalgate[serve]'. Ctrl-C stops it (exit 130)."""
+    import importlib.util
+
+    if importlib.util.find_spec("uvicorn") is None:  # said before the model loads, not after
+        raise UserError("evalgate serve needs uvicorn; pip install 'evalgate[serve]'")
     from evalgate.model_adapters.server import build_app, serve as run_server
 
     app = build_app(resolve_model(model), kernel, device=device, dtype=dtype, batch_size=batch_size,
