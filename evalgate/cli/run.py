@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from evalgate.cli import preflight
-from evalgate.cli.options import (KERNEL, dataset_choice, default_out, note_resumable, parse_profiles, parse_tasks, run_options,
-                                  sampling_options, sampling_settings, served_model_name, server_adapter,
+from evalgate.cli.options import (KERNEL, dataset_choice, default_out, note_resumable, parse_profiles, parse_tasks,
+                                  run_options, sampling_options, sampling_settings, served_model_name, server_adapter,
                                   server_options, with_canary_profiles)
 from evalgate.errors import EnvironmentFailure, UserError
 

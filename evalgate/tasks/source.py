@@ -131,7 +131,7 @@ class TaskData:
         rel = self.files[name]
         path = verified_path(self.data_dir, rel)
         dataset = _load_files(_builder(path), str(path), f"{rel} ({path})")
-        rows = _rows(dataset, self.fields, {}, f"{rel} ({path})")
+        rows = _rows(dataset, self.task, self.fields, {}, f"{rel} ({path})")
         identity, digest = _identity(self.task, name, rows, self.fields, rel)
         source = "data-dir" if self.data_dir is not None and not _is_packaged(self.data_dir, rel) else "packaged"
         return Split(rows, identity, {"source": source, "path": str(path), "split": name, "rows": len(rows),
@@ -143,7 +143,7 @@ class TaskData:
         where = f"--dataset {self.task}={self.choice.source}"
         dataset, record = self._load_choice(where)
         part = _pick_split(dataset, name, self.splits, where, self.task)
-        rows = _rows(part, self.fields, self.choice.columns, where)
+        rows = _rows(part, self.task, self.fields, self.choice.columns, where)
         identity, digest = _identity(self.task, name, rows, self.fields, None)
         return Split(rows, identity, {**record, "split": name, "rows": len(rows), "items_sha256": digest,
                                       **({"columns": self.choice.columns} if self.choice.columns else {})})
@@ -267,7 +267,7 @@ def _pick_split(dataset, name: str, needed, where: str, task: str):
                     "give a folder whose files or saved splits are named so")
 
 
-def _rows(dataset, fields, columns: dict, where: str) -> list:
+def _rows(dataset, task: str, fields, columns: dict, where: str) -> list:
     """The dataset's rows with the task's field names, only those fields; one line naming missing columns."""
     unknown = sorted(set(columns) - set(fields))
     if unknown:
@@ -277,8 +277,8 @@ def _rows(dataset, fields, columns: dict, where: str) -> list:
     have = list(dataset.column_names)
     missing = [f"{col!r}" + (f" (for {f})" if col != f else "") for f, col in wanted.items() if col not in have]
     if missing:
-        raise UserError(f"{where}: missing column(s) {', '.join(missing)}; it has {', '.join(have)}; map one with "
-                        f"--dataset TASK.FIELD=COLUMN")
+        raise UserError(f"{where}: missing column(s) {', '.join(missing)}; it has {', '.join(have)}; map a column "
+                        f"to a field with --dataset {task}.FIELD=COLUMN (fields: {', '.join(fields)})")
     not_text = [col for col in wanted.values() if getattr(dataset.features[col], "dtype", None) not in ("string", "large_string")]
     if not_text:
         raise UserError(f"{where}: column(s) {', '.join(repr(c) for c in not_text)} hold "
