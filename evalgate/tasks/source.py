@@ -172,7 +172,7 @@ def _datasets():
     try:
         import datasets
     except ImportError:
-        raise UserError("the datasets package is not installed; pip install 'datasets>=4,<6'") from None
+        raise UserError("the datasets package is not installed; pip install 'datasets>=5.2,<6'") from None
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity_error()
     return datasets
