@@ -151,6 +151,8 @@ def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
     batch_size = max(1, batch_size or n)
     refill = max(1, refill or batch_size // REFILL_FRACTION)
     state = None  # (past, mask [b, T], last positions [b, 1], last tokens [b, 1]) of the rows in ``live``
+    # static batches of PyTorch's numerics are prefilled a few rows per call; canonical ones as they always were
+    prefill = _prefill if dynamic or _canonical(model) else _prefill_in_parts
     live: list[_Row] = []
     while True:
         alive = sum(not r.done for r in live)
@@ -167,7 +169,7 @@ def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
             for group in groups:
                 rows = [_Row(i, [], time.perf_counter()) for i in group]
                 t0 = time.thread_time()
-                logits, new_state = _prefill(model, [enc[i] for i in group], pad_id, device)
+                logits, new_state = prefill(model, [enc[i] for i in group], pad_id, device)
                 state = new_state if not live else _join(state, new_state)
                 spent.prefill_cpu_s += time.thread_time() - t0
                 spent.prefill_calls += 1
@@ -439,9 +441,32 @@ def _canonical(model) -> bool:
     return numerics(model) != "native"
 
 
-def _prefill(model, ids: list[list[int]], pad_id: int, device):
-    """The prompts as one left-padded batch: (last-position logits [k, V] FP32, state)."""
-    k, width = len(ids), max(len(e) for e in ids)
+# A static batch (PyTorch's numerics) is prefilled in calls of at most this many tokens, pads included: at
+# batch 256 with 8-shot prompts one call would hold every prompt's activations at once.
+PREFILL_TOKENS = 16384
+
+
+def _prefill_in_parts(model, ids: list[list[int]], pad_id: int, device):
+    """``_prefill`` of a static batch, a few rows per call when all of them would exceed ``PREFILL_TOKENS``:
+    every call is left-padded to the batch's width, so the calls' caches share one timeline and stack into
+    the cache one call would have built (``cache.stack_rows``)."""
+    from evalgate.model_adapters.cache import model_stackable, stack_rows
+
+    width = max(len(e) for e in ids)
+    rows = max(1, PREFILL_TOKENS // width)
+    if len(ids) <= rows or not model_stackable(model):  # a cache this does not know: one call
+        return _prefill(model, ids, pad_id, device)
+    parts = [_prefill(model, ids[r:r + rows], pad_id, device, width) for r in range(0, len(ids), rows)]
+    pasts = [state[0] for _, state in parts]
+    mask = torch.cat([state[1] for _, state in parts])
+    positions = torch.cat([state[2] for _, state in parts])
+    return torch.cat([logits for logits, _ in parts]), (stack_rows(pasts), mask, positions, None)
+
+
+def _prefill(model, ids: list[list[int]], pad_id: int, device, width: int | None = None):
+    """The prompts as one batch left-padded to ``width`` (default: the longest): (last-position logits [k, V]
+    FP32, state)."""
+    k, width = len(ids), width or max(len(e) for e in ids)
     input_ids = torch.full((k, width), pad_id, dtype=torch.long)
     mask = torch.zeros((k, width), dtype=torch.long)
     for i, e in enumerate(ids):  # left padding: real tokens end at the right edge
