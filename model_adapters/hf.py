@@ -104,6 +104,10 @@ def _finish(model, numerics: str) -> None:
         except NotImplementedError as exc:
             print(f"evalgate: PyTorch's own numerics for this model, outputs may depend on the batch: {exc}",
                   file=sys.stderr)
+    if any(p.device.type == "cuda" for p in model.parameters()):  # eager's score tensor does not fit a GPU
+        from evalgate.model_adapters import attention
+
+        attention.install(model)
 
 
 def streamed_device_map(d: Path, kernel, device: str, device_map: str | None) -> str | None:
