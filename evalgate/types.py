@@ -160,9 +160,9 @@ class ModelAdapter(Protocol):
     def info(self) -> dict:
         """The model's identity and serving settings for the run manifest (fingerprint, dtype, adapter...)."""
 
-    def conformance(self) -> dict | None:
-        """The kernel checked against the kernel it declares (kernels/conformance.py), for the run manifest;
-        None where the kernel is out of reach (a server)."""
+    def conformance(self, prompts: list[str]) -> dict | None:
+        """The kernel checked against the kernel it declares (kernels/conformance.py) on the hidden states of
+        the run's first ``prompts``, for the run manifest; None where the kernel is out of reach (a server)."""
 
     def generate(self, requests: list[Request]) -> list[Generation]:
         """One generation per request, in request order."""
@@ -184,7 +184,7 @@ class AdapterBase:
     serving: Serving = "batches"
     load_s: float = 0.0
 
-    def conformance(self) -> dict | None:
+    def conformance(self, prompts: list[str]) -> dict | None:
         return None
 
     def generate_stream(self, requests: list[Request], batch_size: int | None = None):

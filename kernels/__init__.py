@@ -10,6 +10,7 @@ if __name__ == "evalgate.kernels":
     from .registry import KERNELS, Kernel, get_kernel, kernel_names, register_kernel  # noqa: F401
     from . import bf16  # noqa: F401  (registers the reference kernel)
     from . import catalog  # noqa: F401  (registers the emulated FP4 kernels, healthy and faulty)
+    from .real import catalog as real_catalog  # noqa: F401  (registers the real kernels, beside their recipes)
     from .checkpoint import load_fp4_checkpoint, save_fp4_checkpoint  # noqa: F401
 
     __all__ = ["KERNELS", "Kernel", "get_kernel", "kernel_names", "register_kernel", "load_fp4_checkpoint",

@@ -6,10 +6,13 @@ the `faulty/` prefix and `faulty=True`; each names its healthy `twin`. None of t
 
 from __future__ import annotations
 
+import torch
+
 from .checkpoint import prepare_fp4_model
 from .emulator import experts_forward
+from .fp8_moe import Fp8Recipe, recipe_forward
 from .recipe import Recipe
-from .registry import Kernel, register_kernel
+from .registry import Kernel, get_kernel, register_kernel
 
 FP4_ACTS = {"DG_USE_FP4_ACTS": "1"}
 PACKED = {"DG_USE_FP4_ACTS": "1", "DG_MEGA_MOE_FP4": "1"}  # both, or the docs/kernels.md#the-packed-fp4-hazard hazard
@@ -84,3 +87,44 @@ _faulty("weight-after-requant", "router_weight_after_requant",
         "w4a4_packed with the router weight applied after the intermediate re-quantization")
 _faulty("drop-slot", "drop_last_slot",
         "w4a4_packed whose combine skips the last top-k slot (one expert output lost per token)")
+
+
+# --- a fault confined to one expert (kernels/conformance.py holds every expert to its limit) ----------------
+
+ONE_EXPERT = 1
+ONE_EXPERT_FACTOR = 1 + 1 / 512
+
+
+def _one_expert_fault(healthy):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        w = top_k_weights.to(torch.float32)  # the kernel computes in FP32 (a BF16 weight would round the factor away)
+        return healthy(self, hidden_states, top_k_index, torch.where(top_k_index == ONE_EXPERT, w * ONE_EXPERT_FACTOR, w))
+
+    forward.__name__ = "evalgate_one_expert_fault_forward"
+    return forward
+
+
+register_kernel(Kernel(
+    name="faulty/w4a4_packed-one-expert", version="fault-injected (evalgate test double)",
+    description=f"w4a4_packed with expert {ONE_EXPERT}'s router weight x (1 + 1/512) (one expert of all)",
+    experts_forward=_one_expert_fault(get_kernel("w4a4_packed").experts_forward), env=dict(PACKED),
+    recipe=Recipe(activations="e2m1", input_ties="zero", intermediate="e2m1", fault="one_expert_router_weight").as_dict(),
+    faulty=True, twin="w4a4_packed", prepare_model=prepare_fp4_model,
+))
+
+
+# --- FP8 grouped-GEMM recipes: the exact definitions of the SM90 real kernels (kernels/real/) ---------------
+
+def _fp8_recipe(name: str, layout: str, real: str, description: str) -> Kernel:
+    recipe = Fp8Recipe(layout)
+    return register_kernel(Kernel(
+        name=name, version=f"evalgate recipe: the exact definition of {real} (kernels/fp8_moe.py)",
+        description=description, experts_forward=recipe_forward(recipe), recipe=recipe.as_dict(),
+        prepare_model=prepare_fp4_model,
+    ))
+
+
+_fp8_recipe("fp8_block128", "block128", "deepgemm/fp8_block128",
+            "FP8 grouped GEMM MoE: E4M3 activations per 1x128, weights per 128x128 block, exact accumulation")
+_fp8_recipe("fp8_rowwise", "rowwise", "torch/fp8_rowwise",
+            "FP8 grouped GEMM MoE: E4M3 activations and weights with one scale per row, exact accumulation")

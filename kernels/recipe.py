@@ -20,6 +20,7 @@ FAULTS = (
     "fp8_layout_read_as_packed_fp4",  # (b) docs/kernels.md#the-packed-fp4-hazard interop hazard: FP8-written x read by the packed FP4 kernel
     "router_weight_after_requant",  # (c) w * quantize(h) instead of quantize(w * h) (T6)
     "drop_last_slot",  # (d) the combine skips slot K-1: one expert's output lost for every token
+    "one_expert_router_weight",  # (e) one expert's router weight x (1 + 1/512): a fault confined to one expert
 )
 
 

@@ -8,9 +8,13 @@ one is invisible to the other: every kernel is registered on both, before any mo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from evalgate.errors import UserError
+
+if TYPE_CHECKING:
+    from .real.library import RealLibrary
+    from .tolerance import Tolerance
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,9 @@ class Kernel:
     twin: str | None = None  # for a faulty kernel: the healthy kernel it was derived from
     api: dict = field(default_factory=dict)  # real-kernel API arguments (sgl-deep-gemm >= 0.1.7 picks by mma_type)
     prepare_model: Callable | None = None  # fn(model, checkpoint_dir) after loading, e.g. attach stored FP4 codes
+    implements: str | None = None  # a real kernel: the emulated recipe it must compute (kernels/real/)
+    library: "RealLibrary | None" = None  # a real kernel: the external library that runs it
+    tolerance: "Tolerance | None" = None  # a real kernel's allowed difference from its recipe; None: bit-identity
 
     @property
     def id(self) -> str:
@@ -32,9 +39,14 @@ class Kernel:
 
     @property
     def reference(self) -> str:
-        """The kernel whose numerics this one declares it computes (kernels/conformance.py): a faulty kernel
-        claims its healthy twin's; an emulated recipe is its own."""
-        return self.twin or self.name
+        """The kernel whose numerics this one declares it computes (kernels/conformance.py): a real kernel
+        (and a fault injected into it) names its emulated recipe; a faulty emulated kernel claims its healthy
+        twin's; an emulated recipe is its own."""
+        return self.implements or self.twin or self.name
+
+    @property
+    def real(self) -> bool:
+        return self.library is not None
 
 
 KERNELS: dict[str, Kernel] = {}
@@ -47,8 +59,8 @@ def register_kernel(kernel: Kernel) -> Kernel:
 
     from .triton.dispatch import with_backend_choice
 
-    # emulated kernels run the Triton kernels on CUDA (same bits; EVALGATE_KERNEL_BACKEND overrides)
-    kernel = replace(kernel, experts_forward=with_backend_choice(kernel.experts_forward))
+    if not kernel.real:  # emulated kernels run the Triton kernels on CUDA (same bits; EVALGATE_KERNEL_BACKEND overrides)
+        kernel = replace(kernel, experts_forward=with_backend_choice(kernel.experts_forward))
     KERNELS[kernel.name] = kernel
     ExpertsInterface.register(kernel.name, kernel.experts_forward)
     try:
@@ -68,4 +80,7 @@ def get_kernel(name: str) -> Kernel:
 
 
 def kernel_names(include_faulty: bool = True) -> list[str]:
-    return sorted(n for n, k in KERNELS.items() if include_faulty or not k.faulty)
+    """Every registered kernel; a fault injected into a real kernel only where its library can run (it is a
+    test double for that machine: elsewhere it could neither run nor fail)."""
+    return sorted(n for n, k in KERNELS.items()
+                  if (include_faulty or not k.faulty) and not (k.faulty and k.real and k.library.missing()))

@@ -182,12 +182,14 @@ class HFAdapter(AdapterBase):
                         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
         }
 
-    def conformance(self) -> dict:
-        """The kernel against the kernel it declares it computes, on this model's experts (the run manifest
-        records it; the gate FAILs a kernel that does not conform, kernels/conformance.py)."""
+    def conformance(self, prompts: list[str]) -> dict:
+        """The kernel against the kernel it declares it computes, on the hidden states this model's forward
+        pass over ``prompts`` hands its experts (the run manifest records it; the gate FAILs a kernel that
+        does not conform, kernels/conformance.py)."""
         from evalgate.kernels.conformance import model_conformance
 
-        return model_conformance(self.model, self.kernel.name).to_dict()
+        ids = [self.tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts]
+        return model_conformance(self.model, self.kernel.name, ids).to_dict()
 
     def _placement(self) -> dict:
         placement = getattr(self.model, "_evalgate_placement", None)

@@ -97,6 +97,7 @@ def load_tasks(spec: RunSpec) -> dict[str, LoadedTask]:
 
 # Files a run's own helpers may write before the run starts (the launched server's log).
 SIDE_FILES = frozenset({"server.log"})
+CONFORMANCE_PROMPTS = 2  # the run's first prompts whose hidden states the kernel is held to its reference on
 
 
 def prepare_out(out: Path, resume: bool) -> dict | None:
@@ -186,7 +187,8 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter: Model
         "tasks": {name: {**t.resolved.summary(), "n_items": len(t.items)} for name, t in loaded.items()},
         "timings": {"load_model_s": round(adapter.load_s, 3)},
     }
-    conformance = adapter.conformance()  # in-process kernels only: a server's is out of reach (None)
+    first = [r.prompt for t in loaded.values() for r in t.task.requests(t.items[:CONFORMANCE_PROMPTS], t.resolved)]
+    conformance = adapter.conformance(first[:CONFORMANCE_PROMPTS])  # in-process kernels only: a server's is out of reach (None)
     if conformance is not None:
         manifest["kernel"]["conformance"] = conformance
     if previous is not None:

