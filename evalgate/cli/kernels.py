@@ -105,7 +105,7 @@ MODEL_COLUMNS = [("kernel", "kernel", ""), ("mean_kl", "mean KL vs bf16", ".3e")
 @click.option("--tokens", default="512", show_default=True, help="Tokens routed through the layer (layer-level).")
 @click.option("--model", "model_path", default=None, help="Model-level check: a local checkpoint directory.")
 @click.option("--tasks", default="gsm8k", show_default=True, help="Tasks whose prompts feed the model-level check.")
-@click.option("--limit", default=32, show_default=True, type=int, help="Items per task (model-level).")
+@click.option("--limit", default=32, show_default=True, type=click.IntRange(min=1), help="Items per task (model-level).")
 @click.option("--kernels", "kernels", type=KERNELS, default=None, help="Comma-separated kernels (default: all).")
 @click.option("--data-dir", type=click.Path(file_okay=False), envvar="EVALGATE_DATA_DIR", default=None,
               help="Offline copy of the task data (model-level).")
