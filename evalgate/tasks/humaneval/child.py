@@ -52,12 +52,14 @@ import time
 
 import _socket
 
+import _evalgate_cgroups as cgroups
 import _evalgate_channel as channel
 import _evalgate_judge as judge
+import _evalgate_syscall_filter as syscall_filter
 
 sys.path[:] = [p for p in sys.path if p]  # -c puts "" (the cwd) first; programs import nothing from there
 
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x02000000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 0x1, 0x2, 0x4, 0x8, 0x20
 MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
@@ -71,10 +73,14 @@ PREIMPORTS = ("typing", "math", "re", "collections", "itertools", "functools", "
               "random", "copy", "hashlib", "fractions", "decimal", "operator", "struct", "array", "statistics")
 SETUP_TIMEOUT = 30.0  # seconds for a sandbox to get ready; beyond that, an infrastructure error
 EXCERPT_BYTES = 4096
+SYSCALL_REFUSED = "the program made a system call the sandbox does not allow (killed by SIGSYS)"
+JUDGE_MEMORY_BYTES = 2 << 30  # RLIMIT_AS of a judge: it decodes at most one 16 MiB frame at a time
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 _SYSCALL = SYSCALLS.get(platform.machine(), {})
+SYSCALL_FILTER = syscall_filter.Filter()  # assembled once; each sandbox installs it last
+GROUPS = cgroups.ProgramGroups([], [])  # the executor's control groups, found at start (as root)
 
 
 def _fail(what):
@@ -201,6 +207,10 @@ def setup_executor(config):
             __import__(name)
         except ImportError:
             pass
+    global GROUPS
+    if mode == "root":  # before pivot_root: the groups are reached through descriptors from then on
+        GROUPS = cgroups.ProgramGroups.discover(f"evalgate-{os.getpid()}")
+        notes += GROUPS.notes
     if mode != "none":
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
         notes += build_root(config)
@@ -210,7 +220,10 @@ def setup_executor(config):
 
     gc.collect()
     gc.freeze()  # what the executor holds now is never traversed by a fork's collector (nor copied for it)
-    return {"mode": mode, "notes": notes, "root": "minimal" if mode != "none" else "host"}
+    if not SYSCALL_FILTER.available:
+        notes.append(f"no system-call filter: {SYSCALL_FILTER.why_not}")
+    return {"mode": mode, "notes": notes, "root": "minimal" if mode != "none" else "host",
+            "cgroups": GROUPS.describe(), "cgroup_dirs": [h.path for h in GROUPS.hierarchies]}
 
 
 def main():
@@ -226,48 +239,11 @@ def main():
     serve_harness(ctl, config)
 
 
-class NetworkNamespaces:
-    """Network namespaces, one per program running at a time, each reused only after its program ended.
-
-    A program has no capability in them (they belong to the executor's user namespace, its own is a child of
-    that), so it can change nothing there but its own sockets, which die with it: the next program finds the
-    namespace as new (loopback only, down). Creating and destroying a namespace for every program costs
-    more than the rest of the isolation; where handles cannot be made, each sandbox unshares its own."""
-
-    def __init__(self, enabled):
-        self.free = []
-        self.home = None
-        if enabled:
-            try:
-                self.home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-            except OSError:
-                pass
-
-    def take(self):
-        if self.home is None:
-            return None
-        if self.free:
-            return self.free.pop()
-        try:
-            _unshare(CLONE_NEWNET, "NEWNET")
-            fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        except OSError:
-            return None
-        if libc.setns(self.home, CLONE_NEWNET) != 0:  # back home: judges' sockets never live in a pool namespace
-            os.close(fd)  # cannot: no pool (each sandbox makes its own), and this namespace is the executor's now
-            self.home = None
-            return None
-        return fd
-
-    def give_back(self, fd):
-        if fd is not None:
-            self.free.append(fd)
-
-
 def serve_harness(ctl, config):
-    """Fork a judge per job; reap them; answer for a judge that died without answering."""
-    judges = {}  # pidfd -> [pid, job socket, deadline, killed, netns fd]
-    netns = NetworkNamespaces(config["mode"] != "none")
+    """Fork a judge per job; reap them; answer for a judge that died without answering, after killing what
+    its program left (the program's control group)."""
+    judges = {}  # pidfd -> [pid, job socket, deadline, killed, control group name]
+    sequence = 0
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     while True:
         now = time.monotonic()
@@ -278,41 +254,42 @@ def serve_harness(ctl, config):
                 message, fds, _, _ = socket.recv_fds(ctl, 1 << 16, 4)
             except OSError:
                 message, fds = b"", []
-            if not message:  # the harness is gone: so are its judges (and their sandboxes, by PDEATHSIG)
-                for pid, *_ in judges.values():
+            if not message:  # the harness is gone: so are its judges and their programs
+                for pid, _, _, _, group in judges.values():
                     _kill(pid)
+                    GROUPS.kill_all(group)
+                    GROUPS.remove(group)
                 os._exit(0)
             job = socket.socket(fileno=fds[0])
             for extra in fds[1:]:
                 os.close(extra)
-            net = None
+            sequence += 1
+            group = f"p{sequence}"  # never reused: a fresh group per program
             try:
                 header = marshal.loads(message)
-                header["netns_fd"] = net = netns.take() if header["mode"] != "none" else None
+                header["cgroup"] = group
                 pid = os.fork()
             except Exception as exc:  # e.g. no process to spare: an infrastructure error for this job, not the end
                 _send_result(job, {"infrastructure_error": f"cannot start a judge: {type(exc).__name__}: {exc}"})
                 job.close()
-                netns.give_back(net)
                 continue
             if pid == 0:
                 judge_process(header, job, config)  # never returns
             pidfd = os.pidfd_open(pid)
             deadline = time.monotonic() + SETUP_TIMEOUT + header["timeout"] + header["grace"]
-            judges[pidfd] = [pid, job, deadline, False, net]
+            judges[pidfd] = [pid, job, deadline, False, group]
         for pidfd in [fd for fd in ready if fd in judges]:
-            pid, job, _, killed, net = judges.pop(pidfd)
+            pid, job, _, killed, group = judges.pop(pidfd)
             os.close(pidfd)
             status = os.waitpid(pid, 0)[1]
-            if status == 0:  # a judge that exits 0 has killed and reaped its sandbox: the namespace is empty
-                netns.give_back(net)
-            elif net is not None:  # its sandbox may still be dying: the namespace is not reused
-                os.close(net)
-            if status != 0:  # the judge died before answering
-                if killed:
+            if status != 0:  # the judge died before answering: its program may still run
+                survivors = GROUPS.kill_all(group)
+                GROUPS.remove(group)
+                if killed or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU):
                     result = {"failure_class": "timed_out", "result": "timed out (the judge overran the deadline)"}
                 else:
                     result = {"failure_class": "crashed", "result": f"crashed: the judge died ({_status_text(status)})"}
+                result["survivors"] = survivors
                 _send_result(job, result)
             job.close()
         now = time.monotonic()
@@ -357,12 +334,13 @@ def _send_result(sock, result):
 # ---- the judge -------------------------------------------------------------------------------------------
 
 def judge_process(header, job, config):
-    """A judge: fork the sandbox, read the job, judge, answer. Never returns."""
+    """A judge: fork the sandbox, read the job, judge, kill everything of the program, answer. Never returns."""
     result = None
     sandbox_pid = work_dir = None
     judgement = None
+    group = header.get("cgroup") if GROUPS.hierarchies else None
     try:
-        keep = sorted({job.fileno()} | ({header["netns_fd"]} if header.get("netns_fd") is not None else set()))
+        keep = sorted({job.fileno()} | set(GROUPS.descriptors()))
         low = 3
         for fd in keep:
             os.closerange(low, fd)
@@ -375,6 +353,10 @@ def judge_process(header, job, config):
         namespaces = header["mode"] != "none" and config["mode"] != "none"
         if namespaces:
             _unshare(CLONE_NEWPID, "NEWPID")
+        joins = []
+        if group is not None:
+            limits = header["limits"]
+            joins = GROUPS.create(group, limits["memory_bytes"], limits.get("max_processes"))
         near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         out_fd = os.memfd_create("stdout", 0)
         err_fd = os.memfd_create("stderr", 0)
@@ -388,8 +370,11 @@ def judge_process(header, job, config):
         forked = time.monotonic()
         sandbox_pid = os.fork()
         if sandbox_pid == 0:
-            sandbox_process(header, far, out_fd, err_fd, namespaces, work_dir)  # never returns
+            sandbox_process(header, far, out_fd, err_fd, namespaces, work_dir, joins)  # never returns
         far.close()
+        for fd in joins:
+            os.close(fd)
+        limit_judge(header)
         job_text = _read_job(job)
         judgement = Judgement(header, near, sandbox_pid, out_fd, err_fd, namespaces, forked)
         result = judgement.run(job_text)
@@ -397,6 +382,11 @@ def judge_process(header, job, config):
         result = {"infrastructure_error": f"judge: {type(exc).__name__}: {exc}"}
     if judgement is not None:
         sandbox_pid = judgement.pid  # None once reaped: its pid may belong to someone else now
+    survivors = 0
+    if group is not None:
+        survivors = judgement.survivors if judgement is not None and judgement.survivors is not None \
+            else _survivors(group, sandbox_pid)
+        GROUPS.kill_all(group)
     if sandbox_pid:
         if judgement is None or not judgement.namespaces:
             try:  # no PID namespace: what the program started is in its session's process group
@@ -408,12 +398,41 @@ def judge_process(header, job, config):
             os.waitpid(sandbox_pid, 0)
         except OSError:
             pass
+    if group is not None:
+        GROUPS.remove(group)
     if work_dir is not None:  # no namespaces: the work directory was on the executor's own /tmp
         import shutil
 
         shutil.rmtree(work_dir, ignore_errors=True)
+    if survivors and "infrastructure_error" not in result:
+        result["survivors"] = survivors
+        if result.get("failure_class") == "passed":  # a program is done when its verdict is: nothing may outlive it
+            result.update(failure_class="failed:exception", exception="Survivors: processes outlived the verdict",
+                          result=f"failed: {survivors} process(es) of the program were still running at its verdict")
     _send_result(job, result)
     os._exit(0)
+
+
+def _survivors(group, first_pid):
+    """Processes of the program but its first one, still there at its verdict: they are killed with it, and
+    they fail the item (a program is done when its verdict is)."""
+    return len([pid for pid in GROUPS.members(group) if pid != first_pid and not _zombie(pid)])
+
+
+def _zombie(pid):
+    """An ended process its parent has not reaped (nothing runs there), or one already gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+def limit_judge(header):
+    """CPU time and memory of the judge itself: it decodes hostile bytes and runs the test's own work."""
+    cpu = int(SETUP_TIMEOUT + header["timeout"] + header["grace"]) + 1
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+    resource.setrlimit(resource.RLIMIT_AS, (JUDGE_MEMORY_BYTES, JUDGE_MEMORY_BYTES))
 
 
 def _read_job(job):
@@ -438,6 +457,7 @@ class Judgement:
         self.deadline = time.monotonic() + SETUP_TIMEOUT
         self.armed = False
         self.exit_status = None  # the sandbox's, once it ended on its own
+        self.survivors = None  # counted at the verdict, before anything is killed
 
     # -- the channel --
     def receive(self):
@@ -539,6 +559,13 @@ class Judgement:
         failure_class, result_text, exception = outcome
         if failure_class not in judge.FAILURE_CLASSES:
             failure_class = "failed:exception"
+        if GROUPS.hierarchies and self.header.get("cgroup"):
+            self.survivors = _survivors(self.header["cgroup"], self.pid)
+        if test is None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # a plain program's sandbox waits for this to exit
+            except OSError:
+                pass
         if test is None and self.exit_status is None and failure_class != "timed_out":
             self._wait_exit(min(self.deadline, time.monotonic() + 1.0))  # a plain program exits by itself
         code = sig = None
@@ -595,6 +622,8 @@ class Judgement:
             sig = os.WTERMSIG(status)
             if sig == signal.SIGXCPU:  # CPU-time exhaustion is a timeout in substance
                 return "timed_out", "timed out (CPU time)", None
+            if sig == signal.SIGSYS:  # the system-call filter's answer (syscall_filter.py)
+                return ("failed:exception", f"failed: {SYSCALL_REFUSED}", f"SystemCallNotAllowed: {SYSCALL_REFUSED}")
             return "crashed", f"crashed: killed by {_signal_name(sig)}", None
         return ("failed:exception", f"failed: exited with code {os.WEXITSTATUS(status)} before the check finished",
                 None)
@@ -620,10 +649,10 @@ def _excerpt(fd):
 
 # ---- the sandbox -----------------------------------------------------------------------------------------
 
-def sandbox_process(header, sock, out_fd, err_fd, namespaces, work_dir):
+def sandbox_process(header, sock, out_fd, err_fd, namespaces, work_dir, joins):
     """Set up, send the trusted setup frame, run the program and answer calls. Never returns."""
     try:
-        isolation = isolate(header, sock, out_fd, err_fd, namespaces, work_dir)
+        isolation = isolate(header, sock, out_fd, err_fd, namespaces, work_dir, joins)
     except BaseException as exc:
         try:
             os.write(3, channel.frame(channel.encode(("setup_error", f"{type(exc).__name__}: {exc}"))))
@@ -643,15 +672,13 @@ def sandbox_process(header, sock, out_fd, err_fd, namespaces, work_dir):
         os._exit(1)  # never back into the judge's code
 
 
-def isolate(header, sock, out_fd, err_fd, namespaces, work_dir):
+def isolate(header, sock, out_fd, err_fd, namespaces, work_dir, joins):
+    cgroups.ProgramGroups.join(joins)  # first: everything it starts from here on is in the program's group
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     for signum in (signal.SIGALRM, signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # descriptors: 0 /dev/null, 1 stdout, 2 stderr, 3 the channel; nothing else
-    net = header.get("netns_fd")
-    if namespaces and net is not None and libc.setns(net, CLONE_NEWNET) != 0:
-        net = None
     null = os.open("/dev/null", os.O_RDWR)
     sources = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in (null, out_fd, err_fd, sock.fileno())]
     for target, source in enumerate(sources):
@@ -661,7 +688,9 @@ def isolate(header, sock, out_fd, err_fd, namespaces, work_dir):
     uid, gid = header["uid"], header["gid"]
     isolation = {"network": "sockets-disabled", "pid": "none", "mount": "none"}
     if namespaces:
-        _unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | (CLONE_NEWNET if net is None else 0), "NEWNS|NEWIPC|NEWUTS")
+        # a network namespace of its own (loopback only, down): nothing in it outlives the program
+        _unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | (CLONE_NEWCGROUP if joins else 0),
+                 "NEWNS|NEWIPC|NEWUTS|NEWNET|NEWCGROUP")
         libc.sethostname(b"sandbox", 7)
         size = f"size={header['limits']['tmpfs_bytes']},mode=1777"
         _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, size)
@@ -672,7 +701,7 @@ def isolate(header, sock, out_fd, err_fd, namespaces, work_dir):
         os.mkdir(work_dir, 0o700)
         if uid is not None:
             os.chown(work_dir, uid, gid)
-        isolation = {"network": "netns", "netns": "the slot's" if net is not None else "its own",
+        isolation = {"network": "netns", "netns": "its own", "cgroup": "its own" if joins else "none",
                      "pid": "pidns", "mount": "mountns", "ipc": "ipcns", "uts": "utsns",
                      "root": "minimal", "tmpfs": ["/tmp", "/dev/shm"], "proc": "private", "ipc_limits": ipc_limits}
     os.chdir(work_dir)
@@ -704,6 +733,9 @@ def isolate(header, sock, out_fd, err_fd, namespaces, work_dir):
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     apply_limits(header["limits"])
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # credential changes cleared it
+    if SYSCALL_FILTER.available:  # last: from here on only the allowlist's calls (syscall_filter.py)
+        SYSCALL_FILTER.install(libc)
+        isolation["syscalls"] = f"allowlist ({SYSCALL_FILTER.length} BPF instructions)"
     return isolation
 
 
@@ -864,6 +896,7 @@ def serve_judge():
         _exit(0)
     if entry_point is None:  # a plain program: it ran to its end
         _send(_encode(("loaded", True)))
+        _receive()  # stays, so the judge counts what else is still running, until it closes the channel
         _exit(0)
     namespace = module.__dict__
     _send(_encode(("loaded", entry_point in namespace)))

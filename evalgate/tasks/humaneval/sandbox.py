@@ -260,7 +260,8 @@ class UidBlock:
 BOOTSTRAP = ("import marshal,sys\n"
              "for n,c in marshal.loads(open(sys.argv[1],'rb').read()):\n"
              " m=type(sys)(n);sys.modules[n]=m;m.__dict__['__builtins__']=__builtins__;exec(c,m.__dict__)")
-MODULES = (("_evalgate_channel", "channel.py"), ("_evalgate_judge", "judge.py"), ("_evalgate_executor", "child.py"))
+MODULES = (("_evalgate_channel", "channel.py"), ("_evalgate_judge", "judge.py"), ("_evalgate_cgroups", "cgroups.py"),
+           ("_evalgate_syscall_filter", "syscall_filter.py"), ("_evalgate_executor", "child.py"))
 
 
 def _environment() -> dict:
@@ -393,6 +394,11 @@ class Executor:
                 self.proc.kill()
                 self.proc.wait()
             self.proc = None
+        for group in self.info.get("cgroup_dirs", []):  # the executor's parent groups, empty once it is gone
+            try:
+                os.rmdir(group)
+            except OSError:
+                pass
         for d in self.dirs:
             for name in ("code.marshal", "log"):
                 try:
