@@ -184,9 +184,9 @@ tasks:
 
 POLICIES = [
     dict(alpha=0.45, split="true", validity=0.05, inconclusive="true", mc="holm", ci="tango", margin=10.0, floor=1),
-    dict(alpha=0.2, split="false", validity=0.01, inconclusive="false", mc="bonferroni", ci="newcombe", margin=30.0,
+    dict(alpha=0.2, split="false", validity=0.01, inconclusive="false", mc="bonferroni", ci="tango", margin=30.0,
          floor=1),
-    dict(alpha=0.45, split="true", validity=0.1, inconclusive="true", mc="none", ci="newcombe", margin=5.0, floor=2),
+    dict(alpha=0.45, split="true", validity=0.1, inconclusive="true", mc="none", ci="tango", margin=5.0, floor=2),
 ]
 
 

@@ -54,12 +54,14 @@ def test_generalised_statistics_are_mcnemar_and_tango_on_binary_scores(b, c, n):
 
 
 def independent_rule(b, c, n, margin, alpha=0.05, alpha_acc=0.04):
-    """The documented rule on a binary table, from scipy alone (no evalgate statistics but Tango's bound)."""
-    p = binomtest(b, b + c, 0.5, alternative="greater").pvalue if b + c else 1.0
-    lower = tango_lower_bound(b, c, n, alpha)
-    if lower > -margin:
+    """The documented rule on a binary table: PASS when the exact test of "Δ ≤ −M" rejects at α, FAIL when the
+    exact test of "Δ ≥ −M" rejects at α_acc (tests/test_exact_ni.py checks those p-values by brute force)."""
+    from evalgate.stats.exact_ni import exact_pvalues
+
+    p_pass, p_fail = exact_pvalues(b, c, n, margin)
+    if p_pass <= alpha:
         return "PASS"
-    return "FAIL" if p <= alpha_acc else "INCONCLUSIVE"
+    return "FAIL" if p_fail <= alpha_acc else "INCONCLUSIVE"
 
 
 def test_greedy_decisions_pinned():

@@ -247,9 +247,12 @@ def test_worked_example_humaneval_is_inconclusive():
     assert dec.margin == 0.05  # never raised
     assert not dec.resolves_margin and dec.mde == pytest.approx(aa_mde_exact(13 / 164, 164), abs=1e-6)
     reason = dec.reasons[0]
-    assert reason.startswith("inconclusive: non-inferiority not shown") and "-5.84 pp" in reason
-    assert "cannot resolve 5.00 pp at n = 164, k = 1 (greedy) and ψ = 7.93%" in reason
-    assert f"resolvable: {100 * dec.mde:.2f} pp at 80% power" in reason and "use k ≥ 2 samples per item" in reason
+    assert reason.startswith("inconclusive: non-inferiority not shown") and f"{100 * dec.gate_lower:.2f} pp" in reason
+    assert "not shown worse than the margin" in reason
+    # the MDE is an estimate from this run's own ψ̂, and the line says so
+    assert "estimated not to resolve 5.00 pp at n = 164, k = 1 (greedy) and ψ = 7.93%" in reason
+    assert f"MDE ≈ {100 * dec.mde:.2f} pp at 80% power (exact at ψ̂)" in reason
+    assert "use k ≥ 2 samples per item" in reason
     overall = decide_overall([
         decide("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015), dec])
     assert overall.verdict == "INCONCLUSIVE" and overall.exit_code == 3
@@ -261,18 +264,25 @@ def test_worked_example_humaneval_is_inconclusive():
     assert dec.spec_verdict == "FAIL" and any("the original rule" in w for w in dec.warnings)
 
 
-def aa_mde_exact(psi, n):
+def aa_mde_exact(psi, n, margin=0.05):
+    from evalgate.stats.exact_ni import critical_value
     from evalgate.stats.margin import mde_binary
 
-    return mde_binary(psi, n, 0.05, 0.8)
+    return mde_binary(psi, n, 0.05, 0.8, critical_value(n, margin, 0.05))
 
 
-def test_fail_needs_evidence_of_degradation():
-    # 20 lost, 4 gained of 164: non-inferiority not shown and McNemar p = 0.0008: FAIL (exit 1)
-    dec = decide("humaneval", counts=Counts(a=120, b=20, c=4, d=20, n=164), margin=0.05)
-    assert dec.degraded and not dec.non_inferior and dec.verdict == "FAIL"
-    assert dec.reasons[0].startswith("accuracy degraded: exact one-sided McNemar p = ")
-    assert "non-inferiority not shown" in dec.reasons[0] and "≤ -M = -5.00 pp" in dec.reasons[0]
+def test_fail_means_shown_worse_than_the_margin():
+    # issue 32, finding 3: FAIL is "shown worse than M" (H0 Δ ≥ −M rejected), not "worse than the baseline
+    # and not shown within M". 20 lost, 4 gained of 164: McNemar p = 0.0008 (worse than the baseline), but a
+    # loss of 9.8 pp is not shown beyond 5 pp: INCONCLUSIVE, with a warning (the rule before FAILed it)
+    within = decide("humaneval", counts=Counts(a=120, b=20, c=4, d=20, n=164), margin=0.05)
+    assert within.degraded and not within.non_inferior and not within.inferior
+    assert within.verdict == "INCONCLUSIVE" and 0.04 < within.p_inferior < 0.1
+    assert any(w.startswith("worse than the baseline, not shown worse than the margin") for w in within.warnings)
+    # 30 lost, 4 gained: shown worse than 5 pp (exact p = 0.0006): FAIL (exit 1)
+    dec = decide("humaneval", counts=Counts(a=110, b=30, c=4, d=20, n=164), margin=0.05)
+    assert dec.inferior and not dec.non_inferior and dec.verdict == "FAIL"
+    assert dec.reasons[0].startswith("shown worse than the margin: exact unconditional test of Δ ≥ -M: p = ")
     overall = decide_overall([dec, decide("gsm8k", counts=Counts(a=1170, b=0, c=0, d=149, n=1319),
                                                margin=0.015)])
     assert overall.verdict == "FAIL" and overall.exit_code == 1
@@ -282,7 +292,7 @@ def test_degradation_within_the_margin_passes_with_a_warning():
     # n = 1319, 40 lost / 15 gained: Δ̂ = −1.9 pp, significantly worse (p = 0.0006) but L = −2.8 pp > −4 pp
     dec = decide("gsm8k", counts=Counts(a=1150, b=40, c=15, d=114, n=1319), margin=0.04)
     assert dec.degraded and dec.non_inferior and dec.verdict == "PASS"
-    assert any(w.startswith("significantly worse than the baseline, but within the margin") for w in dec.warnings)
+    assert any(w.startswith("worse than the baseline, not shown worse than the margin") for w in dec.warnings)
     # the original rule fails it
     assert decide("gsm8k", counts=Counts(a=1150, b=40, c=15, d=114, n=1319), margin=0.04,
                        **SPEC_RULE).verdict == "FAIL"
@@ -298,22 +308,22 @@ def test_decide_task_from_vectors_equals_from_counts():
 
 
 def test_holm_turns_a_single_task_failure_into_inconclusive():
-    # p = 0.0365 (b = 18, c = 8) rejects alone at α_acc = 0.04 but not at Holm's first step α_acc/2; at
-    # M = 1 pp non-inferiority is not shown (L = −1.42 pp), so the FAIL depends on the degradation test.
-    bad = Counts(a=1250, b=18, c=8, d=43, n=1319)
+    # the test of "Δ ≥ −M": p = 0.030 (b = 30, c = 6, M = 1 pp) rejects alone at α_acc = 0.04 but not at
+    # Holm's first step α_acc/2, so the FAIL depends on the correction across tasks.
+    bad = Counts(a=1250, b=30, c=6, d=33, n=1319)
     clean = Counts(a=140, b=3, c=3, d=18, n=164)
     alone = decide("gsm8k", counts=bad, margin=0.01)
-    assert 0.025 < alone.p_degradation <= 0.04
-    assert alone.degraded and not alone.non_inferior and alone.verdict == "FAIL"
+    assert 0.025 < alone.p_inferior <= 0.04
+    assert alone.inferior and not alone.non_inferior and alone.verdict == "FAIL"
     overall = decide_overall([alone, decide("humaneval", counts=clean, margin=0.10)])
     gsm = overall.tasks["gsm8k"]
-    assert not gsm.degraded and gsm.verdict == "INCONCLUSIVE" and overall.verdict == "INCONCLUSIVE"
-    assert gsm.p_degradation_adjusted == pytest.approx(2 * alone.p_degradation)
+    assert not gsm.inferior and gsm.verdict == "INCONCLUSIVE" and overall.verdict == "INCONCLUSIVE"
+    assert gsm.p_inferior_adjusted == pytest.approx(2 * alone.p_inferior)
     assert gsm.n_tasks == 2 and gsm.multiple_comparisons == "holm"
     # with no correction the same data fail, and the reason says which rule was applied
     none = decide_overall([alone, decide("humaneval", counts=clean, margin=0.10)],
                           multiple_comparisons="none")
-    assert none.verdict == "FAIL" and "McNemar" in none.reasons[0] and "K = 2" in none.reasons[0]
+    assert none.verdict == "FAIL" and "Δ ≥ -M" in none.reasons[0] and "K = 2" in none.reasons[0]
 
 
 def flags(n, on):
@@ -383,9 +393,15 @@ def test_rate_limit_at_humaneval_size():
     assert dec.verdict == "PASS" and dec.spec_verdict == "FAIL"
     four = decide("humaneval", cand_invalid=flags(164, range(4)), **kwargs)
     assert four.verdict == "PASS"
+    # issue 32, finding 1: the absolute limit has no level, so under one α it warns; the exact test on the
+    # discordant flags decides (5 new, 0 gone: p = 1/32 > α_validity/2)
     five = decide("humaneval", cand_invalid=flags(164, range(5)), **kwargs)
-    assert five.invalid.over_limit and five.verdict == "FAIL"
-    assert any("5 net new items > max(1.00 pp of n, 4 items) = 4.00" in r for r in five.reasons)
+    assert five.invalid.over_limit and not five.invalid.significant and five.verdict == "PASS"
+    assert any("5 net new items > max(1.00 pp of n, 4 items) = 4.00" in w and "not a FAIL" in w
+               for w in five.warnings)
+    # significant at its share: FAIL
+    many = decide("humaneval", cand_invalid=flags(164, range(9)), **kwargs)
+    assert many.invalid.significant and many.verdict == "FAIL"
 
 
 def test_gate_levels_split_the_budget():
@@ -538,11 +554,14 @@ def test_decision_serialises():
     assert task["invalid"]["rise"] == pytest.approx(1 / 1319)
 
 
-def test_newcombe_ci_method_gates_on_newcombe():
+def test_newcombe_is_reported_never_gated_on():
+    # issue 32, finding 2: Newcombe's bound runs above α at the margin, so no rule gates on it
     counts = Counts(a=1170, b=30, c=25, d=94, n=1319)
-    dec = decide("gsm8k", counts=counts, margin=0.015, ci_method="newcombe")
-    assert dec.gate_lower == dec.newcombe_lower == newcombe_interval(1170, 30, 25, 94, 0.10)[0]
+    with pytest.raises(ValueError, match="reported only"):
+        TaskRule(margin=0.015, ci_method="newcombe")
+    dec = decide("gsm8k", counts=counts, margin=0.015)
     assert dec.newcombe_ci == newcombe_interval(1170, 30, 25, 94, 0.05)
+    assert dec.newcombe_lower == newcombe_interval(1170, 30, 25, 94, 0.10)[0] and dec.gate_lower == dec.exact_lower
 
 
 def test_decide_rejects_misuse():
@@ -600,9 +619,9 @@ def test_a_task_decision_carries_each_number_once():
     assert "margin" in names and not names & {"margin_requested", "margin_enforced", "spec_non_inferior"}
     # what follows from other fields is derived, and still written for gate.json's readers
     assert not names & {"gate_lower", "non_inferior", "resolves_margin"}
-    dec = decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015, ci_method="newcombe")
+    dec = decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015)
     out = dec.to_dict()
-    assert out["gate_lower"] == dec.newcombe_lower and out["non_inferior"] is True and out["resolves_margin"] is True
+    assert out["gate_lower"] == dec.exact_lower and out["non_inferior"] is True and out["resolves_margin"] is True
     assert out["margin"] == 0.015 and "margin_requested" not in out
 
 

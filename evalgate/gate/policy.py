@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
@@ -28,6 +28,13 @@ from evalgate.errors import UserError
 from evalgate.stats.multiplicity import MULTIPLE_COMPARISONS
 
 REQUIRED_TASKS = ("gsm8k", "humaneval")
+
+
+def look_share(look: int) -> float:
+    """The share of α that look ``look`` of a gate's sequence spends: ½, ¼, ⅛, … (they sum to < 1)."""
+    return 0.5 ** (look + 1)
+
+
 CI_METHODS = ("tango", "newcombe")
 PACKAGE_DEFAULT = "thresholds.yaml"
 DEFAULT_PACKAGE = "policy_default"  # evalgate/policy_default/thresholds.yaml in a built install (pyproject.toml)
@@ -85,6 +92,15 @@ class Thresholds:
                 f"expected a section under 'tasks:' (have: {', '.join(sorted(self.tasks))})"
             )
         return self.tasks[name]
+
+    def at_look(self, look: int) -> Thresholds:
+        """The policy a gate's look ``look`` (0, 1, …) is decided with: α and α_validity spent as
+        α·2^-(look+1), so every look of one gate's sequence together stays within α
+        (docs/gate.md#sequential-rounds)."""
+        if look < 0:
+            raise ValueError(f"look must be >= 0, got {look}")
+        share = look_share(look)
+        return replace(self, alpha=self.alpha * share, alpha_validity=self.alpha_validity * share)
 
     def decision_kwargs(self, task: str) -> dict:
         """The policy settings ``evalgate.gate.rule.decide_task`` takes by name, for one task."""
@@ -170,6 +186,10 @@ class PolicyFile(BaseModel):
         if not 0 <= self.alpha_validity < self.alpha:
             raise _problem("alpha_validity", f"{self.alpha_validity!r} is out of range",
                            f"a number in [0, alpha) = [0, {self.alpha:g}), e.g. 0.01")
+        if self.ci_method == "newcombe":  # still reported beside Tango's; never the bound a verdict rests on
+            raise _problem("ci_method", "newcombe is no longer a deciding method: its bound runs above alpha at the "
+                           "margin (8.3% at n = 164, 7.1% at n = 1319 for alpha = 5%); its interval is still "
+                           "reported", "tango (the exact test of Tango's statistic, docs/gate.md#intervals)")
         for name in REQUIRED_TASKS:
             if name not in self.tasks:
                 raise _problem(f"tasks.{name}", "missing task section",

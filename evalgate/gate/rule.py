@@ -13,13 +13,15 @@ import numpy as np
 
 from evalgate.gate.reasons import spec_failures, verdict_and_reasons
 from evalgate.gate.verdict import OverallDecision, RateCheck, TaskDecision, TokenCheck, overall_verdict
+from evalgate.stats.exact_ni import critical_value, exact_lower_bound, exact_pvalues
 from evalgate.stats.margin import mde_binary, mde_normal, project_samples, psi_upper_bound
 from evalgate.stats.multiplicity import MULTIPLE_COMPARISONS, adjusted_pvalues
 from evalgate.stats.paired import (Counts, _as_bool_vector, _check_alpha, mcnemar_exact_one_sided,
                                    mcnemar_exact_two_sided, mcnemar_mid_p_one_sided, newcombe_interval,
                                    paired_counts, tango_interval, tango_lower_bound, wald_interval)
-from evalgate.stats.scores import (as_score_vector, lattice_steps, score_interval, score_lower_bound,
-                                   second_moment, signflip_pvalues, symmetrised, wald_interval_scores)
+from evalgate.stats.scores import (as_score_vector, histogram, lattice_steps, score_interval, score_lower_bound,
+                                   score_z, second_moment, signflip_pvalues, symmetrised, wald_interval_scores)
+from scipy.stats import norm
 
 if TYPE_CHECKING:
     from evalgate.gate.policy import Thresholds
@@ -28,19 +30,18 @@ if TYPE_CHECKING:
 # One α for the whole gate (docs/gate.md#one-alpha)
 # --------------------------------------------------------------------------------------------------------
 #
-# Per task three outcomes. PASS needs non-inferiority at the REQUESTED margin: the one-sided (1 − α) lower
-# bound L > −M (never a raised margin). A task that cannot show it is FAIL only when the data show it worse
-# than the baseline (the exact degradation test, Holm across tasks at α_acc) or a validity rate rose; else it
-# is INCONCLUSIVE: the data resolve neither, and the verdict says what margin they do resolve and how many
-# samples per item would resolve M.
+# Per task three outcomes, each a statement about the margin M the policy names (never raised):
+# - PASS: shown within M — H0 "Δ ≤ −M" rejected at α (k = 1: the exact unconditional test of Tango's statistic,
+#   evalgate.stats.exact_ni; k > 1: the score interval's bound L > −M).
+# - FAIL: shown worse than M — H0 "Δ ≥ −M" rejected at α_acc (Holm across tasks), or a validity rate shown
+#   risen (the exact test on the discordant flags at α_validity/J). So a kernel whose loss is within M FAILs
+#   with probability ≤ α_acc + α_validity ≤ α (at Δ = 0 and at every Δ ≥ −M): M is the loss the policy accepts.
+# - INCONCLUSIVE: neither; the verdict says what margin the data resolve and how many samples would resolve M.
 #
 # - A candidate inferior by M or more on some task PASSes with probability ≤ α: each task's NI test is at
 #   level α and PASS needs all of them (intersection–union, Berger 1982).
-# - A candidate as good as the baseline FAILs with probability ≤ α: accuracy FAILs need the degradation test
-#   (Holm across the K tasks at α_acc = α − α_validity: their union ≤ α_acc), the rate checks share
-#   α_validity (Bonferroni over every invalid/truncation check). No part of this uses the A/A flip rate ψ₀,
-#   so an underestimated ψ₀ cannot break it.
-# - A significant degradation WITHIN the margin is a warning, not a failure: M is the loss the policy accepts.
+# - The exact McNemar / sign-flip degradation test ("worse than the baseline at all") is reported and warns;
+#   it decides nothing. No part of the rule uses the A/A flip rate ψ₀.
 #
 # With alpha_split = False, inconclusive = False and min_rise_items = 0 the rule is the original one
 # (docs/gate.md#the-original-rule): every test at α, and FAIL whenever non-inferiority is not shown.
@@ -109,7 +110,8 @@ NOISE_WARNING = "the candidate moves more items than the baseline's own noise"
 
 
 def _finalise(dec: TaskDecision, *, n_tasks: int, n_rate_checks: int, multiple_comparisons: str,
-              degraded: bool, p_adjusted: float, spec_degraded: bool) -> TaskDecision:
+              degraded: bool, p_adjusted: float, spec_degraded: bool, inferior: bool,
+              p_inferior_adjusted: float) -> TaskDecision:
     """Apply the levels for K tasks and J rate checks: rate significance, verdict, reasons.
 
     decide_task calls this with K = 1 (the task alone); decide_overall redoes it with the real K and J.
@@ -126,6 +128,8 @@ def _finalise(dec: TaskDecision, *, n_tasks: int, n_rate_checks: int, multiple_c
         degraded=degraded,
         p_degradation_adjusted=p_adjusted,
         spec_degraded=spec_degraded,
+        inferior=inferior,
+        p_inferior_adjusted=p_inferior_adjusted,
         multiple_comparisons=multiple_comparisons,
         n_tasks=n_tasks,
         **checks,
@@ -138,20 +142,33 @@ def _finalise(dec: TaskDecision, *, n_tasks: int, n_rate_checks: int, multiple_c
     return replace(updated, verdict=verdict, reasons=reasons, warnings=tuple(warnings))
 
 
-def _binary_statistics(counts: Counts, alpha: float) -> dict:
+def _binary_statistics(counts: Counts, alpha: float, margin: float) -> dict:
     a, b, c, d, n = counts.a, counts.b, counts.c, counts.d, counts.n
+    p_pass, p_inferior = exact_pvalues(b, c, n, margin)
     return dict(
+        p_pass=p_pass, p_inferior=p_inferior, exact_lower=exact_lower_bound(b, c, n, margin, alpha),
         delta=counts.delta, flip_rate=counts.flip_rate,
         p_degradation=mcnemar_exact_one_sided(b, c), p_mid=mcnemar_mid_p_one_sided(b, c),
         p_two_sided=mcnemar_exact_two_sided(b, c),
         tango_ci=tango_interval(b, c, n, alpha), tango_lower=tango_lower_bound(b, c, n, alpha),
         newcombe_ci=newcombe_interval(a, b, c, d, alpha), newcombe_lower=newcombe_interval(a, b, c, d, 2 * alpha)[0],
         wald_ci=wald_interval(b, c, n, alpha),
-        mde=mde_binary(counts.flip_rate, n, alpha, POWER), mde_method="exact",
+        mde=mde_binary(counts.flip_rate, n, alpha, POWER, critical_value(n, round(margin, 12), alpha)),
+        mde_method="exact",
     )
 
 
-def _score_statistics(base: np.ndarray, diffs: np.ndarray, n_samples, alpha: float) -> tuple[Counts, dict]:
+def _score_pvalues(diffs: np.ndarray, margin: float) -> tuple[float, float]:
+    """(p of H0 "Δ ≤ −M", p of H0 "Δ ≥ −M") from the score statistic Z(−M) (normal: the k-sample interval's
+    own approximation, whose level the simulation checks)."""
+    support, counts = histogram(diffs)
+    z_pass = float(score_z(support, counts, -margin)[0])
+    z_fail = float(score_z(-support[::-1], counts[::-1], margin)[0])  # −D against +M
+    return float(norm.sf(z_pass)), float(norm.sf(z_fail))
+
+
+def _score_statistics(base: np.ndarray, diffs: np.ndarray, n_samples, alpha: float,
+                      margin: float) -> tuple[Counts, dict]:
     """The k-sample generalisations on the per-item differences (docs/gate.md#k-samples)."""
     n = diffs.size
     lost, gained = int(np.sum(diffs < 0)), int(np.sum(diffs > 0))
@@ -161,7 +178,9 @@ def _score_statistics(base: np.ndarray, diffs: np.ndarray, n_samples, alpha: flo
     psi = second_moment(diffs)
     support, weights = symmetrised(diffs)
     lower_sym = score_lower_bound(support, weights, alpha) if weights.sum() > 0 else 0.0
+    p_pass, p_inferior = _score_pvalues(diffs, margin)
     return counts, dict(
+        p_pass=p_pass, p_inferior=p_inferior, exact_lower=None,
         delta=float(diffs.mean()), flip_rate=psi,
         p_degradation=test.p_lower, p_mid=test.p_mid, p_two_sided=test.p_two_sided,
         tango_ci=score_interval(diffs, alpha), tango_lower=score_lower_bound(diffs, alpha=alpha),
@@ -200,7 +219,7 @@ class TaskRule:
 
     margin: float
     alpha: float = 0.05
-    ci_method: str = "tango"  # the bound gated on: "tango" (its k-sample generalisation when k > 1) or "newcombe"
+    ci_method: str = "tango"  # the bound gated on: Tango's at the exact critical value (its k-sample generalisation when k > 1)
     max_invalid_rise: float = 0.01
     max_truncation_rise: float = 0.01
     token_ratio_band: tuple[float, float] = (0.9, 1.1)  # WARN (never FAIL) outside it
@@ -213,8 +232,8 @@ class TaskRule:
         _check_alpha(self.alpha)
         if self.margin < 0:
             raise ValueError(f"margin must be ≥ 0 (a fraction), got {self.margin}")
-        if self.ci_method not in ("tango", "newcombe"):
-            raise ValueError(f"ci_method must be 'tango' or 'newcombe', got {self.ci_method!r}")
+        if self.ci_method != "tango":  # Newcombe's bound runs above α at the margin: reported, never gated
+            raise ValueError(f"ci_method must be 'tango' (Newcombe's interval is reported only), got {self.ci_method!r}")
         if self.alpha_split and not 0.0 <= self.alpha_validity < self.alpha:
             raise ValueError(f"alpha_validity must be in [0, alpha = {self.alpha}), got {self.alpha_validity}")
         if self.min_rise_items < 0:
@@ -298,12 +317,12 @@ class TaskData:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _paired_statistics(data: TaskData, alpha: float) -> tuple[Counts, dict, np.ndarray | None]:
+def _paired_statistics(data: TaskData, alpha: float, margin: float) -> tuple[Counts, dict, np.ndarray | None]:
     """The counts, the statistics of the paired difference and the per-item differences (None from counts)."""
     if data.counts is not None:
         if data.counts.n <= 0:
             raise ValueError(f"task {data.task!r} has no items")
-        return data.counts, _binary_statistics(data.counts, alpha), None
+        return data.counts, _binary_statistics(data.counts, alpha, margin), None
     base, cand = as_score_vector(data.base, "base"), as_score_vector(data.cand, "cand")
     if base.shape != cand.shape:
         raise ValueError(f"paired vectors differ in length: base {base.size}, cand {cand.size}")
@@ -315,27 +334,23 @@ def _paired_statistics(data: TaskData, alpha: float) -> tuple[Counts, dict, np.n
     if np.isin(base, (0.0, 1.0)).all() and np.isin(cand, (0.0, 1.0)).all():
         # k = 1, or k samples that all agree within each item: exactly McNemar and Tango
         counts = paired_counts(base, cand)
-        return counts, _binary_statistics(counts, alpha), diffs
-    counts, stats = _score_statistics(base, diffs, per_item, alpha)
+        return counts, _binary_statistics(counts, alpha, margin), diffs
+    counts, stats = _score_statistics(base, diffs, per_item, alpha, margin)
     return counts, stats, diffs
 
 
-def _gated_bound(stats: dict, ci_method: str, warnings: list[str]) -> str:
-    """The interval gated on: the policy's, unless it is Newcombe's and the scores are not binary."""
-    if ci_method == "newcombe" and stats["newcombe_lower"] is None:
-        warnings.append("ci_method newcombe is defined for binary scores only: gated on the score interval")
-        return "tango"
-    return ci_method
-
-
-def _aa_noise(data: TaskData, stats: dict, diffs: np.ndarray | None, n: int, alpha: float,
+def _aa_noise(data: TaskData, stats: dict, diffs: np.ndarray | None, n: int, k: int, alpha: float, margin: float,
               warnings: list[str]) -> tuple[float | None, float | None]:
-    """ψ₀'s one-sided (1 − α) upper bound and the MDE at it; warns when the candidate moves more items."""
+    """ψ₀'s one-sided (1 − α) upper bound and the MDE at it (the task's own formula: exact for k = 1, the
+    normal one for k samples); warns when the candidate moves more items."""
     if data.aa_psi0 is None:
         return None, None
     aa_items = data.aa_n if data.aa_n is not None else n
     upper = psi_upper_bound(data.aa_psi0, aa_items, alpha)
-    mde = mde_binary(round(upper, 9), n, alpha, POWER)
+    if k == 1:
+        mde = mde_binary(round(upper, 9), n, alpha, POWER, critical_value(n, round(margin, 12), alpha))
+    else:  # k samples: ψ is mean(D²), not a flip rate; the MDE of a symmetric structure of that second moment
+        mde = float((norm.ppf(1 - alpha) + norm.ppf(POWER)) * np.sqrt(upper / n))
     if data.aa_n is not None and data.aa_n != n:
         warnings.append(f"the A/A calibration covered {data.aa_n} items, this comparison {n}")
     psi, on = stats["flip_rate"], ""
@@ -386,26 +401,28 @@ def decide_task(data: TaskData, rule: TaskRule) -> TaskDecision:
     """The per-task decision (docs/gate.md#the-decision-rule), as a pure function of the task's paired data
     and the policy's rule for it. Verdict:
 
-    - FAIL when a validity rate rose (exact one-sided McNemar on the indicator at its share α_validity/J,
-      or more than max(limit·n, ``min_rise_items``) net new items), or when non-inferiority is not shown
-      AND the exact degradation test rejects at α_acc = α − α_validity (Holm across tasks in
-      ``decide_overall``);
-    - PASS when the one-sided (1 − α) lower bound for Δ (Tango; its k-sample generalisation) is > −margin;
+    - FAIL when a validity rate rose significantly (exact one-sided McNemar on the indicator at its share
+      α_validity/J), or the candidate is shown worse than the margin (H0 "Δ ≥ −M" rejected at
+      α_acc = α − α_validity; Holm across tasks in ``decide_overall``);
+    - PASS when shown within the margin: the one-sided (1 − α) lower bound for Δ (Tango's at the exact
+      critical value; its k-sample generalisation) is > −margin;
     - INCONCLUSIVE otherwise: the data show neither. ``inconclusive=False`` turns it into FAIL, and a
-      significant degradation then FAILs even within the margin (the original rule).
+      significant degradation then FAILs even within the margin (the original rule, with its raw rate limit).
 
     WARN (never FAIL) when the candidate's mean generated tokens fall outside ``token_ratio_band`` times
     the baseline's, or its flip rate exceeds the A/A bound.
     """
+    if data.counts is None and len(data.base) == 0:
+        raise ValueError(f"task {data.task!r} has no items")  # before anything reads a per-item value
     k, _ = data.samples_per_item
-    counts, stats, diffs = _paired_statistics(data, rule.alpha)
+    counts, stats, diffs = _paired_statistics(data, rule.alpha, rule.margin)
     n = counts.n
     warnings: list[str] = []
-    ci_method = _gated_bound(stats, rule.ci_method, warnings)
+    ci_method = rule.ci_method
     # what this n, k and flip structure resolve; how many samples per item would resolve the margin
     within = within_item_variance(data.base_samples, data.cand_samples) if k > 1 else None
     needed, limit, is_bound = project_samples(stats["mde"], rule.margin, stats["flip_rate"], k, within)
-    aa_upper, aa_mde = _aa_noise(data, stats, diffs, n, rule.alpha, warnings)
+    aa_upper, aa_mde = _aa_noise(data, stats, diffs, n, k, rule.alpha, rule.margin, warnings)
     checks = _rate_checks(data, rule, n, warnings)
     tokens = _token_check(data, rule.token_ratio_band, warnings)
 
@@ -420,12 +437,13 @@ def decide_task(data: TaskData, rule: TaskRule) -> TaskDecision:
         inconclusive_enabled=rule.inconclusive, data_warnings=tuple(warnings),
         **{key: stats[key] for key in ("delta", "flip_rate", "p_degradation", "p_mid", "p_two_sided", "tango_ci",
                                        "tango_lower", "newcombe_ci", "newcombe_lower", "wald_ci", "mde",
-                                       "mde_method")},
+                                       "mde_method", "p_pass", "p_inferior", "exact_lower")},
     )
     n_rate_checks = sum(check is not None for check in checks.values())
     alpha_acc, _ = gate_levels(rule.alpha, rule.alpha_split, rule.alpha_validity, 1, n_rate_checks)
     return _finalise(decision, n_tasks=1, n_rate_checks=n_rate_checks, multiple_comparisons="holm",
-                     degraded=p <= alpha_acc, p_adjusted=p, spec_degraded=p <= rule.alpha)
+                     degraded=p <= alpha_acc, p_adjusted=p, spec_degraded=p <= rule.alpha,
+                     inferior=stats["p_inferior"] <= alpha_acc, p_inferior_adjusted=stats["p_inferior"])
 
 
 def decide_overall(
@@ -467,12 +485,16 @@ def decide_overall(
     pvalues = {dec.task: dec.p_degradation for dec in items}
     rejected, adjusted = adjusted_pvalues(pvalues, alpha_acc, multiple_comparisons)
     spec_rejected, _ = adjusted_pvalues(pvalues, alpha, multiple_comparisons)
+    # the accuracy FAIL: "shown worse than M", corrected across tasks like the degradation test
+    inferior, inferior_adjusted = adjusted_pvalues({dec.task: dec.p_inferior for dec in items}, alpha_acc,
+                                                   multiple_comparisons)
 
     tasks: dict[str, TaskDecision] = {}
     for dec in items:
         tasks[dec.task] = _finalise(dec, n_tasks=k, n_rate_checks=n_rate_checks,
                                     multiple_comparisons=multiple_comparisons, degraded=rejected[dec.task],
-                                    p_adjusted=adjusted[dec.task], spec_degraded=spec_rejected[dec.task])
+                                    p_adjusted=adjusted[dec.task], spec_degraded=spec_rejected[dec.task],
+                                    inferior=inferior[dec.task], p_inferior_adjusted=inferior_adjusted[dec.task])
 
     verdict = overall_verdict(dec.verdict for dec in tasks.values())
     if verdict == "PASS":

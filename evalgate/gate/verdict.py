@@ -59,7 +59,9 @@ class RateCheck:
 
     @property
     def failed(self) -> bool:
-        return self.significant or self.over_limit
+        """Under one α (docs/gate.md#rate-checks) only the exact test fails a rate check: it has a level. The
+        absolute limit, which has none, is a warning (the original rule gates it: ``over_raw_limit``)."""
+        return self.significant
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class TaskDecision:
     flip_rate: float  # ψ = mean squared per-item difference ((b + c)/n for binary scores)
     margin: float  # the margin the policy sets and the rule gates on (never raised: docs/gate.md#margins)
     alpha: float
-    ci_method: str  # the interval gated on: "tango" (default; its k-sample generalisation when k > 1) or "newcombe"
+    ci_method: str  # the interval gated on: "tango" (at the exact critical value; its k-sample generalisation when k > 1)
     p_degradation: float  # exact one-sided McNemar (sign-flip when k > 1), unadjusted
     p_degradation_adjusted: float  # after the multiple-comparison rule (= unadjusted for one task)
     p_mid: float  # mid-p, reported only
@@ -105,7 +107,7 @@ class TaskDecision:
     newcombe_ci: tuple[float, float] | None  # two-sided (1 − α); binary scores only
     newcombe_lower: float | None  # one-sided (1 − α): lower end of the two-sided (1 − 2α) interval
     wald_ci: tuple[float, float]  # report only
-    degraded: bool  # the degradation test rejected "no degradation" at α_acc (after the multiple-comparison rule)
+    degraded: bool  # the degradation test rejected "no degradation" at α_acc (after the multiple-comparison rule): reported
     invalid: RateCheck | None
     truncation: RateCheck | None
     tokens: TokenCheck | None
@@ -136,6 +138,13 @@ class TaskDecision:
     # the original rule (docs/gate.md#the-original-rule) (every test at α, raw 1 pp limit, two outcomes): reported even when not gated
     spec_degraded: bool = False  # (its non-inferiority test is the gated one: ``non_inferior``)
     data_warnings: tuple[str, ...] = field(default=())  # warnings from the inputs (flags, tokens, A/A)
+    # FAIL on accuracy = shown worse than the margin (docs/gate.md#what-fail-means): H0 "Δ ≥ −M" rejected
+    p_inferior: float = 1.0  # exact unconditional p (k = 1; score test with k samples) of H0: Δ ≥ −M
+    p_inferior_adjusted: float = 1.0  # after the multiple-comparison rule across tasks
+    inferior: bool = False  # rejected at α_acc: the accuracy FAIL
+    p_pass: float | None = None  # exact unconditional p of H0: Δ ≤ −M (k = 1): PASS when ≤ α
+    exact_lower: float | None = None  # Tango's bound at the exact critical value (k = 1): the bound gated on
+    look: int = 0  # which look of the gate's sequence this is (docs/gate.md#sequential-rounds); α is the look's
 
     @property
     def passed(self) -> bool:
@@ -147,8 +156,9 @@ class TaskDecision:
 
     @property
     def gate_lower(self) -> float:
-        """The one-sided lower bound compared with −M: ``tango_lower``, or ``newcombe_lower`` when ci_method says."""
-        return self.tango_lower if self.ci_method == "tango" else self.newcombe_lower
+        """The one-sided lower bound compared with −M: Tango's at the exact critical value (k = 1), the score
+        interval's with k samples. (Newcombe's is reported only: it runs above α at the margin.)"""
+        return self.exact_lower if self.exact_lower is not None else self.tango_lower
 
     @property
     def non_inferior(self) -> bool:

@@ -10,7 +10,7 @@ import numpy as np
 from scipy.special import gammaln, xlogy
 from scipy.stats import beta, binom, norm
 
-from evalgate.stats.paired import _check_alpha, tango_lower_bound
+from evalgate.stats.paired import _check_alpha, _tango_root, tango_lower_bound
 
 
 def trinomial_cells(psi: float, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -105,12 +105,15 @@ def pooled_psi(runs) -> tuple[float, int]:
 
 
 @functools.lru_cache(maxsize=512)
-def mde_binary(psi: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+def mde_binary(psi: float, n: int, alpha: float = 0.05, power: float = 0.8, critical: float | None = None) -> float:
     """The smallest margin M that a candidate exactly as good as the baseline (Δ = 0, flip rate ψ, binary
     scores, n items) demonstrates — one-sided (1 − α) Tango bound L > −M — with probability ≥ ``power``.
 
     Exact: sums the trinomial distribution of (b, c), P(b) = P(c) = ψ/2, over every cell with mass > 1e-12.
-    With ψ = 0 it is −L(0, 0) = z²/(n + z²).
+    With ψ = 0 it is −L(0, 0) = z²/(n + z²). ``critical``: the critical value of Tango's Z the gate uses
+    (the exact one at the policy's margin, ``evalgate.stats.exact_ni.critical_value``; default z_{1−α}). The
+    gate's own decision at a margin M′ ≠ M would use M′'s critical value, so at other margins this is an
+    estimate (the critical values differ by < 0.06 across the margins of thresholds.yaml).
     """
     _check_alpha(alpha)
     if not 0.0 < power < 1.0:
@@ -120,7 +123,11 @@ def mde_binary(psi: float, n: int, alpha: float = 0.05, power: float = 0.8) -> f
     if n <= 0:
         raise ValueError("n must be positive")
     b, c, pmf = trinomial_cells(psi, n)
-    lower = np.atleast_1d(tango_lower_bound(b, c, n, alpha))
+    if critical is None:
+        lower = np.atleast_1d(tango_lower_bound(b, c, n, alpha))
+    else:
+        delta_hat = (c - b) / n
+        lower = np.atleast_1d(_tango_root(b, c, n, critical, np.full(b.shape, -1.0), delta_hat))
     order = np.argsort(lower, kind="stable")
     # P(L ≤ −M) ≤ 1 − power: M must exceed −L at the first cell past that mass
     first = int(np.searchsorted(np.cumsum(pmf[order]), 1 - power, side="right"))
