@@ -8,9 +8,12 @@ Steps: (1) the whole model's bytes from its config (packed experts at their stor
 BF16) and how many H200s it needs; (2) the layers to write: ``--layers``, else as many as fit on the visible
 devices and on the output disk; (3) write them shard by shard (``model_adapters/random_fp4.py``; never the
 whole model in memory); (4) load them streamed (``model_adapters/streamed.py``: planned first, experts kept
-packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's 8-shot prompts) for
-``--max-new-tokens`` tokens at batch ``--batch-size``; (6) print tokens/s, the projected time of a 1,319-item
-GSM8K run, and peak memory per device against the packed expert bytes.
+packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's few-shot prompts) for
+``--max-new-tokens`` tokens at batch ``--batch-size`` (``--items 0``: skip); (6) print tokens/s, the projected
+time of a 1,319-item GSM8K run, and peak memory per device against the packed expert bytes; (7) for each
+batch of ``--batches``: prefill that many GSM8K prompts, time ``--steps`` decoding steps (median), and hold
+each step against its weight-read floor (``step_floor``), with the copy bandwidth of the device measured in
+this run; then project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``).
 
 The configuration is DeepSeek-V4-Flash's (``flash_config``); each value names its source.
 """
@@ -166,6 +169,212 @@ def tokenizer_for(out: Path):
     return build_tokenizer([r["question"] + "\n" + r["answer"] for r in rows], vocab_size=4096)
 
 
+# --- the weight-read floor of a decoding step ----------------------------------------------------------
+
+
+def copy_bandwidth(device: str, nbytes: int | None = None, repeat: int = 10) -> float:
+    """Bytes per second a device-to-device copy moves on ``device`` (bytes read plus bytes written), the
+    median of ``repeat`` copies of ``nbytes`` (2 GiB on a GPU, 256 MiB on a CPU)."""
+    nbytes = nbytes or (2 * GiB if device.startswith("cuda") else 256 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeat):
+        t = _Timer(device)
+        dst.copy_(src)
+        times.append(t.seconds())
+    del src, dst
+    return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
+class _Timer:
+    """Wall time of device work: CUDA events on a GPU, the host clock on a CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end) / 1000
+        return time.perf_counter() - self.t0
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def dense_step_bytes(model, batch: int) -> int:
+    """Bytes of the weights every decoding step reads whatever the routing: every parameter and buffer of
+    the decoder layers outside the routed experts (attention, compressors, indexers, routers, shared
+    experts, norms, hyper-connections; a hash router's table only for the step's rows), the final norm and
+    hyper-connection head, the LM head; of the embedding only the step's rows."""
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if ".experts." in name or "rotary_emb" in name:
+            continue
+        if name.endswith("embed_tokens.weight") or name.endswith("tid2eid"):
+            total += batch * t.shape[1] * t.element_size()
+        else:
+            total += t.numel() * t.element_size()
+    return total
+
+
+class RoutedExperts:
+    """Records, per MoE layer, how many distinct routed experts the tokens of the forward passes it watches
+    are sent to (a pre-hook on each experts module: transformers calls it with (hidden, top-k index, top-k
+    weights)), and what one expert's packed weights weigh."""
+
+    def __init__(self, model):
+        self.modules = [m for m in model.modules() if type(m).__name__ == "DeepseekV4Experts"]
+        self.distinct: list[int] = []
+        self.handles = []
+
+    def __enter__(self):
+        for m in self.modules:
+            self.handles.append(m.register_forward_pre_hook(self._hook))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def _hook(self, module, args):
+        index = args[1]
+        self.distinct.append(int(torch.unique(index[index < module.gate_up_proj.shape[0]]).numel()))
+
+    def bytes(self) -> int:
+        """The packed bytes of the experts recorded (each layer's distinct experts x one expert's bytes)."""
+        per_expert = [_nbytes(p for n, p in m.named_parameters()) // m.gate_up_proj.shape[0] for m in self.modules]
+        return sum(n * per_expert[i % len(per_expert)] for i, n in enumerate(self.distinct))
+
+
+@torch.inference_mode()
+def measure_batch(model, tokenizer, prompts: list[str], batch: int, steps: int, devices: list[str], bandwidth: float):
+    """Prefill ``batch`` prompts (the list repeated as needed; ``generation._prefill_in_parts``, as a static
+    batch is prefilled), then ``steps`` greedy decoding steps: prefill tokens/s, the median step, its floor
+    (the weights the step reads over ``bandwidth``: ``dense_step_bytes`` plus the experts its tokens are routed
+    to, counted on one more step) and the peak memory per device since the prefill began."""
+    from evalgate.model_adapters.generation import _prefill_in_parts
+
+    first = devices[0]
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in (prompts * (batch // len(prompts) + 1))[:batch]]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    for d in devices:
+        if d.startswith("cuda"):
+            torch.cuda.synchronize(d)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(d)
+    t = _Timer(first)
+    logits, (past, mask, last_pos, _) = _prefill_in_parts(model, ids, pad, first)
+    prefill_s = t.seconds()
+    tok = logits.argmax(-1, keepdim=True)
+
+    def step():
+        nonlocal mask, last_pos, tok, past
+        mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=mask.device)], -1)
+        last_pos = last_pos + 1
+        out = model(input_ids=tok, attention_mask=mask, position_ids=last_pos, past_key_values=past, use_cache=True,
+                    logits_to_keep=1)
+        past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+
+    step()  # warm-up: the first step at this batch compiles and captures
+    times = []
+    for _ in range(steps):
+        t = _Timer(first)
+        step()
+        times.append(t.seconds())
+    with RoutedExperts(model) as routed:
+        step()
+    step_s = sorted(times)[len(times) // 2]
+    floor_bytes = dense_step_bytes(model, batch) + routed.bytes()
+    floor_s = floor_bytes / bandwidth
+    peaks = {d: torch.cuda.max_memory_allocated(d) for d in devices if d.startswith("cuda")}
+    return {"batch": batch, "prompt_tokens": sum(map(len, ids)), "prefill_s": round(prefill_s, 3),
+            "prefill_tokens_per_s": round(sum(map(len, ids)) / prefill_s, 1), "step_ms": round(step_s * 1e3, 2),
+            "tokens_per_s": round(batch / step_s, 1), "floor_gib": round(floor_bytes / GiB, 2),
+            "floor_ms": round(floor_s * 1e3, 2), "x_floor": round(step_s / floor_s, 2),
+            "peak_gib": {d: round(v / GiB, 2) for d, v in peaks.items()}}
+
+
+HUMANEVAL_ITEMS, HUMANEVAL_TOKENS = 164, 1024  # the default humaneval profile (humaneval-completion-codex)
+GSM8K_TOKENS, HUMANEVAL_PROMPT_TOKENS = 256, 150  # the default gsm8k profile's limit; a HumanEval prompt, about
+
+
+def project_gate(row: dict, layers: int, total_layers: int, per_replica: int, gpus: int, gsm8k_prompt: float) -> float:
+    """Seconds of a full GSM8K + HumanEval gate of the whole model on ``gpus`` H200s, from one batch's figures
+    for ``layers`` layers: every item runs to its profile's token limit (an upper bound: real answers stop
+    earlier), items in static batches of ``row['batch']``, each step of the whole model ``total_layers /
+    layers`` of the measured one (its layers run one device after another), prefill at the measured rate
+    likewise, and ``gpus // per_replica`` copies of the model taking a share of the items each."""
+    replicas = max(1, gpus // per_replica)
+    scale, batch = total_layers / layers, row["batch"]
+    steps = math.ceil(GSM8K_ITEMS / batch) * GSM8K_TOKENS + math.ceil(HUMANEVAL_ITEMS / batch) * HUMANEVAL_TOKENS
+    prefill_tokens = GSM8K_ITEMS * gsm8k_prompt + HUMANEVAL_ITEMS * HUMANEVAL_PROMPT_TOKENS
+    seconds = steps * row["step_ms"] / 1e3 * scale + prefill_tokens / row["prefill_tokens_per_s"] * scale
+    return seconds / replicas
+
+
+def print_table(rows: list[dict], bandwidth: float, device: str) -> None:
+    print(f"decode steps against the weight-read floor (copy bandwidth of {device}: {bandwidth / 1e9:.0f} GB/s "
+          "read + written, measured in this run)")
+    print(f"{'batch':>5s} {'prefill tok/s':>13s} {'step ms':>8s} {'tokens/s':>9s} {'floor GiB':>9s} {'floor ms':>8s} "
+          f"{'x floor':>7s} {'peak GiB':>9s} {'gate 2xH200 min':>15s} {'gate 4xH200 min':>15s}")
+    for r in rows:
+        peak = "/".join(f"{v:.1f}" for v in r["peak_gib"].values()) or "-"
+        print(f"{r['batch']:5d} {r['prefill_tokens_per_s']:13.1f} {r['step_ms']:8.2f} {r['tokens_per_s']:9.1f} "
+              f"{r['floor_gib']:9.2f} {r['floor_ms']:8.2f} {r['x_floor']:7.2f} {peak:>9s} "
+              f"{r['gate_min_2_h200']:15.1f} {r['gate_min_4_h200']:15.1f}")
+
+
+def generate_items(model, tokenizer, placement, args, layers: int, total_layers: int, packed: int) -> dict:
+    """Decode ``--items`` GSM8K prompts at ``--batch-size`` (``generation.decode``): tokens/s, the projected
+    1,319-item GSM8K time, peak memory per device against the packed expert bytes."""
+    from evalgate.model_adapters.generation import decode
+    from evalgate.model_adapters.placement import gib
+
+    figures = {}
+    prompts, stops = gsm8k_prompts(args.items)
+    first = placement.devices[0]
+    for d in placement.devices:
+        if d.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(d)
+    decode(model, tokenizer, prompts[:1], stops[:1], [2], device=first)  # warm-up: Triton compiles
+    tokens, t0 = 0, time.perf_counter()
+    for b in range(0, len(prompts), args.batch_size):
+        batch = prompts[b:b + args.batch_size]
+        gens = decode(model, tokenizer, batch, stops[b:b + args.batch_size], [args.max_new_tokens] * len(batch), device=first)
+        tokens += sum(len(g.token_ids) for g in gens)
+    wall = time.perf_counter() - t0
+    batches = math.ceil(len(prompts) / args.batch_size)
+    per_batch = wall / batches
+    # a 1,319-item run at this batch size, every item running to the profile's limit (decode time grows with
+    # tokens; prefill is counted once per batch, so this slightly overstates it); full model: x layers ratio
+    project = per_batch * math.ceil(GSM8K_ITEMS / args.batch_size) * args.profile_tokens / args.max_new_tokens
+    project_full = project * total_layers / layers
+    figures.update(tokens=tokens, generate_s=round(wall, 2), tokens_per_s=round(tokens / wall, 2),
+                   projected_gsm8k_s_these_layers=round(project), projected_gsm8k_s_full_model=round(project_full))
+    peaks = {d: torch.cuda.max_memory_allocated(d) for d in placement.devices if d.startswith("cuda")}
+    figures["peak_memory_gib"] = {d: round(v / GiB, 2) for d, v in peaks.items()}
+    figures["packed_expert_gib"] = round(packed / GiB, 2)
+    print(f"generated {tokens} tokens for {len(prompts)} GSM8K items (batch {args.batch_size}, "
+          f"{args.max_new_tokens} new tokens) in {wall:.1f} s: {tokens / wall:.1f} tokens/s")
+    print(f"projected 1,319-item GSM8K run ({args.profile_tokens} tokens per item, batch {args.batch_size}): "
+          f"{project / 60:.1f} min with these {layers} layers, {project_full / 60:.1f} min for all "
+          f"{total_layers} (x layers)")
+    if peaks:
+        print("peak memory: " + ", ".join(f"{d} {gib(v)}" for d, v in peaks.items())
+              + f"; packed FP4 experts {gib(packed)} ({sum(peaks.values()) / packed:.2f}x)")
+    return figures
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="/tmp/dsv4-flash-fp4", help="checkpoint folder (on a local disk)")
@@ -180,11 +389,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--kernel", default="w4a4_packed")
     p.add_argument("--reuse", action="store_true", help="keep a checkpoint already in --out written with the same config")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards (default: delete it)")
+    p.add_argument("--batches", default="1,16,64,256", help="decode-step batches held against the floor ('' to skip)")
+    p.add_argument("--steps", type=int, default=8, help="timed decoding steps per batch (median)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
 
     import evalgate.kernels  # noqa: F401  (registers the kernels)
-    from evalgate.model_adapters.generation import decode
+    from evalgate.model_adapters import attention
     from evalgate.model_adapters.hf import load_model
     from evalgate.model_adapters.placement import gib
     from evalgate.model_adapters.random_fp4 import write_random_fp4_checkpoint
@@ -193,7 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     full = flash_config(experts=args.experts, scale=args.scale)
     full_sizes = unit_bytes_of(full)
-    reserve = default_reserve(full.to_dict(), "bfloat16", tokens=args.batch_size * 2048)
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    reserve = default_reserve(full.to_dict(), "bfloat16", tokens=max([args.batch_size, *batches]) * 2048)
     per_layer = max(v for k, v in full_sizes.items() if k.startswith("layer."))
     fixed = full_sizes["prefix"] + full_sizes["suffix"]
     whole = sum(full_sizes.values())
@@ -236,39 +448,35 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"loaded in {figures['load_s']} s: {placement.summary()}")
     bad = [n for n, p_ in model.named_parameters() if ".experts." in n and p_.dtype.is_floating_point]
     assert not bad, f"dequantized expert parameters: {bad[:3]}"
+    attention.install(model)  # what a GPU load installs; on a CPU too, so a smoke run measures the same path
 
-    prompts, stops = gsm8k_prompts(args.items)
-    first = placement.devices[0]
-    for d in placement.devices:
-        if d.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats(d)
-    decode(model, tokenizer, prompts[:1], stops[:1], [2], device=first)  # warm-up: Triton compiles
-    tokens, t0 = 0, time.perf_counter()
-    for b in range(0, len(prompts), args.batch_size):
-        batch = prompts[b:b + args.batch_size]
-        gens = decode(model, tokenizer, batch, stops[b:b + args.batch_size], [args.max_new_tokens] * len(batch), device=first)
-        tokens += sum(len(g.token_ids) for g in gens)
-    wall = time.perf_counter() - t0
-    batches = math.ceil(len(prompts) / args.batch_size)
-    per_batch = wall / batches
-    # a 1,319-item run at this batch size, every item running to the profile's limit (decode time grows with
-    # tokens; prefill is counted once per batch, so this slightly overstates it); full model: x layers ratio
-    project = per_batch * math.ceil(GSM8K_ITEMS / args.batch_size) * args.profile_tokens / args.max_new_tokens
-    project_full = project * full.num_hidden_layers / layers
-    figures.update(tokens=tokens, generate_s=round(wall, 2), tokens_per_s=round(tokens / wall, 2),
-                   projected_gsm8k_s_these_layers=round(project), projected_gsm8k_s_full_model=round(project_full))
-    peaks = {d: torch.cuda.max_memory_allocated(d) for d in placement.devices if d.startswith("cuda")}
-    packed = layers * expert_layer
-    figures["peak_memory_gib"] = {d: round(v / GiB, 2) for d, v in peaks.items()}
-    figures["packed_expert_gib"] = round(packed / GiB, 2)
-    print(f"generated {tokens} tokens for {len(prompts)} GSM8K items (batch {args.batch_size}, "
-          f"{args.max_new_tokens} new tokens) in {wall:.1f} s: {tokens / wall:.1f} tokens/s")
-    print(f"projected 1,319-item GSM8K run ({args.profile_tokens} tokens per item, batch {args.batch_size}): "
-          f"{project / 60:.1f} min with these {layers} layers, {project_full / 60:.1f} min for all "
-          f"{full.num_hidden_layers} (x layers)")
-    if peaks:
-        print("peak memory: " + ", ".join(f"{d} {gib(v)}" for d, v in peaks.items())
-              + f"; packed FP4 experts {gib(packed)} ({sum(peaks.values()) / packed:.2f}x)")
+    if args.items > 0:
+        figures.update(generate_items(model, tokenizer, placement, args, layers, full.num_hidden_layers, layers * expert_layer))
+    if batches:
+        first = placement.devices[0]
+        device = first if first.startswith("cuda") else "cpu"
+        bandwidth = copy_bandwidth(device)
+        prompts, _ = gsm8k_prompts(min(max(batches), 64))
+        gsm8k_prompt = sum(len(tokenizer(x, add_special_tokens=False)["input_ids"]) for x in prompts) / len(prompts)
+        rows = []
+        measure_batch(model, tokenizer, prompts, 1, 1, placement.devices, bandwidth)  # warm-up: Triton compiles
+        for b in batches:
+            try:
+                row = measure_batch(model, tokenizer, prompts, b, args.steps, placement.devices, bandwidth)
+            except torch.cuda.OutOfMemoryError as exc:  # the table says so, and the smaller batches still count
+                print(f"batch {b}: out of memory: {str(exc).splitlines()[0]}", flush=True)
+                figures.setdefault("out_of_memory", []).append(b)
+                torch.cuda.empty_cache()
+                continue
+            for gpus in (2, 4):
+                row[f"gate_min_{gpus}_h200"] = round(project_gate(row, layers, full.num_hidden_layers,
+                                                                  max(1, figures["h200s_needed"]), gpus,
+                                                                  gsm8k_prompt) / 60, 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        figures.update(copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), gsm8k_prompt_tokens=round(gsm8k_prompt, 1),
+                       batches=rows)
+        print_table(rows, bandwidth, device)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     if not args.keep:

@@ -211,10 +211,18 @@ def test_fullwidth_script_tiny(tmp_path, monkeypatch):
     import dsv4_flash_fullwidth as script
 
     figures = script.main(["--out", str(tmp_path / "ckpt"), "--scale", "0.02", "--layers", "4", "--experts", "8",
-                           "--device-map", "cpu", "--items", "1", "--batch-size", "1", "--max-new-tokens", "2"])
+                           "--device-map", "cpu", "--items", "1", "--batch-size", "1", "--max-new-tokens", "2",
+                           "--batches", "1,3", "--steps", "1"])
     assert figures["layers"] == 4 and figures["tokens"] == 2
     assert figures["config"]["n_routed_experts"] == 8 and figures["config"]["num_hidden_layers"] == 43
     assert figures["h200s_needed"] == 1 and figures["projected_gsm8k_s_full_model"] > 0
+    one, three = figures["batches"]
+    assert (one["batch"], three["batch"]) == (1, 3) and figures["copy_bandwidth_gb_s"] > 0
+    assert three["prompt_tokens"] > 3 * 100  # few-shot prompts, prefilled
+    # a step of 3 rows reads at least the experts of 1 row: its floor is at least batch 1's
+    assert three["floor_gib"] >= one["floor_gib"] > 0 and one["x_floor"] > 0
+    # 4 H200s hold 4 copies of a model that needs 1: a quarter of 1 copy's time, half of 2 copies'
+    assert three["gate_min_4_h200"] == pytest.approx(three["gate_min_2_h200"] / 2, rel=0.02)
     assert not (tmp_path / "ckpt").exists()  # deleted unless --keep
 
 
@@ -246,3 +254,40 @@ def test_conformance_reads_the_packed_experts_as_the_loaded_ones(canary_pair):
         a, b = model_conformance(ref, name), model_conformance(streamed, name)
         assert (a.ok, a.calc_diff, a.differing) == (b.ok, b.calc_diff, b.differing), name
     assert not model_conformance(streamed, "faulty/w4a4_packed-weight-after-requant").ok
+
+
+def test_gate_projection_arithmetic(monkeypatch):
+    """project_gate by hand: 12 of 43 layers, batch 256, 100 ms a step, 10,000 prompt tokens/s."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import dsv4_flash_fullwidth as script
+
+    row = {"batch": 256, "step_ms": 100.0, "prefill_tokens_per_s": 10_000.0}
+    steps = 6 * 256 + 1 * 1024  # GSM8K: 1,319 items in 6 batches of 256 tokens; HumanEval: 164 in one of 1024
+    prefill = 1319 * 900 + 164 * 150
+    expected = (steps * 0.1 + prefill / 10_000) * 43 / 12
+    assert script.project_gate(row, 12, 43, 2, 2, 900) == pytest.approx(expected)
+    assert script.project_gate(row, 12, 43, 2, 4, 900) == pytest.approx(expected / 2)  # two copies of 2 GPUs
+
+
+def test_floor_counts_the_experts_a_step_routes_to(monkeypatch):
+    """RoutedExperts records each MoE layer's distinct routed experts, as the router chose them."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import dsv4_flash_fullwidth as script
+    from transformers import DeepseekV4ForCausalLM
+
+    from evalgate.model_adapters.tiny import fill_hash_routes, tiny_config
+
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(tiny_config(100, num_hidden_layers=2)).eval()
+    fill_hash_routes(model, 0)
+    ids = torch.tensor([[5, 9, 13]])
+    chosen = []
+    router = model.model.layers[1].mlp.gate
+    router.register_forward_hook(lambda m, a, out: chosen.append(out[2]))
+    with torch.no_grad(), script.RoutedExperts(model) as routed:
+        model(input_ids=ids)
+    hashed = model.model.layers[0].mlp.gate.tid2eid[ids.flatten()]
+    assert routed.distinct == [len(torch.unique(hashed)), len(torch.unique(chosen[0]))]
+    experts = model.model.layers[1].mlp.experts
+    per_expert = sum(p.numel() * p.element_size() for p in experts.parameters()) // experts.gate_up_proj.shape[0]
+    assert routed.bytes() == sum(routed.distinct) * per_expert
