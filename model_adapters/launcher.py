@@ -1,7 +1,9 @@
-"""Start an SGLang or vLLM server with one kernel selected by its launch environment, and stop it again.
+"""Start an SGLang or vLLM server with one kernel selected, and stop it again.
 
-The server picks the MoE kernel from ``DG_*`` variables read at start (docs/kernels.md#selecting-a-real-kernel), so the launch
-environment *is* the kernel choice. ``plan_launch`` builds the command line and environment as plain data
+How a kernel is selected depends on the engine and kernel-library versions (``engines.TABLE``: ``DG_*``
+variables on SGLang before 0.5.20, ``--enable-w4a4-mxfp4-megamoe`` from 0.5.20, nothing on vLLM), so
+``served_adapter`` first reads that stack in the server's Python (``engines.probe_stack``) and checks the
+launch against it (``engines.preflight``). ``plan_launch`` builds the command line and environment as plain data
 (testable without SGLang) and refuses recipes that would run other numerics than the kernel named:
 the docs/kernels.md#the-packed-fp4-hazard hazard (``DG_MEGA_MOE_FP4`` without ``DG_USE_FP4_ACTS``), FP8 combine (docs/kernels.md#not-emulated), and inherited variables
 that would silently select another kernel. By default the engine also runs in its deterministic
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from evalgate.errors import UserError
 from evalgate.kernels import Kernel
+from evalgate.model_adapters.engines import Selection, Stack, preflight, probe_stack, server_python, version_tuple
 
 ENGINES = ("sglang", "vllm")
 # EVALGATE_SGLANG_COMMAND / EVALGATE_VLLM_COMMAND replace the program part (a wrapper, another python, a stand-in).
@@ -36,10 +39,6 @@ DEFAULT_PROGRAMS = {"sglang": [sys.executable, "-m", "sglang.launch_server"], "v
 # Variables that select the MoE kernel. The kernel's recipe owns them: an inherited value may not override it.
 SELECTING_VARS = ("DG_USE_FP4_ACTS", "DG_MEGA_MOE_FP4", "DG_USE_MXF4_KIND",
                   "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS", "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_MXF4_KIND")
-# SGLang's own switches: its pre-dispatch packs FP4 activations only under its flag (docs/kernels.md#the-packed-fp4-hazard), and it
-# forwards the flag to DeepGEMM with setdefault (docs/kernels.md#environment-variables). Set both so SGLang and DeepGEMM agree.
-SGLANG_FLAGS = {"DG_USE_FP4_ACTS": "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS",
-                "DG_USE_MXF4_KIND": "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_MXF4_KIND"}
 # Each engine's deterministic (batch-invariant) mode, as its documentation names it:
 #   SGLang: docs/advanced_features/deterministic_inference.md, server argument `--enable-deterministic-inference`
 #           (ServerArgs.enable_deterministic_inference; since 0.5.3; FlashInfer, FA3 or Triton attention)
@@ -51,7 +50,6 @@ DETERMINISTIC = {
     "vllm": {"flag": None, "env": ("VLLM_BATCH_INVARIANT", "1"), "since": "0.11.1",
              "doc": "https://docs.vllm.ai/en/stable/features/batch_invariance/"},
 }
-ENGINE_DISTRIBUTIONS = {"sglang": "sglang", "vllm": "vllm"}
 # Launch variables recorded beside the kernel's: the engines' own switches and what changes GPU numerics.
 ENGINE_ENV_PREFIXES = ("DG_", "SGLANG_", "VLLM_", "NCCL_", "TORCH_", "CUBLAS", "CUDA_", "NVIDIA_", "FLASHINFER_")
 SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
@@ -76,12 +74,6 @@ def engine_env(env: dict[str, str]) -> dict[str, str]:
             if k.startswith(ENGINE_ENV_PREFIXES) and not any(w in k.upper() for w in SECRET_WORDS)}
 
 
-def _version_tuple(version: str) -> tuple:
-    import re
-
-    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
-
-
 def deterministic_setup(engine: str, on: bool, extra_args, env: dict[str, str]) -> tuple[list[str], dict, dict]:
     """(arguments to add, variables to set, the manifest's record) for ``engine``'s deterministic mode.
 
@@ -104,22 +96,8 @@ def deterministic_setup(engine: str, on: bool, extra_args, env: dict[str, str]) 
     return args, variables, record
 
 
-def kernel_env(kernel: Kernel, engine: str) -> dict[str, str]:
-    """The variables that select ``kernel`` on ``engine``."""
-    if kernel.faulty:
-        raise UserError(f"kernel {kernel.name!r} is a fault-injected test double of the emulator; "
-                        "a server cannot run it (launch a real kernel, e.g. --kernel w4a4_packed)")
-    mma_type = kernel.api.get("mma_type")
-    if not kernel.env and mma_type != "fp8xfp4":
-        how = f"mma_type={mma_type!r} (sgl-deep-gemm >= 0.1.7)" if mma_type else "no DeepGEMM setting"
-        raise UserError(f"kernel {kernel.name!r} is selected by {how}, which no launch environment variable "
-                        "selects; start the server yourself and pass --server URL")
-    env = dict(kernel.env)
-    if engine == "sglang":
-        for dg, flag in SGLANG_FLAGS.items():
-            if is_on(env.get(dg)):
-                env[flag] = "1"
-    return env
+# sgl-deep-gemm >= 0.1.7 reads these with int() and raises on any value but 0 (deep_gemm/mega/__init__.py)
+LEGACY_REFUSED = ("DG_USE_FP4_ACTS", "DG_USE_MXF4_KIND")
 
 
 def check_environment(env: dict[str, str], engine: str) -> None:
@@ -138,17 +116,23 @@ def check_environment(env: dict[str, str], engine: str) -> None:
                         "would still write FP8 activations (docs/kernels.md#the-packed-fp4-hazard); set both")
 
 
-def child_environment(kernel: Kernel, engine: str, base_env: dict[str, str]) -> dict[str, str]:
-    """``base_env`` with the kernel's variables over it, refusing inherited ones that select another kernel."""
-    wanted = kernel_env(kernel, engine)
+def child_environment(kernel: Kernel, selection: Selection, stack: Stack, base_env: dict[str, str]) -> dict[str, str]:
+    """``base_env`` with the kernel's variables over it, refusing inherited ones that select another kernel or
+    that the installed kernel library refuses."""
+    wanted = dict(selection.env)
     fp4_acts = is_on(wanted.get("DG_USE_FP4_ACTS"))
     for var in SELECTING_VARS:
         inherited = base_env.get(var)
         if is_on(inherited) and not is_on(wanted.get(var)) and not (fp4_acts and var in OPTIONAL_WITH_FP4_ACTS):
             raise UserError(f"the environment sets {var}={inherited}, which selects another kernel than "
                             f"{kernel.name!r}; unset it (the kernel's recipe sets what it needs)")
+    if (version_tuple(stack.library_version) or (0,)) >= (0, 1, 7):
+        for var in LEGACY_REFUSED:
+            if var in base_env and base_env[var].strip() != "0":
+                raise UserError(f"the environment sets {var}={base_env[var]!r}, which sgl-deep-gemm "
+                                f"{stack.library_version} refuses at start; unset it")
     env = {**base_env, **wanted}
-    check_environment(env, engine)
+    check_environment(env, stack.engine)
     return env
 
 
@@ -162,6 +146,9 @@ class LaunchPlan:
     kernel: str
     warnings: list[str] = field(default_factory=list)
     deterministic: dict = field(default_factory=dict)
+    stack: Stack | None = None
+    selection: Selection | None = None
+    source: str | None = None  # the kernel table row's engine source files
 
     @property
     def url(self) -> str:
@@ -169,56 +156,70 @@ class LaunchPlan:
 
     def record(self) -> dict:
         """What the manifest keeps: the command, the kernel-selecting variables, the installed DeepGEMM."""
-        return {"engine": self.engine, "engine_version": installed_version(ENGINE_DISTRIBUTIONS[self.engine]),
+        stack = self.stack or Stack(self.engine)
+        selection = self.selection or Selection()
+        return {"engine": self.engine, "engine_version": stack.engine_version or "not installed",
                 "argv": self.argv, "url": self.url, "deterministic": self.deterministic,
                 "kernel_env": logged_env(self.env), "engine_env": engine_env(self.env),
-                "sgl_deep_gemm": installed_version("sgl-deep-gemm"), "warnings": self.warnings}
+                "sgl_deep_gemm": stack.library_version or "not installed", "stack": stack.record(),
+                "selection": {"env": dict(selection.env), "flags": list(selection.flags),
+                              "server_info": dict(selection.server_info),
+                              "served_numerics": selection.served_numerics, "source": self.source},
+                "warnings": self.warnings}
 
 
-def installed_version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "not installed"
+def program_for(engine: str, base_env: dict[str, str]) -> list[str]:
+    """The program part of the command: EVALGATE_<ENGINE>_COMMAND, or the engine's own launcher."""
+    override = base_env.get(f"EVALGATE_{engine.upper()}_COMMAND")
+    return shlex.split(override) if override else list(DEFAULT_PROGRAMS[engine])
 
 
 def plan_launch(engine: str, model: str, kernel: Kernel, port: int, host: str = "127.0.0.1",
                 extra_args: tuple[str, ...] | list[str] = (), base_env: dict[str, str] | None = None,
-                deterministic: bool = True) -> LaunchPlan:
-    """The command line and environment that start ``engine`` serving ``model`` with ``kernel`` (pure), in the
-    engine's deterministic mode unless ``deterministic`` is False."""
+                deterministic: bool = True, stack: Stack | None = None) -> LaunchPlan:
+    """The command line and environment that start ``engine`` serving ``model`` with ``kernel`` on ``stack``
+    (the versions ``probe_stack`` read; pure), after the preflight, in the engine's deterministic mode unless
+    ``deterministic`` is False."""
     if engine not in ENGINES:
         raise UserError(f"unknown --launch engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     base_env = dict(os.environ if base_env is None else base_env)
+    stack = stack or Stack(engine)
     for arg in extra_args:
         if arg.split("=", 1)[0] in ("--port", "--host", "--model-path", "--model"):
             raise UserError(f"{arg.split('=', 1)[0]} after `--` is chosen by evalgate; drop it from the server arguments")
-    env = child_environment(kernel, engine, base_env)
+    selection, row, preflight_warnings = preflight(kernel.name, stack, list(extra_args), base_env)
+    env = child_environment(kernel, selection, stack, base_env)
     det_args, det_env, det_record = deterministic_setup(engine, deterministic, extra_args, env)
     env.update(det_env)
-    override = base_env.get(f"EVALGATE_{engine.upper()}_COMMAND")
-    program = shlex.split(override) if override else list(DEFAULT_PROGRAMS[engine])
+    program = program_for(engine, base_env)
+    kernel_flags = [f for f in selection.flags if f not in extra_args]
     if engine == "sglang":
-        argv = [*program, "--model-path", model, "--host", host, "--port", str(port), *det_args, *extra_args]
+        argv = [*program, "--model-path", model, "--host", host, "--port", str(port), *det_args, *kernel_flags,
+                *extra_args]
     else:
-        argv = [*program, model, "--host", host, "--port", str(port), *det_args, *extra_args]
-    warnings = []
-    installed = installed_version(ENGINE_DISTRIBUTIONS[engine])
-    if det_record["on"] and not override and installed != "not installed" \
-            and _version_tuple(installed) < _version_tuple(det_record["engine_min_version"]):
+        argv = [*program, model, "--host", host, "--port", str(port), *det_args, *kernel_flags, *extra_args]
+    warnings = list(preflight_warnings)
+    installed = stack.engine_version
+    if det_record["on"] and installed and version_tuple(installed) < version_tuple(det_record["engine_min_version"]):
         warnings.append(f"{engine} {installed} predates its deterministic mode ({det_record['how']}, "
                         f"{engine} >= {det_record['engine_min_version']}); upgrade it or pass --no-deterministic")
     if not det_record["on"]:
         warnings.append(f"{engine} runs without its deterministic mode (--no-deterministic): dynamic batching "
                         "can make A/A runs disagree (psi0 > 0)")
-    mega_moe = "megamoe" in " ".join(extra_args) or is_on(env.get("SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE"))
-    if engine == "sglang" and kernel.env and not mega_moe:
-        warnings.append("DG_* variables act only on SGLang's mega-MoE path: pass `-- --moe-a2a-backend megamoe` "
-                        "(or set SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE=1), or the kernel choice has no effect")
     return LaunchPlan(engine=engine, argv=argv, env=env, host=host, port=port, kernel=kernel.name, warnings=warnings,
-                      deterministic=det_record)
+                      deterministic=det_record, stack=stack, selection=selection, source=row.source if row else None)
+
+
+def health_status(url: str) -> str:
+    """What ``/health`` answers now: ``"200"``, another status code, or why there was no answer."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            return str(resp.status)
+    except urllib.error.HTTPError as exc:
+        return str(exc.code)
+    except (OSError, urllib.error.URLError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return f"unreachable ({type(reason).__name__})"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -239,6 +240,8 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self._old_sigterm = None
         self.ready_s = 0.0
+
+    PROGRESS_S = 30.0
 
     def __enter__(self) -> "ServerProcess":
         self._catch_sigterm()
@@ -275,28 +278,28 @@ class ServerProcess:
             log.close()
 
     def wait_healthy(self) -> None:
-        t0 = time.monotonic()
+        """Until ``/health`` answers 200 (SGLang answers 503 through its warm-up while ``/v1/models`` already
+        answers), with a progress line every ``PROGRESS_S`` seconds: loading a 150 GB model takes many minutes."""
+        t0 = last_said = time.monotonic()
+        status = "no answer"
         while time.monotonic() - t0 < self.health_timeout_s:
             code = self.proc.poll()
             if code is not None:
                 raise UserError(f"the {self.plan.engine} server exited with code {code} before it was healthy: "
                                 f"{self._last_log_line()} (full log: {self.log_path})")
-            if self._healthy():
+            status = health_status(self.plan.url)
+            if status == "200":
                 self.ready_s = time.monotonic() - t0
                 return
+            if time.monotonic() - last_said >= self.PROGRESS_S:
+                last_said = time.monotonic()
+                print(f"evalgate: waiting for the {self.plan.engine} server: /health {status} after "
+                      f"{last_said - t0:.0f} s of {self.health_timeout_s:.0f} s (log: {self.log_path})",
+                      file=sys.stderr, flush=True)
             time.sleep(0.25)
         raise UserError(f"the {self.plan.engine} server at {self.plan.url} was not healthy after "
-                        f"{self.health_timeout_s:.0f} s (raise --launch-timeout, or see {self.log_path})")
-
-    def _healthy(self) -> bool:
-        for path in ("/health", "/v1/models"):
-            try:
-                with urllib.request.urlopen(self.plan.url + path, timeout=2) as resp:
-                    if resp.status == 200:
-                        return True
-            except (OSError, urllib.error.URLError):
-                continue
-        return False
+                        f"{self.health_timeout_s:.0f} s (/health: {status}; raise --launch-timeout, or see "
+                        f"{self.log_path})")
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after the grace period."""
@@ -363,20 +366,29 @@ def served_adapter(kernel: str, out: Path, server: str | None = None, launch: st
         return
     try:
         if server:
-            yield OpenAIAdapter(server, kernel, model_id=model_id, deterministic=deterministic, **client_options)
+            adapter = OpenAIAdapter(server, kernel, model_id=model_id, deterministic=deterministic,
+                                    health_timeout=launch_timeout, **client_options)
+            with contextlib.closing(adapter):
+                yield adapter
             return
         if not model:
             raise UserError(f"--launch {launch} needs --model: the checkpoint path the server loads")
         from evalgate.kernels import get_kernel
 
+        if launch not in ENGINES:
+            raise UserError(f"unknown --launch engine {launch!r}; choose one of: {', '.join(ENGINES)}")
+        env = dict(os.environ)
+        stack = probe_stack(launch, server_python(program_for(launch, env), env), env)
         plan = plan_launch(launch, model, get_kernel(kernel), free_port(), extra_args=tuple(server_args),
-                           deterministic=deterministic)
+                           base_env=env, deterministic=deterministic, stack=stack)
         for warning in plan.warnings:
             print(f"evalgate: warning: {warning}", file=sys.stderr)
         with ServerProcess(plan, Path(out) / "server.log", health_timeout_s=launch_timeout) as proc:
             record = {**plan.record(), "log": str(Path(out) / "server.log"), "ready_s": round(proc.ready_s, 1)}
-            yield OpenAIAdapter(plan.url, kernel, model_id=model_id, launch=record, deterministic=deterministic,
-                                **client_options)
+            adapter = OpenAIAdapter(plan.url, kernel, model_id=model_id, launch=record, deterministic=deterministic,
+                                    **client_options)
+            with contextlib.closing(adapter):
+                yield adapter
     except ServerError as exc:
         if not resume_hint:
             raise

@@ -12,17 +12,18 @@ docs/serving.md#per-request-seeds). Items that finished before a failure are han
 ``--resume`` redoes only the rest.
 
 A server has no local checkpoint, so the model identity (``fingerprint``) is built from what the server
-says about itself. The kernel of a remote server cannot be verified: the manifest records the kernel
-claimed, the server's reported settings, and ``kernel_verified: false`` (``true`` only when the server is
-``evalgate serve`` and reports that very kernel). What the server says about its deterministic mode (SGLang's
+says about itself. Before the first request the client waits for ``/health`` (503 while an engine warms
+up), then checks the kernel against what the server reports (``verification.check_kernel``): a server
+that reports another kernel is refused; one that reports nothing that tells is recorded as
+``kernel_verified: false`` with the reason, and the verdict says so. What the server says about its deterministic mode (SGLang's
 ``enable_deterministic_inference``, or the launch plan when evalgate started it) goes into the manifest;
-evalgate warns when it is off or unknown (docs/serving.md#deterministic-engines).
+evalgate warns when it is off or unknown (docs/serving.md#deterministic-engines). Transport: one httpx
+connection pool with keep-alive for the whole run.
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import platform
@@ -33,11 +34,14 @@ import time
 from collections import deque
 from urllib.parse import urlsplit
 
+import httpx
+
 from evalgate.version import __version__
 from evalgate.errors import UserError
 from evalgate.kernels import get_kernel
 from evalgate.model_adapters.generation import cut_at_stop
 from evalgate.model_adapters.sampling import SEED_RULE, sample_seed
+from evalgate.model_adapters.verification import CONTRADICTED, UNVERIFIABLE, check_kernel
 from evalgate.types import AdapterBase, Generation, Request
 
 # Server settings that can change numerics; hashed into the fingerprint. Ports, seeds, paths of logs and
@@ -98,7 +102,8 @@ class OpenAIAdapter(AdapterBase):
 
     def __init__(self, url: str, kernel_name: str, model_id: str | None = None, concurrency: int = 64,
                  request_timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0, batch_size: int = 8,
-                 seed: int = 0, launch: dict | None = None, deterministic: bool = True):
+                 seed: int = 0, launch: dict | None = None, deterministic: bool = True,
+                 health_timeout: float = 1800.0):
         t0 = time.perf_counter()
         self.url = normalize_url(url)
         self.kernel = get_kernel(kernel_name)
@@ -112,15 +117,48 @@ class OpenAIAdapter(AdapterBase):
         self.launch = launch
         self.deterministic_requested = deterministic
         self.warnings: list[str] = []
-        parts = urlsplit(self.url)
-        self._conn_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._netloc, self._prefix = parts.netloc, parts.path
+        self._client = _client(self.url, concurrency, request_timeout)
+        if launch is None:  # a launched server was waited for already
+            self._wait_healthy(health_timeout)
         self.described = self._describe_server()
         self.served_model = self._pick_served_model(self.described["models"])
         self.determinism = self._determinism()
+        self.kernel_check = check_kernel(self.kernel.name, self.described["server_info"], self.described["version"],
+                                         launch)
+        if self.kernel_check.status == CONTRADICTED and self.kernel_check.engine != "evalgate":
+            raise UserError(f"server {self.url} contradicts --kernel {self.kernel.name}: {self.kernel_check.why}; "
+                            "gate the kernel it runs, or restart it with the one to gate")
+        if self.kernel_check.status == UNVERIFIABLE:
+            self.warnings.append(f"server {self.url}: kernel {self.kernel.name} not verified: {self.kernel_check.why}")
         for warning in self.warnings:
             _warn(warning)
         self.load_s = time.perf_counter() - t0
+
+    HEALTH_PROGRESS_S = 30.0
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        """Wait while ``/health`` answers 503 (an engine still loading or warming up), with a progress line;
+        a server without ``/health`` (404) or one not answering at all goes on to the model list, which says so."""
+        t0 = last_said = time.monotonic()
+        while True:
+            try:
+                status = self._client.get("/health").status_code
+            except httpx.HTTPError:
+                return
+            if status != 503:
+                return
+            waited = time.monotonic() - t0
+            if waited >= timeout_s:
+                raise UserError(f"server {self.url}: /health still answers 503 after {timeout_s:.0f} s; wait for it "
+                                "to finish loading, or raise --launch-timeout")
+            if time.monotonic() - last_said >= self.HEALTH_PROGRESS_S:
+                last_said = time.monotonic()
+                print(f"evalgate: waiting for {self.url}: /health 503 after {waited:.0f} s of {timeout_s:.0f} s",
+                      file=sys.stderr, flush=True)
+            time.sleep(min(1.0, max(0.05, timeout_s - waited)))
+
+    def close(self) -> None:
+        self._client.close()
 
     # ---- what the server says about itself ----
 
@@ -141,7 +179,7 @@ class OpenAIAdapter(AdapterBase):
         if self.model_id is not None:
             try:
                 status, body = self._http("GET", "/v1/models", None)
-            except (OSError, http.client.HTTPException):
+            except httpx.HTTPError:
                 status, body = None, b""  # unreachable: the retrying call below says so clearly
             if status is not None:
                 try:
@@ -245,10 +283,10 @@ class OpenAIAdapter(AdapterBase):
             "model_type": info.get("model_type") or "served",
             "dtype": info.get("dtype"),
             "kernel_claimed": self.kernel.name,
-            "kernel_verified": reported == self.kernel.name,
-            "kernel_note": ("reported by evalgate serve" if reported else
-                            "not verifiable: the server chose its kernel from its own launch environment; "
-                            "see launch.kernel_env when evalgate launched it"),
+            "kernel_verified": self.kernel_check.verified,
+            "kernel_note": self.kernel_check.why,
+            "kernel_check": self.kernel_check.record(),
+            "served_numerics": self.kernel_check.serving.get("served_numerics"),
             "launch": self.launch,
             "server_reported": self.described,
             "determinism": self.determinism,
@@ -339,28 +377,18 @@ class OpenAIAdapter(AdapterBase):
                     raise _Retryable(f"malformed response ({type(exc).__name__}: {exc}): {body[:120]!r}") from None
             except _Retryable as exc:
                 last = str(exc)
-            except TimeoutError:
+            except httpx.TimeoutException:
                 last = f"no answer within --request-timeout {self.request_timeout:g} s"
-            except (OSError, http.client.HTTPException) as exc:  # refused, reset, dropped mid-response
-                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            except httpx.TransportError as exc:  # refused, reset, dropped mid-response
+                last = _transport_error(exc)
         raise UserError(f"server {self.url} failed {what} on {path} after {self.retries + 1} attempts: {last}; "
                         f"{RESUME_HINT}")
 
     def _http(self, method: str, path: str, payload: dict | None) -> tuple[int, bytes]:
-        conn = self._conn_class(self._netloc, timeout=self.request_timeout)
-        headers = {"Accept": "application/json", "Connection": "close"}
-        body = None
-        if payload is not None:
-            body = json.dumps(payload).encode("utf-8")
-            headers["Content-Type"] = "application/json"
-        if os.environ.get(API_KEY_ENV):
-            headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
-        try:
-            conn.request(method, self._prefix + path, body=body, headers=headers)
-            resp = conn.getresponse()
-            return resp.status, resp.read()
-        finally:
-            conn.close()
+        body = None if payload is None else json.dumps(payload).encode("utf-8")
+        headers = {"Content-Type": "application/json"} if body is not None else None
+        resp = self._client.request(method, path, content=body, headers=headers)
+        return resp.status_code, resp.content
 
     def _get_json(self, path: str, required: bool = False):
         """GET ``path`` as JSON; None when the server has no such endpoint (only ``required`` ones retry)."""
@@ -369,7 +397,7 @@ class OpenAIAdapter(AdapterBase):
         try:
             status, body = self._http("GET", path, None)
             return json.loads(body) if status == 200 else None
-        except (OSError, http.client.HTTPException, ValueError):
+        except (httpx.HTTPError, ValueError):
             return None
 
 
@@ -513,6 +541,27 @@ def _parse_choice(data: dict, chat: bool) -> tuple[str, str, str | None, dict]:
     hit = choice.get("matched_stop", choice.get("stop_reason"))
     usage = data.get("usage") or {}
     return text, STOP_REASONS[raw], hit if isinstance(hit, str) else None, usage
+
+
+def _client(url: str, concurrency: int, request_timeout: float) -> httpx.Client:
+    """One pool for the run: a kept-alive connection per request in flight (a few spare for the describing
+    calls), so no request opens a connection after the first ``concurrency`` have."""
+    headers = {"Accept": "application/json"}
+    if os.environ.get(API_KEY_ENV):
+        headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+    size = max(1, concurrency) + 4
+    return httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(request_timeout),
+                        limits=httpx.Limits(max_connections=size, max_keepalive_connections=size), trust_env=False)
+
+
+def _transport_error(exc: BaseException) -> str:
+    """The innermost cause of a transport failure (e.g. ``ConnectionRefusedError``), named with its message."""
+    inner = exc
+    while (inner.__cause__ or inner.__context__) is not None:
+        inner = inner.__cause__ or inner.__context__
+    if not isinstance(inner, OSError):
+        inner = exc
+    return f"{type(inner).__name__}: {inner}" if str(inner) else type(inner).__name__
 
 
 def _error_text(body: bytes) -> str:

@@ -7,11 +7,19 @@ connection without an answer), ``"timeout"`` (answer only after ``slow_s``), ``"
 aborted finish reason). ``latency=(lo, hi)`` makes every completion take a stable time between ``lo`` and
 ``hi`` seconds, a function of the prompt (the dispatch benchmark's stand-in for a server with variable
 latency); ``in_flight`` counts completions being answered and ``in_flight_log`` keeps that count at every
-arrival. In a thread: ``FakeServer(plan).start()``. As a process (the launcher's stand-in
-for ``python -m sglang.launch_server``): ``python tests/fake_server.py --model-path M --host H --port P
-[--delay S] [--pid-file F] [--env-file F] [--die-after N] [--exit-code C] [--ignore-sigterm]
-[--enable-deterministic-inference]`` (the last is reported in ``/get_server_info``, as SGLang does)
+arrival; ``connections`` counts the TCP connections accepted (keep-alive: one per client slot).
+``warmup_s`` makes ``/health`` answer 503 for that long while ``/v1/models`` already answers, as SGLang
+does during its warm-up. In a thread: ``FakeServer(plan).start()``. As a process (the launcher's stand-in
+for ``python -m sglang.launch_server`` or ``vllm serve``): ``python tests/fake_server.py --model-path M --host H --port P
+[--delay S] [--pid-file F] [--env-file F] [--die-after N] [--exit-code C] [--ignore-sigterm] [--warmup-s S]
+[--enable-deterministic-inference] [--moe-a2a-backend B] [--chunked-prefill-size N]
+[--enable-w4a4-mxfp4-megamoe]`` (reported in ``/server_info`` as SGLang does)
 (``--die-after N``: the process exits when completion request N arrives, with that request in flight).
+As a process it behaves as the engine version installed beside it (``sglang``/``vllm`` and
+``sgl-deep-gemm`` distributions on its path, as the tests' stand-in site folders provide): SGLang >= 0.5.20
+reports ``enable_w4a4_mxfp4_megamoe`` and refuses mega-MoE without chunked prefill, older SGLang refuses
+that flag as its parser does, sgl-deep-gemm >= 0.1.7 exits on a non-zero ``DG_USE_FP4_ACTS``, and vLLM
+answers ``/version`` (``/server_info`` only with ``VLLM_SERVER_DEV_MODE=1``) and ignores ``DG_*``.
 """
 
 from __future__ import annotations
@@ -49,13 +57,15 @@ class FakeServer:
     def __init__(self, plan=None, host: str = "127.0.0.1", port: int = 0, slow_s: float = 2.0, delay_s: float = 0.0,
                  strip_stop: bool = True, model: str = "fake-model", die_after: int | None = None,
                  server_info: dict | None = None, extra_models: tuple[str, ...] = (),
-                 latency: tuple[float, float] | None = None, models_status: int = 200):
+                 latency: tuple[float, float] | None = None, models_status: int = 200, warmup_s: float = 0.0):
         self.plan = plan or (lambda n, body: None)  # (request number, body) -> fault name or None
         self.slow_s, self.delay_s, self.strip_stop = slow_s, delay_s, strip_stop
         self.model, self.die_after, self.extra_models = model, die_after, tuple(extra_models)
         self.server_info = server_info if server_info is not None else {"model_path": f"/models/{model}", "tp_size": 1,
                                                                        "version": "fake 0.1"}
         self.latency, self.models_status = latency, models_status
+        self.healthy_at = time.monotonic() + warmup_s
+        self.connections = 0
         self.version: str | None = None  # vLLM's /version, when set
         self.requests: list[dict] = []  # bodies of completion requests, in arrival order
         self.in_flight = 0
@@ -156,19 +166,23 @@ class FakeServer:
             def log_message(self, *args):
                 pass
 
+            def setup(self):
+                with server._lock:
+                    server.connections += 1
+                super().setup()
+
             def _send(self, status, payload):
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
-                self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(data)
-                self.close_connection = True
 
             def do_GET(self):
                 if self.path == "/health":
-                    self._send(200, {"status": "ok"})
+                    ready = time.monotonic() >= server.healthy_at
+                    self._send(200 if ready else 503, {"status": "ok" if ready else "warming up"})
                 elif self.path == "/v1/models" and server.models_status != 200:
                     self._send(server.models_status, {"error": {"message": "no model list here"}})
                 elif self.path == "/v1/models":
@@ -178,7 +192,7 @@ class FakeServer:
                                                                 for i in ids]})
                 elif self.path == "/version" and server.version:
                     self._send(200, {"version": server.version})
-                elif self.path == "/get_server_info" and server.server_info:
+                elif self.path in ("/get_server_info", "/server_info") and server.server_info:
                     self._send(200, server.server_info)
                 else:
                     self._send(404, {"error": {"message": "not found"}})
@@ -199,6 +213,52 @@ class FakeServer:
         return Handler
 
 
+def installed(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def at_least(version: str | None, floor: tuple) -> bool:
+    import re
+
+    return version is not None and tuple(int(p) for p in re.findall(r"\d+", version)[:3]) >= floor
+
+
+def engine_behaviour(args) -> tuple[dict, str | None]:
+    """(server info, vLLM version) of the engine version installed beside the stand-in; exits as that version
+    would on settings it refuses."""
+    dg = installed("sgl-deep-gemm")
+    if args.model_path:  # SGLang
+        version = installed("sglang") or "0.5.14"
+        new = at_least(version, (0, 5, 20))
+        if args.enable_w4a4_mxfp4_megamoe and not new:
+            print("sglang serve: error: unrecognized arguments: --enable-w4a4-mxfp4-megamoe", flush=True)
+            sys.exit(2)
+        mega = args.moe_a2a_backend == "megamoe"
+        if mega and new and (args.chunked_prefill_size or 0) <= 0:
+            print("ValueError: DeepSeek-V4 with MegaMoE requires chunked prefill to be enabled.", flush=True)
+            sys.exit(1)
+        fp4_acts = os.environ.get("DG_USE_FP4_ACTS", "0")
+        if mega and at_least(dg, (0, 1, 7)) and fp4_acts.strip() not in ("", "0"):
+            print("RuntimeError: `DG_USE_FP4_ACTS` is no longer supported; it is replaced by the symmetric "
+                  "buffer's `mma_type`.", flush=True)
+            sys.exit(1)
+        info = {"model_path": args.model_path, "tp_size": 1, "version": version,
+                "moe_a2a_backend": args.moe_a2a_backend, "chunked_prefill_size": args.chunked_prefill_size,
+                "enable_deterministic_inference": args.enable_deterministic_inference}
+        if new:
+            info["enable_w4a4_mxfp4_megamoe"] = args.enable_w4a4_mxfp4_megamoe
+        return info, None
+    version = installed("vllm") or "fake-vllm 0.1"  # vLLM: /version; /server_info only in dev mode
+    dev = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+    info = {"vllm_config": "...", "VLLM_BATCH_INVARIANT": os.environ.get("VLLM_BATCH_INVARIANT")} if dev else {}
+    return info, version
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model", nargs="?")  # vLLM style: `vllm serve MODEL`
@@ -215,6 +275,10 @@ def main(argv=None) -> None:
     p.add_argument("--startup-s", type=float, default=0.0, help="seconds before listening (model loading)")
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--enable-deterministic-inference", action="store_true", help="SGLang's flag, reported back")
+    p.add_argument("--enable-w4a4-mxfp4-megamoe", action="store_true", help="SGLang >= 0.5.20's W4A4 switch")
+    p.add_argument("--moe-a2a-backend", default="none")
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--warmup-s", type=float, default=0.0, help="seconds /health answers 503 after listening")
     args, _unknown = p.parse_known_args(argv)  # engine flags like --tp 4 are accepted and ignored
     if args.pid_file:
         with open(args.pid_file, "w") as f:
@@ -230,16 +294,11 @@ def main(argv=None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(args.startup_s)
     model = args.model_path or args.model or "fake"
-    if args.model_path:  # SGLang style: /get_server_info reports the settings, the deterministic flag among them
-        info = {"model_path": model, "tp_size": 1, "version": "fake 0.1",
-                "enable_deterministic_inference": args.enable_deterministic_inference}
-    else:  # vLLM style: no server info, only /version (VLLM_BATCH_INVARIANT is not reported over HTTP)
-        info = {}
+    info, vllm_version = engine_behaviour(args)
     server = FakeServer(host=args.host, port=args.port, delay_s=args.delay, die_after=args.die_after,
                         model=os.path.basename(model.rstrip("/")) or "fake", server_info=info,
-                        latency=tuple(args.latency) if args.latency else None)
-    if not args.model_path:
-        server.version = "fake-vllm 0.1"
+                        latency=tuple(args.latency) if args.latency else None, warmup_s=args.warmup_s)
+    server.version = vllm_version
     print(f"fake server: listening on {server.url}", flush=True)
     server.httpd.serve_forever()
 

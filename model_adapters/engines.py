@@ -1,0 +1,321 @@
+"""How each evalgate kernel is selected on each serving stack, and the preflight that refuses a launch that
+would run another kernel, or none (docs/serving.md#kernel-selection-per-engine-version).
+
+A stack is (engine, engine version, sgl-deep-gemm version, whether that build contains the packed FP4
+kernel, GPU architecture). ``TABLE`` maps a stack to one ``Row``: for every kernel either a ``Selection``
+(environment, server flags, what ``/server_info`` must then show, the numerics the server really computes)
+or the reason it is not available there. The rows were read from the engines' released sources; each
+names its files. ``probe_stack`` reads the stack in the Python environment that will run the server;
+``preflight`` checks a launch against it before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from evalgate.errors import UserError
+
+FP4_ACTS_ENV = {"DG_USE_FP4_ACTS": "1", "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS": "1"}
+PACKED_ENV = {**FP4_ACTS_ENV, "DG_MEGA_MOE_FP4": "1"}
+W4A4_FLAG = "--enable-w4a4-mxfp4-megamoe"  # SGLang >= 0.5.20: DeepGEMM's mma_type mxf4xmxf4
+FUSE_SHARED_ENV = "SGLANG_OPT_DEEPGEMM_MEGA_MOE_FUSE_SHARED_EXPERTS"  # SGLang >= 0.5.20, default on
+TOKENS_PER_RANK_ENV = "SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK"
+W4A4_KERNELS = ("w4a4", "w4a4_packed", "w4a4_te")
+
+
+def version_tuple(version: str | None) -> tuple[int, ...] | None:
+    if not version:
+        return None
+    parts = re.findall(r"\d+", version.split("+")[0])[:3]
+    return tuple(int(p) for p in parts) if parts else None
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What will run the server. ``None`` fields were not readable (not installed, no GPU visible)."""
+
+    engine: str
+    engine_version: str | None = None
+    library_version: str | None = None  # sgl-deep-gemm
+    packed_build: bool = False  # the installed deep_gemm ships the packed FP4 mega-MoE kernel
+    gpu_arch: str | None = None  # "sm100", "sm90", ...
+
+    def record(self) -> dict:
+        return {"engine": self.engine, "engine_version": self.engine_version,
+                "sgl_deep_gemm": self.library_version, "packed_build": self.packed_build, "gpu_arch": self.gpu_arch}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How one kernel is selected on one row, and what the server is then known to compute."""
+
+    env: dict = field(default_factory=dict)
+    flags: tuple[str, ...] = ()
+    server_info: dict = field(default_factory=dict)  # keys /server_info must show with these values
+    served_numerics: str = ""  # the evalgate kernel whose numerics the server computes
+    shared_expert_fusion: str = "not fused"
+    routed_scaling: str = "after the kernel"
+    mega_moe: bool = True  # needs SGLang's mega-MoE path (--moe-a2a-backend megamoe) and SM100
+
+
+@dataclass(frozen=True)
+class Row:
+    engine: str
+    engine_range: tuple[str, str | None]  # [from, before)
+    library_range: tuple[str, str | None] | None  # sgl-deep-gemm [from, before); None: the engine ignores it
+    kernels: dict  # kernel name -> Selection, or the reason it is not available here
+    source: str
+
+    def matches(self, stack: Stack) -> bool:
+        if stack.engine != self.engine or not in_range(stack.engine_version, self.engine_range):
+            return False
+        return self.library_range is None or in_range(stack.library_version, self.library_range)
+
+    def describe(self) -> str:
+        lib = "" if self.library_range is None else f", sgl-deep-gemm {_range_text(self.library_range)}"
+        return f"{self.engine} {_range_text(self.engine_range)}{lib}"
+
+
+def in_range(version: str | None, bounds: tuple[str, str | None]) -> bool:
+    v = version_tuple(version)
+    if v is None:
+        return False
+    lo, hi = bounds
+    return v >= version_tuple(lo) and (hi is None or v < version_tuple(hi))
+
+
+def _range_text(bounds: tuple[str, str | None]) -> str:
+    lo, hi = bounds
+    return f">= {lo}" if hi is None else f"{lo} to before {hi}"
+
+
+_W4A8_OLD = Selection(served_numerics="w4a8_sglang", mega_moe=False)
+_W4A8_NEW = Selection(server_info={"enable_w4a4_mxfp4_megamoe": False}, served_numerics="w4a8_sglang",
+                      shared_expert_fusion="fused", routed_scaling="before the kernel", mega_moe=False)
+_NO_PACKED = ("no released sgl-deep-gemm contains the packed kernel (no sm100_fp4_mega_moe.cuh, no DG_MEGA_MOE_FP4 "
+              "in deep_gemm._C): the server would run w4a4 under a w4a4_packed label; install a build that has it")
+_LEGACY_CRASH = ("sgl-deep-gemm >= 0.1.7 raises RuntimeError on DG_USE_FP4_ACTS when the mega-MoE buffer is made "
+                 "(deep_gemm/mega/__init__.py, _check_legacy_fp4_acts_env)")
+_VLLM_W4A8 = ("vLLM ignores every DG_* variable: its DeepSeek-V4 MoE is hard-wired to W4A8 "
+              "(vllm/model_executor/models/deepseek_v4/); gate W4A4 on SGLang")
+
+TABLE: tuple[Row, ...] = (
+    Row("sglang", ("0.5.12", "0.5.20"), ("0.1.0", "0.1.7"), {
+        "w4a8": _W4A8_OLD, "w4a8_sglang": _W4A8_OLD,
+        "w4a4": Selection(env=FP4_ACTS_ENV, served_numerics="w4a4", mega_moe=True),
+        "w4a4_packed": Selection(env=PACKED_ENV, served_numerics="w4a4_packed", mega_moe=True),
+        "w4a4_te": "ties-to-even mxf4xmxf4 needs sgl-deep-gemm >= 0.2.0 and SGLang >= 0.5.20 (--enable-w4a4-mxfp4-megamoe)",
+    }, "sglang/srt/environ.py (SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS), sglang/srt/layers/moe/mega_moe.py "
+       "(forwards it to DG_USE_FP4_ACTS; routed scaling after the kernel), deep_gemm/_C (reads DG_USE_FP4_ACTS)"),
+    Row("sglang", ("0.5.12", "0.5.20"), ("0.1.7", None), {
+        "w4a8": _W4A8_OLD, "w4a8_sglang": _W4A8_OLD,
+        "w4a4": _LEGACY_CRASH, "w4a4_packed": _LEGACY_CRASH,
+        "w4a4_te": "this SGLang has no --enable-w4a4-mxfp4-megamoe (SGLang >= 0.5.20)",
+    }, "deep_gemm/mega/__init__.py (_check_legacy_fp4_acts_env), sglang/srt/environ.py"),
+    Row("sglang", ("0.5.20", None), ("0.1.7", "0.2.0"), {
+        "w4a8": _W4A8_NEW, "w4a8_sglang": _W4A8_NEW,
+        "w4a4": Selection(flags=(W4A4_FLAG,), server_info={"enable_w4a4_mxfp4_megamoe": True}, served_numerics="w4a4",
+                          routed_scaling="before the kernel"),
+        "w4a4_packed": _LEGACY_CRASH,
+        "w4a4_te": "sgl-deep-gemm before 0.2.0 rounds FP4 input ties toward zero: --enable-w4a4-mxfp4-megamoe runs w4a4 here",
+    }, "sglang/srt/arg_groups/fields/exec_.py (enable_w4a4_mxfp4_megamoe), deep_gemm/mega/__init__.py"),
+    Row("sglang", ("0.5.20", None), ("0.2.0", None), {
+        "w4a8": _W4A8_NEW, "w4a8_sglang": _W4A8_NEW,
+        "w4a4": f"{_LEGACY_CRASH}; SGLang's W4A4 here is w4a4_te ({W4A4_FLAG})",
+        "w4a4_packed": _LEGACY_CRASH,
+        "w4a4_te": Selection(flags=(W4A4_FLAG,), server_info={"enable_w4a4_mxfp4_megamoe": True},
+                             served_numerics="w4a4_te", routed_scaling="before the kernel"),
+    }, "sglang/srt/arg_groups/fields/exec_.py (enable_w4a4_mxfp4_megamoe), sglang/srt/layers/moe/mega_moe.py "
+       "(should_fuse_mega_moe_shared_experts: fp8xfp4 only), sglang/srt/environ.py, deep_gemm/mega/__init__.py"),
+    Row("vllm", ("0.30", "0.40"), None, {
+        "w4a8": Selection(served_numerics="w4a8", mega_moe=False), "w4a8_sglang": "vLLM does not run SGLang's FP8 "
+        "pre-dispatch; gate w4a8", "w4a4": _VLLM_W4A8, "w4a4_packed": _VLLM_W4A8, "w4a4_te": _VLLM_W4A8,
+    }, "vllm/model_executor/models/deepseek_v4/ (W4A8 only), vllm/entrypoints/openai/api_server.py (/version)"),
+)
+
+
+def find_row(stack: Stack) -> Row | None:
+    return next((row for row in TABLE if row.matches(stack)), None)
+
+
+def selection_for(kernel: str, stack: Stack) -> tuple[Selection, Row]:
+    """How ``kernel`` is selected on ``stack``; refuses in one line where the stack cannot run it."""
+    if kernel.startswith("faulty/"):
+        raise UserError(f"kernel {kernel!r} is a fault-injected test double of the emulator; a server cannot run it "
+                        "(launch a real kernel, e.g. --kernel w4a4_te)")
+    row = find_row(stack)
+    if row is None and stack.engine_version is None:
+        if kernel in ("w4a8", "w4a8_sglang"):  # selected by no setting on any version
+            return (_W4A8_OLD if stack.engine == "sglang" else Selection(served_numerics="w4a8", mega_moe=False)), None
+        raise UserError(f"cannot read the {stack.engine} version in the server's Python, and how --kernel {kernel} "
+                        "is selected depends on it; set EVALGATE_SERVER_PYTHON to the Python that runs the server")
+    if row is None:
+        known = "; ".join(r.describe() for r in TABLE if r.engine == stack.engine)
+        raise UserError(f"{_stack_text(stack)} is not in evalgate's kernel table ({known}), so {kernel!r} cannot be "
+                        "selected safely; use a listed version (docs/serving.md#kernel-selection-per-engine-version)")
+    how = row.kernels.get(kernel)
+    if how is None:
+        raise UserError(f"kernel {kernel!r} has no server recipe on {row.describe()}")
+    if isinstance(how, str):
+        raise UserError(f"{_stack_text(stack)} cannot run --kernel {kernel}: {how}")
+    if kernel == "w4a4_packed" and not stack.packed_build:
+        raise UserError(f"{_stack_text(stack)} cannot run --kernel w4a4_packed: {_NO_PACKED}")
+    if how.mega_moe and stack.gpu_arch not in (None, "sm100", "sm103"):
+        raise UserError(f"--kernel {kernel} is a mega-MoE kernel that runs only on SM100 (B200/B300); this GPU is "
+                        f"{stack.gpu_arch}, where the selection is silently ignored and another kernel serves")
+    return how, row
+
+
+def _stack_text(stack: Stack) -> str:
+    lib = f" with sgl-deep-gemm {stack.library_version}" if stack.engine == "sglang" else ""
+    return f"{stack.engine} {stack.engine_version or '(version unknown)'}{lib if stack.library_version else ''}"
+
+
+# ---- reading the stack in the server's Python environment ----
+
+_PROBE = r"""
+import glob, importlib.metadata as md, importlib.util as iu, json, os
+def v(d):
+    try: return md.version(d)
+    except md.PackageNotFoundError: return None
+packed = False
+spec = iu.find_spec("deep_gemm")
+for root in (spec.submodule_search_locations or []) if spec else []:
+    if glob.glob(os.path.join(root, "include", "**", "sm100_fp4_mega_moe.cuh"), recursive=True):
+        packed = True
+    for so in glob.glob(os.path.join(root, "_C*.so")):
+        with open(so, "rb") as f:
+            packed = packed or b"DG_MEGA_MOE_FP4" in f.read()
+print(json.dumps({"engine_version": v(ENGINE), "library_version": v("sgl-deep-gemm"), "packed_build": packed}))
+"""
+
+
+def server_python(program: list[str], env: dict[str, str]) -> str:
+    """The Python that runs the server: EVALGATE_SERVER_PYTHON, the program's own interpreter (``python -m
+    sglang.launch_server``, or the shebang of a ``vllm`` script), else this one."""
+    if env.get("EVALGATE_SERVER_PYTHON"):
+        return env["EVALGATE_SERVER_PYTHON"]
+    first = program[0] if program else sys.executable
+    if os.path.basename(first).startswith("python"):
+        return first
+    path = shutil.which(first, path=env.get("PATH"))
+    if path:
+        try:
+            with open(path, "rb") as f:
+                line = f.readline().decode(errors="replace")
+            if line.startswith("#!") and "python" in line:
+                return line[2:].split()[-1] if line.split()[0].endswith("env") else line[2:].split()[0]
+        except OSError:
+            pass
+    return sys.executable
+
+
+def probe_stack(engine: str, python: str, env: dict[str, str]) -> Stack:
+    """The engine's and sgl-deep-gemm's versions in ``python``'s environment, whether its deep_gemm ships the
+    packed kernel, and the GPU architecture when ``nvidia-smi`` can see one."""
+    found = {}
+    try:
+        out = subprocess.run([python, "-c", f"ENGINE={engine!r}\n{_PROBE}"], env=env, capture_output=True, text=True,
+                             timeout=60)
+        found = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else {}
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        found = {}
+    return Stack(engine, found.get("engine_version"), found.get("library_version"),
+                 bool(found.get("packed_build")), gpu_arch(env))
+
+
+def gpu_arch(env: dict[str, str]) -> str | None:
+    """``smXY`` of the first visible GPU (``nvidia-smi``), or None when none is visible."""
+    smi = shutil.which("nvidia-smi", path=env.get("PATH"))
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"], env=env,
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+    match = re.fullmatch(r"(\d+)\.(\d+)", first.strip())
+    return f"sm{match.group(1)}{match.group(2)}" if match else None
+
+
+# ---- server arguments after `--` ----
+
+def _flag_value(args: list[str], *names: str) -> str | None:
+    """The value of the last of ``names`` among ``args`` (``--x v`` or ``--x=v``; argparse prefixes too)."""
+    value = None
+    for i, arg in enumerate(args):
+        key, eq, inline = arg.partition("=")
+        if any(key == n or (len(key) > 4 and n.startswith(key) and key.startswith("--")) for n in names):
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return value
+
+
+def _has_flag(args: list[str], name: str) -> bool:
+    return any(a == name or a.startswith(name + "=") for a in args)
+
+
+def mega_moe_on(args: list[str], env: dict[str, str]) -> bool:
+    backend = _flag_value(args, "--moe-a2a-backend") or _flag_value(args, "--moe-runner-backend")
+    return backend == "megamoe" or env.get("SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE", "").lower() in ("1", "true", "yes")
+
+
+def preflight(kernel: str, stack: Stack, args: list[str], env: dict[str, str]) -> tuple[Selection, Row | None, list[str]]:
+    """Refuse (one line) a launch of ``kernel`` on ``stack`` with server arguments ``args`` and environment
+    ``env`` that cannot run it, would crash, or contradicts it; else its selection and warnings."""
+    selection, row = selection_for(kernel, stack)
+    warnings: list[str] = []
+    if stack.engine == "sglang":
+        flag_given = _has_flag(args, W4A4_FLAG)
+        if flag_given and W4A4_FLAG not in selection.flags:
+            raise UserError(f"`{W4A4_FLAG}` after `--` selects SGLang's W4A4 MXFP4 kernel, which contradicts "
+                            f"--kernel {kernel}; drop it (evalgate adds the flags the kernel needs)")
+        mega = mega_moe_on(args, env)
+        if kernel in W4A4_KERNELS and not mega:
+            raise UserError(f"--kernel {kernel} runs on SGLang's mega-MoE path only: pass `-- --moe-a2a-backend "
+                            "megamoe`, or the server runs another MoE kernel under this label")
+        if mega:
+            warnings += _mega_moe_settings(stack, args, env)
+        tp = int(_flag_value(args, "--tp-size") or 1)
+        dp = int(_flag_value(args, "--dp-size") or 1)
+        if dp > 1 and not _has_flag(args, "--enable-dp-attention"):
+            warnings.append(f"--dp-size {dp} runs {dp} whole model copies of --tp-size {tp}: {tp * dp} GPUs; "
+                            "for one copy over the GPUs use --tp-size alone (or add --enable-dp-attention)")
+    if stack.engine_version is None:
+        warnings.append(f"cannot read the {stack.engine} version in the server's Python; set EVALGATE_SERVER_PYTHON "
+                        "to it so evalgate can check the kernel selection")
+    return selection, row, warnings
+
+
+def _mega_moe_settings(stack: Stack, args: list[str], env: dict[str, str]) -> list[str]:
+    """DeepSeek-V4 mega-MoE settings that fail at start (SGLang >= 0.5.20, mega_moe_hook.py:
+    validate_mega_moe_token_budget) or at the first long prefill (0.5.12-0.5.19, mega_moe.py's assert)."""
+    chunked = _flag_value(args, "--chunked-prefill-size")
+    new = (version_tuple(stack.engine_version) or (0,)) >= (0, 5, 20)
+    cap_default = 8192 if new else 1024
+    try:
+        cap = int(env.get(TOKENS_PER_RANK_ENV) or cap_default)
+    except ValueError:
+        raise UserError(f"{TOKENS_PER_RANK_ENV}={env[TOKENS_PER_RANK_ENV]!r} is not an integer") from None
+    if chunked is None:
+        return [f"mega-MoE: --chunked-prefill-size is not given; SGLang picks one from GPU memory, and it must not "
+                f"exceed {TOKENS_PER_RANK_ENV} ({cap}) per rank"]
+    try:
+        size = int(chunked)
+    except ValueError:
+        raise UserError(f"--chunked-prefill-size {chunked!r} is not an integer") from None
+    if size <= 0:
+        raise UserError("DeepSeek-V4 mega-MoE needs chunked prefill: --chunked-prefill-size must be positive, not "
+                        f"{size} (SGLang refuses to start)")
+    dp = int(_flag_value(args, "--dp-size") or 1)
+    per_rank = size // dp if _has_flag(args, "--enable-dp-attention") and dp > 1 else size
+    if per_rank > cap:
+        raise UserError(f"DeepSeek-V4 mega-MoE: --chunked-prefill-size {size} needs {per_rank} tokens per rank but "
+                        f"{TOKENS_PER_RANK_ENV} is {cap}; raise it to at least {per_rank} or lower the chunk size")
+    return []
