@@ -1,11 +1,35 @@
 """Atomic file replacement, shared by the run store and the baseline migration: a crash leaves the old file
-or the new one, never a mix."""
+or the new one, never a mix; and the one rule for reading a JSONL file of records."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+
+from evalgate.errors import UserError
+
+
+def parse_lines(data: bytes, source: str) -> tuple[list, list[bytes]]:
+    """The records of a JSONL file's bytes and their lines, by the project's one rule: a last line without
+    its newline is a torn write (the writer died mid-append) and is left out; any other line that is not JSON
+    is damage, refused in one line naming it (what a record must hold is the record models' to say)."""
+    records, lines = [], []
+    *complete, _torn = data.split(b"\n")  # the part after the last newline: empty, or a torn write
+    for number, body in enumerate(complete, 1):
+        try:
+            records.append(json.loads(body))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{source} line {number} is not JSON (a damaged file); restore it, or rerun into a "
+                            "new --out") from None
+        lines.append(body + b"\n")
+    return records, lines
+
+
+def read_jsonl(path: Path) -> list:
+    """The records of a JSONL file (``parse_lines``' rule); a missing file holds none."""
+    return parse_lines(path.read_bytes(), repr(str(path)))[0] if path.exists() else []
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from evalgate.canary import PROFILES
+from evalgate.files import read_jsonl
 from evalgate.canary.train import FAULTY, HEALTHY, predicted_verdict
 
 METRICS = {"gsm8k": "exact_match,strict-match", "humaneval": "pass@1"}
@@ -40,7 +41,7 @@ def run_one(model: Path, kernel: str, out: Path, batch_size: int) -> Path:
 
 
 def correct(folder: Path, task: str) -> dict[str, bool]:
-    rows = [json.loads(line) for line in (folder / f"{task}.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(folder / f"{task}.jsonl")
     return {str(r["doc_id"]): float(r[METRICS[task]]) >= 1.0 for r in rows}
 
 

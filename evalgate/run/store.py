@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evalgate.errors import UserError
-from evalgate.files import write_bytes_atomic
+from evalgate.files import parse_lines, write_bytes_atomic
 from evalgate.records import ItemRecord, RunManifest, dump_item, dump_manifest, load_manifest, parse, parse_item
 
 MANIFEST = "manifest.json"
@@ -36,22 +36,6 @@ def write_manifest(run_dir: Path, manifest: dict) -> dict:
     written = dump_manifest(manifest)
     write_json_atomic(Path(run_dir) / MANIFEST, written)
     return written
-
-
-def parse_lines(data: bytes, source: str) -> tuple[list[dict], list[bytes]]:
-    """The records of a JSONL file's bytes and their lines, by the store's one rule: a last line without its
-    newline is a torn write (the writer died mid-append) and is left out; any other line that is not JSON is
-    damage, refused in one line naming it (what a record must hold is the record models' to say)."""
-    records, lines = [], []
-    *complete, _torn = data.split(b"\n")  # the part after the last newline: empty, or a torn write
-    for number, body in enumerate(complete, 1):
-        try:
-            records.append(json.loads(body))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UserError(f"{source} line {number} is not JSON (a damaged file); restore it, or rerun into a "
-                            "new --out") from None
-        lines.append(body + b"\n")
-    return records, lines
 
 
 def read_records(path: Path) -> tuple[list[dict], int]:

@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evalgate.files import write_bytes_atomic
+from evalgate.files import read_jsonl, write_bytes_atomic
 from evalgate.types import canonical_json, sha256_text
 
 TASK = "humaneval"
@@ -84,7 +84,7 @@ def _dataset_order(doc_ids: set) -> list:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 def new_settings(settings: dict) -> dict:
