@@ -1,6 +1,6 @@
 """The in-process model with one kernel behind an OpenAI-compatible HTTP API (``evalgate serve``).
 
-A minimal ASGI app on uvicorn: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``
+A Starlette app on uvicorn: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``
 and ``/get_server_info`` (SGLang's name; it also says which evalgate kernel and model fingerprint serve).
 Greedy at temperature 0; at temperature > 0 only with a per-request ``seed``, which keys evalgate's coupled
 sampler (``sampling.py``): the seed evalgate's client sends is the stream seed of that (item, sample), so a
@@ -91,14 +91,19 @@ def _settle(future: asyncio.Future, result, exc) -> None:
 
 
 class OpenAIApp:
-    """ASGI application: routes, validation (OpenAI error bodies), responses."""
+    """The OpenAI-compatible API as a Starlette application: each handler takes the request body and returns
+    (status, payload); refusals are OpenAI-style error bodies."""
 
     def __init__(self, generator: BatchingGenerator, tokenizer, served_model: str, server_info: dict):
+        from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
+        from starlette.routing import Route
+
         self.generator = generator
         self.tokenizer = tokenizer
         self.served_model = served_model
         self.server_info = server_info
-        self.routes = {
+        handlers = {
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("GET", "/v1/models"): self.models,
@@ -106,30 +111,11 @@ class OpenAIApp:
             ("GET", "/get_server_info"): self.info,
             ("GET", "/server_info"): self.info,
         }
+        routes = [Route(path, _endpoint(handler), methods=[method]) for (method, path), handler in handlers.items()]
+        self.app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
-            return
-        handler = self.routes.get((scope["method"], scope["path"].rstrip("/") or "/"))
-        try:
-            if handler is None:
-                known = any(path == scope["path"] for _, path in self.routes)
-                raise BadRequest(f"{scope['method']} {scope['path']} is not served", 405 if known else 404)
-            body = await _read_body(receive) if scope["method"] == "POST" else b""
-            status, payload = await handler(body)
-        except BadRequest as exc:
-            status, payload = exc.status, _error(str(exc), exc.status)
-        except Exception as exc:  # a bug in generation: the client may retry, the server keeps running
-            status, payload = 500, _error(f"{type(exc).__name__}: {exc}", 500)
-        await _send_json(send, status, payload)
+        await self.app(scope, receive, send)
 
     async def health(self, body):
         return 200, {"status": "ok"}
@@ -228,26 +214,33 @@ def _error(message: str, status: int) -> dict:
     return {"error": {"message": message, "type": kind, "code": status}}
 
 
-async def _read_body(receive) -> bytes:
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise BadRequest("client disconnected")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise BadRequest("request body too large", 413)
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return b"".join(chunks)
+def _endpoint(handler):
+    """A Starlette endpoint around ``handler(body) -> (status, payload)``."""
+    from starlette.responses import JSONResponse
+
+    async def endpoint(request):
+        try:
+            if int(request.headers.get("content-length") or 0) > MAX_BODY:
+                raise BadRequest("request body too large", 413)
+            body = await request.body() if request.method == "POST" else b""
+            if len(body) > MAX_BODY:
+                raise BadRequest("request body too large", 413)
+            status, payload = await handler(body)
+        except BadRequest as exc:
+            status, payload = exc.status, _error(str(exc), exc.status)
+        except Exception as exc:  # a bug in generation: the client may retry, the server keeps running
+            status, payload = 500, _error(f"{type(exc).__name__}: {exc}", 500)
+        return JSONResponse(payload, status_code=status)
+
+    return endpoint
 
 
-async def _send_json(send, status: int, payload: dict) -> None:
-    body = json.dumps(payload, ensure_ascii=False).encode("utf-8")
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+async def _http_error(request, exc):
+    """Unknown paths (404) and methods (405) answer in the OpenAI error shape too."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(_error(f"{request.method} {request.url.path} is not served", exc.status_code),
+                        status_code=exc.status_code)
 
 
 def build_app(model_path: str, kernel_name: str, device: str = "cpu", dtype: str | None = None,
@@ -275,11 +268,12 @@ def build_app(model_path: str, kernel_name: str, device: str = "cpu", dtype: str
 
 def serve(app: OpenAIApp, host: str, port: int) -> None:
     try:
+        import starlette  # noqa: F401
         import uvicorn
     except ImportError:
         from evalgate.errors import UserError
 
-        raise UserError("evalgate serve needs uvicorn; pip install 'evalgate[serve]'") from None
+        raise UserError("evalgate serve needs uvicorn and starlette; pip install 'evalgate[serve]'") from None
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                             timeout_graceful_shutdown=5)
