@@ -16,7 +16,7 @@ from evalgate.gate.decide import decide, gate_runs
 from evalgate.gate.policy import Thresholds
 from evalgate.gate.verdict import Verdict
 from evalgate.plan import GatePlan, find_baselines, local_fingerprint, plan_gate, stamp
-from evalgate.run.baselines import record, user_root, write_aa
+from evalgate.run.baselines import read_aa, record, user_root, write_aa
 from evalgate.run.observer import Collected, RunObserver
 from evalgate.run.runner import LoadedTask, RunSpec, execute, load_tasks
 from evalgate.run.store import MANIFEST, Run, load_run
@@ -43,17 +43,148 @@ def run_or_resume(spec: RunSpec, out: Path, adapter: ModelAdapter | None = None,
     return watcher.run
 
 
+ROUND_TEMPERATURE = 0.7  # the rounds' temperature when the plan's own run is greedy
+
+
 def gate(plan: GatePlan, adapter: ModelAdapter | None = None) -> Verdict:
-    """Run the plan's candidate (or take its stored one) and decide against its baseline with its policy.
+    """Run the plan's candidate (or take its stored one) and decide against its baseline with its policy;
+    while a task is undecided and ``plan.max_samples`` allows, add coupled samples per item in rounds
+    (docs/gate.md#sequential-rounds). Every decision is one look of this gate's sequence, at α·2^-(look+1).
     ``adapter``: a server adapter (None: the in-process model of ``plan.spec``)."""
     from evalgate.gate.early_stop import EarlyStop
 
+    ledger = _ledger(plan)
     candidate = plan.candidate
     if candidate is None:
-        observer = (EarlyStop(plan.baseline, plan.policy, plan.allow_uncalibrated, plan.stop_on_conformance)
-                    if plan.early_stop else None)
+        # stopped for at the next look's α: certain there, so certain at any earlier look's larger α too
+        observer = (EarlyStop(plan.baseline, plan.policy.at_look(ledger.next_look), plan.allow_uncalibrated,
+                              plan.stop_on_conformance) if plan.early_stop else None)
         candidate = run_or_resume(plan.spec, plan.out, adapter, observer, plan.tasks, plan.baseline.answer_lengths)
-    return gate_runs(plan.baseline, candidate, plan.policy, plan.allow_uncalibrated)
+    verdict = decide_look(plan, plan.baseline, candidate, ledger)
+    if plan.spec is None or verdict.decision is None or verdict.verdict != "INCONCLUSIVE":
+        return verdict
+    return _rounds(plan, adapter, verdict, ledger)
+
+
+def _ledger(plan: GatePlan):
+    from evalgate.gate.sequence import Ledger, identity
+
+    base = plan.baseline.run.manifest
+    kernel = plan.spec.kernel if plan.spec is not None else plan.candidate.kernel
+    tasks = plan.spec.tasks if plan.spec is not None else plan.candidate.tasks
+    gate_id = identity(plan.baseline.dirs, [base.get("run_id")], kernel, base.get("model", {}).get("fingerprint"),
+                       plan.policy.sha256, tasks)
+    return Ledger.open(plan.ledger_dir, gate_id)
+
+
+def decide_look(plan: GatePlan, baseline, candidate: Run, ledger) -> Verdict:
+    """Decide one look: at the next look's α, unless the candidate's data reproduce an earlier look's (then
+    that look's α and verdict); recorded in the ledger."""
+    from evalgate.gate.sequence import data_digest
+
+    look = ledger.next_look
+    verdict = gate_runs(baseline, candidate, plan.policy.at_look(look), plan.allow_uncalibrated)
+    if verdict.comparison is None or verdict.decision is None:  # aggregate-only: one unpaired decision
+        return verdict
+    digest = data_digest(verdict.comparison)
+    seen, _ = ledger.look_for(digest)
+    if seen != look:
+        verdict = gate_runs(baseline, candidate, plan.policy.at_look(seen), plan.allow_uncalibrated)
+    k = max((p.k for p in verdict.comparison.pairs.values()), default=1)
+    alpha = plan.policy.at_look(seen).alpha
+    ledger.record(seen, digest, k, alpha, verdict.verdict, {t: d.verdict for t, d in verdict.decision.tasks.items()})
+    entry = {"look": seen, "k": k, "alpha": alpha, "verdict": verdict.verdict, "candidate": str(candidate.path),
+             "baseline": [str(d) for d in getattr(baseline, "dirs", ())], "repeated": seen != look,
+             "tasks": {t: d.verdict for t, d in verdict.decision.tasks.items()}}
+    sequence = {"gate": ledger.gate, "ledger": str(ledger.path) if ledger.path else None, "looks": [entry],
+                "max_samples": plan.max_samples}
+    note = (f"look {seen + 1} of this gate (same baseline, kernel, model and policy): decided at α = {alpha:.4g} "
+            f"(α·2^-{seen + 1}; docs/gate.md#sequential-rounds)"
+            + (" — the same data as that earlier look" if seen != look else ""))
+    return replace(verdict, sequence=sequence, notes=[*verdict.notes, note])
+
+
+def next_samples(k: int, open_decisions, max_samples: int) -> int | None:
+    """The next round's samples per item: 4 after a greedy look, else double, or more where the measured
+    within-item variance says more are needed; at most ``max_samples`` (None: the budget is spent)."""
+    if k >= max_samples:
+        return None
+    proposal = 4 if k == 1 else 2 * k
+    measured = [d.samples_needed for d in open_decisions
+                if d.samples_needed is not None and not d.samples_needed_is_bound]
+    if measured:
+        proposal = max(proposal, max(measured))
+    return min(proposal, max_samples)
+
+
+def _round_baseline(plan: GatePlan, spec: RunSpec, tasks, adapter, out: Path):
+    """The baseline sampled as ``spec``: a stored one (``evalgate calibrate --samples k --temperature T
+    --seed S``), else, in-process, the baseline kernel run in this round; None for a server without one."""
+    from evalgate.run.baselines import StoredBaseline, load_stored_baseline, lookup_roots
+
+    fingerprint = plan.baseline.run.manifest.get("model", {}).get("fingerprint")
+    stored, missing = load_stored_baseline(lookup_roots(plan.baselines_root), fingerprint,
+                                           {t: lt.profile_id for t, lt in tasks.items()}, plan.baseline.run.kernel)
+    if stored is not None:
+        return stored
+    if adapter is not None:
+        return None
+    run = run_or_resume(replace(spec, kernel=plan.baseline.run.kernel), out, tasks=tasks)
+    # the A/A check of the stack stands from the greedy baseline's record (keyed samples on canonical numerics
+    # reproduce every sample: the sampled A/A flips nothing)
+    aa = {t: {"verdict": a.get("verdict"), "flips": set(), "runs": a.get("runs"), "n": a.get("n"),
+              "psi0": 0.0, "note": "the greedy baseline's A/A record; sampled with the same keys"}
+          for t, a in plan.baseline.aa.items() if t in tasks}
+    return StoredBaseline((run.path,), run, aa)
+
+
+def _rounds(plan: GatePlan, adapter, verdict: Verdict, ledger) -> Verdict:
+    """Add coupled samples per item to the undecided tasks, one look per round, until every task is decided
+    or ``plan.max_samples`` is reached. The verdict returned is the first look's, with each task's decision
+    replaced by the look that decided it."""
+    from evalgate.gate.verdict import EXIT_CODES, OverallDecision, overall_verdict
+
+    k = plan.spec.samples
+    temperature = plan.spec.temperature or ROUND_TEMPERATURE
+    tasks = dict(verdict.decision.tasks)
+    looks = list(verdict.sequence["looks"]) if verdict.sequence else []
+    notes = list(verdict.notes)
+    while overall_verdict(d.verdict for d in tasks.values()) == "INCONCLUSIVE":
+        open_tasks = [t for t, d in tasks.items() if d.verdict == "INCONCLUSIVE"]
+        k_next = next_samples(k, [tasks[t] for t in open_tasks], plan.max_samples)
+        if k_next is None:
+            break
+        spec = replace(plan.spec, tasks=open_tasks, samples=k_next, temperature=temperature)
+        loaded = load_tasks(spec)
+        out = plan.out / f"round-k{k_next}"
+        baseline = _round_baseline(plan, spec, loaded, adapter, out / f"baseline-{plan.baseline.run.kernel.replace('/', '_')}")
+        if baseline is None:
+            notes.append(f"rounds stopped before k = {k_next}: no stored baseline sampled that way on this server; "
+                         f"record one with `evalgate calibrate --server URL --kernel {plan.baseline.run.kernel} "
+                         f"--samples {k_next} --temperature {temperature:g} --seed {spec.seed}`")
+            break
+        candidate = run_or_resume(spec, out / "candidate", adapter, None, loaded)
+        round_verdict = decide_look(plan, baseline, candidate, ledger)
+        looks += round_verdict.sequence["looks"]
+        notes += [n for n in round_verdict.notes if n.startswith("look ")]
+        for task, dec in round_verdict.decision.tasks.items():
+            tasks[task] = dec
+        k = k_next
+    final = overall_verdict(d.verdict for d in tasks.values())
+    if len(looks) > 1:
+        decided_at = {t: next((x["look"] for x in reversed(looks) if t in x["tasks"]), 0) for t in tasks}
+        notes.append("decided in rounds: " + "; ".join(
+            f"{t} {d.verdict} at look {decided_at[t] + 1} (k = {d.n_samples})" for t, d in tasks.items()))
+    old = verdict.decision
+    reasons = tuple(f"{t}: {r}" for t, d in tasks.items() if d.verdict == final for r in d.reasons) or old.reasons
+    if final == "PASS":
+        reasons = (f"all {len(tasks)} task(s) passed",)
+    decision = OverallDecision(final, tasks, reasons, tuple(f"{t}: {w}" for t, d in tasks.items() for w in d.warnings),
+                               old.alpha, old.multiple_comparisons)
+    sequence = {**(verdict.sequence or {}), "looks": looks}
+    return replace(verdict, verdict=final if verdict.verdict != "FAIL" else "FAIL",
+                   exit_code=EXIT_CODES[final if verdict.verdict != "FAIL" else "FAIL"], decision=decision,
+                   notes=notes, sequence=sequence)
 
 
 def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path | None = None, out: Path | None = None,
@@ -72,6 +203,19 @@ def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path | None =
 def calibration_stamp() -> str:
     """The time stamp that names one calibration's runs (and a launched server's log folder)."""
     return stamp()
+
+
+def _with_earlier_runs(entry: dict, earlier: dict | None, task: str) -> dict:
+    """This A/A run's record, keeping the earlier runs of the same baseline in ``runs`` (the gate pools them
+    and counts them against ``min_aa_runs``); a failed earlier pair keeps the record failed."""
+    this = {key: entry[key] for key in ("psi0", "n", "b", "c", "verdict")}
+    before = ((earlier or {}).get("tasks") or {}).get(task)
+    if not before:
+        return {**entry, "runs": [this]}
+    runs = before.get("runs") or [{key: before.get(key) for key in ("psi0", "n", "b", "c", "verdict")}]
+    verdict = "FAIL" if any(r.get("verdict") == "FAIL" for r in runs) else entry["verdict"]
+    flips = [f for f in entry["flips"]] + [f for f in before.get("flips", []) if str(f) not in set(map(str, entry["flips"]))]
+    return {**entry, "verdict": verdict, "flips": flips, "runs": [*runs, this]}
 
 
 def calibrate(spec: RunSpec, root: Path | None = None, runs_dir: Path = Path("results/runs"),
@@ -122,6 +266,7 @@ def calibrate(spec: RunSpec, root: Path | None = None, runs_dir: Path = Path("re
                  "c": dec.counts.c, "flips": flips, "verdict": dec.verdict, "reasons": list(dec.reasons),
                  "second_run": {"path": str(second.path), **second_run},
                  "first_batch_size": base.manifest.get("spec", {}).get("batch_size")}
+        entry = _with_earlier_runs(entry, read_aa(base_dir), task)
         aa = {"tasks": {task: entry}, "thresholds_sha256": thresholds.sha256,
               "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
         write_aa(base_dir, aa, second.path)

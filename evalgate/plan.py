@@ -23,6 +23,9 @@ from evalgate.run.runner import LoadedTask, RunSpec, load_tasks
 from evalgate.run.store import Run
 
 RUNS_DIR = Path("results/runs")
+# the most samples per item the gate's rounds go to (docs/gate.md#sequential-rounds: chosen from
+# benchmarks/simulate_gate.py, where k = 8 coupled samples decide ≥ 99% of healthy HumanEval kernels at ψ = 6%)
+DEFAULT_MAX_SAMPLES = 8
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,10 @@ class GatePlan:
     early_stop: bool = True  # stop generating once the FAIL is certain (docs/gate.md#stopping-early)
     stop_on_conformance: bool = True  # False: a kernel failing conformance runs until its accuracy FAIL is certain
     candidate: Run | None = None
+    # sequential rounds (docs/gate.md#sequential-rounds): while undecided, add coupled samples per item up to this
+    max_samples: int = DEFAULT_MAX_SAMPLES
+    baselines_root: Path | None = None  # where sampled baselines are looked up for the rounds
+    ledger_dir: Path | None = None  # the gate's sequence ledgers (every look it took); None: not recorded
 
 
 def stamp() -> str:
@@ -99,7 +106,7 @@ def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, base
               thresholds: str | Path | None = None, out: str | Path | None = None,
               report_dir: str | Path | None = None, allow_uncalibrated: bool = False, early_stop: bool = True,
               stop_on_conformance: bool = True, fingerprint: str | None = None, served: bool = False,
-              tasks: Mapping[str, LoadedTask] | None = None) -> GatePlan:
+              tasks: Mapping[str, LoadedTask] | None = None, max_samples: int | None = None) -> GatePlan:
     """One gate's plan from its arguments. ``spec``: a candidate to run (``fingerprint`` is the served model's
     when ``served``, else the local checkpoint's is computed); ``candidate``: a stored run to decide from.
     ``baselines``: baseline folders (default: the stored ``baseline_kernel`` baseline for the model and the
@@ -127,10 +134,15 @@ def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, base
         baseline, missing = load_stored_baseline(lookup_roots(root), fingerprint, profile_ids, baseline_kernel)
         if missing:
             raise _missing_baseline(spec, missing, baseline_kernel, root, served)
+    rounds = dict(max_samples=DEFAULT_MAX_SAMPLES if max_samples is None else max_samples, baselines_root=root,
+                  ledger_dir=user_root(root).parent / "sequences")
+    if rounds["max_samples"] < 1:
+        raise UserError(f"--max-samples must be >= 1, got {rounds['max_samples']}")
     if candidate is not None:
         return GatePlan(policy=policy, baseline=baseline, allow_uncalibrated=allow_uncalibrated,
-                        report_dir=Path(report_dir) if report_dir else candidate.path / "gate", candidate=candidate)
+                        report_dir=Path(report_dir) if report_dir else candidate.path / "gate", candidate=candidate,
+                        **rounds)
     run_out = Path(out) if out else gate_out(spec.kernel)
     return GatePlan(policy=policy, baseline=baseline, allow_uncalibrated=allow_uncalibrated,
                     report_dir=Path(report_dir) if report_dir else run_out / "gate", spec=spec, tasks=loaded,
-                    out=run_out, early_stop=early_stop, stop_on_conformance=stop_on_conformance)
+                    out=run_out, early_stop=early_stop, stop_on_conformance=stop_on_conformance, **rounds)

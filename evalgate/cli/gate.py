@@ -82,12 +82,13 @@ def _decision_flags(baselines, baseline_kernel, baselines_root, thresholds_path,
 @click.option("--allow-uncalibrated", is_flag=True, help="Decide even if the baseline has no A/A calibration (recorded).")
 @click.option("--no-early-stop", "no_early_stop", is_flag=True,
               help="Run every item, even once the FAIL is certain (default: stop generating then; docs/gate.md#stopping-early).")
+@click.option("--max-samples", type=click.IntRange(min=1), default=None, help="While a task is undecided, add coupled samples per item in rounds up to this many (default 8; 1: no rounds; docs/gate.md#sequential-rounds).")
 @sampling_options
 @server_options
 def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel, candidate,
          baselines, baseline_kernel, baselines_root, thresholds_path, out, report_dir, allow_uncalibrated,
          no_early_stop, samples, temperature, seed, server, model_id, launch, launch_timeout, request_timeout,
-         concurrency, retries, server_args):
+         concurrency, retries, server_args, max_samples=None):
     """Compare a candidate kernel with the stored W4A8 baseline and decide: PASS (exit 0), FAIL (1: the
     kernel is worse, or does not compute what it declares), INCONCLUSIVE (3: the data show neither; the
     verdict says how many samples would).
@@ -153,7 +154,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
                 plan = plan_gate(spec=spec, tasks=loaded, baselines=baselines, baseline_kernel=baseline_kernel,
                                  baselines_root=baselines_root, thresholds=thresholds_path, out=run_out,
                                  report_dir=report_dir, allow_uncalibrated=allow_uncalibrated,
-                                 early_stop=not no_early_stop, served=served,
+                                 early_stop=not no_early_stop, served=served, max_samples=max_samples,
                                  fingerprint=adapter.info()["fingerprint"] if adapter is not None else None)
                 verdict = run_gate(plan, adapter)
         except ServerError as exc:  # the server went away mid-run: the environment, not the input

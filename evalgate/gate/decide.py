@@ -19,6 +19,7 @@ from evalgate.gate.rule import TaskData, TaskRule, decide_overall, decide_task
 from evalgate.gate.verdict import EXIT_CODES, Verdict
 from evalgate.run.baselines import StoredBaseline, load_baseline
 from evalgate.run.store import Run, load_run
+from evalgate.stats.margin import pooled_psi
 from evalgate.stats.unpaired import unpaired_two_proportion
 from evalgate.tasks.humaneval.runtime import python_warnings
 
@@ -40,6 +41,8 @@ def _validity_problems(pairing: Pairing, thresholds: Thresholds, aa: dict, requi
             prep = run.manifest["tasks"][task].get("prepare") or {}
             if prep and prep.get("ok") is False:
                 problems.append(f"{task}: the {side}'s executor self-test failed")
+        if not pairing.pairs[task].doc_ids:
+            problems.append(f"{task}: the runs have no items for this task; run it with items (check --limit)")
         task_aa = aa.get(task)
         if task_aa is None and require_aa and policy.min_aa_runs > 0:
             problems.append(f"{task}: no A/A calibration on record for the baseline; run `evalgate calibrate` "
@@ -47,7 +50,35 @@ def _validity_problems(pairing: Pairing, thresholds: Thresholds, aa: dict, requi
         elif task_aa is not None and task_aa.get("verdict") not in (None, "PASS", "INCONCLUSIVE"):
             problems.append(f"{task}: the baseline's own A/A pair failed the gate ({task_aa.get('verdict')}): "
                             "the stack is not reproducible, or the baseline kernel degrades against itself")
+        elif task_aa is not None:
+            problems += _aa_record_problems(task, task_aa, policy.min_aa_runs if require_aa else 0)
     return problems
+
+
+def aa_runs(entry: dict) -> list[tuple[float, int]]:
+    """The A/A runs a task's record holds, each (ψ₀, n): its ``runs`` when calibrate pooled several, else one."""
+    runs = entry.get("runs")
+    if isinstance(runs, list) and runs:
+        return [(r.get("psi0"), r.get("n")) for r in runs if isinstance(r, dict)]
+    return [(entry.get("psi0"), entry.get("n"))]
+
+
+def _aa_record_problems(task: str, entry: dict, min_runs: int) -> list[str]:
+    """A/A values that cannot be (a flip rate outside [0, 1], no items) and too few A/A runs (min_aa_runs)."""
+    out = []
+    for psi0, n in aa_runs(entry):
+        if psi0 is not None and not (isinstance(psi0, (int, float)) and 0.0 <= psi0 <= 1.0):
+            out.append(f"{task}: the baseline's A/A record is corrupt (psi0 = {psi0!r}, not a flip rate in [0, 1]); "
+                       "re-run `evalgate calibrate`")
+        if n is not None and not (isinstance(n, int) and n > 0):
+            out.append(f"{task}: the baseline's A/A record is corrupt (n = {n!r}, not a positive item count); "
+                       "re-run `evalgate calibrate`")
+    count = len(aa_runs(entry))
+    if count < min_runs:
+        out.append(f"{task}: the policy asks for {min_runs} A/A runs (tasks.{task}.min_aa_runs) and the baseline has "
+                   f"{count}; run `evalgate calibrate` again to add one (each run is pooled), or pass "
+                   "--allow-uncalibrated")
+    return out
 
 
 def decide(pairing: Pairing, thresholds: Thresholds, aa: dict | None = None, require_aa: bool = True) -> Verdict:
@@ -64,7 +95,7 @@ def decide(pairing: Pairing, thresholds: Thresholds, aa: dict | None = None, req
         scored = replace(scored, aa_flips={t: a["flips"] for t, a in aa.items()})
     decisions = []
     for task, pairs in scored.pairs.items():
-        task_aa = aa.get(task) or {}
+        task_aa = _pooled(aa.get(task) or {})
         # per-item scores are means over k samples (docs/gate.md#k-samples); k = 1: binary, McNemar and Tango
         data = TaskData(
             task, pairs.scores("base"), pairs.scores("cand"), n_samples=pairs.n_samples("base"),
@@ -83,6 +114,15 @@ def decide(pairing: Pairing, thresholds: Thresholds, aa: dict | None = None, req
     notes = [] if aa else ["decided without an A/A calibration (--allow-uncalibrated)"]
     aa_out = {t: {**a, **_aa_bound(overall.tasks.get(t))} for t, a in aa.items()}
     return Verdict(overall.verdict, overall.exit_code, overall, scored, thresholds, aa=aa_out, notes=notes)
+
+
+def _pooled(entry: dict) -> dict:
+    """A task's A/A record with ψ₀ and n pooled over its runs (``pooled_psi``: flips and items summed)."""
+    runs = aa_runs(entry)
+    if len(runs) < 2 or any(psi is None or n is None for psi, n in runs):
+        return entry
+    psi0, n = pooled_psi(runs)
+    return {**entry, "psi0": psi0, "n": n}
 
 
 def _aa_bound(dec) -> dict:

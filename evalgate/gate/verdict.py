@@ -252,6 +252,9 @@ class Verdict:
     # the candidate stopped early (docs/gate.md#stopping-early): items run / total per task, observed flips,
     # why; the decision's numbers are those of its best completion
     early_stop: dict | None = None
+    # the gate's looks (docs/gate.md#sequential-rounds): its identity, each look's k, α and verdict; the
+    # per-task decisions are those of the look that decided each task
+    sequence: dict | None = None
 
     def to_dict(self) -> dict:
         cmp = self.comparison
@@ -270,6 +273,7 @@ class Verdict:
             "baseline_dirs": self.baseline_dirs,
             "conformance": self.conformance,
             "early_stop": self.early_stop,
+            "sequence": self.sequence,
         }
         if cmp is not None:
             out["baseline"] = run_identity(cmp.baseline)
