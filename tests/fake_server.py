@@ -190,6 +190,8 @@ class FakeServer:
                     self._send(200, {"object": "list", "data": [{"id": i, "object": "model",
                                                                  "root": server.server_info.get("model_path")}
                                                                 for i in ids]})
+                elif self.path == "/stats":  # the stand-in's own counters (the dispatch benchmark reads them)
+                    self._send(200, {"connections": server.connections, "completions": len(server.requests)})
                 elif self.path == "/version" and server.version:
                     self._send(200, {"version": server.version})
                 elif self.path in ("/get_server_info", "/server_info") and server.server_info:

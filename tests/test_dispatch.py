@@ -62,6 +62,18 @@ def test_a_full_gsm8k_run_at_concurrency_64_keeps_64_in_flight_until_the_tail(da
     assert [r["doc_id"] for r in run.records["gsm8k"]] == list(range(1319))  # read back in item order
     assert run.manifest["timings"]["gsm8k"]["mean_in_flight"] >= 60
     assert run.manifest["model"]["concurrency"] == 64 and run.manifest["model"]["dispatch"] == "continuous"
+    # keep-alive: one connection per slot of the pool (and the describing calls), not one per request
+    assert server.connections <= 64 + 4
+
+
+def test_requests_reuse_the_pool_connections(data_dir, tmp_path):
+    with FakeServer(server_info=DETERMINISTIC) as server:
+        adapter = OpenAIAdapter(server.url, "w4a8", concurrency=3, retries=0, batch_size=4)
+        spec = RunSpec(model="fake-model", kernel="w4a8", tasks=["gsm8k"], limit=30, batch_size=4,
+                       data_dir=str(data_dir))
+        execute(spec, tmp_path / "run", adapter=adapter, progress=quiet())
+        adapter.close()
+    assert len(server.requests) == 30 and server.connections <= 3 + 1
 
 
 def test_concurrency_is_independent_of_the_batch_size(data_dir, tmp_path):
