@@ -279,10 +279,11 @@ def _rows(dataset, task: str, fields, columns: dict, where: str) -> list:
     if missing:
         raise UserError(f"{where}: missing column(s) {', '.join(missing)}; it has {', '.join(have)}; map a column "
                         f"to a field with --dataset {task}.FIELD=COLUMN (fields: {', '.join(fields)})")
-    not_text = [col for col in wanted.values() if getattr(dataset.features[col], "dtype", None) not in ("string", "large_string")]
+    kinds = {col: getattr(dataset.features[col], "dtype", type(dataset.features[col]).__name__) for col in wanted.values()}
+    not_text = {col: kind for col, kind in kinds.items() if kind not in ("string", "large_string")}
     if not_text:
         raise UserError(f"{where}: column(s) {', '.join(repr(c) for c in not_text)} hold "
-                        f"{', '.join(str(dataset.features[c]) for c in not_text)}, not text")
+                        f"{', '.join(map(str, not_text.values()))}, not text")
     table = dataset.select_columns(list(dict.fromkeys(wanted.values()))).to_dict()
     return [{f: table[col][i] for f, col in wanted.items()} for i in range(len(dataset))]
 
