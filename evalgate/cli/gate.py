@@ -107,7 +107,8 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
         if sampling != sampling_settings(1, 0.0, None):
             raise UserError("--candidate decides from a stored run, made with its own sampling settings; drop "
                             "--samples/--temperature/--seed")
-        ignored = [name for name in RUN_ONLY if _explicit(name)]
+        ignored = [name for name in RUN_ONLY  # on the command line (an environment variable serves every command)
+                   if click.get_current_context().get_parameter_source(name) is ParameterSource.COMMANDLINE]
         if ignored:  # settings given and ignored are an error
             flags = "/".join("--" + name.replace("_", "-") for name in ignored)
             raise UserError(f"--candidate decides from a stored run, made with its own settings; drop {flags}")
