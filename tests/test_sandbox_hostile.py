@@ -29,6 +29,7 @@ from evalgate.tasks.humaneval.problems import build_program, load_problems
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0,
                                 reason="the full sandbox needs Linux and root")
 
+SYSCALL_REFUSED = "the program made a system call the sandbox does not allow (killed by SIGSYS)"  # child.py's
 T = 8.0  # seconds per program in the batch: generous, so a loaded machine does not turn passes into timeouts
 
 PROBLEMS = load_problems()
@@ -476,7 +477,7 @@ CASES = [
         }
         print("escapes", {k: v for k, v in results.items() if v == 0})
         return False
-        """), check=lambda o: "escapes {}" in o.stdout),
+        """), check=lambda o: "escapes {}" in o.stdout or o.result == f"failed: {SYSCALL_REFUSED}"),
     Case("signals_every_pid_it_can_name", "escape", HE0, body("""
         import os, signal
         hit = []
@@ -550,7 +551,7 @@ CASES = [
         ids = [libc.shmget(0x7000 + i, 64 << 20, 0o1666) for i in range(8)]
         print("segments", sum(i >= 0 for i in ids))
         return False
-        """), check=lambda o: "segments 0" in o.stdout or "segments 1" in o.stdout),
+        """), check=lambda o: "segments 0" in o.stdout or "segments 1" in o.stdout or o.result == f"failed: {SYSCALL_REFUSED}"),
     Case("stops_itself", "resource", HE0, body("import os, signal\nos.kill(0, signal.SIGSTOP)\nos.kill(os.getpid(), signal.SIGSTOP)\nwhile True: pass"),
          expect="timed_out"),
     Case("segfaults", "resource", HE0, body("import ctypes\nctypes.string_at(0)"), expect="crashed"),
@@ -698,15 +699,14 @@ def search(ring):
 
 
 @pytest.mark.slow
-def test_keyrings_do_not_carry_over(one_uid):
+def test_keyrings_are_out_of_reach(one_uid):
+    """No keyring call is allowed (a key could outlive the program); the slot's next program finds nothing either."""
     writer = run_item(HE0, body(KEYCTL + "print('serials', [add_key(r) for r in (-2, -3, -4, -5)])\nreturn False"))
-    serials = json.loads(writer.stdout.split("serials", 1)[1].strip())
-    assert all(s > 0 for s in serials), writer.stdout  # the writer could add keys to all four keyrings...
-    reader = run_item(HE0, body(KEYCTL + f"print('found', [search(r) for r in (-2, -3, -4, -5)], "
-                                          f"[read_key(s) for s in {serials}])\nreturn False"))
-    found = reader.stdout.split("found", 1)[1]
-    assert "secret" not in found and not any(f" {s}" in found for s in serials), reader.stdout  # ...none is found
+    assert writer.result == f"failed: {SYSCALL_REFUSED}" and "serials" not in writer.stdout, writer.stdout
+    reader = run_item(HE0, body(KEYCTL + "print('found', [search(r) for r in (-2, -3, -4, -5)])\nreturn False"))
+    assert reader.result == f"failed: {SYSCALL_REFUSED}", reader.stdout
     assert host_state()["keys"] == 0
+    assert run_item(HE0, HE0["canonical_solution"]).passed  # its honest neighbour
 
 
 SYSV = """
@@ -719,26 +719,22 @@ libc.shmat.restype = ctypes.c_void_p
 
 @pytest.mark.slow
 def test_sysv_ipc_posix_queues_tmp_and_shm_do_not_carry_over(one_uid):
+    """IPC objects are refused outright; files in /tmp, /dev/shm and the work directory die with the program."""
     before = host_state()
+    for make in ("libc.shmget(0x4567, 1 << 20, 0o1666)", "libc.msgget(0x4567, 0o1666)", "libc.semget(0x4567, 1, 0o1666)",
+                 'rt.mq_open(b"/evalgate-probe", os.O_CREAT | os.O_RDWR, 0o666, None)'):
+        refused = run_item(HE0, body(SYSV + make + "\nreturn False"))
+        assert refused.result == f"failed: {SYSCALL_REFUSED}", (make, refused.result)
     writer = run_item(HE0, body(SYSV + textwrap.dedent("""
-        shm = libc.shmget(0x4567, 1 << 20, 0o1666)
-        ctypes.memmove(libc.shmat(shm, None, 0), b"left by the writer", 18)
-        msg = libc.msgget(0x4567, 0o1666)
-        sem = libc.semget(0x4567, 1, 0o1666)
-        mq = rt.mq_open(b"/evalgate-probe", os.O_CREAT | os.O_RDWR, 0o666, None)
         for path in ("/tmp/evalgate-probe", "/dev/shm/evalgate-probe", "/var/tmp/evalgate-probe", "evalgate-probe"):
             open(path, "w").write("left by the writer")
-        print("made", shm >= 0, msg >= 0, sem >= 0, mq >= 0)
+        print("made")
         return False
         """)))
-    assert "made True True True True" in writer.stdout, writer.stdout + writer.stderr
+    assert "made" in writer.stdout, writer.stdout + writer.stderr
     reader = run_item(HE0, body(SYSV + textwrap.dedent("""
         import os
         found = []
-        if libc.shmget(0x4567, 0, 0) >= 0: found.append("shm")
-        if libc.msgget(0x4567, 0) >= 0: found.append("msg")
-        if libc.semget(0x4567, 0, 0) >= 0: found.append("sem")
-        if rt.mq_open(b"/evalgate-probe", os.O_RDONLY, 0, None) >= 0: found.append("mq")
         for path in ("/tmp/evalgate-probe", "/dev/shm/evalgate-probe", "/var/tmp/evalgate-probe", "evalgate-probe"):
             if os.path.exists(path): found.append(path)
         print("found", found)
@@ -748,68 +744,34 @@ def test_sysv_ipc_posix_queues_tmp_and_shm_do_not_carry_over(one_uid):
     assert host_state() == before
 
 
-def test_a_reused_network_namespace_carries_nothing_over():
-    """Programs run one after another share their slot's network namespace: the second must find nothing of
-    the first (its listening abstract socket, its UDP port)."""
-    leave = module("""
-        import os, socket
-        a = socket.socket(socket.AF_UNIX)
-        a.bind(b"\\0evalgate-probe")
-        a.listen(5)
-        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            u.bind(("0.0.0.0", 4242))
-        except OSError:
-            pass
-        print("ns", os.readlink("/proc/self/ns/net"))
-        import time
+def test_each_program_has_a_network_namespace_of_its_own_and_no_socket():
+    """Nothing network-side is handed from one program to the next: each sandbox unshares a fresh namespace (no
+    pool), and no program can make a socket in it (only socketpairs), so it holds no state to hand over."""
+    probe = module("""
+        import os
+        names, values = open("/proc/net/snmp").read().splitlines()[:2]
+        print("ns", os.readlink("/proc/self/ns/net"), dict(zip(names.split(), values.split()))["OutNoRoutes"])
         """)
-    find = module("""
-        import os, socket
-        found = []
-        try:
-            socket.socket(socket.AF_UNIX).connect(b"\\0evalgate-probe")
-            found.append("abstract socket")
-        except OSError:
-            pass
-        try:
-            socket.socket(socket.AF_UNIX).bind(b"\\0evalgate-probe")
-        except OSError:
-            found.append("abstract name taken")
-        print("ns", os.readlink("/proc/self/ns/net"), "found", found)
-        """)
-    left = set()
-    reused = 0
-    for _ in range(4):
-        a = run_item(HE0, leave)
-        left.add(a.stdout.split()[1])
-        time.sleep(0.3)  # the executor takes a namespace back when it has reaped the judge
-        b = run_item(HE0, find)
-        assert "found []" in b.stdout, b.stdout + b.stderr
-        reused += b.stdout.split()[1] in left
-    assert reused, ("the namespace was never reused: the test proved nothing", left)
+    seen = [run_item(HE0, probe).stdout.split() for _ in range(2)]
+    assert all(s[0] == "ns" and s[2] == "0" for s in seen), seen  # Ip:OutNoRoutes starts at 0 in every one
+    refused = run_item(HE0, module("import socket\nsocket.socket(socket.AF_UNIX).bind(b'\\0evalgate-probe')"))
+    assert refused.result == f"failed: {SYSCALL_REFUSED}", refused.result
 
 
 @pytest.mark.slow
 def test_concurrent_programs_cannot_reach_each_other():
-    """Two programs at once: an abstract unix socket, a loopback port, a process, a file."""
+    """Two programs at once: each other's sockets, processes, files."""
     listener = module("""
-        import socket, os, time, threading
-        s = socket.socket(socket.AF_UNIX)
-        s.bind(b"\\0evalgate-probe")
-        s.listen(1)
+        import os, time
         open("/tmp/evalgate-probe-live", "w").write("here")
         time.sleep(4)
         """)
     prober = module("""
-        import socket, os, time
+        import os, time
         time.sleep(1.5)
         found = []
-        try:
-            socket.socket(socket.AF_UNIX).connect(b"\\0evalgate-probe")
-            found.append("abstract socket")
-        except OSError:
-            pass
+        if len(open("/proc/net/unix").read().splitlines()) > 1:
+            found.append("sockets of another namespace")
         if os.path.exists("/tmp/evalgate-probe-live"):
             found.append("file")
         others = [p for p in os.listdir("/proc") if p.isdigit() and p != "1"]
@@ -891,3 +853,240 @@ def test_while_another_harness_runs_this_one_still_passes():
 def test_full_text_is_human_evals_program():
     for p in PROBLEMS[:20]:
         assert sandbox.humaneval_program(p, p["canonical_solution"]).full_text == build_program(p, p["canonical_solution"])
+
+
+# ---- issue 37: nothing a program leaves behind reaches a later program, a neighbour or the record --------
+
+OPEN_SHARED = "import os, ctypes, mmap\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n" \
+              "fd = os.open(os.__file__, os.O_RDONLY)  # a file every sandbox sees\n"
+# one program per root cause; each must end with the filter's refusal (SIGSYS), never with what it tried
+REFUSED_CALLS = {
+    # the page cache of the shared read-only files: a store one program writes and the next reads
+    "page_cache_fadvise_dontneed": "os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)",
+    "page_cache_preadv2_nowait": "os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)",
+    "page_cache_readahead": "libc.syscall(187, fd, 0, 1 << 20)",
+    "page_cache_mincore": "m = mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE)\n"
+                          "libc.mincore(ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(m))), 4096, "
+                          "ctypes.create_string_buffer(1))",
+    "page_cache_madvise_willneed": "m = mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE)\nm.madvise(mmap.MADV_WILLNEED)",
+    "page_cache_madvise_pageout": "m = mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE)\nm.madvise(21)",
+    # locks and watches on the shared files: seen by another harness's programs and by the host
+    "flock_on_a_shared_file": "import fcntl\nfcntl.flock(fd, fcntl.LOCK_SH)",
+    "posix_lock_on_a_shared_file": "import fcntl\nfcntl.lockf(fd, fcntl.LOCK_SH)",
+    "dnotify_on_a_shared_directory": "import fcntl\nfcntl.fcntl(os.open('/', os.O_RDONLY), fcntl.F_NOTIFY, 0x80000001)",
+    "inotify_on_the_shared_files": "libc.inotify_init1(0)",
+    "fanotify": "libc.syscall(300, 0, 0)",
+    # sockets: network state (counters, IPv6 flow labels, abstract names) is kernel state
+    "an_ipv6_socket_for_the_flow_label_manager": "import socket\nsocket.socket(socket.AF_INET6, socket.SOCK_DGRAM)",
+    "an_abstract_unix_socket": "import socket\nsocket.socket(socket.AF_UNIX).bind(b'\\0evalgate-probe')",
+    "a_udp_socket_for_the_netns_counters": "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM)",
+    # kernel objects and other processes
+    "memfd_create": "os.memfd_create('x')",
+    "ptrace": "libc.ptrace(0, 0, 0, 0)",
+    "perf_event_open": "libc.syscall(298, 0, 0, -1, -1, 0)",
+    "bpf": "libc.syscall(321, 0, 0, 0)",
+    "userfaultfd": "libc.syscall(323, 0)",
+    "keyring_add_key": "libc.syscall(248, b'user', b'evalgate-probe', b'x', 1, -3)",
+    "kernel_log_syslog": "libc.syscall(103, 3, 0, 0)",
+    "comm_name_for_the_kernel_log": "libc.prctl(15, b'chosen-name', 0, 0, 0)",
+    "clears_its_parent_death_signal": "libc.prctl(1, 0, 0, 0, 0)",
+    "io_uring_bypasses_the_filter": "libc.syscall(425, 8, ctypes.create_string_buffer(120))",
+    "a_new_namespace_through_clone": "libc.syscall(56, 0x40000000 | 17, 0, 0, 0, 0)",
+    "execve_a_host_binary": "os.execv('/usr/bin/true', ['true'])",
+}
+
+# an honest program that uses what a Python program may need: threads, processes, pipes, socketpairs, files
+HONEST_RUNTIME = body("""
+    import multiprocessing, os, socket, tempfile, threading, time
+    with multiprocessing.Pool(2) as pool:
+        pairs = pool.map(abs, [len(numbers), 1])
+    a, b = socket.socketpair()
+    a.send(b"x")
+    assert b.recv(1) == b"x"
+    r, w = os.pipe()
+    os.write(w, b"y")
+    assert os.read(r, 1) == b"y"
+    with tempfile.TemporaryFile() as f:
+        f.write(b"z")
+    box = []
+    t = threading.Thread(target=box.append, args=(1,))
+    t.start()
+    t.join()
+    time.sleep(0.001)
+    os.urandom(4)
+    return any(abs(x - y) < threshold for i, x in enumerate(numbers) for j, y in enumerate(numbers) if i != j)
+    """)
+
+
+@pytest.fixture(scope="module")
+def refused_batch():
+    """Every refused call, each followed by an honest neighbour that uses the runtime, in one batch."""
+    programs = []
+    for code in REFUSED_CALLS.values():
+        programs.append(sandbox.humaneval_program(HE0, body(OPEN_SHARED + code + "\nreturn False")))
+        programs.append(sandbox.humaneval_program(HE0, HONEST_RUNTIME))
+    outcomes = sandbox.run_programs(programs, T, workers=2)
+    return dict(zip(REFUSED_CALLS, zip(outcomes[0::2], outcomes[1::2])))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(REFUSED_CALLS))
+def test_a_call_outside_the_allowlist_fails_the_item_and_its_neighbour_passes(name, refused_batch):
+    hostile, neighbour = refused_batch[name]
+    assert hostile.result == f"failed: {SYSCALL_REFUSED}" and hostile.failure_class == "failed:exception", \
+        (hostile.result, hostile.stderr[-500:])
+    assert neighbour.passed, (neighbour.result, neighbour.stderr[-800:])
+
+
+# A completion that never reads its arguments: it answers True unless a mark says the answer at this call was
+# False. It learns a wrong guess when the next call does not come, and keeps its marks wherever it can: the
+# page cache of a shared file (the breach this issue found), the files and IPC of its sandbox.
+LEARNER = body("""
+    import os, sys, glob
+    state = sys.modules[__name__].__dict__.setdefault("_calls", [0])
+    state[0] += 1
+    call = state[0]
+    marks = "/tmp/learned", "/dev/shm/learned"
+    learned = set()
+    for path in marks:
+        try:
+            learned |= set(open(path).read().split())
+        except OSError:
+            pass
+    for path in marks:  # a guess is wrong if no later call comes: say so now, take it back at the next call
+        with open(path, "w") as f:
+            f.write(" ".join(sorted(learned | {str(call)})))
+    if call > 1:
+        for path in marks:
+            with open(path, "w") as f:
+                f.write(" ".join(sorted(learned - {str(call - 1)})))
+    try:
+        with open(glob.glob("/usr/lib/x86_64-linux-gnu/*.so*")[call], "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    except (OSError, IndexError):
+        pass
+    return str(call) not in learned
+    """)
+
+
+@pytest.mark.slow
+def test_a_program_that_computes_nothing_learns_nothing_across_runs():
+    outcomes = sandbox.run_programs([sandbox.humaneval_program(HE0, LEARNER)] * 8, T, workers=2)
+    assert not any(o.passed for o in outcomes), [o.result for o in outcomes]
+    assert len({o.result for o in outcomes}) == 1  # the same failure every time: nothing was carried over
+    assert run_item(HE0, HE0["canonical_solution"]).passed  # its honest neighbour
+
+
+def test_processes_left_at_the_verdict_are_counted_killed_and_fail_the_item():
+    leaves = module("""
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            time.sleep(60)
+        time.sleep(0.2)
+        """, returns="any(abs(x - y) < threshold for i, x in enumerate(numbers) for y in numbers[i + 1:])")
+    hostile, honest = sandbox.run_programs([sandbox.humaneval_program(HE0, leaves),
+                                            sandbox.humaneval_program(HE0, HE0["canonical_solution"])], T, workers=2)
+    assert not hostile.passed and hostile.survivors == 1 and "still running at its verdict" in hostile.result
+    assert honest.passed and honest.survivors == 0
+    assert our_uid_processes() == []
+
+
+def test_a_judge_overrun_kills_the_whole_sandbox(monkeypatch):
+    """The executor gives up on a judge (here: a grace so short that it is killed 1.5 s after it starts, in the
+    middle of a 6 s program) and kills every process of the program before it answers."""
+    monkeypatch.setattr(sandbox, "GRACE_S", 1.5 - sandbox.SETUP_TIMEOUT_S - 6.0)
+    lingers = module("""
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            time.sleep(60)
+        time.sleep(60)
+        """)
+    outcome = sandbox.run_program(sandbox.humaneval_program(HE0, lingers), 6.0)
+    assert outcome.failure_class == "timed_out" and "judge overran" in outcome.result, outcome.result
+    assert our_uid_processes() == []  # the program and its child: killed before the answer (by its control group,
+    # or already by the parent-death signal of the sandbox, which the program cannot clear: prctl is refused)
+    monkeypatch.undo()
+    assert run_item(HE0, HE0["canonical_solution"]).passed  # its honest neighbour
+
+
+def test_memory_is_bounded_per_sandbox_not_per_process():
+    """Six processes, each holding 24 MiB of its own and 16 MiB of tmpfs pages (which no RLIMIT_AS counts): 240 MiB
+    held under a limit of 128 MiB, unless the limit is the sandbox's."""
+    hog = textwrap.dedent("""
+        import os, time
+        reported = {}
+        for i in range(6):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                own = b"x" * (24 << 20)
+                fd = os.open(("/tmp", "/dev/shm")[i % 2], os.O_TMPFILE | os.O_RDWR)
+                for _ in range(16):
+                    os.write(fd, b"y" * (1 << 20))
+                os.write(w, b"40")
+                time.sleep(30)
+            os.close(w)
+            reported[pid] = int(os.read(r, 16) or 0)
+        time.sleep(0.2)  # what is held at once: the children still alive now (a killed one freed its pages)
+        print("held", sum(n for pid, n in reported.items() if os.waitpid(pid, os.WNOHANG) == (0, 0)))
+        """)
+    outcome = sandbox.run_program(hog, 20.0, memory_bytes=128 << 20)
+    held = int(outcome.stdout.split()[-1]) if "held" in outcome.stdout else 0
+    assert held <= 128, (held, outcome.result)
+    assert not outcome.passed  # its children outlive it, or it was killed
+    honest = sandbox.run_program("x = bytearray(32 << 20)\nprint(len(x))", 20.0, memory_bytes=128 << 20)
+    assert honest.passed, honest.result
+
+
+def test_a_fraction_too_costly_to_decode_is_refused_before_it_is_built():
+    huge = module("", returns="__import__('fractions').Fraction((1 << 60000) + 1, (1 << 60001) + 3, _normalize=False)")
+    started = time.monotonic()
+    outcome = run_item(HE0, huge)
+    assert not outcome.passed and "Fraction's integers are limited" in outcome.result, outcome.result
+    assert time.monotonic() - started < T
+    assert run_item(HE0, HE0["canonical_solution"]).passed  # its honest neighbour
+
+
+def test_a_surrogate_in_a_raised_message_is_stored_with_its_neighbours(tmp_path):
+    from evalgate.run.store import RecordWriter, read_records
+
+    raises = body('raise ValueError("bad input " + chr(0xD800))')
+    hostile, honest = sandbox.run_programs([sandbox.humaneval_program(HE0, raises),
+                                            sandbox.humaneval_program(HE0, HE0["canonical_solution"])], T, workers=2)
+    assert "\ud800" in hostile.result and honest.passed
+    writer = RecordWriter(tmp_path / "humaneval.jsonl")
+    writer.append([{"doc_id": "HumanEval/0", **hostile.to_dict()}, {"doc_id": "HumanEval/1", **honest.to_dict()}])
+    writer.close()
+    stored, _ = read_records(tmp_path / "humaneval.jsonl")
+    assert [r["passed"] for r in stored] == [False, True]
+    assert stored[0]["result"] == "failed: ValueError: bad input \\ud800"
+
+
+HOSTILE_HARNESS = """
+import sys
+from evalgate.tasks.humaneval import sandbox
+sys.path.insert(0, sys.argv[1])
+import test_sandbox_hostile as t
+programs = [sandbox.humaneval_program(t.HE0, t.body(t.OPEN_SHARED + code + "\\nreturn False")) for code in t.REFUSED_CALLS.values()]
+programs += [sandbox.humaneval_program(t.HE0, t.LEARNER)] * 4
+outcomes = sandbox.run_programs(programs * 2, t.T, workers=2)
+print("hostile passed", sum(o.passed for o in outcomes))
+"""
+
+
+@pytest.mark.slow
+def test_a_harness_running_hostile_programs_changes_nothing_in_another():
+    mixed = [sandbox.humaneval_program(p, p["canonical_solution"] if i % 3 else "    return None\n")
+             for i, p in enumerate(PROBLEMS[:24])]
+    alone = [(o.passed, o.failure_class) for o in sandbox.run_programs(mixed, T, workers=2)]
+    other = subprocess.Popen([sys.executable, "-c", HOSTILE_HARNESS, str(Path(__file__).parent)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.5)
+        beside = [(o.passed, o.failure_class) for o in sandbox.run_programs(mixed, T, workers=2)]
+    finally:
+        out, err = other.communicate(timeout=300)
+    assert "hostile passed 0" in out, (out, err[-2000:])
+    assert beside == alone

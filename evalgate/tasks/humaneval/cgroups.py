@@ -185,7 +185,7 @@ class ProgramGroups:
         return []
 
     def kill_all(self, name):
-        """Kill every process of group ``name`` and wait until it is empty; returns how many there were."""
+        """Kill every process of group ``name`` and wait until it is empty; returns their process ids."""
         first = self.members(name)
         killer = next((h for h in self.hierarchies if h.can_kill), None)
         if killer is not None and first:
@@ -204,7 +204,7 @@ class ProgramGroups:
                         pass
             time.sleep(0.0005)
             left = self.members(name)
-        return len(first)
+        return first
 
     def remove(self, name):
         for h in self.hierarchies:

@@ -24,6 +24,8 @@ import struct
 MAX_FRAME = 16 << 20  # bytes in one frame; a program that sends more breaks the channel (and fails)
 MAX_DEPTH = 64  # nesting; HumanEval's values nest at most 3 deep
 MAX_ITEMS = 1 << 22  # items drained from one iterator
+MAX_VALUES = 1 << 22  # values in one decoded frame, all levels together (a 16 MiB frame could hold 16 Mi)
+MAX_FRACTION_BYTES = 4096  # each of a Fraction's two integers: the judge's gcd on two 7 MB integers takes 38 s
 _HEADER = struct.Struct(">I")
 _F64 = struct.Struct("<d")
 _C128 = struct.Struct("<dd")
@@ -158,7 +160,7 @@ def decode(data):
         raise ChannelError("not bytes")
     data = bytes(data)
     try:
-        value, end = _decode(data, 0, 0)
+        value, end = _decode(data, 0, 0, [MAX_VALUES])
     except ChannelError:
         raise
     except (RecursionError, MemoryError) as exc:
@@ -184,13 +186,15 @@ def _chunk(data, pos):
     return data[pos:pos + n], pos + n
 
 
-def _items(data, pos, depth):
+def _items(data, pos, depth, budget):
     n, pos = _length(data, pos)
     if n > len(data) - pos:  # every item takes at least one byte
         raise ChannelError("item count larger than the frame")
+    if n > budget[0]:  # refused before any of them is built
+        raise ChannelError(f"more than {MAX_VALUES} values in one frame")
     items = []
     for _ in range(n):
-        item, pos = _decode(data, pos, depth + 1)
+        item, pos = _decode(data, pos, depth + 1, budget)
         items.append(item)
     return items, pos
 
@@ -213,9 +217,12 @@ def _set(items):
 _SINGLE = {78: None, 84: True, 70: False, 69: Ellipsis}  # N T F E
 
 
-def _decode(data, pos, depth):
+def _decode(data, pos, depth, budget):
     if depth > MAX_DEPTH:
         raise ChannelError("nested too deep")
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ChannelError(f"more than {MAX_VALUES} values in one frame")
     if pos >= len(data):
         raise ChannelError("truncated value")
     tag = data[pos]
@@ -244,13 +251,13 @@ def _decode(data, pos, depth):
         b, pos = _chunk(data, pos)
         return bytearray(b), pos
     if tag in (108, 116):  # l t
-        items, pos = _items(data, pos, depth)
+        items, pos = _items(data, pos, depth, budget)
         return (items if tag == 108 else tuple(items)), pos
     if tag in (83, 90):  # S Z
-        items, pos = _items(data, pos, depth)
+        items, pos = _items(data, pos, depth, budget)
         return (_set(items) if tag == 83 else frozenset(_set(items))), pos
     if tag == 100:  # d
-        items, pos = _items(data, pos, depth)
+        items, pos = _items(data, pos, depth, budget)
         if len(items) % 2:
             raise ChannelError("odd dict")
         return _dict(items[0::2], items[1::2]), pos
@@ -260,7 +267,7 @@ def _decode(data, pos, depth):
         b3, pos = _chunk(data, pos)
         return range(*(int.from_bytes(b, "little", signed=True) for b in (b1, b2, b3))), pos
     if tag in (75, 86, 73):  # K V I
-        items, pos = _items(data, pos, depth)
+        items, pos = _items(data, pos, depth, budget)
         if tag == 75:
             return _dict(items, [None] * len(items)).keys(), pos
         if tag == 86:
@@ -269,24 +276,35 @@ def _decode(data, pos, depth):
             raise ChannelError("bad items view")
         return _dict([i[0] for i in items], [i[1] for i in items]).items(), pos
     if tag == 88:  # X
-        items, pos = _items(data, pos, depth)
+        items, pos = _items(data, pos, depth, budget)
         return iter(items), pos
-    if tag == 113:  # q
-        items, pos = _items(data, pos, depth)
-        if len(items) != 2 or not all(type(i) is int for i in items) or items[1] == 0:
+    if tag == 113:  # q: two integer chunks, their sizes checked before either is built
+        parts = []
+        if data[pos:pos + 4] != _LEN.pack(2):
+            raise ChannelError("bad fraction")
+        pos += 4
+        for _ in range(2):
+            if data[pos:pos + 1] != b"i":
+                raise ChannelError("bad fraction")
+            b, pos = _chunk(data, pos + 1)
+            if len(b) > MAX_FRACTION_BYTES:
+                raise ChannelError(f"a Fraction's integers are limited to {MAX_FRACTION_BYTES} bytes each")
+            parts.append(int.from_bytes(b, "little", signed=True))
+        items = parts
+        if items[1] == 0:
             raise ChannelError("bad fraction")
         import fractions
 
         return fractions.Fraction(items[0], items[1]), pos
     if tag == 68:  # D
-        items, pos = _items(data, pos, depth)
+        items, pos = _items(data, pos, depth, budget)
         if len(items) != 1 or type(items[0]) is not str or len(items[0]) > 10000:
             raise ChannelError("bad decimal")
         import decimal
 
         return decimal.Decimal(items[0]), pos
     if tag == 81:  # Q
-        items, pos = _items(data, pos, depth)
+        items, pos = _items(data, pos, depth, budget)
         if len(items) != 2 or type(items[1]) is not list or not (items[0] is None or type(items[0]) is int):
             raise ChannelError("bad deque")
         import collections

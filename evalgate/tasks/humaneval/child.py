@@ -64,7 +64,7 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 0x1, 0x2, 0x4, 0x8, 0x20
 MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 KEYCTL_JOIN_SESSION_KEYRING = 1
 SYSCALLS = {"x86_64": {"pivot_root": 155, "keyctl": 250}, "aarch64": {"pivot_root": 41, "keyctl": 219}}
 NAMESPACE_KINDS = ("user", "mnt", "net", "ipc", "pid", "uts", "cgroup", "time")
@@ -235,6 +235,7 @@ def main():
         ctl.send(marshal.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         os._exit(1)
     config["mode"] = info["mode"]
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # a sandbox orphaned by a dead judge is ours to reap
     ctl.send(marshal.dumps(info))
     serve_harness(ctl, config)
 
@@ -257,7 +258,7 @@ def serve_harness(ctl, config):
             if not message:  # the harness is gone: so are its judges and their programs
                 for pid, _, _, _, group in judges.values():
                     _kill(pid)
-                    GROUPS.kill_all(group)
+                    _reap(GROUPS.kill_all(group))
                     GROUPS.remove(group)
                 os._exit(0)
             job = socket.socket(fileno=fds[0])
@@ -283,13 +284,14 @@ def serve_harness(ctl, config):
             os.close(pidfd)
             status = os.waitpid(pid, 0)[1]
             if status != 0:  # the judge died before answering: its program may still run
-                survivors = GROUPS.kill_all(group)
+                killed_pids = GROUPS.kill_all(group)
+                _reap(killed_pids)
                 GROUPS.remove(group)
                 if killed or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU):
                     result = {"failure_class": "timed_out", "result": "timed out (the judge overran the deadline)"}
                 else:
                     result = {"failure_class": "crashed", "result": f"crashed: the judge died ({_status_text(status)})"}
-                result["survivors"] = survivors
+                result["survivors"] = len(killed_pids)
                 _send_result(job, result)
             job.close()
         now = time.monotonic()
@@ -298,6 +300,16 @@ def serve_harness(ctl, config):
                 _kill(entry[0])
                 entry[3] = True
                 entry[2] = now + 3600
+
+
+def _reap(pids):
+    """Reap the killed processes that are the executor's children now: a sandbox whose judge died is orphaned
+    to the executor (a child subreaper), and its zombie would otherwise stay."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
 
 
 def _kill(pid):
