@@ -15,7 +15,7 @@ KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed
 VOCAB = 200
 
 
-def _model(layer_types=KINDS, dtype=torch.float32, seed=0):
+def _model(layer_types=KINDS, dtype=torch.float32, seed=0, index_topk=5):
     from transformers import DeepseekV4ForCausalLM
 
     torch.manual_seed(seed)
@@ -23,7 +23,7 @@ def _model(layer_types=KINDS, dtype=torch.float32, seed=0):
     cfg = tiny_config(VOCAB, num_hidden_layers=n, layer_types=list(layer_types),
                       mlp_layer_types=["hash_moe"] + ["moe"] * (n - 1), sliding_window=16,
                       compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-                      index_topk=5)
+                      index_topk=index_topk)
     model = DeepseekV4ForCausalLM(cfg).eval()
     fill_hash_routes(model, seed)
     with torch.no_grad():  # the initialisation zeroes these; a zero sink or bias would hide a misplaced one

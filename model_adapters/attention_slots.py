@@ -1,0 +1,246 @@
+"""Decoding DeepSeek-V4 from a KV cache preallocated per row ("slot"), with PyTorch's numerics.
+
+transformers' DeepSeek-V4 cache grows by concatenation (every step copies each layer's window; every
+compressed entry is a ``torch.cat``), and it keeps one timeline for the whole batch: a left-padded row's
+compressor windows are cut along the padded timeline, so its compressed entries depend on its padding. Here
+every row owns a slot with its own timeline, written in place:
+
+- the sliding window: a ring of ``sliding_window`` keys (K = V), the key of position p at p mod window;
+- an HCA / CSA compressor: the raw keys and gates of the window being filled (ring of ``compress_rate``), the
+  compressed entries emitted so far (one per closed window, at their index), and for CSA the previous
+  window's first-half ("Ca") keys and gates, which the next entry overlaps;
+- a CSA layer's indexer: the same state at its own width, and its entries, which pick the top-k compressed
+  entries each query attends to.
+
+A decoding step (``SlotCache`` passed as ``past_key_values``, one token per row) writes each row's new key
+and compressor input at its own position, closes the windows of the rows whose token completes one, and
+attends over the row's window and its selected entries (``attention._attend``: eager's arithmetic). A prompt
+is prefilled alone by transformers' own forward (no padding) and its cache is moved into a free slot
+(``SlotCache.admit``); a finished row's slot is taken by the next prompt. So a row computes what it would
+compute alone, whatever the other slots hold (up to the floating-point order of its own softmax sum), and
+its tokens do not depend on its neighbours' timelines as a padded batch's do. PyTorch's matrix products can
+still round differently at different batch sizes on a GPU.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from evalgate.model_adapters.attention import _attend
+
+
+class _Compressed:
+    """One compressor's (or indexer's) state for every slot: ``rate`` raw keys and gates of the window being
+    filled, ``capacity`` entries (+1 column where rows that close no window write), and for an overlapping
+    (CSA) compressor the previous window's Ca keys and gates (zero keys, -inf gates before the first)."""
+
+    def __init__(self, module, slots: int, capacity: int, device):
+        self.rate, self.width = module.compress_rate, module.head_dim
+        self.overlap = type(module).__name__ != "DeepseekV4HCACompressor"
+        dtype, gate_dtype = module.kv_proj.weight.dtype, module.gate_proj.weight.dtype  # what the projections give
+        feed = 2 * self.width if self.overlap else self.width
+        self.kv = torch.zeros(slots, self.rate, feed, dtype=dtype, device=device)
+        self.gate = torch.zeros(slots, self.rate, feed, dtype=gate_dtype, device=device)
+        self.entries = torch.zeros(slots, capacity + 1, self.width, dtype=dtype, device=device)
+        self.capacity = capacity
+        if self.overlap:
+            self.prev_kv = torch.zeros(slots, self.rate, self.width, dtype=dtype, device=device)
+            self.prev_gate = torch.full((slots, self.rate, self.width), float("-inf"), dtype=gate_dtype, device=device)
+
+    def admit(self, slot: int, layer, name: str, length: int) -> None:
+        """A row of ``length`` tokens, prefilled alone: transformers' cache layer state for ``name``."""
+        count = layer.entry_count[name]
+        if count > self.capacity:
+            raise ValueError(f"a prompt of {length} tokens overflows the {self.capacity} compressed entries")
+        if count:
+            self.entries[slot, :count] = layer.compressed_kv[name][0]
+        rest = layer.buffer_kv[name]
+        if rest is not None and rest.shape[1]:
+            at = torch.arange(length - rest.shape[1], length, device=self.kv.device) % self.rate
+            self.kv[slot, at] = rest[0].to(self.kv.dtype)
+            self.gate[slot, at] = layer.buffer_gate[name][0].to(self.gate.dtype)
+        if self.overlap:
+            prior = layer.overlap_kv[name]
+            self.prev_kv[slot] = 0 if prior is None else prior[0].to(self.prev_kv.dtype)
+            self.prev_gate[slot] = float("-inf") if prior is None else layer.overlap_gate[name][0].to(self.prev_gate.dtype)
+
+    def step(self, module, rows, positions, kv, gate) -> torch.Tensor:
+        """Write one token per row (kv, gate [b, feed] at ``positions`` [b]); rows whose token closes a
+        window get its entry. Returns how many entries each row has now [b]."""
+        at = positions % self.rate
+        self.kv[rows, at] = kv.to(self.kv.dtype)
+        self.gate[rows, at] = gate.to(self.gate.dtype)
+        closing = (positions + 1) % self.rate == 0
+        count = (positions + 1) // self.rate
+        window_kv = self.kv[rows].unsqueeze(1)  # [b, 1, rate, feed]
+        window_gate = self.gate[rows].unsqueeze(1) + module.position_bias
+        if self.overlap:  # transformers' layout: the previous window's Ca, then this window's Cb
+            d = self.width
+            window_kv = torch.cat([self.prev_kv[rows].unsqueeze(1).to(window_kv.dtype), window_kv[..., d:]], dim=2)
+            prev_gate = self.prev_gate[rows].unsqueeze(1).to(window_gate.dtype)
+            new_prev_kv, new_prev_gate = self.kv[rows][..., :d], window_gate[:, 0, :, :d]
+            window_gate = torch.cat([prev_gate, window_gate[..., d:]], dim=2)
+        entry = module.kv_norm(
+            (window_kv * window_gate.softmax(dim=2, dtype=torch.float32).to(window_kv.dtype)).sum(dim=2))
+        first = ((count - 1).clamp(min=0) * self.rate).unsqueeze(1)  # the window's first position
+        cos, sin = module.rotary_emb(entry, position_ids=first, layer_type=module.rope_layer_type)
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+        entry = apply_rotary_pos_emb(entry.unsqueeze(1), cos, sin).squeeze(1)[:, 0]
+        where = torch.where(closing, count - 1, torch.full_like(count, self.capacity))
+        self.entries[rows, where] = entry.to(self.entries.dtype)
+        if self.overlap:
+            keep = closing.view(-1, 1, 1)
+            self.prev_kv[rows] = torch.where(keep, new_prev_kv.to(self.prev_kv.dtype), self.prev_kv[rows])
+            self.prev_gate[rows] = torch.where(keep, new_prev_gate.to(self.prev_gate.dtype), self.prev_gate[rows])
+        return count
+
+
+class _LayerSlots:
+    """One attention layer's slots: the sliding window's ring of keys, and its compressor's (and indexer's)
+    state for a CSA / HCA layer."""
+
+    def __init__(self, attn, slots: int, max_length: int):
+        self.window = attn.sliding_window
+        weight = attn.kv_proj.weight
+        device = weight.device
+        self.keys = torch.zeros(slots, self.window, attn.head_dim, dtype=weight.dtype, device=device)
+        self.compressor = self.indexer = None
+        compressor = attn.compressor
+        if compressor is not None:
+            capacity = max_length // compressor.compress_rate
+            self.compressor = _Compressed(compressor, slots, capacity, device)
+            indexer = getattr(compressor, "indexer", None)
+            if indexer is not None:
+                self.indexer = _Compressed(indexer, slots, capacity, device)
+
+    def admit(self, slot: int, layer, length: int) -> None:
+        kept = layer.keys[0, 0]  # the last min(length, window - 1) keys
+        at = torch.arange(length - kept.shape[0], length, device=self.keys.device) % self.window
+        self.keys[slot, at] = kept.to(self.keys.dtype)
+        if self.compressor is not None:
+            self.compressor.admit(slot, layer, "compressor", length)
+        if self.indexer is not None:
+            self.indexer.admit(slot, layer, "indexer", length)
+
+
+class SlotCache:
+    """Per-row KV state of a DeepSeek-V4 model for ``slots`` rows of up to ``max_length`` tokens each,
+    allocated once. ``admit`` moves a prompt's prefill cache into a slot; a decoding step is
+    ``model(input_ids [b, 1], position_ids [b, 1], attention_mask=SlotCache.NO_MASK, past_key_values=cache)``
+    after ``cache.rows = <slot indices of those b rows>`` (``decode_step`` does all of this)."""
+
+    NO_MASK = {"slots": None}  # transformers then builds no mask: each row's own state says what it sees
+
+    def __init__(self, model, slots: int, max_length: int):
+        install(model)
+        self.model = model
+        attns = [layer.self_attn for layer in model.model.layers]
+        self.layers = [_LayerSlots(a, slots, max_length) for a in attns]
+        self.positions = torch.zeros(slots, dtype=torch.long, device=attns[0].kv_proj.weight.device)
+        self.slots, self.max_length = slots, max_length
+        self.rows: torch.Tensor | None = None
+
+    def admit(self, slot: int, past, length: int) -> None:
+        """A prompt of ``length`` tokens prefilled alone (batch 1, no padding) with transformers' cache
+        ``past`` now decodes in ``slot``; whatever the slot held before is overwritten."""
+        if length >= self.max_length:
+            raise ValueError(f"a prompt of {length} tokens leaves no room in slots of {self.max_length}")
+        for state, layer in zip(self.layers, past.layers):
+            state.admit(slot, layer, length)
+        self.positions[slot] = length
+
+    def decode_step(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One token for each slot of ``rows`` ([b] long): the logits [b, V] of the next token."""
+        self.rows = rows
+        positions = self.positions[rows].unsqueeze(1)
+        if int(positions.max()) >= self.max_length:
+            raise ValueError(f"a row reached the slots' {self.max_length} tokens")
+        out = self.model(input_ids=tokens.view(-1, 1), position_ids=positions, attention_mask=self.NO_MASK,
+                         past_key_values=self, use_cache=True, logits_to_keep=1)
+        self.positions[rows] += 1
+        return out.logits[:, -1]
+
+
+def _step_attention(self, hidden_states, position_embeddings, position_ids, cache: SlotCache):
+    """DeepseekV4Attention.forward for one token per row, from and into the rows' slots."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+    state = cache.layers[self.layer_idx]
+    rows, positions = cache.rows, position_ids[:, 0]
+    b = hidden_states.shape[0]
+    hidden_shape = (b, 1, -1, self.head_dim)
+    cos, sin = position_embeddings[self.rope_layer_type]
+    q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
+    q = self.q_b_norm(self.q_b_proj(q_residual).view(*hidden_shape).transpose(1, 2))
+    q = apply_rotary_pos_emb(q, cos, sin)
+    kv = self.kv_norm(self.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2)
+    kv = apply_rotary_pos_emb(kv, cos, sin)  # [b, 1, 1, D]
+    state.keys[rows, positions % state.window] = kv[:, 0, 0].to(state.keys.dtype)
+    keys = state.keys[rows]  # [b, window, D]
+    slots = torch.arange(state.window, device=keys.device)
+    open_ = slots.unsqueeze(0) <= positions.unsqueeze(1)  # a slot of the ring is written once p reaches it
+    if self.compressor is not None:
+        entries, chosen = _compressed_step(self, state, rows, positions, hidden_states, q_residual, position_ids)
+        keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
+        open_ = torch.cat([open_, chosen], dim=1)
+    mask = torch.zeros(open_.shape, dtype=q.dtype, device=q.device).masked_fill_(~open_, torch.finfo(q.dtype).min)
+    out = _attend(self, q, keys.unsqueeze(1), mask.view(b, 1, 1, -1), self.scaling)  # [b, H, 1, D]
+    out = apply_rotary_pos_emb(out, cos, -sin)
+    grouped = out.transpose(1, 2).reshape(b, 1, self.config.o_groups, -1)
+    return self.o_b_proj(self.o_a_proj(grouped).flatten(2)), None
+
+
+def _compressed_step(self, state: _LayerSlots, rows, positions, hidden_states, q_residual, position_ids):
+    """The compressor's (and for CSA the indexer's) step: (entries [b, capacity + 1, D], which of them the
+    row attends to [b, capacity + 1] bool: the closed windows, for CSA only the indexer's top k of them)."""
+    compressor = self.compressor
+    flat = hidden_states[:, 0]
+    count = state.compressor.step(compressor, rows, positions, compressor.kv_proj(flat), compressor.gate_proj(flat))
+    entries = state.compressor.entries[rows]
+    index = torch.arange(entries.shape[1], device=entries.device)
+    closed = index.unsqueeze(0) < count.unsqueeze(1)  # the spare last column is never closed
+    if state.indexer is None:
+        return entries, closed
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+    indexer = compressor.indexer
+    state.indexer.step(indexer, rows, positions, indexer.kv_proj(flat), indexer.gate_proj(flat))
+    keys = state.indexer.entries[rows]  # [b, capacity + 1, d]
+    cos, sin = indexer.rotary_emb(hidden_states, position_ids=position_ids, layer_type=indexer.rope_layer_type)
+    q = indexer.q_b_proj(q_residual).view(len(rows), 1, -1, indexer.head_dim).transpose(1, 2)
+    q = apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)
+    scores = indexer.scorer(q, keys, hidden_states)[:, 0]  # [b, capacity + 1]
+    return entries, top_entries(scores, closed, indexer.index_topk)
+
+
+def top_entries(scores: torch.Tensor, closed: torch.Tensor, k: int) -> torch.Tensor:
+    """[b, T] bool: each row's ``k`` closed entries of the highest scores, ties to the lower index (ReLU
+    scores tie at exactly 0 often; transformers leaves the order of ties to ``torch.topk``)."""
+    order = scores.masked_fill(~closed, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
+    top = order[:, :min(k, scores.shape[1])]
+    return torch.zeros_like(closed).scatter_(1, top, True) & closed
+
+
+def install(model) -> None:
+    """Each attention layer decodes from a ``SlotCache`` when handed one, and runs transformers' own
+    forward otherwise (a prefill)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
+
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if getattr(attn, "_evalgate_slots", False):
+            continue
+        native = attn.forward
+
+        def forward(self, hidden_states, position_embeddings, position_ids, attention_mask, past_key_values=None,
+                    _native=native, **kwargs):
+            if isinstance(past_key_values, SlotCache):
+                return _step_attention(self, hidden_states, position_embeddings, position_ids, past_key_values)
+            return _native(hidden_states, position_embeddings, position_ids, attention_mask, past_key_values, **kwargs)
+
+        assert isinstance(attn, DeepseekV4Attention)
+        attn.forward = types.MethodType(forward, attn)
+        attn._evalgate_slots = True

@@ -1,0 +1,104 @@
+"""Decoding from a KV cache preallocated per row (``model_adapters/attention_slots.py``): every row decodes
+what it decodes alone through transformers (batch 1, no padding), whatever the other slots hold, for all
+three DeepSeek-V4 attention kinds; slots are written in place and reused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evalgate.model_adapters.attention_slots import SlotCache, top_entries
+from test_attention import VOCAB, _model
+
+pytestmark = pytest.mark.slow
+
+# window 16, CSA windows of 4, HCA windows of 8: these lengths start inside, at the edge of and past them
+LENGTHS = (23, 9, 30, 16)
+STEPS = 12
+
+
+def _prompts(seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g) for n in LENGTHS]
+
+
+@torch.no_grad()
+def _alone(model, prompt, steps):
+    """transformers on one row: logits [steps + 1, V] (the prefill's last, then each step's) and the greedy
+    tokens it fed."""
+    out = model(input_ids=prompt[None], use_cache=True)
+    past, logits, n = out.past_key_values, [out.logits[0, -1]], len(prompt)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for i in range(steps):
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[n + i]]),
+                    past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits.append(out.logits[0, -1])
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return torch.stack(logits), tokens
+
+
+@torch.no_grad()
+def _admit(model, cache, slot, prompt):
+    cache.admit(slot, model(input_ids=prompt[None], use_cache=True).past_key_values, len(prompt))
+
+
+def _close(a, b):
+    return (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+
+
+@torch.no_grad()
+def test_rows_in_slots_decode_as_each_row_alone():
+    """Four rows of different lengths in scattered slots of one cache, decoded together for 12 steps (past
+    the window and several CSA / HCA window closes, at different steps per row): each row's logits are its
+    logits alone (float rounding; the indexer keeps every closed entry here, so no top-k tie decides)."""
+    model = _model(index_topk=64)
+    prompts = _prompts()
+    ref = [_alone(model, p, STEPS) for p in prompts]
+    cache = SlotCache(model, slots=6, max_length=64)
+    slots = [4, 0, 5, 2]
+    for slot, prompt in zip(slots, prompts):
+        _admit(model, cache, slot, prompt)
+    buffers = [t.data_ptr() for layer in cache.layers for t in (layer.keys,)]
+    rows = torch.tensor(slots)
+    for i in range(STEPS):
+        tokens = torch.tensor([r[1][i] for r in ref])
+        logits = cache.decode_step(tokens, rows)
+        for j in range(len(prompts)):
+            assert _close(logits[j], ref[j][0][i + 1]), (i, j)
+    assert [t.data_ptr() for layer in cache.layers for t in (layer.keys,)] == buffers  # written in place
+    assert cache.positions[rows].tolist() == [n + STEPS for n in LENGTHS]
+
+
+@torch.no_grad()
+def test_a_finished_rows_slot_takes_the_next_prompt():
+    """A slot reused mid-run: the new prompt decodes as it does alone, its neighbour is undisturbed."""
+    model = _model(index_topk=64)
+    a, b, c = _prompts()[:3]
+    ref_a, ref_c = _alone(model, a, 10), _alone(model, c, 6)
+    cache = SlotCache(model, slots=2, max_length=64)
+    _admit(model, cache, 0, a)
+    _admit(model, cache, 1, b)
+    rows = torch.tensor([0, 1])
+    for i in range(4):  # b decodes 4 steps and finishes
+        cache.decode_step(torch.tensor([ref_a[1][i], 5]), rows)
+    _admit(model, cache, 1, c)  # c takes b's slot
+    for i in range(6):
+        logits = cache.decode_step(torch.tensor([ref_a[1][4 + i], ref_c[1][i]]), rows)
+        assert _close(logits[0], ref_a[0][5 + i]), i
+        assert _close(logits[1], ref_c[0][1 + i]), i
+
+
+def test_top_entries_ties_to_the_lower_index():
+    scores = torch.tensor([[0.0, 0.0, 0.5, 0.0, 0.0, -1.0], [0.0, 3.0, 0.0, 0.0, 9.0, 9.0]])
+    closed = torch.tensor([[True] * 5 + [False], [True] * 6])
+    chosen = top_entries(scores, closed, 3)
+    assert chosen.tolist() == [[True, True, True, False, False, False], [False, True, False, False, True, True]]
+    assert top_entries(scores, closed, 10).tolist() == closed.tolist()  # k beyond the closed: all of them
+
+
+def test_a_prompt_too_long_for_the_slots_is_refused():
+    model = _model()
+    cache = SlotCache(model, slots=1, max_length=20)
+    with pytest.raises(ValueError, match="no room"):
+        _admit(model, cache, 0, _prompts()[2])
