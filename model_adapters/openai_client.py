@@ -155,7 +155,7 @@ class OpenAIAdapter(AdapterBase):
                 last_said = time.monotonic()
                 print(f"evalgate: waiting for {self.url}: /health 503 after {waited:.0f} s of {timeout_s:.0f} s",
                       file=sys.stderr, flush=True)
-            time.sleep(min(1.0, max(0.05, timeout_s - waited)))
+            time.sleep(min(0.25, max(0.05, timeout_s - waited)))
 
     def close(self) -> None:
         self._client.close()

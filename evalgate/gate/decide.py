@@ -186,7 +186,14 @@ def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = 
 def with_conformance(verdict: Verdict, candidate: Run) -> Verdict:
     """The candidate kernel's conformance (docs/gate.md#kernel-conformance), recorded in its run, joins the
     verdict: a kernel that does not compute the numerics it declares FAILs, whatever its accuracy. A run
-    without the record (a server's kernel is out of reach) is decided on accuracy alone, with a note."""
+    without the record (a server's kernel is out of reach) is decided on accuracy alone, with a note. A server
+    that reported another kernel than the one named (``model.kernel_check``) gets no verdict; one whose kernel
+    could not be verified is said in the notes."""
+    served = candidate.manifest.get("model", {}).get("kernel_check") or {}
+    if served.get("status") == "contradicted":
+        raise NotComparable(f"cannot decide: the candidate's server contradicts its kernel ({served.get('why')})")
+    if served.get("status") == "unverifiable":
+        verdict = replace(verdict, notes=[*verdict.notes, f"server kernel not verified: {served.get('why')}"])
     conformance = candidate.manifest.get("kernel", {}).get("conformance")
     if conformance is None:
         return replace(verdict, notes=[*verdict.notes, CONFORMANCE_UNCHECKED])

@@ -1,0 +1,235 @@
+"""The kernel table (model_adapters/engines.py) row by row: for every engine version it covers, evalgate
+either selects and verifies each kernel or refuses it in one line, before a launch (preflight) and after
+start (the stand-in server behaving as that version, launched or given); and the verdict side: a
+contradicted server kernel gets no verdict, an unverifiable one is said in the verdict's notes."""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_sites import site
+from evalgate.errors import NotComparable, UserError
+from evalgate.model_adapters.engines import TABLE, Stack, preflight
+from evalgate.model_adapters.launcher import served_adapter
+from evalgate.model_adapters.openai_client import OpenAIAdapter
+from fake_server import FakeServer
+
+HERE = Path(__file__).resolve().parent
+FAKE = f"{sys.executable} {HERE / 'fake_server.py'}"
+MEGA = ["--moe-a2a-backend", "megamoe", "--chunked-prefill-size", "1024"]
+KERNELS = ("w4a8", "w4a8_sglang", "w4a4", "w4a4_packed", "w4a4_te")
+
+# one stack per row of the table, with what each kernel does there: the kernel variables set and flags added,
+# or a phrase of the one-line refusal
+STACKS = {
+    "sglang 0.5.14 + sgl-deep-gemm 0.1.3 (the seed's stock stack)": (Stack("sglang", "0.5.14", "0.1.3"), {
+        "w4a8": ({}, ()), "w4a8_sglang": ({}, ()),
+        "w4a4": ({"DG_USE_FP4_ACTS": "1", "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS": "1"}, ()),
+        "w4a4_packed": "no released sgl-deep-gemm contains the packed kernel",
+        "w4a4_te": "ties-to-even mxf4xmxf4 needs sgl-deep-gemm >= 0.2.0"}),
+    "sglang 0.5.14 + sgl-deep-gemm 0.1.9": (Stack("sglang", "0.5.14", "0.1.9"), {
+        "w4a8": ({}, ()), "w4a8_sglang": ({}, ()),
+        "w4a4": "raises RuntimeError on DG_USE_FP4_ACTS", "w4a4_packed": "raises RuntimeError on DG_USE_FP4_ACTS",
+        "w4a4_te": "has no --enable-w4a4-mxfp4-megamoe"}),
+    "sglang 0.5.21 + sgl-deep-gemm 0.1.8": (Stack("sglang", "0.5.21", "0.1.8"), {
+        "w4a8": ({}, ()), "w4a8_sglang": ({}, ()),
+        "w4a4": ({}, ("--enable-w4a4-mxfp4-megamoe",)),
+        "w4a4_packed": "raises RuntimeError on DG_USE_FP4_ACTS",
+        "w4a4_te": "rounds FP4 input ties toward zero"}),
+    "sglang 0.5.23 + sgl-deep-gemm 0.2.5": (Stack("sglang", "0.5.23", "0.2.5"), {
+        "w4a8": ({}, ()), "w4a8_sglang": ({}, ()),
+        "w4a4": "SGLang's W4A4 here is w4a4_te", "w4a4_packed": "raises RuntimeError on DG_USE_FP4_ACTS",
+        "w4a4_te": ({}, ("--enable-w4a4-mxfp4-megamoe",))}),
+    "vllm 0.34.0": (Stack("vllm", "0.34.0"), {
+        "w4a8": ({}, ()), "w4a8_sglang": "does not run SGLang's FP8 pre-dispatch",
+        "w4a4": "vLLM ignores every DG_* variable", "w4a4_packed": "vLLM ignores every DG_* variable",
+        "w4a4_te": "vLLM ignores every DG_* variable"}),
+}
+
+
+def test_every_row_of_the_table_has_a_stack_here():
+    from evalgate.model_adapters.engines import find_row
+
+    assert {id(find_row(stack)) for stack, _ in STACKS.values()} == {id(row) for row in TABLE}
+    assert all(row.source and set(row.kernels) == set(KERNELS) for row in TABLE)
+
+
+@pytest.mark.parametrize("name", STACKS)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_preflight_selects_or_refuses_each_kernel_on_each_row(name, kernel):
+    stack, expected = STACKS[name]
+    want = expected[kernel]
+    if isinstance(want, str):
+        with pytest.raises(UserError, match=re.escape(want)) as info:
+            preflight(kernel, stack, MEGA, {})
+        assert "\n" not in str(info.value)
+        return
+    selection, row, _ = preflight(kernel, stack, MEGA, {})
+    assert (selection.env, selection.flags) == want and row.matches(stack)
+
+
+def test_the_packed_kernel_runs_only_on_a_build_that_contains_it():
+    packed = Stack("sglang", "0.5.14", "0.1.3", packed_build=True)
+    assert preflight("w4a4_packed", packed, MEGA, {})[0].env["DG_MEGA_MOE_FP4"] == "1"
+
+
+@pytest.mark.parametrize("kernel, args, env, message", [
+    ("w4a8", ["--enable-w4a4-mxfp4-megamoe", *MEGA], {}, "contradicts --kernel w4a8"),
+    ("w4a4_te", ["--tp-size", "8"], {}, "runs on SGLang's mega-MoE path only"),
+    ("w4a4_te", ["--moe-a2a-backend", "megamoe", "--chunked-prefill-size", "-1"], {}, "needs chunked prefill"),
+    ("w4a4_te", ["--moe-a2a-backend", "megamoe", "--chunked-prefill-size", "16384"], {},
+     "needs 16384 tokens per rank but SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK is 8192"),
+])
+def test_settings_that_contradict_the_kernel_or_fail_at_start_are_refused(kernel, args, env, message):
+    with pytest.raises(UserError, match=message):
+        preflight(kernel, Stack("sglang", "0.5.23", "0.2.5"), args, env)
+
+
+def test_the_mega_moe_budget_counts_per_rank_and_a_larger_budget_passes():
+    new = Stack("sglang", "0.5.23", "0.2.5")
+    args = ["--moe-a2a-backend", "megamoe", "--chunked-prefill-size", "16384"]
+    preflight("w4a4_te", new, args, {"SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK": "16384"})
+    preflight("w4a4_te", new, [*args, "--dp-size", "2", "--enable-dp-attention"], {})  # 8192 a rank
+    _, _, warnings = preflight("w4a8", new, ["--tp-size", "4", "--dp-size", "4"], {})
+    assert any("16 GPUs" in w for w in warnings)  # dp counts whole model copies
+
+
+def test_a_w4a4_kernel_on_a_hopper_gpu_is_refused():
+    with pytest.raises(UserError, match="runs only on SM100 .* sm90, where the selection is silently ignored"):
+        preflight("w4a4", Stack("sglang", "0.5.14", "0.1.3", gpu_arch="sm90"), MEGA, {})
+
+
+# ---- after start: a given stand-in server per engine version ----
+
+def sglang_info(version: str, backend: str = "megamoe", w4a4_flag: bool | None = None) -> dict:
+    info = {"model_path": "/models/dsv4", "tp_size": 4, "version": version, "moe_a2a_backend": backend,
+            "enable_deterministic_inference": True}
+    if w4a4_flag is not None:  # SGLang >= 0.5.20 reports its W4A4 switch
+        info["enable_w4a4_mxfp4_megamoe"] = w4a4_flag
+    return info
+
+
+@pytest.mark.parametrize("kernel, info, version, status", [
+    ("w4a8", sglang_info("0.5.14"), None, "unverifiable"),  # 0.5.14 does not report DG_* variables
+    ("w4a4", sglang_info("0.5.14"), None, "unverifiable"),
+    ("w4a4", sglang_info("0.5.14", backend="none"), None, "mega-MoE path that runs w4a4 is off"),
+    ("w4a8", sglang_info("0.5.23", w4a4_flag=False), None, "verified"),
+    ("w4a4_te", sglang_info("0.5.23", w4a4_flag=True), None, "verified"),
+    ("w4a8", sglang_info("0.5.23", w4a4_flag=True), None, "enable_w4a4_mxfp4_megamoe=true"),
+    ("w4a4_te", sglang_info("0.5.23", w4a4_flag=False), None, "enable_w4a4_mxfp4_megamoe': False"),
+    ("w4a8", {}, "0.34.0", "verified"),
+    ("w4a4_packed", {}, "0.34.0", "runs DeepSeek-V4's MoE as W4A8 only"),
+    ("w4a8", {}, None, "unverifiable"),  # a server that says nothing about itself
+])
+def test_a_given_server_is_verified_or_refused_by_what_it_reports(kernel, info, version, status):
+    with FakeServer(server_info=info) as server:
+        server.version = version
+        if status in ("verified", "unverifiable"):
+            adapter = OpenAIAdapter(server.url, kernel, retries=0, deterministic=False)
+            model = adapter.info()
+            adapter.close()
+            assert model["kernel_check"]["status"] == status and model["kernel_verified"] is (status == "verified")
+            if kernel == "w4a8" and info:
+                assert model["served_numerics"] == "w4a8_sglang"  # SGLang's own FP8 pre-dispatch
+        else:
+            with pytest.raises(UserError, match=f"contradicts --kernel {kernel}: .*{status}"):
+                OpenAIAdapter(server.url, kernel, retries=0, deterministic=False)
+
+
+def test_serving_identity_names_fusion_and_routed_scaling():
+    with FakeServer(server_info=sglang_info("0.5.23", w4a4_flag=False)) as new, \
+            FakeServer(server_info=sglang_info("0.5.14")) as old:
+        fused = OpenAIAdapter(new.url, "w4a8", retries=0).info()["kernel_check"]["serving_identity"]
+        unfused = OpenAIAdapter(old.url, "w4a8", retries=0).info()["kernel_check"]["serving_identity"]
+    assert fused["shared_expert_fusion"].startswith("fused") and fused["routed_scaling"] == "before the kernel"
+    assert unfused == {"served_numerics": "w4a8_sglang", "routed_scaling": "after the kernel",
+                       "shared_expert_fusion": "not fused"}
+
+
+def test_a_given_server_warming_up_is_waited_for(capsys):
+    with FakeServer(server_info=sglang_info("0.5.23", w4a4_flag=True), warmup_s=1.0) as server:
+        OpenAIAdapter.HEALTH_PROGRESS_S = 0.3
+        try:
+            adapter = OpenAIAdapter(server.url, "w4a4_te", retries=0, health_timeout=30)
+        finally:
+            OpenAIAdapter.HEALTH_PROGRESS_S = 30.0
+        assert adapter.kernel_check.verified
+        with pytest.raises(UserError, match="/health still answers 503 after 0 s"):
+            server.healthy_at += 60
+            OpenAIAdapter(server.url, "w4a4_te", retries=0, health_timeout=0.2)
+    assert "/health 503 after" in capsys.readouterr().err
+
+
+# ---- launched: the stand-in started as that engine version ----
+
+def launch(tmp_path, kernel: str, engine: str = "sglang", args=tuple(MEGA), **versions):
+    env = {f"EVALGATE_{engine.upper()}_COMMAND": FAKE, "PYTHONPATH": str(site(tmp_path / "site", **versions))}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with served_adapter(kernel, tmp_path / "run", launch=engine, model="/models/dsv4", server_args=tuple(args),
+                            launch_timeout=60, retries=0) as adapter:
+            return adapter.info()
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.mark.parametrize("kernel, versions, message", [
+    ("w4a4_packed", {"sglang": "0.5.14", "deep_gemm": "0.1.3"}, "no released sgl-deep-gemm contains the packed kernel"),
+    ("w4a4", {"sglang": "0.5.23", "deep_gemm": "0.2.5"}, "raises RuntimeError on DG_USE_FP4_ACTS"),
+    ("w4a4_te", {"sglang": "0.5.14", "deep_gemm": "0.1.3"}, "needs sgl-deep-gemm >= 0.2.0"),
+])
+def test_a_launch_the_installed_stack_cannot_run_is_refused_before_start(tmp_path, kernel, versions, message):
+    with pytest.raises(UserError, match=message):
+        launch(tmp_path, kernel, **versions)
+    assert not (tmp_path / "run" / "server.log").exists()  # nothing was started
+
+
+def test_a_vllm_launch_of_a_w4a4_kernel_is_refused(tmp_path):
+    with pytest.raises(UserError, match="vLLM ignores every DG_\\* variable"):
+        launch(tmp_path, "w4a4_packed", engine="vllm", args=(), vllm="0.34.0")
+
+
+@pytest.mark.parametrize("kernel, versions, status", [
+    ("w4a4_te", {"sglang": "0.5.23", "deep_gemm": "0.2.5"}, "verified"),
+    ("w4a4_packed", {"sglang": "0.5.14", "deep_gemm": "0.1.3", "packed": True}, "unverifiable"),
+])
+def test_a_launched_stand_in_is_verified_as_far_as_its_version_reports(tmp_path, kernel, versions, status):
+    model = launch(tmp_path, kernel, args=(*MEGA, "--warmup-s", "0.5"), **versions)
+    check, launched = model["kernel_check"], model["launch"]
+    assert check["status"] == status and check["engine_version"] == versions["sglang"]
+    assert launched["stack"]["sgl_deep_gemm"] == versions["deep_gemm"]
+    if kernel == "w4a4_te":
+        assert "--enable-w4a4-mxfp4-megamoe" in launched["argv"] and "DG_USE_FP4_ACTS" not in launched["kernel_env"]
+    else:
+        assert launched["kernel_env"]["DG_MEGA_MOE_FP4"] == "1" and "launch.kernel_env" in check["why"]
+
+
+# ---- the verdict ----
+
+def test_a_contradicted_server_kernel_gets_no_verdict_and_an_unverifiable_one_is_said(tmp_path):
+    from evalgate.gate.decide import gate_runs
+    from gate_helpers import policy
+    from synthetic_runs import write_pair
+
+    base, cand = write_pair(tmp_path / "runs", n_gsm8k=60, n_humaneval=0)
+    manifest = json.loads((cand / "manifest.json").read_text())
+    thresholds = policy(tmp_path)
+    for status, why in (("unverifiable", "SGLang before 0.5.20 selects the kernel from DG_* variables"),
+                        ("contradicted", "/server_info reports enable_w4a4_mxfp4_megamoe=true")):
+        manifest["model"]["kernel_check"] = {"status": status, "why": why}
+        (cand / "manifest.json").write_text(json.dumps(manifest))
+        if status == "contradicted":
+            with pytest.raises(NotComparable, match="contradicts its kernel .*enable_w4a4_mxfp4_megamoe=true"):
+                gate_runs(base, cand, thresholds, allow_uncalibrated=True)
+        else:
+            verdict = gate_runs(base, cand, thresholds, allow_uncalibrated=True)
+            assert f"server kernel not verified: {why}" in verdict.notes
