@@ -28,7 +28,7 @@ Columns: Δ = 0 and Δ = −M/2 on both tasks; Δ = −M on one task, the other 
 every task, so this is the worst case for a false PASS), the worse of the two tasks shown. "k̄": the mean
 samples per item each kernel generates over the looks taken (both tasks' items together).
 
-Run:  python benchmarks/simulate_gate.py [--reps 2000] [--seed 12345] [--check 12] [--max-samples 8]
+Run:  python benchmarks/simulate_gate.py [--reps 2000] [--seed 12345] [--check 6] [--max-samples 8]
       (~6 min on 2 idle cores at the defaults)
 """
 
@@ -273,7 +273,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=12345)
-    parser.add_argument("--check", type=int, default=12, help="replicates per look re-decided with decide_overall")
+    parser.add_argument("--check", type=int, default=6, help="replicates per look re-decided with decide_overall")
     parser.add_argument("--max-samples", type=int, default=8)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
