@@ -256,22 +256,56 @@ class RoutedExperts:
         return sum(n * per_expert[i % len(per_expert)] for i, n in enumerate(self.distinct))
 
 
-@torch.inference_mode()
-def measure_batch(model, tokenizer, prompts: list[str], batch: int, steps: int, devices: list[str], bandwidth: float):
-    """Prefill ``batch`` prompts (the list repeated as needed; ``generation._prefill_in_parts``, as a static
-    batch is prefilled), then ``steps`` greedy decoding steps: prefill tokens/s, the median step, its floor
-    (the weights the step reads over ``bandwidth``: ``dense_step_bytes`` plus the experts its tokens are routed
-    to, counted on one more step) and the peak memory per device since the prefill began."""
-    from evalgate.model_adapters.generation import _prefill_in_parts
-
-    first = devices[0]
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in (prompts * (batch // len(prompts) + 1))[:batch]]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+def _reset_peaks(devices: list[str]) -> None:
     for d in devices:
         if d.startswith("cuda"):
             torch.cuda.synchronize(d)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(d)
+
+
+def _median_step(step, steps: int, device: str) -> float:
+    """Seconds of ``step()``, the median of ``steps`` after one untimed (the first step at a batch compiles)."""
+    step()
+    times = []
+    for _ in range(steps):
+        t = _Timer(device)
+        step()
+        times.append(t.seconds())
+    return sorted(times)[len(times) // 2]
+
+
+def _row(model, step, cache: str, batch: int, prompt_tokens: int, prefill_s: float, step_s: float, devices, bandwidth):
+    """One table row; the floor's experts are counted on one more ``step()``."""
+    with RoutedExperts(model) as routed:
+        step()
+    floor_bytes = dense_step_bytes(model, batch) + routed.bytes()
+    floor_s = floor_bytes / bandwidth
+    peaks = {d: torch.cuda.max_memory_allocated(d) for d in devices if d.startswith("cuda")}
+    return {"cache": cache, "batch": batch, "prompt_tokens": prompt_tokens, "prefill_s": round(prefill_s, 3),
+            "prefill_tokens_per_s": round(prompt_tokens / prefill_s, 1), "step_ms": round(step_s * 1e3, 2),
+            "tokens_per_s": round(batch / step_s, 1), "floor_gib": round(floor_bytes / GiB, 2),
+            "floor_ms": round(floor_s * 1e3, 2), "x_floor": round(step_s / floor_s, 2),
+            "peak_gib": {d: round(v / GiB, 2) for d, v in peaks.items()}}
+
+
+def _prompt_ids(tokenizer, prompts: list[str], batch: int) -> list[list[int]]:
+    """``batch`` prompts' token ids, the list repeated as needed."""
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in (prompts * (batch // len(prompts) + 1))[:batch]]
+
+
+@torch.inference_mode()
+def measure_batch(model, tokenizer, prompts: list[str], batch: int, steps: int, devices: list[str], bandwidth: float):
+    """transformers' cache: prefill ``batch`` prompts left-padded (``generation._prefill_in_parts``, as a
+    static batch is prefilled), then ``steps`` greedy decoding steps: prefill tokens/s, the median step, its
+    floor (the weights the step reads over ``bandwidth``: ``dense_step_bytes`` plus the experts its tokens are
+    routed to) and the peak memory per device since the prefill began."""
+    from evalgate.model_adapters.generation import _prefill_in_parts
+
+    first = devices[0]
+    ids = _prompt_ids(tokenizer, prompts, batch)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    _reset_peaks(devices)
     t = _Timer(first)
     logits, (past, mask, last_pos, _) = _prefill_in_parts(model, ids, pad, first)
     prefill_s = t.seconds()
@@ -285,23 +319,39 @@ def measure_batch(model, tokenizer, prompts: list[str], batch: int, steps: int, 
                     logits_to_keep=1)
         past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
 
-    step()  # warm-up: the first step at this batch compiles and captures
-    times = []
-    for _ in range(steps):
-        t = _Timer(first)
-        step()
-        times.append(t.seconds())
-    with RoutedExperts(model) as routed:
-        step()
-    step_s = sorted(times)[len(times) // 2]
-    floor_bytes = dense_step_bytes(model, batch) + routed.bytes()
-    floor_s = floor_bytes / bandwidth
-    peaks = {d: torch.cuda.max_memory_allocated(d) for d in devices if d.startswith("cuda")}
-    return {"batch": batch, "prompt_tokens": sum(map(len, ids)), "prefill_s": round(prefill_s, 3),
-            "prefill_tokens_per_s": round(sum(map(len, ids)) / prefill_s, 1), "step_ms": round(step_s * 1e3, 2),
-            "tokens_per_s": round(batch / step_s, 1), "floor_gib": round(floor_bytes / GiB, 2),
-            "floor_ms": round(floor_s * 1e3, 2), "x_floor": round(step_s / floor_s, 2),
-            "peak_gib": {d: round(v / GiB, 2) for d, v in peaks.items()}}
+    step_s = _median_step(step, steps, first)
+    return _row(model, step, "hf", batch, sum(map(len, ids)), prefill_s, step_s, devices, bandwidth)
+
+
+@torch.inference_mode()
+def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], steps: int, devices: list[str],
+                  bandwidth: float) -> list[dict]:
+    """The per-row preallocated cache (``attention_slots.SlotCache``): the largest batch's prompts prefilled
+    one at a time and admitted into slots, then for each batch ``steps`` decoding steps of its first slots."""
+    from evalgate.model_adapters.attention_slots import SlotCache
+
+    first = devices[0]
+    ids = _prompt_ids(tokenizer, prompts, max(batches))
+    cache = SlotCache(model, slots=len(ids), max_length=max(map(len, ids)) + (steps + 2) * len(batches) + 8)
+    _reset_peaks(devices)
+    t = _Timer(first)
+    last = []
+    for slot, prompt in enumerate(ids):
+        out = model(input_ids=torch.tensor([prompt], device=first), use_cache=True, logits_to_keep=1)
+        cache.admit(slot, out.past_key_values, len(prompt))
+        last.append(out.logits[0, -1].argmax())
+    prefill_s = t.seconds()
+    tokens = torch.stack(last)
+    rows = []
+    for batch in batches:
+        slots = torch.arange(batch, device=tokens.device)
+
+        def step():
+            tokens[:batch] = cache.decode_step(tokens[:batch], slots).argmax(-1)
+
+        step_s = _median_step(step, steps, first)
+        rows.append(_row(model, step, "slots", batch, sum(map(len, ids)), prefill_s, step_s, devices, bandwidth))
+    return rows
 
 
 HUMANEVAL_ITEMS, HUMANEVAL_TOKENS = 164, 1024  # the default humaneval profile (humaneval-completion-codex)
@@ -325,11 +375,11 @@ def project_gate(row: dict, layers: int, total_layers: int, per_replica: int, gp
 def print_table(rows: list[dict], bandwidth: float, device: str) -> None:
     print(f"decode steps against the weight-read floor (copy bandwidth of {device}: {bandwidth / 1e9:.0f} GB/s "
           "read + written, measured in this run)")
-    print(f"{'batch':>5s} {'prefill tok/s':>13s} {'step ms':>8s} {'tokens/s':>9s} {'floor GiB':>9s} {'floor ms':>8s} "
+    print(f"{'cache':>5s} {'batch':>5s} {'prefill tok/s':>13s} {'step ms':>8s} {'tokens/s':>9s} {'floor GiB':>9s} {'floor ms':>8s} "
           f"{'x floor':>7s} {'peak GiB':>9s} {'gate 2xH200 min':>15s} {'gate 4xH200 min':>15s}")
     for r in rows:
         peak = "/".join(f"{v:.1f}" for v in r["peak_gib"].values()) or "-"
-        print(f"{r['batch']:5d} {r['prefill_tokens_per_s']:13.1f} {r['step_ms']:8.2f} {r['tokens_per_s']:9.1f} "
+        print(f"{r['cache']:>5s} {r['batch']:5d} {r['prefill_tokens_per_s']:13.1f} {r['step_ms']:8.2f} {r['tokens_per_s']:9.1f} "
               f"{r['floor_gib']:9.2f} {r['floor_ms']:8.2f} {r['x_floor']:7.2f} {peak:>9s} "
               f"{r['gate_min_2_h200']:15.1f} {r['gate_min_4_h200']:15.1f}")
 
@@ -391,6 +441,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards (default: delete it)")
     p.add_argument("--batches", default="1,16,64,256", help="decode-step batches held against the floor ('' to skip)")
     p.add_argument("--steps", type=int, default=8, help="timed decoding steps per batch (median)")
+    p.add_argument("--cache", default="hf,slots", help="caches to decode from: hf (transformers', left-padded "
+                   "static batch), slots (preallocated per row, attention_slots.py)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
 
@@ -458,22 +510,30 @@ def main(argv: list[str] | None = None) -> dict:
         bandwidth = copy_bandwidth(device)
         prompts, _ = gsm8k_prompts(min(max(batches), 64))
         gsm8k_prompt = sum(len(tokenizer(x, add_special_tokens=False)["input_ids"]) for x in prompts) / len(prompts)
-        rows = []
+        measured = []
         measure_batch(model, tokenizer, prompts, 1, 1, placement.devices, bandwidth)  # warm-up: Triton compiles
-        for b in batches:
+        caches = [c.strip() for c in args.cache.split(",") if c.strip()]
+        for cache in caches:
             try:
-                row = measure_batch(model, tokenizer, prompts, b, args.steps, placement.devices, bandwidth)
-            except torch.cuda.OutOfMemoryError as exc:  # the table says so, and the smaller batches still count
-                print(f"batch {b}: out of memory: {str(exc).splitlines()[0]}", flush=True)
-                figures.setdefault("out_of_memory", []).append(b)
+                if cache == "slots":
+                    measured.extend(measure_slots(model, tokenizer, prompts, batches, args.steps, placement.devices,
+                                                  bandwidth))
+                    continue
+                for b in batches:
+                    measured.append(measure_batch(model, tokenizer, prompts, b, args.steps, placement.devices,
+                                                  bandwidth))
+                    print(json.dumps(measured[-1]), flush=True)
+            except torch.cuda.OutOfMemoryError as exc:  # the table says so, and what was measured still counts
+                print(f"{cache} cache: out of memory: {str(exc).splitlines()[0]}", flush=True)
+                figures.setdefault("out_of_memory", []).append(cache)
                 torch.cuda.empty_cache()
-                continue
+        rows = []
+        for row in measured:
             for gpus in (2, 4):
                 row[f"gate_min_{gpus}_h200"] = round(project_gate(row, layers, full.num_hidden_layers,
                                                                   max(1, figures["h200s_needed"]), gpus,
                                                                   gsm8k_prompt) / 60, 1)
             rows.append(row)
-            print(json.dumps(row), flush=True)
         figures.update(copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), gsm8k_prompt_tokens=round(gsm8k_prompt, 1),
                        batches=rows)
         print_table(rows, bandwidth, device)

@@ -216,13 +216,15 @@ def test_fullwidth_script_tiny(tmp_path, monkeypatch):
     assert figures["layers"] == 4 and figures["tokens"] == 2
     assert figures["config"]["n_routed_experts"] == 8 and figures["config"]["num_hidden_layers"] == 43
     assert figures["h200s_needed"] == 1 and figures["projected_gsm8k_s_full_model"] > 0
-    one, three = figures["batches"]
-    assert (one["batch"], three["batch"]) == (1, 3) and figures["copy_bandwidth_gb_s"] > 0
-    assert three["prompt_tokens"] > 3 * 100  # few-shot prompts, prefilled
-    # a step of 3 rows reads at least the experts of 1 row: its floor is at least batch 1's
-    assert three["floor_gib"] >= one["floor_gib"] > 0 and one["x_floor"] > 0
-    # 4 H200s hold 4 copies of a model that needs 1: a quarter of 1 copy's time, half of 2 copies'
-    assert three["gate_min_4_h200"] == pytest.approx(three["gate_min_2_h200"] / 2, rel=0.02)
+    rows = figures["batches"]
+    assert [(r["cache"], r["batch"]) for r in rows] == [("hf", 1), ("hf", 3), ("slots", 1), ("slots", 3)]
+    assert figures["copy_bandwidth_gb_s"] > 0
+    for one, three in (rows[:2], rows[2:]):
+        assert three["prompt_tokens"] > 3 * 100  # few-shot prompts, prefilled
+        # a step of 3 rows reads at least the experts of 1 row: its floor is at least batch 1's
+        assert three["floor_gib"] >= one["floor_gib"] > 0 and one["x_floor"] > 0
+        # 4 H200s hold 4 copies of a model that needs 1: a quarter of 1 copy's time, half of 2 copies'
+        assert three["gate_min_4_h200"] == pytest.approx(three["gate_min_2_h200"] / 2, rel=0.02)
     assert not (tmp_path / "ckpt").exists()  # deleted unless --keep
 
 
