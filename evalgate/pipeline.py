@@ -167,8 +167,8 @@ def _rounds(plan: GatePlan, adapter, verdict: Verdict, ledger) -> Verdict:
         round_verdict = decide_look(plan, baseline, candidate, ledger)
         looks += round_verdict.sequence["looks"]
         notes += [n for n in round_verdict.notes if n.startswith("look ")]
-        for task, dec in round_verdict.decision.tasks.items():
-            tasks[task] = dec
+        for task in open_tasks:
+            tasks[task] = round_verdict.decision.tasks[task]
         k = k_next
     final = overall_verdict(d.verdict for d in tasks.values())
     if len(looks) > 1:

@@ -1,0 +1,172 @@
+"""A gate that decides (issue 32, finding 4): every decision of one gate is a look at α·2^-(look+1), a rerun
+with the same data is the same look and a rerun with new data the next, so rerunning until PASS cannot raise
+the false-pass rate; undecided tasks get rounds of coupled samples per item, the baseline's in the same round."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from evalgate.errors import UserError
+from evalgate.gate.policy import load_thresholds
+from evalgate.gate.sequence import MAX_LOOKS, Ledger
+from evalgate.stats.exact_ni import critical_value
+from evalgate.stats.paired import tango_z
+from synthetic_runs import manifest, write_run
+
+POLICY = """alpha: 0.05
+tasks:
+  gsm8k: {{profile: gsm8k-lmeval-v3, metric: "exact_match,strict-match", margin_pp: {margin}}}
+  humaneval: {{profile: humaneval-completion-codex, metric: pass@1, margin_pp: {margin}}}
+"""
+
+
+def test_each_look_spends_half_of_what_is_left():
+    policy = load_thresholds()
+    looks = [policy.at_look(j) for j in range(MAX_LOOKS)]
+    assert [p.alpha for p in looks[:3]] == pytest.approx([0.025, 0.0125, 0.00625])
+    assert sum(p.alpha for p in looks) < policy.alpha
+    assert sum(p.alpha_validity for p in looks) < policy.alpha_validity
+
+
+def test_rerunning_until_pass_cannot_inflate_the_false_pass_rate():
+    # a HumanEval kernel exactly M = 5 pp worse, greedy (ψ = 6%): rerun five times on fresh data (a stack that
+    # is not bit-reproducible), stopping at the first PASS. At α each time the chance of a PASS adds up; at the
+    # looks' α·2^-(j+1) it stays below α.
+    rng = np.random.default_rng(3)
+    n, margin, reps = 164, 0.05, 20_000
+    passed_at_alpha = np.zeros(reps, bool)
+    passed_at_looks = np.zeros(reps, bool)
+    for look in range(5):
+        moved = rng.multinomial(n, [0.03 + margin, 0.03, 1 - 0.06 - margin], size=reps)
+        z = tango_z(-margin, moved[:, 0], moved[:, 1], n)
+        passed_at_alpha |= z > critical_value(n, margin, 0.05)
+        passed_at_looks |= z > critical_value(n, margin, load_thresholds().at_look(look).alpha)
+    assert passed_at_alpha.mean() > 0.08  # what rerunning until PASS did
+    assert passed_at_looks.mean() <= 0.05
+
+
+def _pair(root: Path, lost: int, n: int = 40, name: str = "cand") -> tuple[Path, Path]:
+    base = root / "base"
+    if not base.exists():
+        write_run(base, "w4a8", [True] * 200, [True] * n, ["failed:assertion"] * n, 0)
+    cand = write_run(root / name, "w4a4_packed", [True] * 200, [i >= lost for i in range(n)],
+                     ["failed:assertion"] * n, 1)
+    return base, cand
+
+
+def _plan(tmp_path: Path, candidate: Path, base: Path, margin: float = 20.0, **rest):
+    from evalgate.plan import plan_gate
+    from evalgate.run.store import load_run
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY.format(margin=margin))
+    return plan_gate(candidate=load_run(candidate), baselines=(base,), thresholds=policy, allow_uncalibrated=True,
+                     baselines_root=tmp_path / "baselines", **rest)
+
+
+def test_a_rerun_with_the_same_data_is_the_same_look_and_new_data_the_next(tmp_path):
+    from evalgate.pipeline import gate
+
+    base, cand = _pair(tmp_path, lost=6)
+    first = gate(_plan(tmp_path, cand, base))
+    assert first.sequence["looks"][0]["look"] == 0 and first.decision.tasks["humaneval"].alpha == 0.025
+    again = gate(_plan(tmp_path, cand, base))  # the same stored candidate: the same data
+    assert again.sequence["looks"][0] == {**first.sequence["looks"][0], "repeated": True}
+    assert again.verdict == first.verdict and again.decision.tasks["humaneval"].alpha == 0.025
+    _, other = _pair(tmp_path, lost=2, name="cand-rerun")  # the same kernel again, other data
+    later = gate(_plan(tmp_path, other, base))
+    assert later.sequence["looks"][0]["look"] == 1 and later.decision.tasks["humaneval"].alpha == 0.0125
+    ledger = json.loads(Path(later.sequence["ledger"]).read_text())
+    assert [x["look"] for x in ledger["looks"]] == [0, 1]
+    assert any(n.startswith("look 2 of this gate") for n in later.notes)
+
+
+def test_a_gate_past_its_last_look_is_refused(tmp_path):
+    ledger = Ledger(tmp_path / "g.json", "g", [{"look": j, "digest": str(j)} for j in range(MAX_LOOKS)])
+    with pytest.raises(UserError, match="a further look is refused"):
+        ledger.look_for("new data")
+    assert ledger.look_for("3") == (3, ledger.looks[3])
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UserError, match="unreadable"):
+        Ledger.open(tmp_path, "bad")
+
+
+def test_next_samples_uses_the_measured_within_item_variance():
+    from evalgate.pipeline import next_samples
+
+    measured = SimpleNamespace(samples_needed=6, samples_needed_is_bound=False)
+    bound = SimpleNamespace(samples_needed=40, samples_needed_is_bound=True)  # greedy: a lower bound, not used
+    assert next_samples(1, [bound], 8) == 4
+    assert next_samples(4, [], 16) == 8 and next_samples(4, [measured], 16) == 8
+    assert next_samples(2, [measured], 16) == 6
+    assert next_samples(8, [], 8) is None and next_samples(4, [], 6) == 6
+
+
+def _sampled(run: Path, dest: Path, k: int, kernel: str, tasks) -> Path:
+    """``run`` with k samples per item, every sample the item's greedy outcome (the same keys on both sides)."""
+    dest.mkdir(parents=True)
+    m = json.loads((run / "manifest.json").read_text())
+    m["kernel"]["name"] = kernel
+    m["tasks"] = {t: s for t, s in m["tasks"].items() if t in tasks}
+    for task in m["tasks"].values():
+        task["decoding"] = {"do_sample": True, "n": k, "temperature": 0.7, "seed": 0}
+    (dest / "manifest.json").write_text(json.dumps(m))
+    for task in m["tasks"]:
+        metric = "pass@1" if task == "humaneval" else "exact_match,strict-match"
+        rows = [json.loads(line) for line in (run / f"{task}.jsonl").read_text(encoding="utf-8").split("\n") if line]
+        with open(dest / f"{task}.jsonl", "w", encoding="utf-8") as f:
+            for r in rows:
+                r = {**r, "n_samples": k, "samples": [{metric: r[metric], "finish_reason": "stop",
+                                                       "failure_class": r.get("failure_class"), "seed": s}
+                                                      for s in range(k)]}
+                f.write(json.dumps(r) + "\n")
+    from evalgate.run.store import load_run
+
+    return load_run(dest)
+
+
+@pytest.mark.parametrize("max_samples", [8, 1])
+def test_an_undecided_task_gets_rounds_until_decided(tmp_path, monkeypatch, max_samples):
+    """HumanEval loses 6 of 40 items greedily (INCONCLUSIVE at M = 20 pp); the round at k = 4 — where the
+    kernel moves no sample — PASSes it. The baseline is sampled in the same round; GSM8K is not rerun."""
+    import evalgate.pipeline as pipeline
+    from evalgate.plan import GatePlan
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.runner import RunSpec
+    from evalgate.run.store import load_run
+
+    base, cand = _pair(tmp_path, lost=6)
+    calls = []
+
+    def fake_run(spec, out, adapter=None, observer=None, tasks=None, expected_tokens=None):
+        calls.append((spec.kernel, spec.samples, tuple(spec.tasks)))
+        if spec.samples == 1:
+            return load_run(cand)
+        source = base if spec.kernel == "w4a8" else base  # the round's candidate moves no sample
+        return _sampled(source, Path(out), spec.samples, spec.kernel, spec.tasks)
+
+    monkeypatch.setattr(pipeline, "run_or_resume", fake_run)
+    monkeypatch.setattr(pipeline, "load_tasks", lambda spec: {t: SimpleNamespace(profile_id=f"{t}-k{spec.samples}")
+                                                              for t in spec.tasks})
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY.format(margin=20.0))
+    plan = GatePlan(policy=load_thresholds(policy), baseline=load_baseline([base]), report_dir=tmp_path / "rep",
+                    allow_uncalibrated=True, spec=RunSpec(model="m", kernel="w4a4_packed", tasks=["gsm8k", "humaneval"]),
+                    out=tmp_path / "out", early_stop=False, max_samples=max_samples, ledger_dir=tmp_path / "seq")
+    verdict = pipeline.gate(plan)
+    looks = verdict.sequence["looks"]
+    assert looks[0]["k"] == 1 and looks[0]["tasks"] == {"gsm8k": "PASS", "humaneval": "INCONCLUSIVE"}
+    if max_samples == 1:
+        assert verdict.verdict == "INCONCLUSIVE" and len(looks) == 1 and len(calls) == 1
+        return
+    assert verdict.verdict == "PASS" and verdict.exit_code == 0
+    assert looks[1]["k"] == 4 and looks[1]["look"] == 1 and looks[1]["tasks"] == {"humaneval": "PASS"}
+    assert calls[1:] == [("w4a8", 4, ("humaneval",)), ("w4a4_packed", 4, ("humaneval",))]
+    he = verdict.decision.tasks["humaneval"]
+    assert he.n_samples == 4 and he.alpha == 0.0125 and verdict.decision.tasks["gsm8k"].n_samples == 1
+    assert any("humaneval PASS at look 2 (k = 4)" in n for n in verdict.notes)
