@@ -138,7 +138,7 @@ def decode_stream(model, tokenizer, prompts: list[str], stops: list[tuple[str, .
     if dynamic and workers > 1 and n > 1 and hasattr(os, "fork"):
         yield from _parallel(args, order, workers, stats, costs)
     else:
-        yield from _decode_queue(*args, _LocalQueue(order), stats)
+        yield from (_decode_slots if _slot_decoding(model, device) else _decode_queue)(*args, _LocalQueue(order), stats)
 
 
 @torch.inference_mode()
@@ -219,6 +219,81 @@ def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
             yield finished
 
 
+def _slot_decoding(model, device) -> bool:
+    """Whether a batch decodes from per-row slots (``attention_slots.SlotCache``): a DeepSeek-V4 model that
+    keeps PyTorch's numerics, on a GPU. There rows join and leave as with canonical numerics, and a row's
+    compressor windows follow its own positions, not a padded batch's."""
+    return (str(device).startswith("cuda") and not _canonical(model)
+            and getattr(model.config, "model_type", None) == "deepseek_v4")
+
+
+@torch.inference_mode()
+def _decode_slots(model, tokenizer, enc, stops, max_new_tokens, device, keys, batch_size, refill, dynamic, queue,
+                  stats: list | None = None):
+    """``_decode_queue`` over a ``SlotCache`` of ``batch_size`` slots: a prompt is prefilled alone (no
+    padding) into a free slot, every step decodes one token for each slot in use, a finished row's slot takes
+    the next prompt once ``refill`` slots are free."""
+    from evalgate.model_adapters.attention_slots import SlotCache
+
+    n = len(enc)
+    spent = DecodeStats()
+    eos_ids = set(_eos_ids(model, tokenizer))
+    batch_size = max(1, min(batch_size or n, n))
+    refill = max(1, refill or batch_size // REFILL_FRACTION)
+    cache = SlotCache(model, batch_size, max(len(e) + m for e, m in zip(enc, max_new_tokens)) + 1)
+    free = list(range(batch_size - 1, -1, -1))  # popped from the end: slot 0 first
+    live: dict[int, _Row] = {}  # slot -> row
+    fed = torch.zeros(batch_size, dtype=torch.long, device=cache.positions.device)
+    while True:
+        finished = []
+        if free and (not live or len(free) >= refill):
+            for i in queue.take(len(free), [(r.index, len(r.generated)) for r in live.values()]):
+                slot, row = free.pop(), _Row(i, [], time.perf_counter())
+                t0 = time.thread_time()
+                out = model(input_ids=torch.tensor([enc[i]], device=device), use_cache=True, logits_to_keep=1)
+                cache.admit(slot, out.past_key_values, len(enc[i]))
+                spent.prefill_cpu_s += time.thread_time() - t0
+                spent.prefill_calls += 1
+                spent.prefill_tokens += len(enc[i])
+                live[slot] = row
+                finished += _take_tokens(out.logits[:, -1].float(), [slot], live, fed, free, tokenizer, eos_ids,
+                                         stops, max_new_tokens, keys, enc)
+        if live:
+            slots = sorted(live)
+            t0 = time.thread_time()
+            logits = cache.decode_step(fed[slots], torch.tensor(slots, device=fed.device)).float()
+            spent.decode_cpu_s += time.thread_time() - t0
+            spent.steps += 1
+            spent.row_steps += len(slots)
+            spent.steps_with_few_rows += len(slots) < FEW_ROWS
+            finished += _take_tokens(logits, slots, live, fed, free, tokenizer, eos_ids, stops, max_new_tokens, keys,
+                                     enc)
+        if finished:
+            yield finished
+        if not live and queue.exhausted():
+            if stats is not None:
+                stats.append(spent)
+            return
+
+
+def _take_tokens(logits, slots: list[int], live: dict, fed, free: list[int], tokenizer, eos_ids, stops,
+                 max_new_tokens, keys, enc) -> list:
+    """Each slot's row takes its next token (``_choose``); the token is what the slot is fed next. A row that
+    finishes leaves its slot free. Returns the finished (prompt index, RawGeneration)."""
+    rows = [live[s] for s in slots]
+    chosen = _choose(logits, rows, keys)
+    fed[torch.tensor(slots, device=fed.device)] = torch.tensor(chosen, device=fed.device)
+    finished = []
+    for slot, r, tok in zip(slots, rows, chosen):
+        _advance(r, tok, tokenizer, eos_ids, stops[r.index], max_new_tokens[r.index])
+        if r.done:
+            finished.append((r.index, RawGeneration(r.generated, r.text, r.reason, r.hit, len(enc[r.index]),
+                                                    time.perf_counter() - r.t0)))
+            del live[slot]
+            free.append(slot)
+    return finished
+
+
 def _without_finished(live: list[_Row], state):
     """The rows still decoding and their state (``_select``); (``[]``, None) when none is."""
     keep = [j for j, r in enumerate(live) if not r.done]
@@ -269,6 +344,10 @@ class _LocalQueue:
 
     def publish(self, live) -> None:
         """The taker's rows still decoding, after a step (what a shared queue balances on)."""
+
+    def exhausted(self) -> bool:
+        """Whether every prompt has been taken."""
+        return self.next >= len(self.order)
 
 
 class _SharedQueue(_LocalQueue):

@@ -102,3 +102,29 @@ def test_a_prompt_too_long_for_the_slots_is_refused():
     cache = SlotCache(model, slots=1, max_length=20)
     with pytest.raises(ValueError, match="no room"):
         _admit(model, cache, 0, _prompts()[2])
+
+
+def test_decoding_from_slots_gives_each_prompt_its_tokens_alone(monkeypatch):
+    """``generation.decode_stream`` over slots (what a GPU does for a DeepSeek-V4 model with PyTorch's
+    numerics; forced here on the CPU): 5 prompts through 2 slots, refilled as rows finish, each with its own
+    token limit: every prompt gets the tokens transformers gives it alone."""
+    from evalgate.model_adapters import generation
+    from test_attention import _Tokenizer
+
+    model = _model(index_topk=64)
+    prompts = [" ".join(str(int(t)) for t in p) for p in _prompts(seed=4)] + ["7 8 9 10 11"]
+    limits = [6, 3, 9, 4, 5]
+    stops = [()] * len(prompts)
+    alone = [generation.decode(model, _Tokenizer(), [p], [()], [m])[0].token_ids for p, m in zip(prompts, limits)]
+    monkeypatch.setattr(generation, "_slot_decoding", lambda model, device: True)
+    calls = []
+    inner = generation._decode_slots
+    monkeypatch.setattr(generation, "_decode_slots", lambda *a: calls.append(1) or inner(*a))
+    stats = []
+    got = [None] * len(prompts)
+    for finished in generation.decode_stream(model, _Tokenizer(), prompts, stops, limits, batch_size=2, refill=1,
+                                             stats=stats):
+        for i, g in finished:
+            got[i] = g.token_ids
+    assert calls and got == alone
+    assert stats[0].prefill_calls == len(prompts) and stats[0].steps < sum(limits)  # rows shared steps
