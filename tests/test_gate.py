@@ -243,3 +243,76 @@ def test_calibrate_then_gate_from_a_model(tiny_model, tmp_path, data_dir):
     assert gate["candidate"]["kernel"]["name"] == "w4a4" and gate["baseline"]["kernel"]["name"] == "w4a8"
     assert gate["aa"]["gsm8k"]["n"] == 6
     assert (tmp_path / "cand/gate/junit.xml").is_file() and (tmp_path / "cand/gate/report.md").is_file()
+
+
+# ---------------------------------------------------------------------------- issue 32, finding 5: inputs that
+# cannot be decided are exit 2 in one line; the A/A record is checked and pooled
+
+
+def _stored_pair(tmp_path, n_gsm8k=200, n_humaneval=40):
+    from synthetic_runs import write_pair
+
+    return write_pair(tmp_path, n_gsm8k=n_gsm8k, n_humaneval=n_humaneval)
+
+
+def _one_line_exit_2(proc):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("evalgate: error: ") and "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def _write_aa(base, tasks: dict):
+    (base / "aa.json").write_text(json.dumps({"schema_version": 3, "tasks": tasks}))
+
+
+def test_a_task_with_no_items_is_exit_2_in_one_line(tmp_path):
+    base, cand = _stored_pair(tmp_path)
+    for run in (base, cand):
+        m = json.loads((run / "manifest.json").read_text())
+        m["tasks"]["humaneval"]["n_items"] = 0
+        (run / "manifest.json").write_text(json.dumps(m))
+        (run / "humaneval.jsonl").write_text("")
+    proc = evalgate_cli(["gate", "--candidate", str(cand), "--baseline", str(base), "--allow-uncalibrated"], tmp_path)
+    assert "humaneval" in _one_line_exit_2(proc) and "no items" in proc.stderr
+
+
+@pytest.mark.parametrize("field, value", [("psi0", 1.5), ("n", 0)])
+def test_a_corrupt_aa_record_is_exit_2_in_one_line(tmp_path, field, value):
+    base, cand = _stored_pair(tmp_path)
+    entry = {"psi0": 0.01, "n": 200, "flips": [], "verdict": "PASS"}
+    _write_aa(base, {"gsm8k": {**entry, field: value}, "humaneval": {**entry, "n": 40}})
+    proc = evalgate_cli(["gate", "--candidate", str(cand), "--baseline", str(base)], tmp_path)
+    assert "A/A record is corrupt" in _one_line_exit_2(proc) and f"{field} = " in proc.stderr
+
+
+def test_min_aa_runs_is_enforced_and_several_runs_are_pooled(tmp_path):
+    base, cand = _stored_pair(tmp_path)
+    text = (REPO / "thresholds.yaml").read_text().replace("min_aa_runs: 1", "min_aa_runs: 2")
+    (tmp_path / "thresholds.yaml").write_text(text)  # the policy in the current directory
+    one = {"psi0": 0.02, "n": 200, "flips": [], "verdict": "PASS"}
+    _write_aa(base, {"gsm8k": one, "humaneval": {**one, "n": 40}})
+    proc = evalgate_cli(["gate", "--candidate", str(cand), "--baseline", str(base)], tmp_path)
+    assert "min_aa_runs" in _one_line_exit_2(proc)
+    runs = [{"psi0": 0.02, "n": 200}, {"psi0": 0.04, "n": 200}]
+    _write_aa(base, {"gsm8k": {**one, "runs": runs}, "humaneval": {**one, "n": 40, "runs": [{"psi0": 0.0, "n": 40}] * 2}})
+    rep = tmp_path / "rep"
+    proc = evalgate_cli(["gate", "--candidate", str(cand), "--baseline", str(base), "--report-dir", str(rep)], tmp_path)
+    assert proc.returncode in (0, 1, 3), proc.stderr
+    gsm = json.loads((rep / "gate.json").read_text())["decision"]["tasks"]["gsm8k"]
+    assert gsm["aa_psi0"] == pytest.approx(0.03) and gsm["aa_n"] == 400
+
+
+def test_the_aa_mde_of_a_k_sample_task_uses_the_k_sample_formula():
+    import numpy as np
+    from scipy.stats import norm
+
+    from evalgate.gate.rule import TaskData, TaskRule, decide_task
+
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 5, 164) / 4
+    cand = np.clip(base + rng.choice([-0.25, 0, 0.25], 164, p=[0.05, 0.9, 0.05]), 0, 1)
+    dec = decide_task(TaskData("humaneval", base, cand, n_samples=4, aa_psi0=0.01, aa_n=164), TaskRule(margin=0.05))
+    assert dec.n_samples == 4 and dec.mde_method == "normal"
+    expected = (norm.ppf(0.95) + norm.ppf(0.8)) * np.sqrt(dec.aa_psi0_upper / 164)
+    assert dec.aa_mde == pytest.approx(expected)
