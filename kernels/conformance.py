@@ -23,7 +23,7 @@ import torch
 from .checkpoint import experts_modules
 from .registry import get_kernel
 
-PROMPTS = 2  # the run's first prompts whose forward pass supplies the hidden states
+PROMPTS = 8  # at most this many of the run's first prompts supply the hidden states
 SHOWN = 8  # worst experts / tokens kept in the record (all that fail are kept, up to FAILED_SHOWN)
 FAILED_SHOWN = 64
 EXPERTS_ARGS = ("hidden_states", "top_k_index", "top_k_weights")  # transformers' experts call

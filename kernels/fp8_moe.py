@@ -75,6 +75,11 @@ class Fp8Operand:
     codes: torch.Tensor
     scale: torch.Tensor
 
+    def take(self, index) -> "Fp8Operand":
+        """Rows (or experts) ``index`` along dim 0; FP8 indexing goes through bytes (not every device
+        indexes float8 tensors)."""
+        return Fp8Operand(self.codes.view(torch.uint8)[index].view(torch.float8_e4m3fn), self.scale[index])
+
     def values(self) -> torch.Tensor:
         """The exact FP32 values (codes times their block's scale)."""
         n, k = self.codes.shape[-2:]
@@ -151,13 +156,13 @@ def exact_gemm(a: Fp8Operand, w: Fp8Operand, counts: torch.Tensor) -> torch.Tens
     hit = torch.nonzero(counts).flatten().tolist()
     for c in range(0, len(hit), EXACT_CHUNK):
         experts = hit[c:c + EXACT_CHUNK]
-        sub = Fp8Operand(w.codes[experts], w.scale[experts])
+        sub = w.take(torch.tensor(experts, device=w.codes.device))
         spans = [(ends[e] - int(counts[e]), ends[e]) for e in experts]
         rows = torch.cat([torch.arange(b, e, device=out.device) for b, e in spans])
         group = torch.repeat_interleave(torch.arange(len(experts), device=out.device),
                                         torch.tensor([e - b for b, e in spans], device=out.device))
         gw = GemmWeights.of(sub.values(), SIG_BITS["e4m3"], fp32=False)
-        rows_a = Fp8Operand(a.codes[rows], a.scale[rows])
+        rows_a = a.take(rows)
         out[rows] = exact_matmul(rows_a.values(), SIG_BITS["e4m3"], gw, group, w_sig=SIG_BITS["e4m3"]).to(torch.bfloat16)
     return out
 

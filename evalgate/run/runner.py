@@ -97,7 +97,7 @@ def load_tasks(spec: RunSpec) -> dict[str, LoadedTask]:
 
 # Files a run's own helpers may write before the run starts (the launched server's log).
 SIDE_FILES = frozenset({"server.log"})
-CONFORMANCE_PROMPTS = 2  # the run's first prompts whose hidden states the kernel is held to its reference on
+CONFORMANCE_PROMPTS = 8  # the run's first prompts whose hidden states the kernel is held to its reference on
 
 
 def prepare_out(out: Path, resume: bool) -> dict | None:

@@ -30,8 +30,10 @@ def pad_by_expert(counts: torch.Tensor, align: int) -> Padded:
 
 def scatter_rows(x: torch.Tensor, padded: Padded, fill: float = 0.0) -> torch.Tensor:
     """x [S, ...] sorted by expert -> [M, ...] in the padded layout, padding rows ``fill``."""
-    out = x.new_zeros((padded.rows, *x.shape[1:]))
+    fp8 = x.dtype == torch.float8_e4m3fn  # scattered as bytes: not every device indexes float8 tensors
+    src = x.view(torch.uint8) if fp8 else x
+    out = src.new_zeros((padded.rows, *x.shape[1:]))
     if fill:
         out.fill_(fill)
-    out[padded.index] = x
-    return out
+    out[padded.index] = src
+    return out.view(torch.float8_e4m3fn) if fp8 else out

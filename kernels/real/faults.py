@@ -26,8 +26,7 @@ def swap_expert(w: Fp8Weights) -> Fp8Weights:
     """Expert EXPERT's weights (codes and scales, both GEMMs) swapped with its neighbour's."""
     order = torch.arange(w.w1.codes.shape[0], device=w.w1.codes.device)
     order[EXPERT], order[EXPERT + 1] = EXPERT + 1, EXPERT
-    return replace(w, w1=Fp8Operand(w.w1.codes[order], w.w1.scale[order]),
-                   w2=Fp8Operand(w.w2.codes[order], w.w2.scale[order]))
+    return replace(w, w1=w.w1.take(order), w2=w.w2.take(order))
 
 
 def stale_scale(w: Fp8Weights) -> Fp8Weights:

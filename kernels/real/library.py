@@ -36,7 +36,7 @@ class RealLibrary:
         import torch
 
         if importlib.util.find_spec(self.module) is None:
-            return f"the Python module {self.module!r} ({self.name}) is not installed"
+            return f"the Python module {self.module!r} is not installed"
         if not torch.cuda.is_available():
             return "no CUDA GPU is visible"
         major = torch.cuda.get_device_capability()[0]
