@@ -16,6 +16,7 @@ from pathlib import Path
 
 from evalgate.canary import policy_for
 from evalgate.errors import NotComparable, UserError
+from evalgate.explain import Explainer, Explanation, summary_line
 from evalgate.gate.compare import Pairing
 from evalgate.gate.compare import compare as pair_runs
 from evalgate.gate.decide import decide as decide_pairing
@@ -59,6 +60,7 @@ class Comparison(Pairing):
     baseline_dirs: list[Path] = field(default_factory=list)  # the baseline folder(s), for their A/A records
     stats_problem: str | None = None  # why statistics could not be decided (not retried)
     _verdict: Verdict | None = field(default=None, repr=False)
+    _explainer: Explainer | None = field(default=None, repr=False)  # the replaying models, loaded on first use
 
     @property
     def verdict(self) -> Verdict | None:
@@ -113,15 +115,45 @@ class Comparison(Pairing):
         columns = SUMMARY_COLUMNS + [k for k in rows[0] if k not in SUMMARY_COLUMNS] if rows else SUMMARY_COLUMNS
         return pd.DataFrame(rows, columns=columns)
 
-    def flips(self, task: str | None = None, direction: str | None = None, failure_class: str | None = None):
+    def flips(self, task: str | None = None, direction: str | None = None, failure_class: str | None = None,
+              explain: bool = False):
         """Items whose score differs (``Pairing.flips``); a HumanEval item's ``question`` is its signature and
-        the first line of its docstring, as in the report."""
+        the first line of its docstring, as in the report. ``explain=True`` replays every flip shown
+        (``explain``) and adds its ``explanation`` (near-tie, divergence, ...), ``margin``, ``divergence_at``
+        (token), ``layer`` and ``expert``."""
         df = super().flips(task, direction, failure_class)
+        names = [task] * len(df) if task is not None else list(df["task"]) if len(df) else []
         if len(df):
-            names = [task] * len(df) if task is not None else list(df["task"])
             records = {t: {str(d): r for d, r in zip(p.doc_ids, p.base)} for t, p in self.pairs.items()}
             df["question"] = [display_question(records[t][str(d)]) for t, d in zip(names, df["doc_id"])]
+        if explain:
+            found = [self.explain(t, d) for t, d in zip(names, df["doc_id"])]
+            df["explanation"] = [x.kind for x in found]
+            df["margin"] = [x.margin for x in found]
+            df["divergence_at"] = [x.position for x in found]
+            df["layer"] = [x.layer for x in found]
+            df["expert"] = [x.expert for x in found]
         return df
+
+    def explainer(self, model=None, device: str = "cpu") -> Explainer:
+        """The replaying models of this pair (loaded on first use, kept): ``model`` a checkpoint to replay
+        instead of the run's own (a run through a server needs one)."""
+        if self._explainer is None or (model is not None and Path(model) != self._explainer.model) \
+                or device != self._explainer.device:
+            self._explainer = Explainer(self, model=Path(model) if model is not None else None, device=device)
+        return self._explainer
+
+    def explain(self, task: str, item, model=None, device: str = "cpu") -> Explanation:
+        """Why ``item`` flipped (or, for any item, where its two generations part): the two runs' tokens
+        replayed teacher-forced through both kernels (evalgate/explain.py); a DataFrame per layer
+        (``.frame``), the top-2 tokens (``.top``) and a rendered view in Jupyter."""
+        return self.explainer(model, device).explain(task, item)
+
+    def explain_flips(self, task: str | None = None, model=None, device: str = "cpu") -> list[Explanation]:
+        """Every flip of ``task`` (default: all tasks) explained, in ``flips()`` order."""
+        df = self.flips(task)
+        names = [task] * len(df) if task is not None else list(df["task"]) if len(df) else []
+        return [self.explain(t, d, model, device) for t, d in zip(names, df["doc_id"])]
 
     def show(self, task: str, doc_id) -> ItemView:
         """One item side by side: question, gold, both completions diffed, answers highlighted (HTML in Jupyter)."""
@@ -421,4 +453,5 @@ def decide(baseline, candidate, thresholds=None, allow_uncalibrated: bool = Fals
     return gate_runs(baseline, cand, _policy(thresholds, cand), allow_uncalibrated)
 
 
-__all__ = ["Comparison", "Run", "compare", "decide", "find_baselines", "load_run", "run_kernel"]
+__all__ = ["Comparison", "Explanation", "Run", "compare", "decide", "find_baselines", "load_run", "run_kernel",
+           "summary_line"]

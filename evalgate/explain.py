@@ -231,6 +231,17 @@ class Explainer:
                             "the one it used (model=PATH, --model PATH)")
         return path
 
+    def load(self, tasks: list[str] = ()) -> float:
+        """Load both kernels' models (where there is a checkpoint to replay) and ``tasks``' prompts now; the
+        seconds it took."""
+        t0 = time.perf_counter()
+        path = self.checkpoint()
+        if path is not None:
+            self._loaded(path)
+            for task in tasks:
+                self._prompts(task)
+        return time.perf_counter() - t0
+
     def _loaded(self, path: Path):
         if not self._models:
             from evalgate.model_adapters.hf import load_model
@@ -243,13 +254,17 @@ class Explainer:
                 self._models["tokenizer"] = tokenizer
         return self._models
 
-    def _request(self, task: str, doc_id):
+    def _prompts(self, task: str) -> dict:
+        """doc_id -> the Request the run made of each item of ``task``, rebuilt from its manifest's spec."""
         if task not in self._requests:
             from evalgate.run.runner import load_tasks
 
             loaded = load_tasks(_spec_of(self.pairing.candidate, task))[task]
             self._requests[task] = {str(r.doc_id): r for r in loaded.task.requests(loaded.items, loaded.resolved)}
-        request = self._requests[task].get(str(doc_id))
+        return self._requests[task]
+
+    def _request(self, task: str, doc_id):
+        request = self._prompts(task).get(str(doc_id))
         if request is None:
             raise UserError(f"{task} item {doc_id!r} is not among the run's items")
         return request

@@ -13,7 +13,7 @@ import traceback
 
 import click
 
-from evalgate.cli import baseline, calibrate, gate, kernels, report, run, selfcheck, selftest, serve
+from evalgate.cli import baseline, calibrate, explain, gate, kernels, report, run, selfcheck, selftest, serve
 from evalgate.cli.options import resume_note
 from evalgate.errors import (ENVIRONMENT, EXIT_CODES_HELP, INTERNAL, INTERRUPTED, EnvironmentFailure, Interrupted,
                              UserError, describe_os_error)
@@ -87,6 +87,7 @@ main.add_command(kernels.kernels_group)
 main.add_command(selftest.selftest_group)
 main.add_command(selfcheck.selfcheck)
 main.add_command(serve.serve)
+main.add_command(explain.explain)
 
 
 def _with_exit_codes(command: click.Command) -> None:
