@@ -72,14 +72,17 @@ def test_the_runs_table_gives_each_path_header_its_own_column(inconclusive):
 
 
 def test_the_terminal_table_in_a_log_is_one_line_per_task_and_reasons_are_not_wrapped(inconclusive):
+    from evalgate.report.rows import verdict_reason
     from evalgate.report.text import LOG_WIDTH, print_verdict, verdict_lines
 
     out = io.StringIO()  # not a terminal: a CI log or a file
     print_verdict(inconclusive, out)
     lines = out.getvalue().splitlines()
     below = verdict_lines(inconclusive)
-    assert lines[0] == "evalgate verdict: INCONCLUSIVE" and below
-    table, rest = lines[:lines.index(below[0])], lines[lines.index(below[0]):]
+    # what decides the verdict comes first, whole on one line; then the table
+    assert lines[0].startswith("INCONCLUSIVE — ") and lines[0] == verdict_reason(inconclusive)
+    assert lines[1] == "evalgate verdict: INCONCLUSIVE" and below
+    table, rest = lines[1:lines.index(below[0])], lines[lines.index(below[0]):]
     assert rest == below  # each reason, warning and note whole, on its own line, after the table
     assert all(len(line) <= LOG_WIDTH and line == line.rstrip() for line in table)
     for task, decision in inconclusive.decision.tasks.items():

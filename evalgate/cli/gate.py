@@ -16,35 +16,44 @@ from evalgate.errors import EnvironmentFailure, UserError, describe_os_error
 
 
 def _finish(verdict, report_dir: Path, stored_run: Path, rerun_flags: list[str]) -> None:
-    """Print the verdict, then write its reports; reports that cannot be written end the command with the
-    environment code (4) and the command that writes them from the stored run — the verdict is printed
-    first, so it is never lost."""
+    """Write the verdict's reports, then print it. Reports that cannot be written end the command with the
+    environment code (4) after the verdict is printed (never lost) and the command that writes them from the
+    stored run; a closed stdout (``| head``) loses only the printout."""
     from evalgate.report.outputs import write_outputs
-    from evalgate.report.text import print_verdict
 
     from evalgate.gate.stopped import verdict_text
 
-    print_verdict(verdict)  # a table that fits a terminal, or a CI log without wrapped cells
-    policy = verdict.thresholds
-    click.echo(f"policy: {policy.path} ({policy.source}, sha256 {policy.sha256[:12]})")
     try:
         paths = write_outputs(verdict, report_dir)
     except OSError as exc:
         what = describe_os_error(exc)
         if what is None:
             raise
+        _print(verdict)
         click.get_current_context().meta.pop("evalgate.resume", None)  # the run is complete: nothing to resume
         command = shlex.join(["evalgate", "gate", "--candidate", str(stored_run), *rerun_flags,
                               "--report-dir", "DIR"])
         raise EnvironmentFailure(f"the verdict is {verdict_text(verdict)} (exit {verdict.exit_code}), but its "
                                  f"reports could not be written to {str(report_dir)!r} ({what}); write them "
                                  f"elsewhere with: {command}") from None
-    observed = " of the items run" if verdict.early_stop else ""
-    for task, rows in (verdict.to_dict().get("flips") or {}).items():
-        lost = sum(r["direction"] == "lost" for r in rows)
-        click.echo(f"{task}: {lost} lost, {len(rows) - lost} gained{observed} (see {paths['markdown']})")
-    click.echo(f"verdict: {verdict_text(verdict)}  (reports in {report_dir})")
+    try:
+        _print(verdict)
+        observed = " of the items run" if verdict.early_stop else ""
+        for task, rows in (verdict.to_dict().get("flips") or {}).items():
+            lost = sum(r["direction"] == "lost" for r in rows)
+            click.echo(f"{task}: {lost} lost, {len(rows) - lost} gained{observed} (see {paths['markdown']})")
+        click.echo(f"verdict: {verdict_text(verdict)}  (reports in {report_dir})")
+    except BrokenPipeError:  # the reader went away (`| head`): the reports are written, the exit code stands
+        pass
     sys.exit(verdict.exit_code)
+
+
+def _print(verdict) -> None:
+    from evalgate.report.text import print_verdict
+
+    print_verdict(verdict)  # the reason first, then a table that fits a terminal, or a CI log without wrapped cells
+    policy = verdict.thresholds
+    click.echo(f"policy: {policy.path} ({policy.source}, sha256 {policy.sha256[:12]})")
 
 
 # options that only shape a run the gate makes: given with --candidate they would be ignored

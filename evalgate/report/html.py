@@ -16,12 +16,13 @@ from pathlib import Path
 
 from evalgate.gate.compare import extracted_answer, item_gold, item_question
 from evalgate.gate.verdict import run_identity as verdict_identity
-from evalgate.report.rows import conformance_line, early_stop_lines, paired_rows, task_rows
+from evalgate.report.rows import conformance_line, early_stop_lines, paired_rows, task_rows, verdict_reason
 
 TEMPLATES = Path(__file__).parent / "templates"
 STDERR_LINES = 25  # the end of a traceback says what went wrong
 WORD = re.compile(r"\s+|\w+|[^\w\s]")  # diff by words, spaces and single symbols
-VERDICT_COLORS = {"PASS": "#1a7f37", "INCONCLUSIVE": "#9a6700", "FAIL": "#cf222e"}  # the interval chart's stroke
+VERDICT_COLORS = {"PASS": "#1a7f37", "INCONCLUSIVE": "#9a6700", "FAIL": "#cf222e",
+                  "undecided": "#6e7781"}  # the interval chart's stroke
 
 
 @lru_cache(maxsize=1)
@@ -227,7 +228,9 @@ def ci_chart(delta: float, ci: tuple[float, float], lower: float | None, margin:
 
 def _with_charts(rows: list[dict]) -> list[dict]:
     for r in rows:
-        r["chart"] = ci_chart(r["delta"], r["ci"], r.get("lower"), r["margin"], r["verdict"])
+        # an undecided task's interval is a bound, drawn grey: never a green interval under a FAIL
+        r["chart"] = ci_chart(r["delta"], r["ci"], r.get("lower"), r["margin"],
+                              r["verdict"] if r.get("decided", True) else "undecided")
     return rows
 
 
@@ -321,6 +324,7 @@ def report_html(verdict) -> str:
     return render(
         "report.html.j2", verdict=verdict, rows=rows, items=items, failure_classes=failure_classes,
         notes=verdict.notes, conformance=conformance_line(verdict), early_stop=early_stop_lines(verdict),
+        reason=verdict_reason(verdict),
         tasks=cmp.tasks if cmp is not None else [], flips=flip_counts(cmp) if cmp is not None else {},
         base=run_identity(cmp.baseline) if cmp is not None else None,
         cand=run_identity(cmp.candidate) if cmp is not None else None,

@@ -11,6 +11,7 @@ def paired_rows(decision, pairing, aa: dict) -> list[dict]:
     for task, dec in decision.tasks.items():
         pairs = pairing.pairs[task]
         base, cand = pairs.scores("base"), pairs.scores("cand")
+        is_decided = decided(bool(pairs.imputed), dec.verdict)
         rows.append({
             "task": task, "paired": True, "n": dec.counts.n, "k": dec.n_samples, "baseline": sum(base) / len(base),
             "candidate": sum(cand) / len(cand), "delta": dec.delta, "ci": dec.tango_ci,
@@ -20,12 +21,21 @@ def paired_rows(decision, pairing, aa: dict) -> list[dict]:
             "psi0_upper": dec.aa_psi0_upper, "aa_n": dec.aa_n,
             "margin": dec.margin, "mde": dec.mde,
             "samples_needed": dec.samples_needed, "resolves_margin": dec.resolves_margin,
-            "verdict": dec.verdict, "reasons": list(dec.reasons), "warnings": list(dec.warnings),
+            # an undecided task's own reasons describe its best completion, not a finding: said as what it is
+            "verdict": dec.verdict, "warnings": list(dec.warnings),
+            "reasons": list(dec.reasons) if is_decided else [undecided_reason(pairs.observed_counts(), dec.verdict)],
             # a stopped-early candidate: what the items run showed (the numbers above are its best completion)
             "observed": pairs.observed_counts() if pairs.imputed else None,
-            "decided": decided(bool(pairs.imputed), dec.verdict),
+            "decided": is_decided,
         })
     return rows
+
+
+def undecided_reason(observed: dict, best: str) -> str:
+    """Why a task of a stopped-early run has no verdict of its own."""
+    return (f"not decided: {observed['items_run']} of {observed['items_total']} items run before the gate stopped "
+            f"(its FAIL was already certain); the numbers shown are a bound, and even at best this task would be "
+            f"{best}")
 
 
 def early_stop_lines(verdict) -> list[str]:
@@ -82,6 +92,21 @@ def task_rows(verdict) -> list[dict]:
     if verdict.decision is None:
         return unpaired_rows(verdict.unpaired, verdict.thresholds.alpha)
     return paired_rows(verdict.decision, verdict.comparison, verdict.aa)
+
+
+def verdict_reason(verdict) -> str | None:
+    """What decides the overall verdict, said first everywhere (terminal, report.md, report.html) as
+    "VERDICT — reason": a failed conformance check, else the first decided FAIL task's reason, else the first
+    INCONCLUSIVE task's; None for a PASS."""
+    if verdict.verdict == "PASS":
+        return None
+    conf = verdict.conformance
+    if verdict.verdict == "FAIL" and conf and conf.get("checked") and not conf.get("ok"):
+        return f"{verdict.verdict} — {conformance_line(verdict)}"
+    for r in task_rows(verdict):
+        if r.get("decided", True) and r["verdict"] == verdict.verdict and r["reasons"]:
+            return f"{verdict.verdict} — {r['task']}: {r['reasons'][0]}"
+    return None
 
 
 def conformance_line(verdict) -> str | None:

@@ -6,7 +6,7 @@ import os
 from xml.sax.saxutils import escape, quoteattr
 
 from evalgate.formatting import pp as _pp_unit
-from evalgate.report.rows import bound_cells, conformance_line, early_stop_lines, label, task_rows
+from evalgate.report.rows import bound_cells, conformance_line, early_stop_lines, label, task_rows, verdict_reason
 
 MAX_FLIPS_MD = 50
 
@@ -21,12 +21,15 @@ ICONS = {"PASS": "✅", "FAIL": "❌", "INCONCLUSIVE": "⚠️"}
 
 def psi_text(r: dict) -> str:
     """ψ of this comparison / the A/A ψ0 with its one-sided upper bound and the A/A items it rests on."""
-    text = f"{100 * r['psi']:.1f}% / "
+    text = f"{100 * r['psi']:.2f}% / "  # the precision of the A/A warning, so both show the same numbers
     if r.get("psi0") is None:
         return text + "—"
-    text += f"{100 * r['psi0']:.1f}%"
+    text += f"{100 * r['psi0']:.2f}%"
     if r.get("psi0_upper") is not None:
-        text += f" (≤ {100 * r['psi0_upper']:.1f}%, {r['aa_n'] if r.get('aa_n') is not None else r['n']} A/A items)"
+        items = r['aa_n'] if r.get('aa_n') is not None else r['n']
+        bound = (f"above its bound {100 * r['psi0_upper']:.2f}%" if r["psi"] > r["psi0_upper"]
+                 else f"≤ {100 * r['psi0_upper']:.2f}%")
+        text += f" ({bound}, {items} A/A items)"
     return text
 
 
@@ -114,7 +117,9 @@ def task_blocks(verdict):
 def verdict_lines(verdict) -> list[str]:
     """Under the table: the kernel's conformance, every task's reasons and warnings, then the notes, one plain
     line each."""
-    lines = early_stop_lines(verdict) + [line for line in [conformance_line(verdict)] if line]
+    reason = verdict_reason(verdict)  # printed first, above the table
+    lines = early_stop_lines(verdict) + [line for line in [conformance_line(verdict)]
+                                         if line and not (reason or "").endswith(line)]
     for r in task_rows(verdict):
         lines += [f"{r['task']} {label(r, long=True)}: {reason}" for reason in r["reasons"]]
         lines += [f"{r['task']} warning: {w}" for w in r["warnings"]]
@@ -128,6 +133,10 @@ def print_verdict(verdict, stream=None) -> None:
     from rich.measure import Measurement
 
     out = console(stream)
+    reason = verdict_reason(verdict)
+    if reason:  # what decides the verdict, before any number
+        out.print(markup_escape(reason), style=f"bold {STYLES.get(verdict.verdict, 'red')}",
+                  soft_wrap=True)
     if out.is_terminal:
         table = console_table(verdict)
         fits = Measurement.get(out, out.options, console_table(verdict, log=True)).maximum + 12 <= out.width
@@ -143,6 +152,9 @@ def print_verdict(verdict, stream=None) -> None:
 def markdown(verdict) -> str:
     icon = ICONS.get(verdict.verdict, "❌")
     lines = [f"# evalgate: {icon} {verdict.verdict}", ""]
+    reason = verdict_reason(verdict)
+    if reason:
+        lines += [f"**{reason}**", ""]
     cmp = verdict.comparison
     if cmp is not None:
         b, c = cmp.baseline.manifest, cmp.candidate.manifest
@@ -156,7 +168,7 @@ def markdown(verdict) -> str:
     if stopped:
         lines += [f"- **{stopped[0]}**"] + [f"  - {line}" for line in stopped[1:]]
     conformance = conformance_line(verdict)
-    if conformance:
+    if conformance and not (reason or "").endswith(conformance):
         lines += [f"- **{conformance}**"]
     lines += ["", "| task | n | baseline | candidate | Δ pp | 95% CI (Tango) | b / c | p (McNemar) | ψ / ψ0 | margin | "
                   "MDE (80% power) | verdict |",
