@@ -32,11 +32,21 @@ def read_jsonl(path: Path) -> list:
     return parse_lines(path.read_bytes(), repr(str(path)))[0] if path.exists() else []
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it: set and restore at once, here at import (one thread)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _read_umask()
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data``: a temp file beside it, fsync, rename, fsync the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp makes 0600: a stored file gets the modes open() gives
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
