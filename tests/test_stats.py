@@ -652,3 +652,23 @@ def test_an_old_gate_json_with_three_margins_still_loads(tmp_path):
     # what is written now: one margin
     written = json.loads(verdict_json(new))["decision"]["tasks"]["humaneval"]
     assert written["margin"] == 0.05 and "margin_requested" not in written and "margin_enforced" not in written
+
+
+@pytest.mark.slow
+def test_flag_noise_alone_fails_a_healthy_task_at_most_the_checks_share():
+    # issue 32, finding 1: symmetric noise of r = 6% on the invalid flags, no accuracy change, n = 164. The
+    # task's FAIL probability, summed exactly over (new, gone), is the check's share α_validity/J = 0.005;
+    # the absolute limit (FAIL above max(1 pp·n, 4) net new items) alone used to fail 7.4%.
+    from scipy.stats import multinomial
+
+    n, r = 164, 0.06
+    fail = limit = 0.0
+    for new in range(0, 31):
+        for gone in range(0, 31 - new):
+            mass = multinomial.pmf([new, gone, n - new - gone], n, [r / 2, r / 2, 1 - r])
+            dec = decide("humaneval", counts=Counts(140, 0, 0, 24, n), margin=0.05, base_invalid=flags(n, range(gone)),
+                         cand_invalid=flags(n, range(gone, gone + new)), base_truncated=flags(n, []),
+                         cand_truncated=flags(n, []))
+            fail += mass * (dec.verdict == "FAIL")
+            limit += mass * dec.invalid.over_limit
+    assert fail <= 0.005 and limit > 0.07
