@@ -287,6 +287,8 @@ class OpenAIAdapter(AdapterBase):
             "kernel_note": self.kernel_check.why,
             "kernel_check": self.kernel_check.record(),
             "served_numerics": self.kernel_check.serving.get("served_numerics"),
+            # compared between baseline and candidate (gate/compare.py): the kernel may differ, this may not
+            "serving_identity": {k: v for k, v in self.kernel_check.serving.items() if k != "served_numerics"} or None,
             "launch": self.launch,
             "server_reported": self.described,
             "determinism": self.determinism,

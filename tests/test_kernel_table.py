@@ -233,3 +233,18 @@ def test_a_contradicted_server_kernel_gets_no_verdict_and_an_unverifiable_one_is
         else:
             verdict = gate_runs(base, cand, thresholds, allow_uncalibrated=True)
             assert f"server kernel not verified: {why}" in verdict.notes
+
+
+def test_runs_served_with_and_without_the_fused_shared_expert_are_not_comparable(tmp_path):
+    from evalgate.gate.decide import gate_runs
+    from gate_helpers import policy
+    from synthetic_runs import write_pair
+
+    base, cand = write_pair(tmp_path / "runs", n_gsm8k=60, n_humaneval=0)
+    served = {"shared_expert_fusion": "fused", "routed_scaling": "before the kernel"}  # SGLang 0.5.23, W4A8
+    for path, identity in ((base, served), (cand, {**served, "shared_expert_fusion": "not fused"})):
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["model"]["serving_identity"] = identity
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(NotComparable, match="serving serving_identity differs .*'fused'.*'not fused'"):
+        gate_runs(base, cand, policy(tmp_path), allow_uncalibrated=True)

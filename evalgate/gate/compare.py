@@ -17,7 +17,8 @@ from evalgate.tasks import get_task
 
 # Run-level keys that must match for two runs to be comparable; the kernel is what may differ (docs/scoring.md#comparability).
 MODEL_KEYS = ("fingerprint", "config_sha256", "safetensors_headers_sha256", "tokenizer_sha256")
-SERVING_KEYS = ("adapter", "dtype")
+# serving_identity: how a server computes around the kernel (shared-expert fusion, routed-scaling placement)
+SERVING_KEYS = ("adapter", "dtype", "serving_identity")
 LEGACY = "fp32 in BLAS order (before canonical-v1)"  # what a run recorded before the scheme was named used
 OWN = "the kernel's own"  # not an evalgate emulation (the BF16 reference, a real kernel): nothing to match
 
