@@ -97,6 +97,8 @@ def _gate(env: dict) -> tuple[float, int]:
         started = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "evalgate", "gate"], cwd=folder, env=env,
                               capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            sys.exit(f"the default gate exited {proc.returncode}: {proc.stderr[-2000:]}")
         return time.perf_counter() - started, proc.returncode
 
 
