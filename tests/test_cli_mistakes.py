@@ -171,7 +171,8 @@ def workspace(tmp_path_factory):
         subprocess.run(["umount", str(path)], capture_output=True)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c.trial}:{' '.join(c.args[:3])}" for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c.before_torch else pytest.mark.slow) for c in CASES],
+                         ids=[f"{c.trial}:{' '.join(c.args[:3])}" for c in CASES])
 def test_a_mistake_ends_in_one_line_and_changes_nothing(case, workspace, cli_env, tmp_path):
     from evalgate.cli.preflight import run_lock
 

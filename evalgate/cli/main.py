@@ -151,6 +151,8 @@ def entry() -> None:
     from evalgate.allocator import keep_freed_memory
 
     signal.signal(signal.SIGTERM, _terminate_as_exception(os.getpid()))
+    # one progress style: evalgate's own; transformers' and the hub's tqdm bars (weights loading) stay off
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     collector.pause()  # until the model is loaded: the imports' full collections find no garbage
     keep_freed_memory()  # before any tensor: decoding reuses its memory instead of faulting it in every step
     code = _run_main()
