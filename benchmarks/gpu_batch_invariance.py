@@ -3,6 +3,8 @@ at batch 32 on the GPU, and this counts the items whose generated token sequence
 
     python benchmarks/gpu_batch_invariance.py                                  # cuda, w4a4_packed, both numerics
     python benchmarks/gpu_batch_invariance.py --limit 64 --numerics canonical --kernel w4a8
+    python -m evalgate.model_adapters.tiny /tmp/csa --compressed
+    python benchmarks/gpu_batch_invariance.py --model /tmp/csa --numerics native   # compressed attention
 
 Prints numbers; not a test. For each numerics (``canonical``: evalgate's canonical forward pass, what the
 gate runs; ``native``: PyTorch's own, cuBLAS and attention kernels choosing algorithms by shape) it loads
@@ -10,7 +12,9 @@ the canary onto the device with the kernel (emulated experts: the Triton path on
 ``--limit`` items of the canary GSM8K profile greedily, once with ``batch_size`` 1 (every item alone) and
 once with ``--batch`` (32: continuous batching as the gate does it; the batch-1 side can run in
 ``--procs`` processes at once, each decoding its share one item at a time), and prints how many items' token ids
-differ, where the first difference is, and the time each side took.
+differ, where the first difference is, and the time each side took. ``--model`` takes another local checkpoint
+in place of the canary (e.g. a tiny one with compressed attention, which keeps PyTorch's numerics and, on a
+GPU, decodes from per-row slots: ``generation._decode_slots``).
 """
 
 from __future__ import annotations
@@ -55,14 +59,13 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 def _alone(args_tuple):
     """Worker: decode items `share` (indices) of the first `limit` requests one at a time (batch 1)."""
-    numerics, kernel, device, limit, share = args_tuple
+    numerics, kernel, device, limit, share, model = args_tuple
     import torch
 
-    from evalgate.canary import canary_path
     from evalgate.model_adapters.hf import HFAdapter
 
     torch.set_num_threads(1)
-    adapter = HFAdapter(canary_path(), kernel, device=device, numerics=numerics)
+    adapter = HFAdapter(model, kernel, device=device, numerics=numerics)
     reqs = requests(limit)
     out = {}
     for i in share:
@@ -79,11 +82,10 @@ class _Gen:
 def measure(numerics: str, args) -> dict:
     import torch
 
-    from evalgate.canary import canary_path
     from evalgate.model_adapters.hf import HFAdapter
     from evalgate.model_adapters.invariant import numerics as numerics_of
 
-    adapter = HFAdapter(canary_path(), args.kernel, device=args.device, numerics=numerics)
+    adapter = HFAdapter(args.model, args.kernel, device=args.device, numerics=numerics)
     got = numerics_of(adapter.model)
     reqs = requests(args.limit)
     many, secs_many = decode_all(adapter.model, adapter.tokenizer, reqs, adapter.device, args.batch)
@@ -94,7 +96,7 @@ def measure(numerics: str, args) -> dict:
 
         shares = [list(range(len(reqs)))[j::args.procs] for j in range(args.procs)]
         with mp.get_context("spawn").Pool(args.procs) as pool:
-            parts = pool.map(_alone, [(numerics, args.kernel, args.device, args.limit, sh) for sh in shares])
+            parts = pool.map(_alone, [(numerics, args.kernel, args.device, args.limit, sh, args.model) for sh in shares])
         one = [None] * len(reqs)
         for part in parts:
             for i, (ids, text) in part.items():
@@ -121,6 +123,7 @@ def measure(numerics: str, args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default=None, help="a local checkpoint [default: the built-in canary]")
     p.add_argument("--kernel", default="w4a4_packed")
     p.add_argument("--numerics", default="canonical,native", help="comma-separated: canonical, native")
     p.add_argument("--limit", type=int, default=None, help="first N canary GSM8K items (default: all 200)")
@@ -130,11 +133,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
+    if args.model is None:
+        from evalgate.canary import canary_path
+
+        args.model = str(canary_path())
+
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_batch_invariance: torch sees no CUDA device; run on a GPU host", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
-    print(f"canary GSM8K, kernel {args.kernel}, {name}, torch {torch.__version__}, batch 1 vs {args.batch}",
+    print(f"{args.model}: canary GSM8K profile, kernel {args.kernel}, {name}, torch {torch.__version__}, batch 1 vs {args.batch}",
           flush=True)
     results = [measure(n.strip(), args) for n in args.numerics.split(",") if n.strip()]
     print(f"{'numerics':10s} {'(got)':14s} {'items':>5s} {'differ':>6s} {'A/A rate':>8s} {'texts':>5s} "

@@ -50,6 +50,14 @@ def tiny_config(vocab_size: int, **overrides):
     return DeepseekV4Config(**cfg)
 
 
+# sliding window, CSA and HCA layers at sizes where a GSM8K prompt crosses the window and closes compressor
+# windows of both kinds (the canonical forward pass does not cover these: the model keeps PyTorch's numerics)
+COMPRESSED = dict(num_hidden_layers=3, layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                    "heavily_compressed_attention"],
+                  mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=32,
+                  compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}, index_topk=8)
+
+
 def build_tiny_model(out_dir: str | Path, texts: list[str], seed: int = 0, vocab_size: int = 1024,
                      dtype: torch.dtype = torch.bfloat16, **config_overrides) -> Path:
     """Write a random tiny DeepSeek-V4 checkpoint (config, safetensors, tokenizer) to ``out_dir``."""
@@ -88,10 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--data-dir", default=None, help="tokenizer training text comes from gsm8k/train.jsonl here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compressed", action="store_true",
+                        help="one layer of each DeepSeek-V4 attention kind (COMPRESSED), not sliding windows only")
     args = parser.parse_args(argv)
     data_dir = resolve_data_dir(args.data_dir)
     rows = parse_jsonl(read_verified(data_dir, "gsm8k/train.jsonl"))[:2000]
-    path = build_tiny_model(args.out_dir, [r["question"] + "\n" + r["answer"] for r in rows], seed=args.seed)
+    path = build_tiny_model(args.out_dir, [r["question"] + "\n" + r["answer"] for r in rows], seed=args.seed,
+                            **(COMPRESSED if args.compressed else {}))
     print(json.dumps({"model": str(path)}))
 
 
