@@ -85,3 +85,16 @@ def test_newcombe_cannot_be_the_deciding_method():
     assert "\n" not in message and "ci_method" in message and "no longer a deciding method" in message
     with pytest.raises(ValueError, match="reported only"):
         TaskRule(margin=0.015, ci_method="newcombe")
+
+
+def test_the_fail_test_is_monotone_in_each_items_outcome():
+    # what stopping early relies on (docs/gate.md#stopping-early): a lost item more never raises the p of
+    # "Δ ≥ −M", a gained item more never lowers it — every table of n = 200, the canary's GSM8K
+    n, margin = 200, 0.03
+    b, c = (x.ravel() for x in np.meshgrid(np.arange(n + 1), np.arange(n + 1)))
+    keep = b + c < n
+    b, c = b[keep], c[keep]
+    _, p = exact_pvalues(b, c, n, margin)
+    _, more_lost = exact_pvalues(b + 1, c, n, margin)
+    _, more_gained = exact_pvalues(b, c + 1, n, margin)
+    assert (more_lost <= p + 1e-12).all() and (more_gained >= p - 1e-12).all()
