@@ -44,18 +44,39 @@ def list_kernels(as_json: bool, faulty: bool):
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
+    print_kernel_rows(rows, _console())
+
+
+# below this many columns for the descriptions, the table becomes a list: one block per kernel
+MIN_TEXT_COLUMNS = 40
+
+
+def print_kernel_rows(rows: list[dict], console) -> None:
+    """The kernels as a table whose names and environment settings are never split across lines (the
+    descriptions wrap at words), or, on a terminal too narrow for that, as a list of one block per kernel."""
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title="evalgate kernels", show_lines=False)
-    for col in ("name", "computes", "emulates", "server env"):
-        table.add_column(col, overflow="fold")
+    envs = []
     for r in rows:
         env = " ".join(f"{k}={v}" for k, v in r["env"].items()) or "-"
         if r["api"]:
             env += "  (" + ", ".join(f"{k}={v}" for k, v in r["api"].items()) + ")"
-        name = f"[red]{r['name']}[/red]" if r["faulty"] else r["name"]
-        table.add_row(name, r["description"], r["version"], env)
-    _console().print(table)
+        envs.append(env)
+    fixed = max(len(r["name"]) for r in rows) + max(len(e) for e in envs) + 13  # two cells, borders, padding
+    if fixed + MIN_TEXT_COLUMNS > console.width:
+        for r, env in zip(rows, envs):
+            console.print(escape(r["name"]), style="bold red" if r["faulty"] else "bold", soft_wrap=True)
+            for label, value in (("computes", r["description"]), ("emulates", r["version"]), ("server env", env)):
+                console.print(f"  {label}: {escape(value)}", soft_wrap=label == "server env")
+        return
+    table = Table(title="evalgate kernels", show_lines=False)
+    for col in ("name", "computes", "emulates", "server env"):
+        table.add_column(col, no_wrap=col in ("name", "server env"))
+    for r, env in zip(rows, envs):
+        name = f"[red]{escape(r['name'])}[/red]" if r["faulty"] else escape(r["name"])
+        table.add_row(name, escape(r["description"]), escape(r["version"]), escape(env))
+    console.print(table)
 
 
 def _console():

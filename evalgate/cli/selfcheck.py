@@ -169,13 +169,13 @@ def canary_gate(tasks: list[str], batch_size: int, runs_dir: Path, baselines_roo
 
 @click.command()
 @click.option("--kernels", type=KERNELS, default=None, help="Comma-separated kernels [default: the healthy ones and every faulty/ kernel].")
-@click.option("--tasks", default="gsm8k,humaneval", show_default=True)
+@click.option("--tasks", default="gsm8k,humaneval", show_default=True, help="Comma-separated tasks each kernel is gated on.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=BATCH_SIZE, show_default=True,
               help="Not the stored baseline's 32, so that the w4a8 row is an A/A.")
 @click.option("--runs-dir", type=click.Path(), default=None, help="Where the runs go (default: results/runs/selfcheck-<time>); finished runs there are reused.")
 @baselines_root_option()
 @click.option("--data-dir", type=click.Path(), default=None, envvar="EVALGATE_DATA_DIR", help="Offline data folder [env: EVALGATE_DATA_DIR].")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1...")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the rows here.")
 @click.option("--no-early-stop", "no_early_stop", is_flag=True,
               help="Run every item of every kernel (default: a gate stops once its FAIL is certain).")

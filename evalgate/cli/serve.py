@@ -13,7 +13,7 @@ from evalgate.errors import UserError
               help="Local transformers checkpoint folder (default: the built-in canary).")
 @click.option("--kernel", type=KERNEL, default="bf16", show_default=True, help="Kernel name (see `evalgate kernels list`).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Most concurrent requests decoded in one batch.")
 @click.option("--batch-window-ms", type=click.FloatRange(min=0), default=5.0, show_default=True,
