@@ -252,9 +252,18 @@ def _flag_value(args: list[str], *names: str) -> str | None:
     value = None
     for i, arg in enumerate(args):
         key, eq, inline = arg.partition("=")
-        if any(key == n or (len(key) > 4 and n.startswith(key) and key.startswith("--")) for n in names):
+        # argparse takes an unambiguous prefix: SGLang reads `--tp 4 --dp 4` as --tp-size 4 --dp-size 4
+        if any(key == n or (len(key) >= 4 and n.startswith(key) and key.startswith("--")) for n in names):
             value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
     return value
+
+
+def _int_flag(args: list[str], name: str, default: int) -> int:
+    value = _flag_value(args, name)
+    try:
+        return default if value is None else int(value)
+    except ValueError:
+        raise UserError(f"{name} {value!r} after `--` is not an integer") from None
 
 
 def _has_flag(args: list[str], name: str) -> bool:
@@ -282,8 +291,7 @@ def preflight(kernel: str, stack: Stack, args: list[str], env: dict[str, str]) -
                             "megamoe`, or the server runs another MoE kernel under this label")
         if mega:
             warnings += _mega_moe_settings(stack, args, env)
-        tp = int(_flag_value(args, "--tp-size") or 1)
-        dp = int(_flag_value(args, "--dp-size") or 1)
+        tp, dp = _int_flag(args, "--tp-size", 1), _int_flag(args, "--dp-size", 1)
         if dp > 1 and not _has_flag(args, "--enable-dp-attention"):
             warnings.append(f"--dp-size {dp} runs {dp} whole model copies of --tp-size {tp}: {tp * dp} GPUs; "
                             "for one copy over the GPUs use --tp-size alone (or add --enable-dp-attention)")
@@ -296,24 +304,20 @@ def preflight(kernel: str, stack: Stack, args: list[str], env: dict[str, str]) -
 def _mega_moe_settings(stack: Stack, args: list[str], env: dict[str, str]) -> list[str]:
     """DeepSeek-V4 mega-MoE settings that fail at start (SGLang >= 0.5.20, mega_moe_hook.py:
     validate_mega_moe_token_budget) or at the first long prefill (0.5.12-0.5.19, mega_moe.py's assert)."""
-    chunked = _flag_value(args, "--chunked-prefill-size")
+    size = None if _flag_value(args, "--chunked-prefill-size") is None else _int_flag(args, "--chunked-prefill-size", 0)
     new = (version_tuple(stack.engine_version) or (0,)) >= (0, 5, 20)
     cap_default = 8192 if new else 1024
     try:
         cap = int(env.get(TOKENS_PER_RANK_ENV) or cap_default)
     except ValueError:
         raise UserError(f"{TOKENS_PER_RANK_ENV}={env[TOKENS_PER_RANK_ENV]!r} is not an integer") from None
-    if chunked is None:
+    if size is None:
         return [f"mega-MoE: --chunked-prefill-size is not given; SGLang picks one from GPU memory, and it must not "
                 f"exceed {TOKENS_PER_RANK_ENV} ({cap}) per rank"]
-    try:
-        size = int(chunked)
-    except ValueError:
-        raise UserError(f"--chunked-prefill-size {chunked!r} is not an integer") from None
     if size <= 0:
         raise UserError("DeepSeek-V4 mega-MoE needs chunked prefill: --chunked-prefill-size must be positive, not "
-                        f"{size} (SGLang refuses to start)")
-    dp = int(_flag_value(args, "--dp-size") or 1)
+                        f"{size}")
+    dp = _int_flag(args, "--dp-size", 1)
     per_rank = size // dp if _has_flag(args, "--enable-dp-attention") and dp > 1 else size
     if per_rank > cap:
         raise UserError(f"DeepSeek-V4 mega-MoE: --chunked-prefill-size {size} needs {per_rank} tokens per rank but "

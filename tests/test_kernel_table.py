@@ -97,8 +97,11 @@ def test_the_mega_moe_budget_counts_per_rank_and_a_larger_budget_passes():
     args = ["--moe-a2a-backend", "megamoe", "--chunked-prefill-size", "16384"]
     preflight("w4a4_te", new, args, {"SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK": "16384"})
     preflight("w4a4_te", new, [*args, "--dp-size", "2", "--enable-dp-attention"], {})  # 8192 a rank
-    _, _, warnings = preflight("w4a8", new, ["--tp-size", "4", "--dp-size", "4"], {})
-    assert any("16 GPUs" in w for w in warnings)  # dp counts whole model copies
+    for args in (["--tp-size", "4", "--dp-size", "4"], ["--tp", "4", "--dp", "4"]):  # argparse takes the prefixes
+        _, _, warnings = preflight("w4a8", new, args, {})
+        assert any("16 GPUs" in w for w in warnings)  # dp counts whole model copies
+    with pytest.raises(UserError, match="--dp-size 'four' after `--` is not an integer"):
+        preflight("w4a8", new, ["--dp-size", "four"], {})
 
 
 def test_a_w4a4_kernel_on_a_hopper_gpu_is_refused():
