@@ -47,3 +47,20 @@ def test_every_help_names_the_exit_codes_and_every_option_has_help(path, command
     assert " ".join(EXIT_CODES_HELP.split()) in " ".join(result.output.split())
     undocumented = [p.opts[0] for p in command.params if isinstance(p, click.Option) and not p.help]
     assert undocumented == []
+
+
+def test_the_report_highlights_only_differences_a_valid_comparison_forbids(tmp_path):
+    import json
+
+    from synthetic_runs import write_pair
+
+    from evalgate.report.html import manifest_rows
+
+    base, cand = write_pair(tmp_path, n_gsm8k=5, n_humaneval=0)
+    b, c = (json.loads((p / "manifest.json").read_text()) for p in (base, cand))
+    b["model"]["path"] = "/home/someone-else/models/canary"  # recorded on another machine
+    rows = {(r["section"], r["key"]): r for r in manifest_rows(b, c)}
+    assert not rows[("model", "path")]["differs"] and not rows[("kernel", "id")]["differs"]
+    c["model"]["dtype"] = "float32"
+    rows = {(r["section"], r["key"]): r for r in manifest_rows(b, c)}
+    assert rows[("model", "dtype")]["differs"]

@@ -262,6 +262,12 @@ def run_identity(run) -> dict:
             "kernel_name": kernel.get("name"), "model": model.get("fingerprint"), "model_type": model.get("model_type")}
 
 
+MAY_DIFFER = frozenset({("run", "id"), ("run", "created"), ("run", "finished"), ("kernel", "id"), ("kernel", "name"),
+                        ("kernel", "version"), ("kernel", "description"), ("kernel", "fault injected"),
+                        ("model", "path"), ("model", "device"), ("model", "batch size"), ("machine", "platform"),
+                        ("machine", "cuda"), ("machine", "DG_* environment")})
+
+
 def manifest_rows(base: dict, cand: dict) -> list[dict]:
     """The two manifests side by side, as (section, key, baseline, candidate, differs) rows."""
     def get(m, *keys):
@@ -292,7 +298,8 @@ def manifest_rows(base: dict, cand: dict) -> list[dict]:
             rows.append({"section": f"task {task}", "key": key, "base": get(base, "tasks", task, *path),
                          "cand": get(cand, "tasks", task, *path)})
     for r in rows:
-        r["differs"] = r["base"] != r["cand"]
+        # highlighted only where the runs must agree: a run's id, times, folder, batch, device and kernel differ
+        r["differs"] = r["base"] != r["cand"] and (r["section"], r["key"]) not in MAY_DIFFER
         for side in ("base", "cand"):
             value = r[side]
             r[side] = "—" if value in (None, {}, "") else (json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value))
