@@ -80,7 +80,8 @@ def resolve_data_dir(data_dir: str | Path | None) -> Path:
     return path
 
 
-def _is_packaged_dir(data_dir: Path) -> bool:
+def is_packaged_dir(data_dir: Path) -> bool:
+    """Whether ``data_dir`` is the data shipped with evalgate (not an override)."""
     try:
         return Path(data_dir).resolve() == PACKAGED_DIR
     except OSError:
@@ -106,7 +107,7 @@ def verified_path(data_dir: Path | None, relpath: str) -> Path:
 
 def _locate(data_dir: Path | None, relpath: str) -> tuple[Path, str]:
     """(the file, how messages name it) from the override folder, the package or the installed source."""
-    if data_dir is None or _is_packaged_dir(data_dir):
+    if data_dir is None or is_packaged_dir(data_dir):
         return _builtin(relpath)
     path = Path(data_dir) / relpath
     if not path.is_file():

@@ -31,7 +31,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from evalgate.errors import UserError
-from evalgate.tasks.data import DATA_DIR_ENV, KNOWN_FILES, verified_path, sha256_file
+from evalgate.tasks.data import DATA_DIR_ENV, KNOWN_FILES, is_packaged_dir, sha256_file, verified_path
 from evalgate.types import canonical_json, sha256_text
 
 # published file -> sha256 of its rows' task columns (``items_sha256``); tests/test_data.py recomputes them
@@ -53,9 +53,6 @@ class DatasetChoice:
 
     source: str
     columns: dict = field(default_factory=dict)  # task field -> the dataset's column
-
-    def as_dict(self) -> dict:
-        return {"source": self.source, "columns": dict(self.columns)}
 
 
 def parse_dataset_options(values, tasks) -> dict[str, dict]:
@@ -99,6 +96,8 @@ def items_sha256(rows: list, fields) -> str:
 
 
 def _identity(task: str, split: str, rows: list, fields, published: str | None) -> tuple[dict, str]:
+    """(the profile's dataset_sha256 entry, the items hash): rows equal to a published split's are named by
+    that file's sha256 (``published``: the file they were read from, when they were), any others by their hash."""
     digest = items_sha256(rows, fields)
     for rel, known in KNOWN_ITEMS.items():
         if rel.startswith(f"{task}/") and digest == known and (published is None or rel == published):
@@ -133,7 +132,7 @@ class TaskData:
         dataset = _load_files(_builder(path), str(path), f"{rel} ({path})")
         rows = _rows(dataset, self.task, self.fields, {}, f"{rel} ({path})")
         identity, digest = _identity(self.task, name, rows, self.fields, rel)
-        source = "data-dir" if self.data_dir is not None and not _is_packaged(self.data_dir, rel) else "packaged"
+        source = "data-dir" if self.data_dir is not None and not is_packaged_dir(self.data_dir) else "packaged"
         return Split(rows, identity, {"source": source, "path": str(path), "split": name, "rows": len(rows),
                                       "items_sha256": digest, "files": {rel: KNOWN_FILES[rel]}})
 
@@ -295,11 +294,3 @@ def _file_hashes(path: Path) -> dict:
     return {p.relative_to(path).as_posix(): sha256_file(p) for p in sorted(path.rglob("*"))
             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)}
 
-
-def _is_packaged(data_dir: Path, rel: str) -> bool:
-    from evalgate.tasks.data import PACKAGED_DIR
-
-    try:
-        return Path(data_dir).resolve() == PACKAGED_DIR
-    except OSError:
-        return False
