@@ -158,7 +158,8 @@ def summary_line(explanations: list[Explanation], threshold: float = NEAR_TIE_NA
     """E.g. "3 of 5 flips are near-ties: margin < 0.5 nats at the first divergent token"."""
     n = len(explanations)
     ties = sum(x.kind == NEAR_TIE for x in explanations)
-    line = f"{ties} of {n} flip{'s' if n != 1 else ''} {'are' if ties != 1 else 'is'} near-ties: margin < {threshold:g} nats at the first divergent token"
+    verb = "is a near-tie" if ties == 1 else "are near-ties"
+    line = f"{ties} of {n} flips {verb}: margin < {threshold:g} nats at the first divergent token"
     other = {k: sum(x.kind == k for x in explanations) for k in (SAME_TOKENS, NOT_REPLAYED)}
     extra = [f"{v} {k}" for k, v in other.items() if v]
     return line + (f" ({', '.join(extra)})" if extra else "")
@@ -336,8 +337,11 @@ def _text_only(head: dict, texts: dict, run) -> Explanation:
 
 
 def _top2(logprobs, tokenizer) -> tuple[TopToken, TopToken]:
-    values, ids = logprobs.topk(2)
-    return tuple(TopToken(int(t), tokenizer.decode([int(t)]), float(v)) for v, t in zip(values, ids))
+    """The two most likely tokens, equal log-probabilities in token order (greedy decoding takes the lowest
+    index among equal maxima)."""
+    values, ids = logprobs.topk(min(16, logprobs.numel()))
+    best = sorted(zip((-v for v in values.tolist()), ids.tolist()))[:2]
+    return tuple(TopToken(t, tokenizer.decode([t]), -v) for v, t in best)
 
 
 def _norm(t) -> float:

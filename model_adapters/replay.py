@@ -56,7 +56,7 @@ class SideTokens:
     """What is known for certain of one run's generated tokens."""
 
     tokens: list[int]  # the generated tokens, as far as the replay has proved them
-    reproduced: bool  # the replay reproduced the stored text (its argmax chain holds over the whole text)
+    reproduced: bool  # the replay agrees with the stored text over the whole text or up to the divergence
     regenerated: bool = False  # recovered by decoding again (the text's tokens did not reach the divergence)
 
 
@@ -120,35 +120,40 @@ def replay_pair(models: dict, tokenizer, prompt: str, texts: dict[str, str], sto
                 max_new_tokens: int, device: str = "cpu") -> PairReplay:
     """Replay two generations of ``prompt``. ``models``: side -> (model, kernel name) for the two sides
     ("base", "cand"); ``texts``: side -> the stored response text. Greedy generations only."""
-    from evalgate.model_adapters.generation import decode
-
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    forwards, sides, notes = {}, {}, []
+    forwards, proved, whole, notes = {}, {}, {}, []
     for side, (model, kernel) in models.items():
         fed = tokenizer(texts[side], add_special_tokens=False)["input_ids"]
         forwards[side] = teacher_forced(model, kernel, prompt_ids, fed)
-        tokens, whole = _proved(forwards[side])
-        sides[side] = SideTokens(tokens, reproduced=whole or _decodes_to(tokenizer, tokens[:-1], texts[side]))
-    a, b = sides["base"].tokens, sides["cand"].tokens
-    divergence = _first_difference(a, b)
-    if divergence is None and a != b:  # one proved list ends before the other: decode that side again
-        for side in sorted(sides, key=lambda s: len(sides[s].tokens))[:1]:
+        proved[side], whole[side] = _proved(forwards[side])
+    divergence = _first_difference(proved["base"], proved["cand"])
+    regenerated = {}
+    if divergence is None:  # the proved tokens end before they differ: decode those sides again
+        redo = [s for s in models if not whole[s]]
+        if not redo and len(proved["base"]) != len(proved["cand"]):
+            redo = [min(models, key=lambda s: len(proved[s]))]
+        for side in redo:
             model, kernel = models[side]
-            generated = decode(model, tokenizer, [prompt], [stops], [max_new_tokens], device)[0]
-            sides[side] = SideTokens(generated.token_ids, reproduced=generated.text == texts[side], regenerated=True)
+            generated = _decoded(model, tokenizer, prompt, stops, max_new_tokens, device)
+            regenerated[side] = generated.text == texts[side]
+            proved[side] = generated.token_ids
             forwards[side] = teacher_forced(model, kernel, prompt_ids, generated.token_ids[:-1])
-            notes.append(f"{side}: its text's tokens end before the other run's differ; decoded again")
-        divergence = _first_difference(sides["base"].tokens, sides["cand"].tokens)
-        if divergence is None and len(sides["base"].tokens) != len(sides["cand"].tokens):
-            divergence = min(len(s.tokens) for s in sides.values())
+            notes.append(f"{side}: the stored text's tokens did not reach the first difference; decoded again")
+        divergence = _first_difference(proved["base"], proved["cand"])
+        if divergence is None and len(proved["base"]) != len(proved["cand"]):
+            divergence = min(len(t) for t in proved.values())
+    sides = {}
+    for side in models:
+        # the replay agrees with the run as far as it is used: over the whole text, or past the divergence
+        reproduced = regenerated.get(side, whole[side] or (divergence is not None and len(proved[side]) > divergence))
+        sides[side] = SideTokens(proved[side], reproduced, regenerated=side in regenerated)
     return PairReplay(prompt_ids, sides, forwards, divergence, notes)
 
 
-def _decodes_to(tokenizer, tokens: list[int], text: str) -> bool:
-    """Whether tokens proved up to a broken chain still decode to the stored text (a stop string cut inside
-    the last token: the text ends inside the token decoding took)."""
-    decoded = tokenizer.decode(tokens, skip_special_tokens=True)
-    return decoded == text or (text.startswith(decoded) and len(text) - len(decoded) < 16)
+def _decoded(model, tokenizer, prompt, stops, max_new_tokens, device):
+    from evalgate.model_adapters.generation import decode
+
+    return decode(model, tokenizer, [prompt], [stops], [max_new_tokens], device)[0]
 
 
 @torch.inference_mode()

@@ -1,0 +1,186 @@
+"""Explaining a flip (evalgate/explain.py, model_adapters/replay.py): the first divergent token, both kernels'
+top-2 margins there, the KL along the shared prefix, the MoE layer and expert, near-tie or divergence.
+
+The replay is checked against an independent computation: each kernel's greedy tokens from the decoding
+loop itself, and the margins from a fresh forward pass over the shared prefix alone. On the canary, a
+fault-injected kernel's flips are divergences and the healthy packed W4A4 kernel's near-ties."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from evalgate.run.progress import Progress
+
+KERNELS = ("w4a8", "w4a4_packed")
+
+
+def _run(model, kernel: str, out, tasks=("gsm8k",), limit: int = 6, max_new_tokens: int | None = 12):
+    from evalgate.run.runner import RunSpec, execute
+
+    spec = RunSpec(model=str(model), kernel=kernel, tasks=list(tasks), limit=limit, batch_size=8,
+                   max_new_tokens=max_new_tokens)
+    return execute(spec, out, progress=Progress(enabled=False, stream=io.StringIO()))
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_model, tmp_path_factory):
+    """Two runs of the tiny random model, W4A8 and packed W4A4, on 6 GSM8K items of 12 tokens."""
+    import evalgate
+
+    root = tmp_path_factory.mktemp("explain")
+    base, cand = (_run(tiny_model, k, root / k.replace("/", "-")) for k in KERNELS)
+    return evalgate.compare(base, cand)
+
+
+def _greedy_tokens(model, tokenizer, request) -> list[int]:
+    from evalgate.model_adapters.generation import decode
+
+    return decode(model, tokenizer, [request.prompt], [request.stop], [request.max_new_tokens])[0].token_ids
+
+
+@torch.inference_mode()
+def _last_logprobs(model, ids: list[int]) -> torch.Tensor:
+    out = model(input_ids=torch.tensor([ids]), logits_to_keep=1)
+    return torch.log_softmax(out.logits[0, -1].float(), -1)
+
+
+@pytest.mark.slow
+def test_the_first_divergence_and_its_margins_are_what_decoding_and_a_fresh_forward_give(tiny_model, tiny_pair):
+    from evalgate.kernels.checkpoint import experts_modules
+    from evalgate.model_adapters.hf import load_model
+
+    cmp = tiny_pair
+    p = cmp.pairs["gsm8k"]
+    models = {k: load_model(tiny_model, k) for k in KERNELS}
+    tokenizer = models["w4a8"][1]
+    explainer = cmp.explainer()
+    explained = 0
+    for doc_id, b, c in zip(p.doc_ids, p.base, p.cand):
+        x = cmp.explain("gsm8k", doc_id)
+        if b["resps"] == c["resps"]:
+            assert x.kind == "same tokens"
+            continue
+        request = explainer._request("gsm8k", doc_id)
+        tokens = {k: _greedy_tokens(models[k][0], tokenizer, request) for k in KERNELS}
+        d = next(i for i, (u, v) in enumerate(zip(*tokens.values())) if u != v)
+        assert x.position == d
+        assert x.reproduced is True
+        prompt = tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
+        for kernel, choice in ((KERNELS[0], x.base), (KERNELS[1], x.cand)):
+            lp = _last_logprobs(models[kernel][0], prompt + tokens[kernel][:d]).tolist()
+            ids = sorted(range(len(lp)), key=lambda t: (-lp[t], t))[:2]  # ties: the lowest id first, as greedy
+            assert choice.kernel == kernel
+            assert [t.token for t in choice.top] == ids
+            assert choice.top[0].token == tokens[kernel][d]  # each kernel's top-1 is what its run generated
+            assert [t.logprob for t in choice.top] == [lp[t] for t in ids]  # bit for bit
+            assert choice.margin == lp[ids[0]] - lp[ids[1]]
+        assert x.kind == ("near-tie" if max(x.base.margin, x.cand.margin) < x.threshold else "divergence")
+        assert x.kl_mean is not None and 0.0 <= x.kl_mean <= x.kl_max
+        # one row per MoE layer; the expert named is one the baseline's router selected there
+        assert [layer.layer for layer in x.layers] == sorted(experts_modules(models["w4a8"][0]))
+        assert (x.layer, x.expert) in {(layer.layer, layer.expert) for layer in x.layers}
+        assert all(layer.local_rel_diff > 0 for layer in x.layers)  # the two kernels differ on the same input
+        explained += 1
+    assert explained, "the two kernels generated the same text for every item: nothing was explained"
+
+
+@pytest.mark.slow
+def test_an_explanation_is_the_same_bit_for_bit_on_a_fresh_replay(tiny_pair):
+    import evalgate
+
+    cmp = tiny_pair
+    again = evalgate.compare(cmp.baseline, cmp.candidate)
+    for doc_id in cmp.pairs["gsm8k"].doc_ids:
+        assert again.explain("gsm8k", doc_id).to_dict() == cmp.explain("gsm8k", doc_id).to_dict()
+
+
+@pytest.mark.slow
+def test_flips_explain_column_and_a_server_run_says_what_it_cannot(tiny_pair):
+    import dataclasses
+
+    from evalgate.explain import NOT_REPLAYED, Explainer, summary_line
+
+    cmp = tiny_pair
+    df = cmp.flips("gsm8k", explain=True)
+    assert {"explanation", "margin", "divergence_at", "layer", "expert"} <= set(df.columns)
+    # a candidate served through a server, with no checkpoint given: the texts only, and why
+    served = dataclasses.replace(cmp.candidate, manifest={**cmp.candidate.manifest,
+                                                          "model": {"adapter": "openai", "fingerprint": "x"}})
+    pairing = dataclasses.replace(cmp, candidate=served, _explainer=None)
+    p = cmp.pairs["gsm8k"]
+    differing = [d for d, b, c in zip(p.doc_ids, p.base, p.cand) if b["resps"] != c["resps"]]
+    assert differing
+    x = Explainer(pairing).explain("gsm8k", differing[0])
+    assert x.kind == NOT_REPLAYED and "log-probabilities" in x.cannot and x.base_token is not None
+    assert summary_line([x]) == "0 of 1 flips are near-ties: margin < 0.5 nats at the first divergent token (1 not replayed)"
+
+
+def test_the_summary_line_counts_near_ties():
+    from evalgate.explain import DIVERGENCE, NEAR_TIE, Explanation, summary_line
+
+    xs = [Explanation("gsm8k", i, "lost", kind, "w4a8", "w4a4") for i, kind in
+          enumerate([NEAR_TIE] * 11 + [DIVERGENCE] * 2)]
+    assert summary_line(xs) == "11 of 13 flips are near-ties: margin < 0.5 nats at the first divergent token"
+
+
+# --- the canary: a faulty kernel's flips are divergences, a healthy kernel's near-ties ---------------------
+
+
+@pytest.fixture(scope="module")
+def canary_runs(tmp_path_factory):
+    """HumanEval on the canary: the healthy packed W4A4 kernel on 40 items, the drop-slot fault on 12."""
+    from evalgate.canary import canary_path
+
+    root = tmp_path_factory.mktemp("canary-explain")
+    profiles = {"humaneval": "humaneval-canary-v1"}
+    out = {}
+    for kernel, limit in (("w4a4_packed", 40), ("faulty/w4a4_packed-drop-slot", 12)):
+        from evalgate.run.runner import RunSpec, execute
+
+        spec = RunSpec(model=str(canary_path()), kernel=kernel, tasks=["humaneval"], profiles=profiles, limit=limit,
+                       batch_size=16)
+        out[kernel] = execute(spec, root / kernel.replace("/", "-"), progress=Progress(enabled=False, stream=io.StringIO()))
+    return out
+
+
+@pytest.mark.slow
+def test_a_faulty_kernels_flips_are_divergences_a_healthy_kernels_near_ties(canary_runs, capsys):
+    import evalgate
+    import evalgate.canary
+
+    counts = {}
+    for kernel, path in canary_runs.items():
+        cmp = evalgate.compare(evalgate.canary.BASELINES, path, items="candidate")
+        found = cmp.explain_flips("humaneval")
+        assert found, f"{kernel} flipped nothing on these items"
+        kinds = [x.kind for x in found]
+        counts[kernel] = (kinds.count("near-tie"), kinds.count("divergence"), len(kinds))
+        for x in found:
+            assert x.reproduced is True and x.position is not None and x.layer is not None
+    ties, divergences, n = counts["faulty/w4a4_packed-drop-slot"]
+    assert divergences == n, counts
+    ties, divergences, n = counts["w4a4_packed"]
+    assert ties > n / 2, counts
+    with capsys.disabled():
+        print(f"\nnear-ties / divergences / flips: {counts}")
+
+
+@pytest.mark.slow
+def test_the_explain_command_on_a_run_folder(canary_runs, tmp_path, cli_env):
+    path = canary_runs["faulty/w4a4_packed-drop-slot"]
+    out = tmp_path / "x.json"
+    done = subprocess.run([sys.executable, "-m", "evalgate", "explain", str(path), "--json", str(out)],
+                          capture_output=True, text=True, env=cli_env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "0 of " in done.stdout and "flips are near-ties" in done.stdout
+    written = json.loads(out.read_text())
+    assert written and all(x["kind"] == "divergence" for x in written)
+    bad = subprocess.run([sys.executable, "-m", "evalgate", "explain", str(path), "HumanEval/999"],
+                         capture_output=True, text=True, env=cli_env, timeout=600)
+    assert bad.returncode == 2 and bad.stderr.startswith("evalgate: error:") and "Traceback" not in bad.stderr
