@@ -4,9 +4,11 @@ While the candidate runs, after each batch of scored items, ``EarlyStop`` decide
 completion** of what is stored: every item not yet run counted right (score 1), valid and not truncated. The
 decision is the gate's own (``compare`` + ``decide``: the same policy, A/A record, Holm across every task).
 The rule is monotone in each item's outcome — a lost item, a gained item turned wrong, a new invalid answer
-or truncation can only move every statistic towards FAIL (the exact McNemar p, the rate checks, Holm's
-adjusted p, the Tango and Newcombe lower bounds; tests/test_early_stop.py checks each over a full grid) — so
-when the best completion FAILs, every completion does: the FAIL holds whatever the remaining items give.
+or truncation can only move every statistic towards FAIL (the exact p of "Δ ≥ −M", the rate checks' exact p,
+Holm's adjusted p, the Tango bound; tests/test_early_stop.py and tests/test_exact_ni.py check each over a
+full grid) — so when the best completion FAILs, every completion does: the FAIL holds whatever the remaining
+items give. The gate decides at the α of the look the run will be (evalgate.pipeline.gate), the smallest it
+can be, so the FAIL also holds at an earlier look's larger α.
 Only FAIL is ever stopped for; PASS and INCONCLUSIVE always run every item.
 
 A kernel that does not compute the numerics it declares (its conformance record, checked when the model is
