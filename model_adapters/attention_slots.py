@@ -169,7 +169,8 @@ def _step_attention(self, hidden_states, position_embeddings, position_ids, cach
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
     state = cache.layers[self.layer_idx]
-    rows, positions = cache.rows, position_ids[:, 0]
+    positions = position_ids[:, 0]
+    rows = cache.rows.to(positions.device)  # the layer's device, over several GPUs
     b = hidden_states.shape[0]
     hidden_shape = (b, 1, -1, self.head_dim)
     cos, sin = position_embeddings[self.rope_layer_type]
