@@ -10,6 +10,7 @@ import click
 from click.core import ParameterSource
 
 from evalgate.cli import preflight
+from evalgate.cli.baseline_paths import resolve_baselines
 from evalgate.cli.options import (KERNEL, baselines_root_option, note_resumable, run_options, run_spec, sampling_options,
                                   sampling_settings, served_model_name, server_adapter, server_options)
 from evalgate.errors import EnvironmentFailure, UserError, describe_os_error
@@ -66,12 +67,13 @@ def _explicit(name: str) -> bool:
     return click.get_current_context().get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
 
 
-def _decision_flags(baselines, baseline_kernel, baselines_root, thresholds_path, allow_uncalibrated) -> list[str]:
+def _decision_flags(baselines, baseline_kernel, baselines_root, root_given: bool, thresholds_path,
+                    allow_uncalibrated) -> list[str]:
     """The flags that decide a stored run as this command decides it (for the hint that rewrites reports)."""
     flags = [f for b in baselines for f in ("--baseline", str(b))]
     if _explicit("baseline_kernel"):
         flags += ["--baseline-kernel", baseline_kernel]
-    if _explicit("baselines_root"):
+    if root_given:
         flags += ["--baselines-root", str(baselines_root)]
     if thresholds_path:
         flags += ["--thresholds", str(thresholds_path)]
@@ -109,7 +111,14 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     # what can be checked before the heavy start (torch, the model, a server), within a second or two
     preflight.thresholds_file(thresholds_path)
     preflight.baselines_root(baselines_root, _explicit("baselines_root"))
-    decision_flags = _decision_flags(baselines, baseline_kernel, baselines_root, thresholds_path, allow_uncalibrated)
+    baselines, named_root = resolve_baselines(baselines, baseline_kernel)
+    if named_root is not None:  # --baseline named a baselines root (or a model folder in one)
+        if _explicit("baselines_root"):
+            raise UserError("--baseline names a baselines root and so does --baselines-root; give one")
+        baselines_root = named_root
+    decision_flags = _decision_flags(baselines, baseline_kernel, baselines_root,
+                                     named_root is not None or _explicit("baselines_root"), thresholds_path,
+                                     allow_uncalibrated)
     if candidate:
         if server or launch:
             raise UserError("--candidate decides from a stored run; drop --server/--launch")
