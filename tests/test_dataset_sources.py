@@ -270,6 +270,28 @@ def test_the_cli_refuses_a_hub_id_offline_in_one_line(tmp_path):
     assert elapsed < 20, f"{elapsed:.1f} s"  # the interpreter's start on a busy machine; the refusal itself is instant
 
 
+# ---- a HumanEval of other problems ----
+
+def test_other_humaneval_problems_are_self_tested_on_their_own(tmp_path, monkeypatch, no_override):
+    """Six problems under new ids: not the published set, so the self-test runs in this process on them
+    (never the published one's child), and every timeout is its own problem's."""
+    from evalgate.tasks.humaneval import task as humaneval
+    from evalgate.types import Generation
+
+    rows = [{**p, "task_id": p["task_id"].replace("HumanEval/", "Mine/")} for p in _published_rows(HUMANEVAL)[:6]]
+    datasets.Dataset.from_list(rows).to_json(str(tmp_path / "mine.jsonl"))
+    monkeypatch.setattr(humaneval, "start_selftest", lambda *a: pytest.fail("the published self-test was started"))
+    loaded = _load(["humaneval"], datasets_choice={"humaneval": {"source": str(tmp_path / "mine.jsonl")}})["humaneval"]
+    assert loaded.resolved.dataset_sha256 == {"humaneval/test": f"items-sha256:{items_sha256(rows, FIELDS[HUMANEVAL])}"}
+    loaded.task.prepare_ahead(loaded.resolved, None)
+    result = loaded.task.prepare(loaded.resolved, None)
+    assert result["ok"] and result["n_problems"] == 6 and sorted(result["timeouts_s"]) == sorted(r["task_id"] for r in rows)
+    requests = loaded.task.requests(loaded.items, loaded.resolved)
+    records = loaded.task.score_batch(loaded.items, requests, [Generation(p["canonical_solution"], "stop") for p in rows],
+                                      loaded.resolved)
+    assert [r["passed"] for r in records] == [True] * 6
+
+
 # ---- the gate on copies ----
 
 @pytest.mark.slow

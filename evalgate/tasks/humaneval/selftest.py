@@ -18,8 +18,9 @@ from pathlib import Path
 
 from evalgate.tasks.humaneval import sandbox
 from evalgate.errors import UserError
-from evalgate.tasks.humaneval.problems import DATA_FILE, TIMEOUT_POLICY, load_problems
+from evalgate.tasks.humaneval.problems import DATA_FILE, FIELDS, TIMEOUT_POLICY, load_problems
 from evalgate.tasks.humaneval.sandbox import humaneval_program
+from evalgate.tasks.source import items_sha256
 
 EMPTY_BODY = ""  # the prompt ends with the docstring: a function whose body is the docstring alone
 PASS_BODY = "    pass\n"
@@ -171,13 +172,22 @@ def _lower_priority(pid: int) -> None:
         pass
 
 
+def _cache_key(problems: list[dict] | None) -> str:
+    """The published problems' result is "humaneval" (what ``start_selftest`` caches); a --dataset's problems
+    have their own, so their timeouts are never taken from another set."""
+    if problems is None:
+        return "humaneval"
+    return f"humaneval:{items_sha256(problems, FIELDS)}"
+
+
 def require_selftest(data_dir: str | Path | None = None, workers: int | None = None,
                      problems: list[dict] | None = None) -> dict:
     """The cached self-test result of this process; raises ``UserError`` (exit 2) unless it passed."""
-    with _cache_lock:  # one self-test per process, even when batches are scored from several threads
-        result = _cache.get("humaneval")
+    key = _cache_key(problems)
+    with _cache_lock:  # one self-test per process and problem set, even when batches are scored from several threads
+        result = _cache.get(key)
         if result is None:
-            result = _cache["humaneval"] = selftest_humaneval(data_dir, workers, problems)
+            result = _cache[key] = selftest_humaneval(data_dir, workers, problems)
     if not result["ok"]:
         raise UserError(failure_line(result))
     return result
