@@ -1,4 +1,4 @@
-"""The mistakes a new user makes (../shared trial "46 mistakes", numbered as there), each driven through the
+"""The mistakes a new user makes (46 found by trying evalgate as a new user, numbered as found), each driven through the
 installed command line in a subprocess: the exit code, one stderr line without a traceback, whether the error
 came before torch was imported (what can be checked before the heavy start), and that no stored run or
 baseline changed. The wall time of each is printed (`pytest -s`); speed targets live in benchmarks.
