@@ -13,9 +13,11 @@ from evalgate.model_adapters.tiny import fill_hash_routes, tiny_config
 
 KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 VOCAB = 200
+# every check runs on the CPU; on a machine with a GPU also there (what a GPU load installs)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _model(layer_types=KINDS, dtype=torch.float32, seed=0, index_topk=5):
+def _model(layer_types=KINDS, dtype=torch.float32, seed=0, index_topk=5, device="cpu"):
     from transformers import DeepseekV4ForCausalLM
 
     torch.manual_seed(seed)
@@ -32,7 +34,7 @@ def _model(layer_types=KINDS, dtype=torch.float32, seed=0, index_topk=5):
                 module.sinks.normal_()
             if hasattr(module, "position_bias"):
                 module.position_bias.normal_()
-    return model.to(dtype)
+    return model.to(dtype=dtype, device=device)
 
 
 def _batch(b=3, s=40, pads=(0, 7, 13), seed=1):
@@ -47,6 +49,7 @@ def _batch(b=3, s=40, pads=(0, 7, 13), seed=1):
 @torch.no_grad()
 def _logits(model, ids, mask, steps=10, after_prefill=lambda: None):
     """Prefill logits [B, S, V], then ``steps`` greedy decoding steps' logits; and the greedy tokens."""
+    ids, mask = ids.to(model.device), mask.to(model.device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
     after_prefill()
@@ -55,7 +58,7 @@ def _logits(model, ids, mask, steps=10, after_prefill=lambda: None):
     tok = out.logits[:, -1].argmax(-1, keepdim=True)
     for _ in range(steps):
         tokens.append(tok)
-        mask = torch.cat([mask, torch.ones(len(mask), 1, dtype=mask.dtype)], -1)
+        mask = torch.cat([mask, torch.ones(len(mask), 1, dtype=mask.dtype, device=mask.device)], -1)
         last = last + 1
         out = model(input_ids=tok, attention_mask=mask, position_ids=last, past_key_values=past, use_cache=True)
         past = out.past_key_values
@@ -78,11 +81,12 @@ def _watch_blocks(monkeypatch):
 
 
 @pytest.mark.slow
-def test_tiled_attention_matches_eager_for_all_three_kinds(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiled_attention_matches_eager_for_all_three_kinds(monkeypatch, device):
     """Prefill of a left-padded batch and 10 decoding steps: every logit within float rounding of eager,
     the same greedy tokens; with a small budget no block of scores exceeds it (or is a single query of a
     single row), so the [B, H, S, T] tensor is never built."""
-    model = _model()
+    model = _model(device=device)
     ids, mask = _batch()
     ref, ref_tokens = _logits(model, ids, mask)
     seen = _watch_blocks(monkeypatch)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evalgate.model_adapters.attention_slots import SlotCache, top_entries
-from test_attention import VOCAB, _model
+from test_attention import DEVICES, VOCAB, _model
 
 pytestmark = pytest.mark.slow
 
@@ -26,12 +26,12 @@ def _prompts(seed=2):
 def _alone(model, prompt, steps):
     """transformers on one row: logits [steps + 1, V] (the prefill's last, then each step's) and the greedy
     tokens it fed."""
-    out = model(input_ids=prompt[None], use_cache=True)
+    out = model(input_ids=prompt[None].to(model.device), use_cache=True)
     past, logits, n = out.past_key_values, [out.logits[0, -1]], len(prompt)
     tokens = [int(out.logits[0, -1].argmax())]
     for i in range(steps):
-        out = model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[n + i]]),
-                    past_key_values=past, use_cache=True)
+        out = model(input_ids=torch.tensor([[tokens[-1]]], device=model.device),
+                    position_ids=torch.tensor([[n + i]], device=model.device), past_key_values=past, use_cache=True)
         past = out.past_key_values
         logits.append(out.logits[0, -1])
         tokens.append(int(out.logits[0, -1].argmax()))
@@ -40,7 +40,7 @@ def _alone(model, prompt, steps):
 
 @torch.no_grad()
 def _admit(model, cache, slot, prompt):
-    cache.admit(slot, model(input_ids=prompt[None], use_cache=True).past_key_values, len(prompt))
+    cache.admit(slot, model(input_ids=prompt[None].to(model.device), use_cache=True).past_key_values, len(prompt))
 
 
 def _close(a, b):
@@ -48,11 +48,12 @@ def _close(a, b):
 
 
 @torch.no_grad()
-def test_rows_in_slots_decode_as_each_row_alone():
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_in_slots_decode_as_each_row_alone(device):
     """Four rows of different lengths in scattered slots of one cache, decoded together for 12 steps (past
     the window and several CSA / HCA window closes, at different steps per row): each row's logits are its
     logits alone (float rounding; the indexer keeps every closed entry here, so no top-k tie decides)."""
-    model = _model(index_topk=64)
+    model = _model(index_topk=64, device=device)
     prompts = _prompts()
     ref = [_alone(model, p, STEPS) for p in prompts]
     cache = SlotCache(model, slots=6, max_length=64)
@@ -60,9 +61,9 @@ def test_rows_in_slots_decode_as_each_row_alone():
     for slot, prompt in zip(slots, prompts):
         _admit(model, cache, slot, prompt)
     buffers = [t.data_ptr() for layer in cache.layers for t in (layer.keys,)]
-    rows = torch.tensor(slots)
+    rows = torch.tensor(slots, device=device)
     for i in range(STEPS):
-        tokens = torch.tensor([r[1][i] for r in ref])
+        tokens = torch.tensor([r[1][i] for r in ref], device=device)
         logits = cache.decode_step(tokens, rows)
         for j in range(len(prompts)):
             assert _close(logits[j], ref[j][0][i + 1]), (i, j)
