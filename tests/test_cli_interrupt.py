@@ -150,3 +150,26 @@ def test_a_disk_that_fills_mid_run_is_the_environment_code_and_a_rerun_resumes(g
         assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_evalgate_serve_with_130(tiny_model, cli_env, tmp_path):
+    import socket
+    import urllib.request
+
+    pytest.importorskip("uvicorn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _start(["serve", "--model", str(tiny_model), "--port", str(port)], cli_env, tmp_path)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            break
+        except OSError:
+            time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert _last_line(stderr) == "evalgate: interrupted"
