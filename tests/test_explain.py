@@ -184,3 +184,29 @@ def test_the_explain_command_on_a_run_folder(canary_runs, tmp_path, cli_env):
     bad = subprocess.run([sys.executable, "-m", "evalgate", "explain", str(path), "HumanEval/999"],
                          capture_output=True, text=True, env=cli_env, timeout=600)
     assert bad.returncode == 2 and bad.stderr.startswith("evalgate: error:") and "Traceback" not in bad.stderr
+
+
+def test_the_report_tags_each_explained_flip_and_shows_the_summary_line(tmp_path):
+    """report.html with explanations (what `evalgate explain --report` writes): the tagged flips carry their
+    kind, with the explanation's line as the tag's title, and the summary line heads the flips."""
+    import re
+
+    from evalgate.explain import DIVERGENCE, NEAR_TIE, Explanation, summary_line
+    from evalgate.gate.decide import gate_runs
+    from evalgate.report.html import report_html
+    from gate_helpers import policy
+    from synthetic_runs import write_pair
+
+    base, cand = write_pair(tmp_path, 40, 10, lost_every=3, gained_every=4)
+    verdict = gate_runs(base, cand, str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
+    flips = verdict.comparison.flips("gsm8k")
+    picked = list(flips["doc_id"][:2])
+    found = [Explanation("gsm8k", d, "lost", kind, "w4a8", "w4a4_packed", position=3)
+             for d, kind in zip(picked, (NEAR_TIE, DIVERGENCE))]
+    tags = {(x.task, str(x.doc_id)): {"kind": x.kind, "line": x.line()} for x in found}
+    page = report_html(verdict, tags, summary_line(found))
+    assert "1 of 2 flips is a near-tie: margin &lt; 0.5 nats" in page
+    tagged = re.findall(r'<span class="explained" title="([^"]*)">([^<]*)</span>', page)
+    assert [kind for _, kind in tagged] == [NEAR_TIE, DIVERGENCE]
+    assert all(f"gsm8k {d}" in title for (title, _), d in zip(tagged, picked))
+    assert 'class="explained"' not in report_html(verdict)  # untagged without explanations

@@ -61,7 +61,9 @@ def _items(cmp, item: str | None, task: str | None) -> list[tuple[str, object]]:
 @click.option("--device", default="cpu", show_default=True, help="Where to replay: cpu, cuda, cuda:1...")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write every explanation to this JSON file.")
-def explain(run_dir, item, task, baselines, baselines_root, model, device, json_path):
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the HTML report of RUN against its baseline with each flip tagged (a run of every item).")
+def explain(run_dir, item, task, baselines, baselines_root, model, device, json_path, report_path):
     """Explain every flip of RUN against its baseline (or ITEM, flipped or not): the first token where the two
     generations differ, each kernel's top-2 tokens and margin there, the KL along the shared prefix,
     near-tie or divergence, and the MoE layer and expert that differ most (docs/explain.md). RUN: a run
@@ -93,13 +95,26 @@ def explain(run_dir, item, task, baselines, baselines_root, model, device, json_
     if json_path:
         Path(json_path).write_text(json.dumps([x.to_dict() for x in found], indent=1, default=str) + "\n",
                                    encoding="utf-8")
+    if report_path:
+        _write_report(cmp, found, baselines, baselines_root, Path(report_path))
+        click.echo(f"report with each flip tagged: {report_path}")
 
 
-def _details(x) -> None:
-    if x.base is not None:
-        click.echo(f"  after …{x.shared_text!r}")
-        click.echo(x.top.to_string(index=False))
-    if x.layers:
-        click.echo(x.frame.to_string(index=False))
-    for note in x.notes:
-        click.echo(f"  note: {note}")
+def _write_report(cmp, found, baselines: tuple, baselines_root, out: Path) -> None:
+    """``evalgate report``'s page for this run, decided as ``evalgate report`` decides (the stored baseline
+    the gate would use), each explained flip tagged."""
+    from evalgate.explain import summary_line
+    from evalgate.gate.decide import gate_runs
+    from evalgate.plan import plan_gate
+    from evalgate.report.html import report_html
+
+    from evalgate.run.store import load_run
+
+    run = load_run(cmp.candidate.path)  # as stored (a comparison on the candidate's items renames its profiles)
+    plan = plan_gate(candidate=run, baselines=baselines, baselines_root=baselines_root)
+    verdict = gate_runs(plan.baseline, run, plan.policy, False)
+    tags = {(x.task, str(x.doc_id)): {"kind": x.kind, "line": x.line()} for x in found}
+    text = report_html(verdict, tags, summary_line([x for x in found if x.direction]))
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(out)

@@ -322,16 +322,20 @@ def report_items(comparison) -> list[dict]:
     return items
 
 
-def report_html(verdict) -> str:
-    """``report.html``: one self-contained page a person reads in a minute."""
+def report_html(verdict, explanations: dict | None = None, explained: str | None = None) -> str:
+    """``report.html``: one self-contained page a person reads in a minute. ``explanations``: (task, doc_id
+    as text) -> {"kind", "line"} of the flips ``evalgate explain`` replayed, each flip tagged with its kind;
+    ``explained``: its summary line."""
     cmp = verdict.comparison
     rows = _with_charts(task_rows(verdict))
     items = report_items(cmp) if cmp is not None else []
+    for item in items:
+        item["explanation"] = (explanations or {}).get((item["task"], str(item["doc_id"])))
     failure_classes = sorted({s[k]["failure_class"] for s in items for k in ("base", "cand")} - {None, "passed"})
     return render(
         "report.html.j2", verdict=verdict, rows=rows, items=items, failure_classes=failure_classes,
         notes=verdict.notes, conformance=conformance_line(verdict), early_stop=early_stop_lines(verdict),
-        reason=verdict_reason(verdict),
+        reason=verdict_reason(verdict), explained=explained,
         tasks=cmp.tasks if cmp is not None else [], flips=flip_counts(cmp) if cmp is not None else {},
         base=run_identity(cmp.baseline) if cmp is not None else None,
         cand=run_identity(cmp.candidate) if cmp is not None else None,
