@@ -68,7 +68,7 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
 RESUMED = (("model", "model"), ("kernel", "kernel"), ("tasks", "tasks"), ("profiles", "profiles"), ("limit", "limit"),
            ("batch_size", "batch_size"), ("device", "device"), ("dtype", "dtype"), ("data_dir", "data_dir"),
            ("max_new_tokens", "max_new_tokens"), ("samples", "samples"), ("temperature", "temperature"),
-           ("seed", "seed"))
+           ("seed", "seed"), ("dataset", "datasets"))
 
 
 def _resumed_spec(spec, manifest: dict):
