@@ -26,6 +26,7 @@ RUNS_DIR = Path("results/runs")
 # the most samples per item the gate's rounds go to (docs/gate.md#sequential-rounds: chosen from
 # benchmarks/simulate_gate.py, where k = 8 coupled samples decide ≥ 99% of healthy HumanEval kernels at ψ = 6%)
 DEFAULT_MAX_SAMPLES = 8
+SEQUENCES = ".sequences"  # under RUNS_DIR: each gate's ledger of looks (evalgate.gate.sequence)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, base
         if missing:
             raise _missing_baseline(spec, missing, baseline_kernel, root, served)
     rounds = dict(max_samples=DEFAULT_MAX_SAMPLES if max_samples is None else max_samples, baselines_root=root,
-                  ledger_dir=user_root(root).parent / "sequences")
+                  ledger_dir=RUNS_DIR / SEQUENCES)
     if rounds["max_samples"] < 1:
         raise UserError(f"--max-samples must be >= 1, got {rounds['max_samples']}")
     if candidate is not None:
