@@ -67,9 +67,9 @@ def check_kernel(kernel: str, server_info: dict | None, version: dict | None, la
         if kernel in W4A4_KERNELS:
             return KernelCheck(CONTRADICTED, f"vLLM {engine_version} runs DeepSeek-V4's MoE as W4A8 only and ignores "
                                "DG_* variables", engine, engine_version)
-        row = find_row(stack)
+        row = find_row(stack) if kernel == "w4a8" else None
         why = (f"vLLM {engine_version} has one DeepSeek-V4 MoE kernel, W4A8 ({row.source})" if row else
-               f"vLLM {engine_version} is not in evalgate's kernel table")
+               f"vLLM {engine_version} with {kernel} is not in evalgate's kernel table")
         return KernelCheck(VERIFIED if row else UNVERIFIABLE, why, engine, engine_version,
                            {"served_numerics": "w4a8", "shared_expert_fusion": "not fused",
                             "routed_scaling": "vLLM's own"})
@@ -90,6 +90,8 @@ def _check_sglang(kernel: str, info: dict, stack: Stack, launch: dict) -> Kernel
     if not rows:
         return KernelCheck(UNVERIFIABLE, f"SGLang {version} is not in evalgate's kernel table", "sglang", version)
     selections = [r.kernels.get(kernel) for r in rows]
+    if all(s is None for s in selections):
+        return KernelCheck(UNVERIFIABLE, f"{kernel} is not in evalgate's kernel table for SGLang", "sglang", version)
     wants = [s for s in selections if not isinstance(s, str) and s is not None]
     if not wants:
         return KernelCheck(CONTRADICTED, f"SGLang {version} cannot run {kernel}: {selections[0]}", "sglang", version)
