@@ -69,8 +69,10 @@ def _plan(tmp_path: Path, candidate: Path, base: Path, margin: float = 20.0, **r
                      baselines_root=tmp_path / "baselines", **rest)
 
 
-def test_a_rerun_with_the_same_data_is_the_same_look_and_new_data_the_next(tmp_path):
+def test_a_rerun_with_the_same_data_is_the_same_look_and_new_data_the_next(tmp_path, monkeypatch):
     from evalgate.pipeline import gate
+
+    monkeypatch.chdir(tmp_path)  # the ledger lives in ./results/runs/.sequences
 
     base, cand = _pair(tmp_path, lost=6)
     first = gate(_plan(tmp_path, cand, base))
@@ -81,6 +83,7 @@ def test_a_rerun_with_the_same_data_is_the_same_look_and_new_data_the_next(tmp_p
     _, other = _pair(tmp_path, lost=2, name="cand-rerun")  # the same kernel again, other data
     later = gate(_plan(tmp_path, other, base))
     assert later.sequence["looks"][0]["look"] == 1 and later.decision.tasks["humaneval"].alpha == 0.0125
+    assert Path(later.sequence["ledger"]).parent == Path("results/runs/.sequences")
     ledger = json.loads(Path(later.sequence["ledger"]).read_text())
     assert [x["look"] for x in ledger["looks"]] == [0, 1]
     assert any(n.startswith("look 2 of this gate") for n in later.notes)
