@@ -5,10 +5,12 @@ names the exit codes and every option says what it does."""
 from __future__ import annotations
 
 import io
+import re
 
 import click
 import pytest
 from click.testing import CliRunner
+from rich.cells import cell_len
 from rich.console import Console
 
 from evalgate.cli.main import main
@@ -64,3 +66,33 @@ def test_the_report_highlights_only_differences_a_valid_comparison_forbids(tmp_p
     c["model"]["dtype"] = "float32"
     rows = {(r["section"], r["key"]): r for r in manifest_rows(b, c)}
     assert rows[("model", "dtype")]["differs"]
+
+
+@pytest.mark.parametrize("width", [60, 80, 140])
+def test_a_verdict_on_a_terminal_never_splits_a_value(width, tmp_path, monkeypatch):
+    from evalgate.gate.decide import gate_runs
+    from evalgate.report.rows import task_rows, verdict_reason
+    from evalgate.report.text import psi_text, verdict_lines
+    from gate_helpers import policy
+    from synthetic_runs import write_pair
+
+    base, cand = write_pair(tmp_path, n_gsm8k=60, n_humaneval=20, lost_every=9, gained_every=1000)
+    verdict = gate_runs(base, cand, str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
+    from evalgate.report.text import print_verdict
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    monkeypatch.setenv("COLUMNS", str(width))  # the terminal's width, as rich reads it
+    print_verdict(verdict, stream)
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", stream.getvalue()).splitlines()  # without the colours
+    assert all(cell_len(line.rstrip()) <= width for line in lines), max(cell_len(line.rstrip()) for line in lines)
+    text = "\n".join(lines)
+    words = [w for line in [verdict_reason(verdict), *verdict_lines(verdict)] for w in line.split()
+             if any(ch.isdigit() for ch in w)]
+    assert words and all(w in text for w in words)  # every number whole on one line
+    for r in task_rows(verdict):
+        for value in psi_text(r).split():
+            assert value in text

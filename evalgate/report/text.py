@@ -127,26 +127,24 @@ def verdict_lines(verdict) -> list[str]:
 
 
 def print_verdict(verdict, stream=None) -> None:
-    """The verdict on stdout: the table, then its reasons, warnings and notes as plain lines."""
+    """The verdict on stdout: what decides it, the numbers, then its reasons, warnings and notes as plain
+    lines. One layout per destination: on a terminal one block per task (fits any width; lines wrap only
+    between words, so no value is split); in a pipe or file the wide table, nothing wrapped."""
     from rich.markup import escape as markup_escape
-
-    from rich.measure import Measurement
 
     out = console(stream)
     reason = verdict_reason(verdict)
     if reason:  # what decides the verdict, before any number
         out.print(markup_escape(reason), style=f"bold {STYLES.get(verdict.verdict, 'red')}",
-                  soft_wrap=True)
+                  soft_wrap=not out.is_terminal)
     if out.is_terminal:
-        table = console_table(verdict)
-        fits = Measurement.get(out, out.options, console_table(verdict, log=True)).maximum + 12 <= out.width
-        out.print(table if fits else task_blocks(verdict))  # a narrow terminal: one block per task, nothing folded
+        out.print(task_blocks(verdict))
     else:  # drawn as wide as it is, without the blank edge rows and trailing blanks a box pads with
         with out.capture() as captured:
             out.print(console_table(verdict, log=True))
         out.file.write("\n".join(line.rstrip() for line in captured.get().splitlines() if line.strip()) + "\n")
     for line in verdict_lines(verdict):
-        out.print(markup_escape(line), soft_wrap=True)
+        out.print(markup_escape(line), soft_wrap=not out.is_terminal)
 
 
 def markdown(verdict) -> str:
