@@ -320,5 +320,5 @@ def test_the_canary_gate_refuses_a_copy_with_one_row_changed(copies, tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("evalgate: error:")]
-    assert len(lines) == 1 and "gsm8k-canary-v1" in lines[0] and "Traceback" not in proc.stderr
+    assert len(lines) == 1 and "no stored w4a8 baseline" in lines[0] and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "gsm8k.jsonl").exists()
