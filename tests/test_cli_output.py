@@ -96,3 +96,18 @@ def test_a_verdict_on_a_terminal_never_splits_a_value(width, tmp_path, monkeypat
     for r in task_rows(verdict):
         for value in psi_text(r).split():
             assert value in text
+
+
+def test_progress_lines_in_a_log_say_elapsed_and_left(monkeypatch):
+    from evalgate.run import progress as progress_module
+
+    clock = iter([0.0, 0.0, 30.0, 60.0])  # start, first line, after 50 items, after all
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: next(clock))
+    stream = io.StringIO()
+    with progress_module.Progress(enabled=False, stream=stream) as bars:
+        bar = bars.task("gsm8k [w4a4_packed]", total=200)
+        bar.advance(50)  # 30 s for 50 items
+        bar.advance(150)
+    assert stream.getvalue().splitlines() == ["gsm8k [w4a4_packed]: 0/200",
+                                              "gsm8k [w4a4_packed]: 50/200, 0:30 elapsed, about 1:30 left",
+                                              "gsm8k [w4a4_packed]: 200/200, 1:00 elapsed"]

@@ -33,6 +33,7 @@ class TaskProgress:
     def __init__(self, parent: Progress, description: str, total: int, done: int):
         self.parent, self.description, self.total, self.done = parent, description, total, done
         self._last_line = 0.0
+        self._started, self._first = time.monotonic(), done  # items already stored (a resume) are not timed
         self._id = parent._bar.add_task(description, total=total, completed=done) if parent._bar else None
         if parent._bar is None:
             self._line(force=True)
@@ -48,4 +49,22 @@ class TaskProgress:
         now = time.monotonic()
         if force or now - self._last_line > 10:
             self._last_line = now
-            print(f"{self.description}: {self.done}/{self.total}", file=self.parent.stream, flush=True)
+            print(f"{self.description}: {self.done}/{self.total}{self._times(now)}", file=self.parent.stream,
+                  flush=True)
+
+    def _times(self, now: float) -> str:
+        """", 0:42 elapsed, about 1:10 left" (the rate of the items done so far; none before the first)."""
+        elapsed = now - self._started
+        if elapsed < 1:
+            return ""
+        text = f", {_clock(elapsed)} elapsed"
+        done = self.done - self._first
+        if 0 < done and self.done < self.total:
+            text += f", about {_clock(elapsed / done * (self.total - self.done))} left"
+        return text
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
