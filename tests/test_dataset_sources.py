@@ -84,6 +84,15 @@ def no_override(monkeypatch):
     monkeypatch.delenv(DATA_DIR_ENV, raising=False)
 
 
+@pytest.fixture
+def no_connections(monkeypatch):
+    """Any network connection (the hub or anything else) fails the test."""
+    def refuse(self, address, *args, **kwargs):
+        raise AssertionError(f"a connection was opened to {address}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
 # ---- the packaged files through datasets ----
 
 @pytest.mark.parametrize("rel", sorted(KNOWN_ITEMS))
@@ -100,7 +109,7 @@ def test_packaged_rows_read_by_datasets_equal_the_jsonl_lines(no_override):
     assert load_problems() == [{f: p[f] for f in FIELDS[HUMANEVAL]} for p in _published_rows(HUMANEVAL)]
 
 
-def test_packaged_canary_keeps_its_baselines_ids_and_records_what_it_read(no_override):
+def test_packaged_canary_keeps_its_baselines_ids_and_records_what_it_read(no_override, no_connections):
     loaded = _load()
     assert {t: lt.profile_id for t, lt in loaded.items()} == CANARY_IDS
     record = loaded["gsm8k"].resolved.summary()["data"]["train"]
@@ -131,7 +140,7 @@ def test_the_packaged_default_writes_nothing_under_home_and_leaves_no_cache(tmp_
     ("gsm8k-parquet", "humaneval.parquet"),
     ("gsm8k-jsonl", "humaneval.jsonl.gz"),
 ])
-def test_a_copy_in_any_format_has_the_packaged_profile_ids(gsm8k, humaneval, copies, no_override):
+def test_a_copy_in_any_format_has_the_packaged_profile_ids(gsm8k, humaneval, copies, no_override, no_connections):
     root = copies["root"]
     choice = {"gsm8k": {"source": str(root / gsm8k)}, "humaneval": {"source": str(root / humaneval)}}
     loaded = _load(datasets_choice=choice)
@@ -204,14 +213,6 @@ def test_a_path_that_is_neither_a_file_nor_a_hub_id_is_one_line(tmp_path, no_ove
 
 
 # ---- a hub id ----
-
-@pytest.fixture
-def no_connections(monkeypatch):
-    def refuse(self, address, *args, **kwargs):
-        raise AssertionError(f"a connection was opened to {address}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-
 
 def test_a_hub_id_offline_fails_at_once_naming_local_alternatives(monkeypatch, no_connections, no_override):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
