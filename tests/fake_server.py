@@ -162,6 +162,9 @@ class FakeServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # headers and body go out in two writes: on a kept-alive connection Nagle would hold the body
+            # until the client's delayed ACK (40 ms), as no real server does
+            disable_nagle_algorithm = True
 
             def log_message(self, *args):
                 pass
