@@ -181,6 +181,11 @@ def test_the_explain_command_on_a_run_folder(canary_runs, tmp_path, cli_env):
     assert "0 of " in done.stdout and "flips are near-ties" in done.stdout
     written = json.loads(out.read_text())
     assert written and all(x["kind"] == "divergence" for x in written)
+    one = subprocess.run([sys.executable, "-m", "evalgate", "explain", str(path), written[0]["doc_id"]],
+                         capture_output=True, text=True, env=cli_env, timeout=600)
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.startswith(f"humaneval {written[0]['doc_id']} (lost): divergence at token ")
+    assert "local_rel_diff" in one.stdout and "logprob" in one.stdout  # the per-layer and top-2 tables
     bad = subprocess.run([sys.executable, "-m", "evalgate", "explain", str(path), "HumanEval/999"],
                          capture_output=True, text=True, env=cli_env, timeout=600)
     assert bad.returncode == 2 and bad.stderr.startswith("evalgate: error:") and "Traceback" not in bad.stderr

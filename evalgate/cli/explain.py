@@ -118,3 +118,14 @@ def _write_report(cmp, found, baselines: tuple, baselines_root, out: Path) -> No
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(out)
+
+
+def _details(x) -> None:
+    """One item's tables: the text before the divergence, both kernels' top-2 tokens, the MoE layers."""
+    if x.base is not None:
+        click.echo(f"  after …{x.shared_text!r}")
+        click.echo(x.top.to_string(index=False))
+    if x.layers:
+        click.echo(x.frame.to_string(index=False))
+    for note in x.notes:
+        click.echo(f"  note: {note}")
