@@ -6,6 +6,9 @@ import json
 
 import click
 
+from click.core import ParameterSource
+
+from evalgate.cli import preflight
 from evalgate.cli.options import KERNEL, baselines_root_option
 
 
@@ -22,6 +25,8 @@ def baseline_record(run, root, force):
     """Store a complete run as the baseline for its model, profile(s) and kernel."""
     from evalgate.run.baselines import record
 
+    preflight.stored_run(run, "RUN")
+    preflight.writable_folder(root, "--baselines-root")
     for path in record(run, root, force=force):
         click.echo(f"recorded {path}")
 
@@ -40,6 +45,7 @@ def baseline_import(task, score, n_items, model_id, profile, kernel, source, roo
     """Store a published aggregate score (no per-item records): usable only by the weaker unpaired test."""
     from evalgate.run.baselines import import_aggregate
 
+    preflight.writable_folder(root, "--baselines-root")
     path = import_aggregate(task, score, n_items, model_id, profile, kernel, source, root, force)
     click.echo(f"imported aggregate-only baseline {path}")
 
@@ -51,6 +57,8 @@ def baseline_list(root, as_json):
     """Stored baselines."""
     from evalgate.run.baselines import list_baselines
 
+    explicit = click.get_current_context().get_parameter_source("root") is not ParameterSource.DEFAULT
+    preflight.baselines_root(root, explicit)
     rows = list_baselines(root)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
