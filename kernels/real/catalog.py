@@ -17,6 +17,7 @@ from ..tolerance import Tolerance
 from .deepgemm_sm90 import DEEPGEMM_SM90, deepgemm_gemm
 from .faults import FAULTS
 from .library import RealLibrary
+from .sm100_mega_moe import SGL_DEEP_GEMM, mega_moe_forward
 from .torch_grouped import TORCH_SCALED_GROUPED_MM, scaled_grouped_gemm
 
 # Four times the worst measured on one H200 (docs/kernels.md#real-kernels): one DSV4-Flash layer, 512
@@ -72,3 +73,16 @@ _real("deepgemm/fp8_block128", "fp8_block128", "block128", deepgemm_gemm, DEEPGE
       "DeepGEMM m-grouped contiguous FP8 GEMMs (1x128 activations, 128x128 weight blocks) around SwiGLU, SM90")
 _real("torch/fp8_rowwise", "fp8_rowwise", "rowwise", scaled_grouped_gemm, TORCH_SCALED_GROUPED_MM, ROWWISE_TOLERANCE,
       "torch._scaled_grouped_mm FP8 rowwise GEMMs around SwiGLU, SM90")
+
+
+# SM100 (B200): the seed's mega-MoE kernels through sgl-deep-gemm's API, run here only against the stand-in of
+# tests/standin_deep_gemm.py. W4A4's FP4 x FP4 sums are exact: bit-identity. W4A8 is not measured on SM100:
+# it carries the SM90 FP8 kernel's limits until a B200 measures its own.
+for _name, _recipe, _tolerance, _what in (
+        ("sgl-deep-gemm/w4a8", "w4a8", DEEPGEMM_TOLERANCE, "fp8_fp4_mega_moe, mma_type=fp8xfp4 (W4A8)"),
+        ("sgl-deep-gemm/w4a4", "w4a4_te", None, "fp8_fp4_mega_moe, mma_type=mxf4xmxf4 (W4A4, input ties to even)")):
+    register_kernel(Kernel(
+        name=_name, version=SGL_DEEP_GEMM.name, description=f"sgl-deep-gemm {_what}, SM100",
+        experts_forward=mega_moe_forward(_recipe), env={}, recipe={"implements": _recipe, "mma_type": _what},
+        implements=_recipe, library=SGL_DEEP_GEMM, tolerance=_tolerance, prepare_model=_prepare(SGL_DEEP_GEMM),
+        api={"mma_type": _what.split("mma_type=")[1].split(" ")[0]}))
