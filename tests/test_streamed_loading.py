@@ -251,11 +251,12 @@ def test_conformance_reads_the_packed_experts_as_the_loaded_ones(canary_pair):
     as on transformers' load of the same checkpoint."""
     from evalgate.kernels.conformance import model_conformance
 
-    ref, streamed, _, _ = canary_pair
+    ref, streamed, tok, _ = canary_pair
+    prompts = [tok("Question: 2 + 3 = ?\nAnswer:", return_tensors="pt").input_ids[0]]
     for name in ("w4a4_packed", "faulty/w4a4_packed-weight-after-requant"):
-        a, b = model_conformance(ref, name), model_conformance(streamed, name)
+        a, b = model_conformance(ref, name, prompts), model_conformance(streamed, name, prompts)
         assert (a.ok, a.calc_diff, a.differing) == (b.ok, b.calc_diff, b.differing), name
-    assert not model_conformance(streamed, "faulty/w4a4_packed-weight-after-requant").ok
+    assert not model_conformance(streamed, "faulty/w4a4_packed-weight-after-requant", prompts).ok
 
 
 def test_gate_projection_arithmetic(monkeypatch):
