@@ -55,9 +55,11 @@ class LayerDifference:
     layer: int
     rel_diff: float  # |out_cand - out_base| / |out_base|, each kernel on its own run's hidden states
     local_rel_diff: float  # the same with both kernels fed the baseline's hidden states
-    expert: int | None  # the selected expert whose contribution differs most (same input)
+    expert: int | None  # the selected expert whose contribution differs most (same input; a contribution is
+    # the kernel's output minus its output with that expert's router weight zeroed, combine included)
     expert_rel_diff: float  # |its contribution under cand - under base| / |out_base|
     routing_differs: bool  # the two runs selected different experts here
+    selected: tuple[int, ...] = ()  # the experts the baseline's router selected here, in slot order
 
 
 @dataclass(frozen=True)
@@ -389,7 +391,8 @@ def _from_replay(head: dict, replay, models: dict, notes: list[str]) -> Explanat
         expert = int(cb.index[position][j]) if j is not None else None
         diff = LayerDifference(layer, _norm(out_c - out_b) / base_norm, _norm(same_c - same_b) / base_norm, expert,
                                per_expert[j] if j is not None else 0.0,
-                               sorted(cb.index[position].tolist()) != sorted(cc.index[position].tolist()))
+                               sorted(cb.index[position].tolist()) != sorted(cc.index[position].tolist()),
+                               tuple(int(e) for e in cb.index[position].tolist()))
         layers.append(diff)
         if diff.expert_rel_diff > worst[0]:
             worst = (diff.expert_rel_diff, layer, expert)

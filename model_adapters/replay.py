@@ -160,13 +160,18 @@ def _decoded(model, tokenizer, prompt, stops, max_new_tokens, device):
 def experts_on(model, kernel: str, layer: int, hidden: torch.Tensor, index: torch.Tensor,
                weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernel`` on ``model``'s routed experts of ``layer`` for one token (the captured input, as the layer
-    got it): (combined output [H], each selected expert's contribution [K, H] in slot order, one (token,
-    slot) per row as conformance checks them), FP32 on the CPU."""
+    got it): (combined output [H], each selected expert's contribution [K, H] in slot order), FP32 on the
+    CPU. A contribution is the combined output minus the output with that slot's router weight zeroed, so
+    it is what the kernel's whole computation (combine included) makes of that expert. One call per row:
+    a faulty kernel may read across rows."""
     module = experts_modules(model)[layer]
     forward = get_kernel(kernel).experts_forward
     device = next(module.parameters()).device
     x, idx, w = hidden.to(device).view(1, -1), index.to(device).view(1, -1), weights.to(device).view(1, -1)
-    k = idx.shape[1]
-    combined = forward(module, x, idx, w)
-    slots = forward(module, x.expand(k, -1).contiguous(), idx.view(k, 1), w.view(k, 1))
-    return combined[0].float().cpu(), slots.float().cpu()
+    combined = forward(module, x, idx, w)[0].float()
+    without = []
+    for j in range(idx.shape[1]):
+        zeroed = w.clone()
+        zeroed[0, j] = 0
+        without.append(forward(module, x, idx, zeroed)[0].float())
+    return combined.cpu(), (combined.unsqueeze(0) - torch.stack(without)).cpu()
