@@ -251,3 +251,25 @@ def test_runs_served_with_and_without_the_fused_shared_expert_are_not_comparable
         (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(NotComparable, match="serving serving_identity differs .*'fused'.*'not fused'"):
         gate_runs(base, cand, policy(tmp_path), allow_uncalibrated=True)
+
+
+def test_the_probe_reads_versions_packed_build_and_gpu_in_the_servers_environment(tmp_path):
+    from evalgate.model_adapters.engines import probe_stack, server_python
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 10.0\necho 10.0\n")
+    smi.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(site(tmp_path / "site", sglang="0.5.14", deep_gemm="0.1.3", packed=True))}
+    python = server_python([sys.executable, "-m", "sglang.launch_server"], env)
+    assert python == sys.executable
+    assert probe_stack("sglang", python, env) == Stack("sglang", "0.5.14", "0.1.3", True, "sm100")
+    script = bin_dir / "vllm"
+    script.write_text(f"#!{sys.executable}\n")
+    script.chmod(0o755)
+    assert server_python(["vllm", "serve"], env) == sys.executable  # the script's interpreter
+    assert server_python(["vllm", "serve"], {**env, "EVALGATE_SERVER_PYTHON": "/opt/py"}) == "/opt/py"
+    bare = {**env, "PYTHONPATH": str(site(tmp_path / "bare", sglang="0.5.23", deep_gemm="0.2.5"))}
+    assert probe_stack("sglang", python, bare).packed_build is False
