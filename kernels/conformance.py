@@ -191,9 +191,10 @@ def _finding_dict(f: Finding) -> dict:
 
 
 def _kept(found: list[Finding]) -> list[dict]:
-    ranked = sorted(found, key=_severity)
-    failed = [f for f in ranked if not f.ok][:FAILED_SHOWN]
-    return [_finding_dict(f) for f in (failed if len(failed) >= SHOWN else ranked[:max(SHOWN, len(failed))])]
+    """Worst first: every one over its limit (up to FAILED_SHOWN), at least SHOWN."""
+    ranked = sorted(found, key=_severity)  # over the limit first, then by calc_diff
+    failed = sum(not f.ok for f in ranked)
+    return [_finding_dict(f) for f in ranked[:max(SHOWN, min(failed, FAILED_SHOWN))]]
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from ..fp8_moe import Fp8Recipe, convert_fp4_weights, fp8_moe_forward
 from ..registry import Kernel, register_kernel
 from ..tolerance import Tolerance
 from .deepgemm_sm90 import DEEPGEMM_SM90, deepgemm_gemm
-from .faults import FAULTS
+from .faults import DESCRIPTIONS, FAULTS
 from .library import RealLibrary
 from .sm100_mega_moe import SGL_DEEP_GEMM, mega_moe_forward
 from .torch_grouped import TORCH_SCALED_GROUPED_MM, scaled_grouped_gemm
@@ -65,7 +65,7 @@ def _real(name: str, implements: str, layout: str, gemm, library: RealLibrary, t
                            experts_forward=real_forward(recipe, gemm), **common))
     for suffix, fault in FAULTS.items():
         register_kernel(Kernel(name=f"faulty/{name}-{suffix}", version=f"{library.name}, fault-injected",
-                               description=f"{name} with {(fault.__doc__ or '').split(':')[0].strip().lower()}",
+                               description=f"{name} with {DESCRIPTIONS[suffix]}",
                                experts_forward=real_forward(recipe, gemm, fault), faulty=True, twin=name, **common))
 
 

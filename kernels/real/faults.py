@@ -38,3 +38,8 @@ def stale_scale(w: Fp8Weights) -> Fp8Weights:
 
 
 FAULTS = {"scale-layout": scale_layout, "swap-expert": swap_expert, "stale-scale": stale_scale}
+DESCRIPTIONS = {
+    "scale-layout": "both scale tensors read expert-major after being written expert-minor",
+    "swap-expert": f"expert {EXPERT}'s weights and scales swapped with expert {EXPERT + 1}'s",
+    "stale-scale": f"one W1 block of expert {EXPERT} with the scale from before its codes were re-encoded",
+}
