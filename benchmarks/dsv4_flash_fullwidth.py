@@ -291,7 +291,8 @@ def _row(model, step, cache: str, batch: int, prompt_tokens: int, prefill_s: flo
 
 def _prompt_ids(tokenizer, prompts: list[str], batch: int) -> list[list[int]]:
     """``batch`` prompts' token ids, the list repeated as needed."""
-    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in (prompts * (batch // len(prompts) + 1))[:batch]]
+    repeated = (prompts * (batch // len(prompts) + 1))[:batch]
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in repeated]
 
 
 @torch.inference_mode()
@@ -375,12 +376,12 @@ def project_gate(row: dict, layers: int, total_layers: int, per_replica: int, gp
 def print_table(rows: list[dict], bandwidth: float, device: str) -> None:
     print(f"decode steps against the weight-read floor (copy bandwidth of {device}: {bandwidth / 1e9:.0f} GB/s "
           "read + written, measured in this run)")
-    print(f"{'cache':>5s} {'batch':>5s} {'prefill tok/s':>13s} {'step ms':>8s} {'tokens/s':>9s} {'floor GiB':>9s} {'floor ms':>8s} "
-          f"{'x floor':>7s} {'peak GiB':>9s} {'gate 2xH200 min':>15s} {'gate 4xH200 min':>15s}")
+    print(f"{'cache':>5s} {'batch':>5s} {'prefill tok/s':>13s} {'step ms':>8s} {'tokens/s':>9s} {'floor GiB':>9s} "
+          f"{'floor ms':>8s} {'x floor':>7s} {'peak GiB':>9s} {'gate 2xH200 min':>15s} {'gate 4xH200 min':>15s}")
     for r in rows:
         peak = "/".join(f"{v:.1f}" for v in r["peak_gib"].values()) or "-"
-        print(f"{r['cache']:>5s} {r['batch']:5d} {r['prefill_tokens_per_s']:13.1f} {r['step_ms']:8.2f} {r['tokens_per_s']:9.1f} "
-              f"{r['floor_gib']:9.2f} {r['floor_ms']:8.2f} {r['x_floor']:7.2f} {peak:>9s} "
+        print(f"{r['cache']:>5s} {r['batch']:5d} {r['prefill_tokens_per_s']:13.1f} {r['step_ms']:8.2f} "
+              f"{r['tokens_per_s']:9.1f} {r['floor_gib']:9.2f} {r['floor_ms']:8.2f} {r['x_floor']:7.2f} {peak:>9s} "
               f"{r['gate_min_2_h200']:15.1f} {r['gate_min_4_h200']:15.1f}")
 
 
@@ -503,7 +504,8 @@ def main(argv: list[str] | None = None) -> dict:
     attention.install(model)  # what a GPU load installs; on a CPU too, so a smoke run measures the same path
 
     if args.items > 0:
-        figures.update(generate_items(model, tokenizer, placement, args, layers, full.num_hidden_layers, layers * expert_layer))
+        figures.update(generate_items(model, tokenizer, placement, args, layers, full.num_hidden_layers,
+                                      layers * expert_layer))
     if batches:
         first = placement.devices[0]
         device = first if first.startswith("cuda") else "cpu"

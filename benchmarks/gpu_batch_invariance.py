@@ -96,7 +96,8 @@ def measure(numerics: str, args) -> dict:
 
         shares = [list(range(len(reqs)))[j::args.procs] for j in range(args.procs)]
         with mp.get_context("spawn").Pool(args.procs) as pool:
-            parts = pool.map(_alone, [(numerics, args.kernel, args.device, args.limit, sh, args.model) for sh in shares])
+            jobs = [(numerics, args.kernel, args.device, args.limit, sh, args.model) for sh in shares]
+            parts = pool.map(_alone, jobs)
         one = [None] * len(reqs)
         for part in parts:
             for i, (ids, text) in part.items():
@@ -142,7 +143,8 @@ def main(argv=None) -> int:
         print("gpu_batch_invariance: torch sees no CUDA device; run on a GPU host", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
-    print(f"{args.model}: canary GSM8K profile, kernel {args.kernel}, {name}, torch {torch.__version__}, batch 1 vs {args.batch}",
+    print(f"{args.model}: canary GSM8K profile, kernel {args.kernel}, {name}, torch {torch.__version__}, "
+          f"batch 1 vs {args.batch}",
           flush=True)
     results = [measure(n.strip(), args) for n in args.numerics.split(",") if n.strip()]
     print(f"{'numerics':10s} {'(got)':14s} {'items':>5s} {'differ':>6s} {'A/A rate':>8s} {'texts':>5s} "

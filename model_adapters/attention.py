@@ -137,7 +137,3 @@ def install(model, budget: int | None = None) -> bool:
                 lambda self, q, kv, hs: tiled_indexer_scores(self, q, kv, hs, budget), module)
     model.config._attn_implementation = ATTENTION
     return True
-
-
-def installed(model) -> bool:
-    return getattr(model.config, "_attn_implementation", None) == ATTENTION

@@ -64,7 +64,8 @@ class _Compressed:
         if self.overlap:
             prior = layer.overlap_kv[name]
             self.prev_kv[slot] = 0 if prior is None else prior[0].to(self.prev_kv.dtype)
-            self.prev_gate[slot] = float("-inf") if prior is None else layer.overlap_gate[name][0].to(self.prev_gate.dtype)
+            gate = layer.overlap_gate[name]
+            self.prev_gate[slot] = float("-inf") if prior is None else gate[0].to(self.prev_gate.dtype)
 
     def step(self, module, rows, positions, kv, gate) -> torch.Tensor:
         """Write one token per row (kv, gate [b, feed] at ``positions`` [b]); rows whose token closes a
