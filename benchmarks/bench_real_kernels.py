@@ -1,13 +1,13 @@
 """Real kernels against their emulated recipes on a GPU: the differences the conformance limits rest on, and speed.
 
-    python benchmarks/bench_real_kernels.py --measure --speed --tokens 16,512,4096 --json OUT.json
+    python benchmarks/bench_real_kernels.py --steps canary,dsv4,speed --tokens 16,512,4096 --json OUT.json
 
---measure: for each real kernel, the canary's own hidden states (its forward pass over the first GSM8K
+canary, dsv4: for each real kernel, the canary's own hidden states (its forward pass over the first GSM8K
 prompts, as the gate captures them) and one synthetic DSV4-Flash layer (hidden 4096, intermediate 2048, 256
 experts, top-6, `evalgate kernels check`'s layer) through the real kernel and its recipe: per layer the
 worst expert's and the worst token's calc_diff, the largest difference relative to the row's largest
 output, and the share of BF16 outputs that differ from the recipe's (the correctly rounded exact result).
---speed: one DSV4-Flash layer, median ms per call of each real kernel, its emulated recipe and transformers'
+speed: one DSV4-Flash layer, median ms per call of each real kernel, its emulated recipe and transformers'
 BF16 grouped_mm in the same run, as ratios to BF16.
 """
 
@@ -111,8 +111,8 @@ def speed(names, token_counts, repeat: int) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernels", default=",".join(REAL))
-    p.add_argument("--measure", action="store_true")
-    p.add_argument("--speed", action="store_true")
+    p.add_argument("--steps", default="canary,dsv4,speed", help="canary: the canary's hidden states; dsv4: a "
+                   "DSV4-Flash layer; speed: timings at --tokens")
     p.add_argument("--prompts", type=int, default=8, help="canary GSM8K prompts whose hidden states are captured")
     p.add_argument("--dsv4-tokens", type=int, default=512)
     p.add_argument("--tokens", default="16,512,4096")
@@ -129,12 +129,10 @@ def main(argv=None) -> int:
     names = [n for n in args.kernels.split(",") if n]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     OUT.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
-    steps = []
-    if args.measure:
-        steps += [lambda: measure_canary(names, args.prompts), lambda: measure_dsv4(names, args.dsv4_tokens)]
-    if args.speed:
-        steps.append(lambda: speed(names, [int(t) for t in args.tokens.split(",")], args.repeat))
-    for step in steps:
+    known = {"canary": lambda: measure_canary(names, args.prompts),
+             "dsv4": lambda: measure_dsv4(names, args.dsv4_tokens),
+             "speed": lambda: speed(names, [int(t) for t in args.tokens.split(",")], args.repeat)}
+    for step in [known[s] for s in args.steps.split(",") if s]:
         try:
             step()
         except Exception as exc:  # one failed step leaves the others' numbers
