@@ -300,15 +300,16 @@ def test_the_canary_gate_on_a_parquet_copy_passes_against_the_packaged_baseline(
     root = copies["root"]
     env = {k: v for k, v in os.environ.items() if k != DATA_DIR_ENV}
     env.update(HF_HUB_OFFLINE="1")
-    proc = subprocess.run(EVALGATE + ["gate", "--dataset", f"gsm8k={root / 'gsm8k-parquet'}",
-                                      "--dataset", f"humaneval={root / 'humaneval.parquet'}", "--out", "run"],
+    # GSM8K alone keeps the suite short; HumanEval's copies have the packaged ids (above), so the same baseline
+    proc = subprocess.run(EVALGATE + ["gate", "--tasks", "gsm8k", "--dataset", f"gsm8k={root / 'gsm8k-parquet'}",
+                                      "--out", "run"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     verdict = json.loads((tmp_path / "run" / "gate" / "gate.json").read_text())
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert verdict["verdict"] == "PASS"
-    assert {t: manifest["tasks"][t]["profile_id"] for t in CANARY_IDS} == CANARY_IDS
-    assert manifest["tasks"]["humaneval"]["data"]["test"]["source"] == "local"
+    assert manifest["tasks"]["gsm8k"]["profile_id"] == CANARY_IDS["gsm8k"]
+    assert manifest["tasks"]["gsm8k"]["data"]["train"]["source"] == "local"
     assert manifest["spec"]["datasets"]["gsm8k"]["source"] == str(root / "gsm8k-parquet")
 
 
