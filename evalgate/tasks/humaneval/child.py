@@ -266,8 +266,9 @@ def serve_harness(ctl, config):
             if not message:  # the harness is gone: so are its judges and their programs
                 for pid, _, _, _, group in judges.values():
                     _kill(pid)
-                    _reap(GROUPS.kill_all(group))
+                    GROUPS.kill_all(group)
                     GROUPS.remove(group)
+                _reap_orphans([])
                 os._exit(0)
             job = socket.socket(fileno=fds[0])
             for extra in fds[1:]:
@@ -293,7 +294,7 @@ def serve_harness(ctl, config):
             status = os.waitpid(pid, 0)[1]
             if status != 0:  # the judge died before answering: its program may still run
                 killed_pids = GROUPS.kill_all(group)
-                _reap(killed_pids)
+                _reap_orphans([j[0] for j in judges.values()])
                 GROUPS.remove(group)
                 if killed or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU):
                     result = {"failure_class": "timed_out", "result": "timed out (the judge overran the deadline)"}
@@ -310,10 +311,18 @@ def serve_harness(ctl, config):
                 entry[2] = now + 3600
 
 
-def _reap(pids):
-    """Reap the killed processes that are the executor's children now: a sandbox whose judge died is orphaned
-    to the executor (a child subreaper), and its zombie would otherwise stay."""
-    for pid in pids:
+def _reap_orphans(judge_pids):
+    """Kill and reap every child of the executor that is not a judge: a sandbox whose judge died is orphaned to
+    the executor (a child subreaper), and would otherwise stay (as a process, or as a zombie of its uid)."""
+    children = set()
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                children.update(int(pid) for pid in f.read().split())
+    except OSError:
+        return
+    for pid in children - set(judge_pids):
+        _kill(pid)
         try:
             os.waitpid(pid, 0)
         except ChildProcessError:
