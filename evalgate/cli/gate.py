@@ -143,12 +143,14 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     if not (server or launch):
         preflight.model_folder(model)
     preflight.server(server)
+    if out:  # before the plan's imports (pydantic, the policy: a second or two)
+        preflight.writable_folder(out, "--out")
+    if report_dir:
+        preflight.writable_folder(report_dir, "--report-dir")
     from evalgate.plan import gate_out
 
     run_out = Path(out) if out else gate_out(kernel)
     preflight.writable_folder(run_out, "--out")
-    if report_dir:
-        preflight.writable_folder(report_dir, "--report-dir")
 
     from evalgate.run.runner import load_tasks, prepare_ahead
 
