@@ -992,6 +992,7 @@ def test_processes_left_at_the_verdict_are_counted_killed_and_fail_the_item():
     assert our_uid_processes() == []
 
 
+@pytest.mark.slow
 def test_a_judge_overrun_kills_the_whole_sandbox(monkeypatch):
     """The executor gives up on a judge (here: a grace so short that it is killed 1.5 s after it starts, in the
     middle of a 6 s program) and kills every process of the program before it answers."""
@@ -1011,6 +1012,7 @@ def test_a_judge_overrun_kills_the_whole_sandbox(monkeypatch):
     assert run_item(HE0, HE0["canonical_solution"]).passed  # its honest neighbour
 
 
+@pytest.mark.slow
 def test_memory_is_bounded_per_sandbox_not_per_process():
     """Six processes, each holding 24 MiB of its own and 16 MiB of tmpfs pages (which no RLIMIT_AS counts): 240 MiB
     held under a limit of 128 MiB, unless the limit is the sandbox's."""
