@@ -15,8 +15,8 @@ import click
 
 from evalgate.cli import baseline, calibrate, explain, gate, kernels, report, run, selfcheck, selftest, serve
 from evalgate.cli.options import resume_note
-from evalgate.errors import (ENVIRONMENT, EXIT_CODES_HELP, INTERNAL, INTERRUPTED, EnvironmentFailure, Interrupted,
-                             UserError, describe_os_error)
+from evalgate.errors import (ENVIRONMENT, EXIT_CODES_HELP, INTERNAL, INTERRUPTED, USAGE, EnvironmentFailure,
+                             Interrupted, UserError, describe_os_error)
 
 
 def _out_of_memory(exc: BaseException) -> bool:
@@ -47,6 +47,8 @@ class EvalgateGroup(click.Group):
             _fail(f"evalgate: error: {exc}", exc.exit_code)
         except click.UsageError as exc:
             _fail(f"evalgate: error: {exc.format_message()}", exc.exit_code)
+        except click.ClickException as exc:  # click's own input errors (a file it could not open): exit 2, not 1
+            _fail(f"evalgate: error: {exc.format_message()}", USAGE)
         except (click.exceptions.Exit, click.Abort, SystemExit):
             raise
         except EnvironmentFailure as exc:

@@ -1,0 +1,50 @@
+"""Each way a command can end has its own exit code and one stderr line (a bug alone adds its traceback):
+the environment (4), Ctrl-C (130), SIGTERM (143), click's own errors (2), a bug (70, never 1 = FAIL)."""
+
+from __future__ import annotations
+
+import errno
+import sys
+
+import click
+import pytest
+
+from evalgate.cli.main import _run_main, main
+from evalgate.cli.options import note_resumable
+from evalgate.errors import EnvironmentFailure, Interrupted
+
+KEPT = "; finished items in 'runs/x' are kept: run the same command with --out runs/x to resume"
+ENDINGS = [
+    (OSError(errno.ENOSPC, "No space left on device"), 4, "evalgate: could not finish: no space left on device" + KEPT),
+    (OSError(errno.EROFS, "Read-only file system", "/ro/run/manifest.json"), 4,
+     "evalgate: could not finish: read-only file system on '/ro/run/manifest.json'" + KEPT),
+    (MemoryError(), 4, "evalgate: could not finish: out of memory (MemoryError); lower --batch-size or free memory" + KEPT),
+    (EnvironmentFailure("server http://gpu:30000 went away"), 4,
+     "evalgate: could not finish: server http://gpu:30000 went away" + KEPT),
+    (KeyboardInterrupt(), 130, "evalgate: interrupted" + KEPT),
+    (Interrupted(), 143, "evalgate: terminated" + KEPT),
+    (click.FileError("x.json", "unreadable"), 2, "evalgate: error: Could not open file 'x.json': unreadable"),
+    (RuntimeError("boom"), 70, "evalgate: internal error (a bug, exit 70): RuntimeError: boom"),
+]
+
+
+@pytest.mark.parametrize("exc, code, line", ENDINGS, ids=[type(e).__name__ + str(c) for e, c, _ in ENDINGS])
+def test_every_ending_has_its_code_and_one_line(exc, code, line, monkeypatch, capsys):
+    @click.command("ending")
+    def ending():
+        note_resumable("runs/x", "--out runs/x")
+        raise exc
+
+    main.add_command(ending)
+    monkeypatch.setattr(sys, "argv", ["evalgate", "ending"])
+    try:
+        got = _run_main()
+    finally:
+        main.commands.pop("ending")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert got == code
+    assert err[-1] == line
+    if code != 70:
+        assert len(err) == 1
+    else:
+        assert err[0] == "Traceback (most recent call last):"
