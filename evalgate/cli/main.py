@@ -64,7 +64,8 @@ class EvalgateGroup(click.Group):
             _fail(f"evalgate: could not finish: {what}{resume_note(ctx)}", ENVIRONMENT)
         except Exception as exc:
             if _out_of_memory(exc):
-                _fail(f"evalgate: could not finish: out of memory ({str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); "
+                what = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                _fail(f"evalgate: could not finish: out of memory ({what}); "
                       f"lower --batch-size or free memory{resume_note(ctx)}", ENVIRONMENT)
             raise _Bug(exc) from exc
 
