@@ -146,7 +146,7 @@ class ProgramGroups:
         return {"controls": controls, "kill": kill if self.hierarchies else "none"}
 
     # -- one program's group (made by its judge) --
-    def create(self, name, memory_bytes, max_processes):
+    def create(self, name, memory_bytes):
         """Make group ``name`` in every hierarchy with its limits; returns the descriptors the sandbox joins
         with (its ``cgroup.procs``)."""
         joins = []
@@ -163,8 +163,6 @@ class ProgramGroups:
                         _write(fd, "memory.limit_in_bytes", str(memory_bytes))
                         if _exists(fd, "memory.memsw.limit_in_bytes"):
                             _write(fd, "memory.memsw.limit_in_bytes", str(memory_bytes))
-                if "pids" in h.controllers and max_processes is not None:
-                    _write(fd, "pids.max", str(max_processes))
                 joins.append(os.open("cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=fd))
             finally:
                 os.close(fd)

@@ -384,8 +384,7 @@ def judge_process(header, job, config):
             _unshare(CLONE_NEWPID, "NEWPID")
         joins = []
         if group is not None:
-            limits = header["limits"]
-            joins = GROUPS.create(group, limits["memory_bytes"], limits.get("max_processes"))
+            joins = GROUPS.create(group, header["limits"]["memory_bytes"])
         near, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         out_fd = os.memfd_create("stdout", 0)
         err_fd = os.memfd_create("stderr", 0)
