@@ -86,6 +86,20 @@ def stored_baselines(spec: RunSpec, kernel: str, root: Path | None = None,
     return find_baselines(local_fingerprint(spec.model), planned_profile_ids(spec), kernel, root, packaged)
 
 
+def _shaping_flags(spec: RunSpec, root: Path | None) -> str:
+    """The calibrate flags that give the baseline this gate's profile ids (tasks, profiles, limit, token
+    limit, data) and put it where this gate looks."""
+    import shlex
+
+    flags = ["--tasks", ",".join(spec.tasks)]
+    flags += [f for task, name in spec.profiles.items() for f in ("--profile", f"{task}={name}")]
+    flags += ["--limit", str(spec.limit)] if spec.limit else []
+    flags += ["--max-new-tokens", str(spec.max_new_tokens)] if spec.max_new_tokens else []
+    flags += ["--data-dir", str(spec.data_dir)] if spec.data_dir else []
+    flags += ["--baselines-root", str(root)] if root else []
+    return " " + shlex.join(flags)
+
+
 def _missing_baseline(spec: RunSpec | None, missing: list[str], kernel: str, root: Path | None,
                       served: bool) -> UserError:
     if spec is None:
@@ -93,6 +107,7 @@ def _missing_baseline(spec: RunSpec | None, missing: list[str], kernel: str, roo
     else:
         sampled = ("" if spec.sampling().greedy else  # a sampled baseline must be sampled the same way
                    f" --samples {spec.samples} --temperature {spec.temperature:g} --seed {spec.seed}")
+        sampled += _shaping_flags(spec, root)  # the same items, profiles and data: the same profile ids
         how = (f"`evalgate calibrate --model {spec.model} --kernel {kernel}{sampled}` (runs it twice and "
                "records it)" if not served else
                f"`evalgate calibrate --server URL --kernel {kernel}{sampled}` (or --launch ENGINE; runs it "
