@@ -43,7 +43,7 @@ def run_or_resume(spec: RunSpec, out: Path, adapter: ModelAdapter | None = None,
     return watcher.run
 
 
-ROUND_TEMPERATURE = 0.7  # the rounds' temperature when the plan's own run is greedy
+ROUND_TEMPERATURE = 0.2  # the rounds' temperature when the plan's own run is greedy: pass@1's convention (Chen et al. 2021)
 
 
 def gate(plan: GatePlan, adapter: ModelAdapter | None = None) -> Verdict:
