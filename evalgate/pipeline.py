@@ -18,7 +18,7 @@ from evalgate.gate.verdict import Verdict
 from evalgate.plan import GatePlan, find_baselines, local_fingerprint, plan_gate, stamp
 from evalgate.run.baselines import read_aa, record, user_root, write_aa
 from evalgate.run.observer import Collected, RunObserver
-from evalgate.run.runner import LoadedTask, RunSpec, execute, load_tasks
+from evalgate.run.runner import LoadedTask, RunSpec, execute, load_tasks, with_sampling
 from evalgate.run.store import MANIFEST, Run, load_run
 from evalgate.types import ModelAdapter
 
@@ -155,7 +155,10 @@ def _rounds(plan: GatePlan, adapter, verdict: Verdict, ledger) -> Verdict:
         if k_next is None:
             break
         spec = replace(plan.spec, tasks=open_tasks, samples=k_next, temperature=temperature)
-        loaded = load_tasks(spec)
+        if plan.spec.sampling().greedy and all(t in plan.tasks for t in open_tasks):  # the items loaded once
+            loaded = {t: with_sampling(plan.tasks[t], spec) for t in open_tasks}
+        else:
+            loaded = load_tasks(spec)
         out = plan.out / f"round-k{k_next}"
         baseline = _round_baseline(plan, spec, loaded, adapter, out / f"baseline-{plan.baseline.run.kernel.replace('/', '_')}")
         if baseline is None:

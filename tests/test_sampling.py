@@ -239,7 +239,7 @@ def test_per_item_aggregation_of_humaneval_samples(monkeypatch):
     wrong = Generation("    return None\n", "length")
 
     # the sandbox is tested elsewhere (test_humaneval.py): here its outcomes are scripted, one per sample
-    monkeypatch.setattr(humaneval, "require_selftest", lambda data_dir: {"timeouts_s": {items[0]["task_id"]: 3.0}})
+    monkeypatch.setattr(humaneval, "require_selftest", lambda data_dir, **kwargs: {"timeouts_s": {items[0]["task_id"]: 3.0}})
     outcomes = iter([True, False, False, True, True])
     monkeypatch.setattr(humaneval.sandbox, "run_programs", lambda programs, timeouts, workers=None: [
         type("Outcome", (), dict(passed=next(outcomes), failure_class=None, result="", exception=None, stdout="",

@@ -109,7 +109,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     the same --out resumes it."""
     sampling = sampling_settings(samples, temperature, seed)
     # what can be checked before the heavy start (torch, the model, a server), within a second or two
-    preflight.thresholds_file(thresholds_path)
+    policy = preflight.thresholds_file(thresholds_path) or thresholds_path  # parsed once, handed to the plan
     preflight.baselines_root(baselines_root, _explicit("baselines_root"))
     baselines, named_root = resolve_baselines(baselines, baseline_kernel)
     if named_root is not None:  # --baseline named a baselines root (or a model folder in one)
@@ -137,7 +137,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
         from evalgate.run.store import load_run
 
         plan = plan_gate(candidate=load_run(candidate), baselines=baselines, baseline_kernel=baseline_kernel,
-                         baselines_root=baselines_root, thresholds=thresholds_path, report_dir=report_dir,
+                         baselines_root=baselines_root, thresholds=policy, report_dir=report_dir,
                          allow_uncalibrated=allow_uncalibrated)
         _finish(run_gate(plan), plan.report_dir, Path(candidate), decision_flags)
     if not (server or launch):
@@ -173,7 +173,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
             with server_adapter(server, launch, model, kernel, run_out, model_id, server_args, launch_timeout,
                                 request_timeout, concurrency, retries, batch_size, resume_hint=False) as adapter:
                 plan = plan_gate(spec=spec, tasks=loaded, baselines=baselines, baseline_kernel=baseline_kernel,
-                                 baselines_root=baselines_root, thresholds=thresholds_path, out=run_out,
+                                 baselines_root=baselines_root, thresholds=policy, out=run_out,
                                  report_dir=report_dir, allow_uncalibrated=allow_uncalibrated,
                                  early_stop=not no_early_stop, served=served, max_samples=max_samples,
                                  fingerprint=adapter.info()["fingerprint"] if adapter is not None else None)

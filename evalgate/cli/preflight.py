@@ -90,16 +90,18 @@ def model_folder(model: str | None) -> None:
         raise UserError(f"{str(config)!r} has no model_type; it is not a transformers config")
 
 
-def thresholds_file(path: str | None) -> None:
-    """Parse an explicit policy file now (one line with FILE:LINE when it is wrong)."""
+def thresholds_file(path: str | None):
+    """Parse an explicit policy file now (one line with FILE:LINE when it is wrong); the parsed policy goes on
+    to the gate plan, so the file is read once. None when no file is given."""
     if path:
         if not Path(path).is_file():  # before the policy module's imports (pydantic: about a second)
             what = "is a folder" if Path(path).is_dir() else "does not exist"
             raise UserError(f"--thresholds {path!r} {what}; pass a thresholds YAML file, or drop "
                             "--thresholds to use the default policy")
-        from evalgate.gate.policy import load_thresholds
+        from evalgate.gate.policy import resolve_policy
 
-        load_thresholds(path)
+        return resolve_policy(path)
+    return None
 
 
 def stored_run(path: str, flag: str = "--candidate") -> None:

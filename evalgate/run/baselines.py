@@ -199,13 +199,27 @@ def import_aggregate(task: str, score: float, n_items: int, model_id: str, profi
     return final
 
 
+_MANIFESTS: dict[Path, tuple[tuple[int, int], RunManifest]] = {}  # path -> (mtime, size), manifest
+
+
+def _manifest(path: Path) -> RunManifest:
+    """A baseline's manifest, read once per process while the file is unchanged (a gate's later looks search
+    the same roots again)."""
+    stat = path.stat()
+    key = (stat.st_mtime_ns, stat.st_size)
+    cached = _MANIFESTS.get(path)
+    if cached is None or cached[0] != key:
+        cached = _MANIFESTS[path] = (key, load_manifest(path))
+    return cached[1]
+
+
 def _stored(root: str | Path) -> list[tuple[Path, RunManifest]]:
-    """Every baseline folder under ``root`` with its manifest (read once here)."""
+    """Every baseline folder under ``root`` with its manifest."""
     found = []
     for manifest_path in sorted(Path(root).glob(f"*/*/*/{MANIFEST}")):
         d = manifest_path.parent
         if not any(part.startswith(".tmp-") for part in d.parts):
-            found.append((d, load_manifest(manifest_path)))
+            found.append((d, _manifest(manifest_path)))
     return found
 
 

@@ -82,6 +82,12 @@ def load_task(task, spec: RunSpec, data_dir):
     return items, replace(resolved, decoding=spec.sampling().decoding(resolved.decoding))
 
 
+def with_sampling(loaded: LoadedTask, spec: RunSpec) -> LoadedTask:
+    """A task loaded for a greedy run, resolved again for ``spec``'s sampling (the same items: no data read);
+    greedy decoding settings are the profile's own, so the sampled ones derive from them as ``load_task``'s do."""
+    return replace(loaded, resolved=replace(loaded.resolved, decoding=spec.sampling().decoding(loaded.resolved.decoding)))
+
+
 def load_tasks(spec: RunSpec) -> dict[str, LoadedTask]:
     """Every task of ``spec``, its data read and checked once (before any model is loaded)."""
     from evalgate.tasks.data import resolve_data_dir
