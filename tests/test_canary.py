@@ -109,8 +109,10 @@ def test_a_fault_injected_kernel_stops_before_generating_and_no_early_stop_measu
     gate = json.loads((out / "gate/gate.json").read_text())
     task = gate["decision"]["tasks"]["gsm8k"]
     assert gate["early_stop"] is None and task["counts"]["n"] == 200
-    assert task["verdict"] == "FAIL" and task["counts"]["b"] > task["counts"]["c"]  # its accuracy fails too
-    assert any("degraded" in r or "non-inferiority" in r for r in task["reasons"])
+    # its accuracy is measured: worse than the baseline, never shown within the margin (FAIL itself needs
+    # "shown worse than M" on gsm8k alone; the gate FAILs on conformance)
+    assert task["verdict"] != "PASS" and task["counts"]["b"] > task["counts"]["c"]
+    assert gate["verdict"] == "FAIL" and gate["conformance"]["ok"] is False
     assert {f["direction"] for f in gate["flips"]["gsm8k"]} >= {"lost"}
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "complete" and len(manifest["early_stop_history"]) == 1
