@@ -212,7 +212,8 @@ def test_round_sums_f32_settles_a_midpoint_by_the_remainder():
 
 
 # The FP8-layout fault reads other tokens' bytes (the hazard it stands for): it depends on the batch by design.
-@pytest.mark.parametrize("name", HEALTHY + [n for n in FAULTY if not n.endswith("fp8-layout")])
+# The one-expert fault is in a router weight, outside the experts' recipe this test replays.
+@pytest.mark.parametrize("name", HEALTHY + [n for n in FAULTY if not n.endswith(("fp8-layout", "one-expert"))])
 def test_an_emulated_token_does_not_depend_on_its_batch(name):
     """Each token's routed-experts output is the same alone and among 95 others (and their routing)."""
     from evalgate.kernels import check

@@ -156,9 +156,13 @@ def test_selfcheck_on_the_canary_for_real(tmp_path, data_dir):
     # what the table is for (the canary's accuracy catching the fault), and it stops there
     faulty = tmp_path / "runs" / FAULTY.replace("/", "_")
     gate = json.loads((faulty / "gate" / "gate.json").read_text())
-    assert gate["conformance"]["ok"] is False and gate["decision"]["verdict"] == "FAIL"
+    assert gate["conformance"]["ok"] is False and gate["verdict"] == "FAIL"
+    assert gate["decision"]["verdict"] != "PASS"  # its accuracy is never shown within the margin
     stop = gate["early_stop"]
-    assert 0 < stop["items_run"] < 200 and stop["tasks"]["gsm8k"]["b"] > stop["tasks"]["gsm8k"]["c"]
-    assert headline(stop) in (faulty / "gate" / "report.md").read_text()
-    assert headline(stop) in (faulty / "gate" / "report.html").read_text()
-    assert 'name="early_stop"' in (faulty / "gate" / "junit.xml").read_text()
+    if gate["decision"]["verdict"] == "FAIL":  # stopped once the accuracy FAIL was certain, and says so
+        assert 0 < stop["items_run"] < 200 and stop["tasks"]["gsm8k"]["b"] > stop["tasks"]["gsm8k"]["c"]
+        assert headline(stop) in (faulty / "gate" / "report.md").read_text()
+        assert headline(stop) in (faulty / "gate" / "report.html").read_text()
+        assert 'name="early_stop"' in (faulty / "gate" / "junit.xml").read_text()
+    else:  # on GSM8K alone the accuracy is not shown worse than M: every item runs
+        assert stop is None and gate["decision"]["tasks"]["gsm8k"]["counts"]["n"] == 200
