@@ -19,6 +19,7 @@ from evalgate.plan import GatePlan, find_baselines, local_fingerprint, plan_gate
 from evalgate.run.baselines import read_aa, record, user_root, write_aa
 from evalgate.run.observer import Collected, RunObserver
 from evalgate.run.runner import LoadedTask, RunSpec, execute, load_tasks, with_sampling
+from evalgate.records import load_manifest
 from evalgate.run.store import MANIFEST, Run, load_run
 from evalgate.types import ModelAdapter
 
@@ -34,9 +35,9 @@ def run_or_resume(spec: RunSpec, out: Path, adapter: ModelAdapter | None = None,
     stops the run (at once, when what is stored already decides). ``expected_tokens``: the baselines' answer
     lengths, for the decoding schedule only."""
     if (out / MANIFEST).is_file():
-        stored = load_run(out)
-        if stored.manifest.get("status") == "complete":
-            return stored
+        meta = load_manifest(out / MANIFEST)  # the status first: the records are read once, by whoever needs them
+        if meta.as_read.get("status") == "complete":
+            return load_run(out, meta)
     watcher = observer if observer is not None else Collected()
     execute(spec, out, resume=(out / MANIFEST).is_file(), adapter=adapter, observer=watcher,
             expected_tokens=expected_tokens, tasks=dict(tasks) if tasks is not None else None)
