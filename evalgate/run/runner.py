@@ -79,13 +79,18 @@ def load_task(task, spec: RunSpec, data_dir):
     sampling settings into the decoding settings (both hashed into the profile id)."""
     profile = with_overrides(resolve_profile(task, spec.profiles.get(task.name)), spec)
     items, resolved = task.load(profile, data_dir, spec.limit, spec.datasets.get(task.name))
-    return items, replace(resolved, decoding=spec.sampling().decoding(resolved.decoding))
+    return items, _sampled(resolved, spec)
+
+
+def _sampled(resolved: ResolvedProfile, spec: RunSpec) -> ResolvedProfile:
+    """The run's sampling settings folded into the decoding settings (hashed into the profile id)."""
+    return replace(resolved, decoding=spec.sampling().decoding(resolved.decoding))
 
 
 def with_sampling(loaded: LoadedTask, spec: RunSpec) -> LoadedTask:
     """A task loaded for a greedy run, resolved again for ``spec``'s sampling (the same items: no data read);
     greedy decoding settings are the profile's own, so the sampled ones derive from them as ``load_task``'s do."""
-    return replace(loaded, resolved=replace(loaded.resolved, decoding=spec.sampling().decoding(loaded.resolved.decoding)))
+    return replace(loaded, resolved=_sampled(loaded.resolved, spec))
 
 
 def load_tasks(spec: RunSpec) -> dict[str, LoadedTask]:
