@@ -552,8 +552,11 @@ def _client(url: str, concurrency: int, request_timeout: float) -> httpx.Client:
     if os.environ.get(API_KEY_ENV):
         headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
     size = max(1, concurrency) + 4
-    return httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(request_timeout),
-                        limits=httpx.Limits(max_connections=size, max_keepalive_connections=size), trust_env=False)
+    # an idle connection is kept as long as a request may take (httpx's default drops it after 5 s): a run
+    # that pauses on a loaded machine, or to score, finds its connections where it left them
+    limits = httpx.Limits(max_connections=size, max_keepalive_connections=size, keepalive_expiry=request_timeout)
+    return httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(request_timeout), limits=limits,
+                        trust_env=False)
 
 
 def _transport_error(exc: BaseException) -> str:
