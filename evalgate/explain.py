@@ -101,6 +101,20 @@ class Explanation:
         out["margin"] = self.margin
         return out
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "Explanation":
+        """The explanation ``to_dict`` gave (read back from gate.json: the report re-rendered, nothing replayed)."""
+        known = {f.name for f in fields(cls)}
+        out = {k: v for k, v in data.items() if k in known}
+        for side in ("base", "cand"):
+            if out.get(side) is not None:
+                c = out[side]
+                out[side] = KernelChoice(c["kernel"], tuple(TopToken(**t) for t in c["top"]), c["margin"])
+        out["layers"] = tuple(LayerDifference(**{**x, "selected": tuple(x.get("selected", ()))})
+                              for x in out.get("layers", ()))
+        out["notes"] = tuple(out.get("notes", ()))
+        return cls(**out)
+
     def line(self) -> str:
         """One line: kind, where, the tokens and margins, the layer and expert."""
         head = f"{self.task} {self.doc_id}" + (f" ({self.direction})" if self.direction else "")
@@ -164,7 +178,11 @@ def summary_line(explanations: list[Explanation], threshold: float = NEAR_TIE_NA
     line = f"{ties} of {n} flips {verb}: margin < {threshold:g} nats at the first divergent token"
     other = {k: sum(x.kind == k for x in explanations) for k in (SAME_TOKENS, NOT_REPLAYED)}
     extra = [f"{v} {k}" for k, v in other.items() if v]
-    return line + (f" ({', '.join(extra)})" if extra else "")
+    # what could not be explained says why, in the same line (e.g. a server run: no in-process model)
+    reasons = list(dict.fromkeys(x.cannot for x in explanations if x.kind == NOT_REPLAYED and x.cannot))
+    if reasons:
+        extra[-1] += f": {reasons[0]}" + (f" (and {len(reasons) - 1} other reason(s))" if len(reasons) > 1 else "")
+    return line + (f" ({'; '.join(extra)})" if extra else "")
 
 
 # --- replay -----------------------------------------------------------------------------------------
@@ -334,8 +352,9 @@ def _text_only(head: dict, texts: dict, run) -> Explanation:
     return Explanation(**head, kind=NOT_REPLAYED, shared_text=a[max(0, at - 40):at], base_token=a[at:at + 12],
                        cand_token=b[at:at + 12],
                        notes=(f"the texts part at character {at}",),
-                       cannot="the runs went through a server, whose records hold no log-probabilities: margins, KL "
-                              "and the MoE layer need the checkpoint replayed in-process (model=PATH, --model PATH)")
+                       cannot="no in-process model: the run went through a server, whose records hold no "
+                              "log-probabilities; margins, KL and the MoE layer need the checkpoint replayed "
+                              "in-process (`evalgate explain RUN --model PATH`, model=PATH)")
 
 
 def _top2(logprobs, tokenizer) -> tuple[TopToken, TopToken]:

@@ -67,6 +67,16 @@ def gate(plan: GatePlan, adapter: ModelAdapter | None = None) -> Verdict:
     return _rounds(plan, adapter, verdict, ledger)
 
 
+def gate_explanations(verdict: Verdict, report_dir: Path, replay: bool):
+    """Why each flip flipped, for the gate's outputs (docs/explain.md#from-the-gate): replayed now when
+    ``replay`` (``--explain``), else what a gate.json in ``report_dir`` already holds for the same two runs (a
+    report rewritten from the stored run keeps them; nothing is replayed), else None. The explainer loads
+    both kernels' models itself: the gate's own model is the runner's, and the baseline kernel's never loads."""
+    from evalgate.report.explained import explain_flips, stored_explanations
+
+    return explain_flips(verdict) if replay else stored_explanations(report_dir, verdict)
+
+
 def _ledger(plan: GatePlan):
     from evalgate.gate.sequence import Ledger, identity
 

@@ -217,3 +217,134 @@ def test_the_report_tags_each_explained_flip_and_shows_the_summary_line(tmp_path
     assert [kind for _, kind in tagged] == [NEAR_TIE, DIVERGENCE]
     assert all(f"gsm8k {d}" in title for (title, _), d in zip(tagged, picked))
     assert 'class="explained"' not in report_html(verdict)  # untagged without explanations
+
+
+# --- the gate's own outputs: `evalgate gate --explain` ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gate_pair(tiny_model, tmp_path_factory):
+    """Stored runs of the tiny model (W4A8 and packed W4A4, 6 GSM8K items of 12 tokens) rescored so that every
+    item whose two texts differ is lost: flips the gate decides on, whose generations really part (the
+    replay explains the texts; the scores only make them flips)."""
+    from gate_helpers import derive_run, policy
+
+    root = tmp_path_factory.mktemp("gate-explain")
+    from evalgate.run.store import load_run
+
+    runs = {k: load_run(_run(tiny_model, k, root / "src" / k)) for k in KERNELS}
+    texts = {k: {r["doc_id"]: r["resps"] for r in runs[k].records["gsm8k"]} for k in KERNELS}
+    differ = [texts["w4a8"][d] != texts["w4a4_packed"][d] for d in sorted(texts["w4a8"])]
+    assert any(differ), "the two kernels generated the same text for every item: nothing to explain"
+    base = derive_run(runs["w4a8"].path, root / "base", differ)
+    cand = derive_run(runs["w4a4_packed"].path, root / "cand", [False] * len(differ))
+    return base, cand, policy(root), sum(differ)
+
+
+def _gate(pair, report_dir, *flags):
+    from click.testing import CliRunner
+
+    from evalgate.cli.main import main
+
+    base, cand, thresholds, _ = pair
+    result = CliRunner().invoke(main, ["gate", "--candidate", str(cand), "--baseline", str(base), "--thresholds",
+                                       str(thresholds), "--allow-uncalibrated", "--report-dir", str(report_dir),
+                                       *flags])
+    assert result.exit_code in (0, 1, 3), result.output
+    return result.output, json.loads((report_dir / "gate.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def explained_gate(gate_pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("explained") / "gate"
+    stdout, record = _gate(gate_pair, out, "--explain")
+    return out, stdout, record
+
+
+@pytest.mark.slow
+def test_the_gate_with_explain_says_why_in_every_output(gate_pair, explained_gate):
+    import html
+    import re
+
+    out, stdout, record = explained_gate
+    stored = record["explanations"]
+    flips = [(t, str(f["doc_id"])) for t, rows in record["flips"].items() for f in rows]
+    assert len(flips) == gate_pair[3]
+    # gate.json: one explanation per flip, in the flips' order, each replayed to its first divergent token
+    assert [(x["task"], str(x["doc_id"])) for x in stored["items"]] == flips
+    for x in stored["items"]:
+        assert x["kind"] in ("near-tie", "divergence") and x["reproduced"] is True
+        assert x["position"] is not None and x["layer"] is not None and x["expert"] is not None
+        assert x["margin"] == max(x["base"]["margin"], x["cand"]["margin"])
+    ties = sum(x["kind"] == "near-tie" for x in stored["items"])
+    summary = stored["summary"]
+    assert re.fullmatch(rf"{ties} of {len(flips)} flips (is a near-tie|are near-ties): margin < 0\.5 nats at the "
+                        r"first divergent token", summary), summary
+    # the printed verdict: the summary line, with the replay's time
+    assert re.search(rf"^why they flipped: {re.escape(summary)} — {len(flips)} flip\(s\) replayed in ", stdout,
+                     re.MULTILINE), stdout
+    # report.md: the line, and each flip's kind, token and margin in its row
+    md = (out / "report.md").read_text()
+    assert f"- why they flipped: {summary}\n" in md
+    for x in stored["items"]:
+        assert re.search(rf"^\| {re.escape(str(x['doc_id']))} \| lost \|.* \| {x['kind']} at token {x['position']}, "
+                         rf"margin {x['margin']:.3f} nats, layer {x['layer']} expert {x['expert']} \|$", md,
+                         re.MULTILINE), md
+    # report.html: every flip tagged with its kind, its margin sortable, the sorting controls and script there
+    page = (out / "report.html").read_text()
+    assert f"why they flipped: {html.escape(summary)}" in page
+    rows = re.findall(r'<details class="flip" [^>]*data-id="([^"]*)"[^>]*data-kind="([^"]*)" data-margin="([^"]*)"',
+                      page)
+    assert sorted(rows) == sorted((str(x["doc_id"]), x["kind"], repr(x["margin"])) for x in stored["items"])
+    assert len(re.findall(r'<span class="explained" title="[^"]+">(near-tie|divergence)</span>', page)) == len(flips)
+    for key in ("task", "kind", "margin"):
+        assert f'<button type="button" class="sort" data-sort="{key}">' in page
+    assert "function sortBy(key)" in page
+
+
+@pytest.mark.slow
+def test_the_gates_explanations_are_the_same_bit_for_bit_and_reread_without_a_replay(gate_pair, explained_gate,
+                                                                                    tmp_path, monkeypatch):
+    from evalgate.explain import Explainer
+
+    out, _, record = explained_gate
+    _, again = _gate(gate_pair, tmp_path / "again", "--explain")  # a second replay, from scratch
+    assert json.dumps(again["explanations"]) == json.dumps(record["explanations"])
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("replayed without --explain")
+
+    monkeypatch.setattr(Explainer, "explain", no_replay)
+    monkeypatch.setattr(Explainer, "load", no_replay)
+    # without --explain nothing is replayed: a fresh report folder gets the line saying how to explain them
+    stdout, plain = _gate(gate_pair, tmp_path / "plain")
+    assert "explanations" not in plain
+    n = len(record["explanations"]["items"])
+    assert f"why they flipped: `evalgate explain {tmp_path / 'plain'}` replays the {n} flip(s)" in stdout
+    assert 'class="explained"' not in (tmp_path / "plain" / "report.html").read_text()
+    assert "why they flipped" not in (tmp_path / "plain" / "report.md").read_text()
+    # the reports rewritten where the explained gate.json is: its explanations shown again, not replayed
+    stdout, rewritten = _gate(gate_pair, out)
+    assert rewritten["explanations"] == record["explanations"]
+    assert f"why they flipped: {record['explanations']['summary']}\n" in stdout
+    assert 'class="explained"' in (out / "report.html").read_text()
+
+
+@pytest.mark.slow
+def test_a_gate_on_a_server_run_says_in_the_summary_line_what_it_cannot_explain(gate_pair, tmp_path):
+    import shutil
+
+    base, cand, thresholds, n = gate_pair
+    served = {}
+    for side, path in (("base", base), ("cand", cand)):  # both through a server: comparable, no checkpoint
+        served[side] = tmp_path / side
+        shutil.copytree(path, served[side])
+        manifest = json.loads((served[side] / "manifest.json").read_text())
+        manifest["model"] = {**manifest["model"], "adapter": "openai"}
+        (served[side] / "manifest.json").write_text(json.dumps(manifest))
+    stdout, record = _gate((served["base"], served["cand"], thresholds, n), tmp_path / "gate", "--explain")
+    stored = record["explanations"]
+    assert [x["kind"] for x in stored["items"]] == ["not replayed"] * n
+    assert stored["summary"].startswith(f"0 of {n} flips are near-ties: margin < 0.5 nats at the first divergent "
+                                        f"token ({n} not replayed: no in-process model: the run went through a server")
+    assert f"why they flipped: {stored['summary']}\n" in stdout

@@ -16,16 +16,21 @@ from evalgate.cli.options import (KERNEL, baselines_root_option, note_resumable,
 from evalgate.errors import EnvironmentFailure, UserError, describe_os_error
 
 
-def _finish(verdict, report_dir: Path, stored_run: Path, rerun_flags: list[str]) -> None:
+def _finish(verdict, report_dir: Path, stored_run: Path, rerun_flags: list[str], explain: bool = False) -> None:
     """Write the verdict's reports, then print it. Reports that cannot be written end the command with the
     environment code (4) after the verdict is printed (never lost) and the command that writes them from the
-    stored run; a closed stdout (``| head``) loses only the printout."""
+    stored run; a closed stdout (``| head``) loses only the printout. ``explain``: replay the flips first
+    (docs/explain.md#from-the-gate)."""
+    from evalgate.pipeline import gate_explanations
+    from evalgate.report.explained import verdict_line
     from evalgate.report.outputs import write_outputs
 
     from evalgate.gate.stopped import verdict_text
 
+    explained = gate_explanations(verdict, report_dir, explain)
+    rerun_flags = [*rerun_flags, "--explain"] if explain else rerun_flags
     try:
-        paths = write_outputs(verdict, report_dir)
+        paths = write_outputs(verdict, report_dir, explained)
     except OSError as exc:
         what = describe_os_error(exc)
         if what is None:
@@ -43,6 +48,9 @@ def _finish(verdict, report_dir: Path, stored_run: Path, rerun_flags: list[str])
         for task, rows in (verdict.to_dict().get("flips") or {}).items():
             lost = sum(r["direction"] == "lost" for r in rows)
             click.echo(f"{task}: {lost} lost, {len(rows) - lost} gained{observed} (see {paths['markdown']})")
+        why = verdict_line(verdict, explained, report_dir)
+        if why:
+            click.echo(why)
         click.echo(f"verdict: {verdict_text(verdict)}  (reports in {report_dir})")
     except BrokenPipeError:  # the reader went away (`| head`): the reports are written, the exit code stands
         pass
@@ -94,12 +102,13 @@ def _decision_flags(baselines, baseline_kernel, baselines_root, root_given: bool
 @click.option("--no-early-stop", "no_early_stop", is_flag=True,
               help="Run every item, even once the FAIL is certain (default: stop generating then; docs/gate.md#stopping-early).")
 @click.option("--max-samples", type=click.IntRange(min=1), default=None, help="While a task is undecided, add coupled samples per item in rounds up to this many (default 8; 1: no rounds; docs/gate.md#sequential-rounds).")
+@click.option("--explain", is_flag=True, help="Replay every flip through both kernels and say why it flipped (near-tie or divergence, where), in the verdict and every report (docs/explain.md).")
 @sampling_options
 @server_options
 def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel, candidate,
          baselines, baseline_kernel, baselines_root, thresholds_path, out, report_dir, allow_uncalibrated,
          no_early_stop, samples, temperature, seed, server, model_id, launch, launch_timeout, request_timeout,
-         concurrency, retries, server_args, max_samples=None):
+         concurrency, retries, server_args, max_samples=None, explain=False):
     """Compare a candidate kernel with the stored W4A8 baseline and decide: PASS (exit 0), FAIL (1: the
     kernel is worse, or does not compute what it declares), INCONCLUSIVE (3: the data show neither; the
     verdict says how many samples would).
@@ -139,7 +148,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
         plan = plan_gate(candidate=load_run(candidate), baselines=baselines, baseline_kernel=baseline_kernel,
                          baselines_root=baselines_root, thresholds=policy, report_dir=report_dir,
                          allow_uncalibrated=allow_uncalibrated)
-        _finish(run_gate(plan), plan.report_dir, Path(candidate), decision_flags)
+        _finish(run_gate(plan), plan.report_dir, Path(candidate), decision_flags, explain)
     if not (server or launch):
         preflight.model_folder(model)
     preflight.server(server)
@@ -180,4 +189,4 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
                 verdict = run_gate(plan, adapter)
         except ServerError as exc:  # the server went away mid-run: the environment, not the input
             raise EnvironmentFailure(str(exc).replace(f"; {RESUME_HINT}", "").replace(RESUME_HINT, "")) from None
-    _finish(verdict, plan.report_dir, run_out, decision_flags)
+    _finish(verdict, plan.report_dir, run_out, decision_flags, explain)

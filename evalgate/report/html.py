@@ -322,10 +322,15 @@ def report_items(comparison) -> list[dict]:
     return items
 
 
-def report_html(verdict, explanations: dict | None = None, explained: str | None = None) -> str:
-    """``report.html``: one self-contained page a person reads in a minute. ``explanations``: (task, doc_id
-    as text) -> {"kind", "line"} of the flips ``evalgate explain`` replayed, each flip tagged with its kind;
-    ``explained``: its summary line."""
+def report_html(verdict, explanations=None, explained: str | None = None) -> str:
+    """``report.html``: one self-contained page a person reads in a minute. ``explanations``: the flips'
+    ``FlipExplanations`` (``evalgate gate --explain``), or (task, doc_id as text) -> {"kind", "line", and
+    optionally "margin"} of the flips ``evalgate explain`` replayed: each flip tagged with its kind, the flips
+    sortable by kind and margin; ``explained``: the summary line (a ``FlipExplanations`` has its own)."""
+    from evalgate.report.explained import FlipExplanations
+
+    if isinstance(explanations, FlipExplanations):
+        explained, explanations = explanations.summary, explanations.tags()
     cmp = verdict.comparison
     rows = _with_charts(task_rows(verdict))
     items = report_items(cmp) if cmp is not None else []
@@ -335,7 +340,7 @@ def report_html(verdict, explanations: dict | None = None, explained: str | None
     return render(
         "report.html.j2", verdict=verdict, rows=rows, items=items, failure_classes=failure_classes,
         notes=verdict.notes, conformance=conformance_line(verdict), early_stop=early_stop_lines(verdict),
-        reason=verdict_reason(verdict), explained=explained,
+        reason=verdict_reason(verdict), explained=explained, tagged=any(i["explanation"] for i in items),
         tasks=cmp.tasks if cmp is not None else [], flips=flip_counts(cmp) if cmp is not None else {},
         base=run_identity(cmp.baseline) if cmp is not None else None,
         cand=run_identity(cmp.candidate) if cmp is not None else None,

@@ -147,7 +147,22 @@ def print_verdict(verdict, stream=None) -> None:
         out.print(markup_escape(line), soft_wrap=not out.is_terminal)
 
 
-def markdown(verdict) -> str:
+def why_cell(tag: dict | None) -> str:
+    """A flip's explanation in a table cell: "near-tie at token 5, margin 0.12 nats, layer 3 expert 7"."""
+    if tag is None:
+        return ""
+    text = tag["kind"]
+    if tag.get("position") is not None:
+        text += f" at token {tag['position']}"
+    if tag.get("margin") is not None:
+        text += f", margin {tag['margin']:.3f} nats"
+    if tag.get("layer") is not None:
+        text += f", layer {tag['layer']} expert {tag['expert']}"
+    return text
+
+
+def markdown(verdict, explained=None) -> str:
+    """report.md; ``explained``: the flips' ``FlipExplanations`` (its summary line, and each flip's tag)."""
     icon = ICONS.get(verdict.verdict, "❌")
     lines = [f"# evalgate: {icon} {verdict.verdict}", ""]
     reason = verdict_reason(verdict)
@@ -162,6 +177,9 @@ def markdown(verdict) -> str:
     lines += [f"- policy: `{verdict.thresholds.path}` ({verdict.thresholds.source}, sha256 `{verdict.thresholds.sha256[:12]}`), "
               f"α = {verdict.thresholds.alpha}, {verdict.thresholds.multiple_comparisons}, gate CI {verdict.thresholds.ci_method}"]
     lines += [f"- note: {n}" for n in verdict.notes]
+    if explained is not None:
+        lines += [f"- why they flipped: {explained.summary}"]
+    tags = explained.tags() if explained is not None else {}
     stopped = early_stop_lines(verdict)
     if stopped:
         lines += [f"- **{stopped[0]}**"] + [f"  - {line}" for line in stopped[1:]]
@@ -193,12 +211,15 @@ def markdown(verdict) -> str:
             if flips.empty:
                 continue
             ran = " of the items run" if verdict.early_stop else ""
+            why = " why |" if tags else ""
             lines += ["", f"## {task}: {len(flips)} flipped item(s){ran}, lost first", "",
-                      "| doc_id | direction | baseline answer | candidate answer | finish (base → cand) | in A/A |",
-                      "|---|---|---|---|---|---|"]
+                      "| doc_id | direction | baseline answer | candidate answer | finish (base → cand) | in A/A |" + why,
+                      "|---|---|---|---|---|---|" + ("---|" if tags else "")]
             for row in flips.head(MAX_FLIPS_MD).itertuples():
+                cell = f" {_cell(why_cell(tags.get((task, str(row.doc_id)))))} |" if tags else ""
                 lines.append(f"| {row.doc_id} | {row.direction} | {_cell(row.base_extracted)} | {_cell(row.cand_extracted)} | "
-                             f"{row.base_finish_reason} → {row.cand_finish_reason} | {'yes' if row.flips_in_aa else ''} |")
+                             f"{row.base_finish_reason} → {row.cand_finish_reason} | {'yes' if row.flips_in_aa else ''} |"
+                             + cell)
             if len(flips) > MAX_FLIPS_MD:
                 lines.append(f"\n… and {len(flips) - MAX_FLIPS_MD} more in gate.json / report.html")
     return "\n".join(lines) + "\n"

@@ -36,6 +36,39 @@
   [fDir, fTask, fFail].forEach(function (el) { el.addEventListener("change", apply); });
   window.evalgateApplyFilter = apply;
 
+  // Sorting moves the rendered rows (filters and opened diffs stay as they are); a second click on the same
+  // column reverses it. Rows without a value (a flip not explained, no margin) stay last either way.
+  var list = document.getElementById("flip-list"), sortedBy = null, order = 1;
+  var KIND_RANK = {"divergence": 0, "near-tie": 1, "same tokens": 2, "not replayed": 3};
+  function value(row, key) {
+    var v = row.dataset[key];
+    if (v === undefined || v === "") return null;
+    if (key === "margin") return Number(v);
+    if (key === "kind") return v in KIND_RANK ? KIND_RANK[v] : 9;
+    return v;
+  }
+  function compare(a, b, key) {
+    var x = value(a, key), y = value(b, key);
+    if (x === null || y === null) return x === y ? 0 : x === null ? 1 : -1;
+    var c = typeof x === "number" ? x - y : String(x).localeCompare(String(y), undefined, {numeric: true});
+    return c * order;
+  }
+  function sortBy(key) {
+    order = sortedBy === key ? -order : 1;
+    sortedBy = key;
+    rows.slice().sort(function (a, b) {
+      return compare(a, b, key) || Number(a.dataset.i) - Number(b.dataset.i);
+    }).forEach(function (row) { list.appendChild(row); });
+    Array.prototype.forEach.call(document.querySelectorAll("button.sort"), function (b) {
+      if (b.dataset.sort === key) b.setAttribute("aria-sort", order > 0 ? "ascending" : "descending");
+      else b.removeAttribute("aria-sort");
+    });
+  }
+  Array.prototype.forEach.call(document.querySelectorAll("button.sort"), function (b) {
+    b.addEventListener("click", function () { sortBy(b.dataset.sort); });
+  });
+  window.evalgateSortBy = sortBy;
+
   function el(tag, cls, text) {
     var e = document.createElement(tag);
     if (cls) e.className = cls;
