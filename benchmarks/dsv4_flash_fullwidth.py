@@ -11,9 +11,10 @@ whole model in memory); (4) load them streamed (``model_adapters/streamed.py``: 
 packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's few-shot prompts) for
 ``--max-new-tokens`` tokens at batch ``--batch-size`` (``--items 0``: skip); (6) print tokens/s, the projected
 time of a 1,319-item GSM8K run, and peak memory per device against the packed expert bytes; (7) for each
-batch of ``--batches``: prefill that many GSM8K prompts, time ``--steps`` decoding steps (median), and hold
-each step against its weight-read floor (``step_floor``), with the copy bandwidth of the device measured in
-this run; then project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``).
+batch of ``--batches``: prefill that many GSM8K prompts, time ``--steps`` decoding steps (median) from each
+cache of ``--cache`` (transformers'; per-row slots; slots with each step a CUDA graph of the whole step), and
+hold each step against its weight-read floor (``step_floor``), with the copy bandwidth of the device measured
+in this run; then project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``).
 
 The configuration is DeepSeek-V4-Flash's (``flash_config``); each value names its source.
 """
@@ -264,9 +265,11 @@ def _reset_peaks(devices: list[str]) -> None:
             torch.cuda.reset_peak_memory_stats(d)
 
 
-def _median_step(step, steps: int, device: str) -> float:
-    """Seconds of ``step()``, the median of ``steps`` after one untimed (the first step at a batch compiles)."""
-    step()
+def _median_step(step, steps: int, device: str, warmup: int = 1) -> float:
+    """Seconds of ``step()``, the median of ``steps`` after ``warmup`` untimed ones (the first step at a batch
+    compiles; a graphed step captures on the second)."""
+    for _ in range(warmup):
+        step()
     times = []
     for _ in range(steps):
         t = _Timer(device)
@@ -326,14 +329,23 @@ def measure_batch(model, tokenizer, prompts: list[str], batch: int, steps: int, 
 
 @torch.inference_mode()
 def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], steps: int, devices: list[str],
-                  bandwidth: float) -> list[dict]:
+                  bandwidth: float, modes: tuple[str, ...] = ("slots", "graphs")) -> list[dict]:
     """The per-row preallocated cache (``attention_slots.SlotCache``): the largest batch's prompts prefilled
-    one at a time and admitted into slots, then for each batch ``steps`` decoding steps of its first slots."""
+    one at a time and admitted into slots, then for each batch ``steps`` decoding steps of its first slots,
+    eagerly (``slots``) and as a CUDA graph of the whole step (``graphs``, ``step_graphs.StepGraphs``). A
+    graphed row also holds the graph's logits against the eager step's of the same rows and tokens, bit for
+    bit (``graph_bits_equal``), and how many steps ran again without the graph (``reruns``: the MoE's fast
+    path left rows)."""
     from evalgate.model_adapters.attention_slots import SlotCache
+    from evalgate.model_adapters.step_graphs import StepGraphs
 
     first = devices[0]
     ids = _prompt_ids(tokenizer, prompts, max(batches))
-    cache = SlotCache(model, slots=len(ids), max_length=max(map(len, ids)) + (steps + 2) * len(batches) + 8)
+    cache = SlotCache(model, slots=len(ids), max_length=max(map(len, ids)) + (2 * steps + 6) * len(batches) + 8,
+                      spare=1)
+    graphs = StepGraphs(cache) if "graphs" in modes else None
+    if graphs is not None and graphs.reason:
+        print(f"graphs: whole-step CUDA graphs unavailable ({graphs.reason}); the steps run eagerly", flush=True)
     _reset_peaks(devices)
     t = _Timer(first)
     last = []
@@ -345,13 +357,27 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     tokens = torch.stack(last)
     rows = []
     for batch in batches:
-        slots = torch.arange(batch, device=tokens.device)
+        slots, listed = torch.arange(batch, device=tokens.device), list(range(batch))
 
         def step():
             tokens[:batch] = cache.decode_step(tokens[:batch], slots).argmax(-1)
 
-        step_s = _median_step(step, steps, first)
-        rows.append(_row(model, step, "slots", batch, sum(map(len, ids)), prefill_s, step_s, devices, bandwidth))
+        def graphed():
+            tokens[:batch] = graphs.step(tokens[:batch], listed).argmax(-1)
+
+        for mode in modes:
+            if mode == "slots":
+                step_s = _median_step(step, steps, first)
+            else:
+                step_s = _median_step(graphed, steps, first, warmup=2)
+            row = _row(model, step, mode, batch, sum(map(len, ids)), prefill_s, step_s, devices, bandwidth)
+            if mode == "graphs":  # the step is idempotent until the rows advance: graph and eager, same inputs
+                got = graphs.logits(tokens[:batch], listed)
+                row["graph_bits_equal"] = bool(torch.equal(got, cache.forward(tokens[:batch], slots)))
+                row["reruns"] = graphs.stats["reruns"]
+                row["graphed"] = graphs.stats["replays"] > 0
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -376,11 +402,11 @@ def project_gate(row: dict, layers: int, total_layers: int, per_replica: int, gp
 def print_table(rows: list[dict], bandwidth: float, device: str) -> None:
     print(f"decode steps against the weight-read floor (copy bandwidth of {device}: {bandwidth / 1e9:.0f} GB/s "
           "read + written, measured in this run)")
-    print(f"{'cache':>5s} {'batch':>5s} {'prefill tok/s':>13s} {'step ms':>8s} {'tokens/s':>9s} {'floor GiB':>9s} "
+    print(f"{'cache':>6s} {'batch':>5s} {'prefill tok/s':>13s} {'step ms':>8s} {'tokens/s':>9s} {'floor GiB':>9s} "
           f"{'floor ms':>8s} {'x floor':>7s} {'peak GiB':>9s} {'gate 2xH200 min':>15s} {'gate 4xH200 min':>15s}")
     for r in rows:
         peak = "/".join(f"{v:.1f}" for v in r["peak_gib"].values()) or "-"
-        print(f"{r['cache']:>5s} {r['batch']:5d} {r['prefill_tokens_per_s']:13.1f} {r['step_ms']:8.2f} "
+        print(f"{r['cache']:>6s} {r['batch']:5d} {r['prefill_tokens_per_s']:13.1f} {r['step_ms']:8.2f} "
               f"{r['tokens_per_s']:9.1f} {r['floor_gib']:9.2f} {r['floor_ms']:8.2f} {r['x_floor']:7.2f} {peak:>9s} "
               f"{r['gate_min_2_h200']:15.1f} {r['gate_min_4_h200']:15.1f}")
 
@@ -442,8 +468,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards (default: delete it)")
     p.add_argument("--batches", default="1,16,64,256", help="decode-step batches held against the floor ('' to skip)")
     p.add_argument("--steps", type=int, default=8, help="timed decoding steps per batch (median)")
-    p.add_argument("--cache", default="hf,slots", help="caches to decode from: hf (transformers', left-padded "
-                   "static batch), slots (preallocated per row, attention_slots.py)")
+    p.add_argument("--cache", default="hf,slots,graphs", help="caches to decode from: hf (transformers', "
+                   "left-padded static batch), slots (preallocated per row, attention_slots.py), graphs (slots, "
+                   "each step a CUDA graph of the whole step per batch bucket, step_graphs.py)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
 
@@ -515,11 +542,12 @@ def main(argv: list[str] | None = None) -> dict:
         measured = []
         measure_batch(model, tokenizer, prompts, 1, 1, placement.devices, bandwidth)  # warm-up: Triton compiles
         caches = [c.strip() for c in args.cache.split(",") if c.strip()]
-        for cache in caches:
+        slot_modes = tuple(c for c in caches if c in ("slots", "graphs"))
+        for cache in [c for c in caches if c not in slot_modes] + (["slots"] if slot_modes else []):
             try:
                 if cache == "slots":
                     measured.extend(measure_slots(model, tokenizer, prompts, batches, args.steps, placement.devices,
-                                                  bandwidth))
+                                                  bandwidth, slot_modes))
                     continue
                 for b in batches:
                     measured.append(measure_batch(model, tokenizer, prompts, b, args.steps, placement.devices,

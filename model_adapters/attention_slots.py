@@ -8,7 +8,8 @@ every row owns a slot with its own timeline, written in place:
 - the sliding window: a ring of ``sliding_window`` keys (K = V), the key of position p at p mod window;
 - an HCA / CSA compressor: the raw keys and gates of the window being filled (ring of ``compress_rate``), the
   compressed entries emitted so far (one per closed window, at their index), and for CSA the previous
-  window's first-half ("Ca") keys and gates, which the next entry overlaps;
+  window's first-half ("Ca") keys and gates, which the next entry overlaps (two buffers, by the parity of the
+  window: a step reads one and writes the other, so running a step twice writes what running it once does);
 - a CSA layer's indexer: the same state at its own width, and its entries, which pick the top-k compressed
   entries each query attends to.
 
@@ -45,9 +46,10 @@ class _Compressed:
         self.gate = torch.zeros(slots, self.rate, feed, dtype=gate_dtype, device=device)
         self.entries = torch.zeros(slots, capacity + 1, self.width, dtype=dtype, device=device)
         self.capacity = capacity
-        if self.overlap:
-            self.prev_kv = torch.zeros(slots, self.rate, self.width, dtype=dtype, device=device)
-            self.prev_gate = torch.full((slots, self.rate, self.width), float("-inf"), dtype=gate_dtype, device=device)
+        if self.overlap:  # [slot, parity of the window whose Ca it is, ...]
+            self.prev_kv = torch.zeros(slots, 2, self.rate, self.width, dtype=dtype, device=device)
+            self.prev_gate = torch.full((slots, 2, self.rate, self.width), float("-inf"), dtype=gate_dtype,
+                                        device=device)
 
     def admit(self, slot: int, layer, name: str, length: int) -> None:
         """A row of ``length`` tokens, prefilled alone: transformers' cache layer state for ``name``."""
@@ -61,15 +63,18 @@ class _Compressed:
             at = torch.arange(length - rest.shape[1], length, device=self.kv.device) % self.rate
             self.kv[slot, at] = rest[0].to(self.kv.dtype)
             self.gate[slot, at] = layer.buffer_gate[name][0].to(self.gate.dtype)
-        if self.overlap:
+        if self.overlap:  # the Ca of window count - 1 (none before the first: zero keys, -inf gates)
             prior = layer.overlap_kv[name]
-            self.prev_kv[slot] = 0 if prior is None else prior[0].to(self.prev_kv.dtype)
-            gate = layer.overlap_gate[name]
-            self.prev_gate[slot] = float("-inf") if prior is None else gate[0].to(self.prev_gate.dtype)
+            self.prev_kv[slot] = 0
+            self.prev_gate[slot] = float("-inf")
+            if prior is not None:
+                self.prev_kv[slot, (count + 1) % 2] = prior[0].to(self.prev_kv.dtype)
+                self.prev_gate[slot, (count + 1) % 2] = layer.overlap_gate[name][0].to(self.prev_gate.dtype)
 
     def step(self, module, rows, positions, kv, gate) -> torch.Tensor:
         """Write one token per row (kv, gate [b, feed] at ``positions`` [b]); rows whose token closes a
-        window get its entry. Returns how many entries each row has now [b]."""
+        window get its entry. Returns how many entries each row has now [b]. Reads nothing it writes, so a
+        step run again with the same inputs leaves the same state."""
         at = positions % self.rate
         self.kv[rows, at] = kv.to(self.kv.dtype)
         self.gate[rows, at] = gate.to(self.gate.dtype)
@@ -79,8 +84,10 @@ class _Compressed:
         window_gate = self.gate[rows].unsqueeze(1) + module.position_bias
         if self.overlap:  # transformers' layout: the previous window's Ca, then this window's Cb
             d = self.width
-            window_kv = torch.cat([self.prev_kv[rows].unsqueeze(1).to(window_kv.dtype), window_kv[..., d:]], dim=2)
-            prev_gate = self.prev_gate[rows].unsqueeze(1).to(window_gate.dtype)
+            read, write = count % 2, (count + 1) % 2  # window count - 1 closes: Ca of count - 2 in, its own out
+            window_kv = torch.cat([self.prev_kv[rows, read].unsqueeze(1).to(window_kv.dtype), window_kv[..., d:]],
+                                  dim=2)
+            prev_gate = self.prev_gate[rows, read].unsqueeze(1).to(window_gate.dtype)
             new_prev_kv, new_prev_gate = self.kv[rows][..., :d], window_gate[:, 0, :, :d]
             window_gate = torch.cat([prev_gate, window_gate[..., d:]], dim=2)
         entry = module.kv_norm(
@@ -94,8 +101,10 @@ class _Compressed:
         self.entries[rows, where] = entry.to(self.entries.dtype)
         if self.overlap:
             keep = closing.view(-1, 1, 1)
-            self.prev_kv[rows] = torch.where(keep, new_prev_kv.to(self.prev_kv.dtype), self.prev_kv[rows])
-            self.prev_gate[rows] = torch.where(keep, new_prev_gate.to(self.prev_gate.dtype), self.prev_gate[rows])
+            self.prev_kv[rows, write] = torch.where(keep, new_prev_kv.to(self.prev_kv.dtype),
+                                                    self.prev_kv[rows, write])
+            self.prev_gate[rows, write] = torch.where(keep, new_prev_gate.to(self.prev_gate.dtype),
+                                                      self.prev_gate[rows, write])
         return count
 
 
@@ -131,16 +140,18 @@ class SlotCache:
     """Per-row KV state of a DeepSeek-V4 model for ``slots`` rows of up to ``max_length`` tokens each,
     allocated once. ``admit`` moves a prompt's prefill cache into a slot; a decoding step is
     ``model(input_ids [b, 1], position_ids [b, 1], attention_mask=SlotCache.NO_MASK, past_key_values=cache)``
-    after ``cache.rows = <slot indices of those b rows>`` (``decode_step`` does all of this)."""
+    after ``cache.rows = <slot indices of those b rows>`` (``decode_step`` does all of this). ``spare`` more
+    slots (indices ``slots`` on) are never admitted: a CUDA-graphed step's padding rows write there."""
 
     NO_MASK = {"slots": None}  # transformers then builds no mask: each row's own state says what it sees
 
-    def __init__(self, model, slots: int, max_length: int):
+    def __init__(self, model, slots: int, max_length: int, spare: int = 0):
         install(model)
         self.model = model
         attns = [layer.self_attn for layer in model.model.layers]
-        self.layers = [_LayerSlots(a, slots, max_length) for a in attns]
-        self.positions = torch.zeros(slots, dtype=torch.long, device=attns[0].kv_proj.weight.device)
+        self.layers = [_LayerSlots(a, slots + spare, max_length) for a in attns]
+        self.positions = torch.zeros(slots + spare, dtype=torch.long, device=attns[0].kv_proj.weight.device)
+        self.lengths = [0] * (slots + spare)  # the positions on the host: checked without a sync
         self.slots, self.max_length = slots, max_length
         self.rows: torch.Tensor | None = None
 
@@ -152,17 +163,35 @@ class SlotCache:
         for state, layer in zip(self.layers, past.layers):
             state.admit(slot, layer, length)
         self.positions[slot] = length
+        self.lengths[slot] = length
 
-    def decode_step(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """One token for each slot of ``rows`` ([b] long): the logits [b, V] of the next token."""
-        self.rows = rows
-        positions = self.positions[rows].unsqueeze(1)
-        if int(positions.max()) >= self.max_length:
+    def decode_step(self, tokens: torch.Tensor, rows) -> torch.Tensor:
+        """One token for each slot of ``rows`` ([b] long tensor, or a list): the logits [b, V] of the next
+        token."""
+        host = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        rows = torch.as_tensor(rows, device=self.positions.device)
+        self.check(host)
+        logits = self.forward(tokens, rows)
+        self.advance(rows, host)
+        return logits
+
+    def check(self, rows: list[int]) -> None:
+        if max(self.lengths[r] for r in rows) >= self.max_length:
             raise ValueError(f"a row reached the slots' {self.max_length} tokens")
-        out = self.model(input_ids=tokens.view(-1, 1), position_ids=positions, attention_mask=self.NO_MASK,
-                         past_key_values=self, use_cache=True, logits_to_keep=1)
-        self.positions[rows] += 1
+
+    def forward(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The step's logits [b, V] for ``rows`` at their positions, without moving them on: no host sync,
+        and run twice it leaves the state it leaves once."""
+        self.rows = rows
+        out = self.model(input_ids=tokens.view(-1, 1), position_ids=self.positions[rows].unsqueeze(1),
+                         attention_mask=self.NO_MASK, past_key_values=self, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
+
+    def advance(self, rows: torch.Tensor, host: list[int]) -> None:
+        """``rows`` (on the device, and ``host`` the same on the host) are one token further."""
+        self.positions[rows] += 1
+        for r in host:
+            self.lengths[r] += 1
 
 
 def _step_attention(self, hidden_states, position_embeddings, position_ids, cache: SlotCache):

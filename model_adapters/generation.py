@@ -232,15 +232,18 @@ def _decode_slots(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
                   stats: list | None = None):
     """``_decode_queue`` over a ``SlotCache`` of ``batch_size`` slots: a prompt is prefilled alone (no
     padding) into a free slot, every step decodes one token for each slot in use, a finished row's slot takes
-    the next prompt once ``refill`` slots are free."""
+    the next prompt once ``refill`` slots are free. On one GPU a step runs as a CUDA graph of the whole step
+    for its batch bucket (``step_graphs.StepGraphs``)."""
     from evalgate.model_adapters.attention_slots import SlotCache
+    from evalgate.model_adapters.step_graphs import StepGraphs
 
     n = len(enc)
     spent = DecodeStats()
     eos_ids = set(_eos_ids(model, tokenizer))
     batch_size = max(1, min(batch_size or n, n))
     refill = max(1, refill or batch_size // REFILL_FRACTION)
-    cache = SlotCache(model, batch_size, max(len(e) + m for e, m in zip(enc, max_new_tokens)) + 1)
+    cache = SlotCache(model, batch_size, max(len(e) + m for e, m in zip(enc, max_new_tokens)) + 1, spare=1)
+    steps = StepGraphs(cache)
     free = list(range(batch_size - 1, -1, -1))  # popped from the end: slot 0 first
     live: dict[int, _Row] = {}  # slot -> row
     fed = torch.zeros(batch_size, dtype=torch.long, device=cache.positions.device)
@@ -261,7 +264,7 @@ def _decode_slots(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
         if live:
             slots = sorted(live)
             t0 = time.thread_time()
-            logits = cache.decode_step(fed[slots], torch.tensor(slots, device=fed.device)).float()
+            logits = steps.step(fed[slots], slots).float()
             spent.decode_cpu_s += time.thread_time() - t0
             spent.steps += 1
             spent.row_steps += len(slots)

@@ -209,6 +209,80 @@ def test_wide_rows_take_more_limbs_and_wide_experts_the_per_block_path(tiny_case
     assert moe.STATS["slow_rows"] > slow
 
 
+def _wide_case(case):
+    """``case`` with rows of 2 and 3 activation limbs and an expert the fast path refuses (its rows go the
+    per-block way)."""
+    x = case.x.clone()
+    x[1, :32] *= 2.0**6
+    x[2, :32] *= 2.0**12
+    w = case.weights
+    s1 = w.w1_scale.clone()
+    s1[int(case.top_k_index[0, 0]), 0, 0] += 5
+    weights = type(w)(w.w1, s1, w.w2, w.w2_scale, source=w.source)
+    return check.LayerCase(x, case.top_k_index, case.top_k_weights, weights, case.limit, case.routed_scaling)
+
+
+@here
+@pytest.mark.parametrize("name", ["w4a4_packed", "faulty/w4a4_packed-scale-exp", "faulty/w4a4_packed-drop-slot"])
+def test_a_deferred_layer_gives_the_final_bits_when_it_counts_no_slow_rows(tiny_case, name):
+    """Under ``defer_finish`` (what a whole-step CUDA graph captures) a call never syncs; when its device
+    count of rows the fast path left is 0 its output is already the finished one, bit for bit; a call with
+    wide rows and a refused expert counts them (the step then runs again without the graph)."""
+    recipe = K.get_kernel(name).experts_forward.recipe
+    with moe.defer_finish() as layers:
+        deferred = _triton(tiny_case, recipe)
+        assert int(layers.slow_rows(DEVICE)) == 0 and len(layers.counts) == 1
+    assert torch.equal(_bits(deferred), _bits(_triton(tiny_case, recipe)))
+    with moe.defer_finish() as layers:
+        _triton(_wide_case(tiny_case), recipe)
+        assert int(layers.slow_rows(DEVICE)) > 0
+
+
+@here
+def test_paths_that_sync_are_refused_under_deferral(tiny_case, monkeypatch):
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
+    packed = K.get_kernel("w4a4_packed").experts_forward
+    assert moe.capturable(packed, DEVICE) is None
+    assert "do not run an emulated kernel" in moe.capturable(K.get_kernel("bf16").experts_forward, DEVICE)
+    after = K.get_kernel("faulty/w4a4_packed-weight-after-requant").experts_forward
+    assert "syncs on the host" in moe.capturable(after, DEVICE)
+    with moe.defer_finish(), pytest.raises(moe.NotCapturable):
+        _triton(tiny_case, after.recipe)
+    monkeypatch.setattr(fast, "FORCE_SLOW_ROWS", True)
+    with moe.defer_finish(), pytest.raises(moe.NotCapturable):
+        _triton(tiny_case, packed.recipe)
+
+
+@here
+def test_whole_decoding_steps_give_the_eager_steps_bits(monkeypatch):
+    """A tiny DeepSeek-V4 model on the Triton path decoding from slots: each step through its bucket (on a
+    GPU a CUDA graph of the whole step, captured on the bucket's second step; on a CPU the same body without
+    a graph) gives, bit for bit, the logits of the eager step of the same rows (the same padding rows)."""
+    from evalgate.kernels.tiny_model import tiny_deepseek_v4
+    from evalgate.model_adapters.attention_slots import SlotCache
+    from evalgate.model_adapters.step_graphs import StepGraphs
+
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
+    model = tiny_deepseek_v4(seed=2, layers=3).to(DEVICE)
+    model.set_experts_implementation("w4a4_packed")
+    cache = SlotCache(model, slots=4, max_length=40, spare=1)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for slot, n in zip((3, 0, 2), (9, 14, 5)):
+            ids = torch.randint(0, model.config.vocab_size, (1, n), generator=g).to(DEVICE)
+            cache.admit(slot, model(input_ids=ids, use_cache=True).past_key_values, n)
+        steps = StepGraphs(cache, graphs=DEVICE == "cuda")
+        slots, tokens = [3, 0, 2], torch.tensor([5, 6, 7], device=DEVICE)
+        for i in range(5):
+            padded = torch.tensor(slots + [4], device=DEVICE)  # the bucket of 4: one padding row, spare slot 4
+            eager = cache.forward(torch.cat([tokens, tokens[:1]]), padded)[:3]
+            got = steps.step(tokens, slots)
+            assert torch.equal(_bits(got), _bits(eager)), i
+            tokens = got.argmax(-1)
+    assert steps.stats["reruns"] == 0
+    assert steps.stats["replays"] == (4 if DEVICE == "cuda" else 0)
+
+
 @here
 def test_the_triton_path_never_dequantizes_the_experts(tiny_case, monkeypatch):
     """Weights stay packed: the kernels read codes and scale bytes; no dequantized copy is made."""

@@ -260,8 +260,71 @@ def _graph_key(x, top_k_index, top_k_weights, fp4, recipe, limit, routed_scaling
             id(fp4), recipe, limit, routed_scaling, tuple(sorted(fast.FAST.items())))
 
 
+class NotCapturable(RuntimeError):
+    """A routed-experts call that a whole-step CUDA graph cannot hold (a fault or test flag whose path syncs)."""
+
+
+class DeferredLayers:
+    """The fused layers of a whole decoding step captured in one CUDA graph (``defer_finish``): their device
+    work only, no host sync. ``slow_rows()`` is a device count of the rows the fast path left in any of them:
+    0 means every layer's output is already final (``finish`` would do nothing), anything else that the step
+    has to run again without the graph."""
+
+    def __init__(self):
+        self.counts: list[torch.Tensor] = []
+
+    def add(self, layer: _Layer) -> None:
+        self.counts.append(layer.count)
+
+    def slow_rows(self, device) -> torch.Tensor:
+        if not self.counts:
+            return torch.zeros((), dtype=torch.int32, device=device)
+        counts = torch.stack(self.counts)  # [layers, 6]: rows not fast at L1 (0) and at L2 (3)
+        return counts[:, 0].sum() + counts[:, 3].sum()
+
+
+_DEFERRED: list = []  # the innermost active DeferredLayers (a stack: captures do not nest, tests may)
+
+
+class defer_finish:
+    """``with defer_finish() as layers:`` fused calls inside skip their host sync and per-block path and
+    record themselves in ``layers``; a call that cannot run sync-free raises ``NotCapturable``."""
+
+    def __enter__(self) -> DeferredLayers:
+        _DEFERRED.append(DeferredLayers())
+        return _DEFERRED[-1]
+
+    def __exit__(self, *exc) -> None:
+        _DEFERRED.pop()
+
+
+def capturable(experts_forward, device) -> str | None:
+    """Why a decoding step whose experts run ``experts_forward`` (a transformers experts function) on
+    ``device`` cannot be captured whole under ``defer_finish``; None if it can."""
+    from .dispatch import use_triton
+
+    recipe = getattr(experts_forward, "recipe", None)
+    if recipe is None:
+        return "the experts do not run an emulated kernel's Triton path"
+    if not use_triton(torch.empty(0, device=device), recipe):
+        return f"recipe {recipe} does not run on Triton here"
+    if fast.FORCE_SLOW_ROWS or certify.FORCE_HOST_ROWS or recipe.fault not in _GRAPH_FAULTS:
+        return f"fault {recipe.fault} (or a forced per-block path) syncs on the host"
+    return None
+
+
+def _deferred_call(layers: DeferredLayers, x, top_k_index, top_k_weights, fp4, recipe, limit, routed_scaling):
+    if fast.FORCE_SLOW_ROWS or certify.FORCE_HOST_ROWS or recipe.fault not in _GRAPH_FAULTS:
+        raise NotCapturable(f"recipe {recipe} (fault {recipe.fault}) or a forced path syncs on the host")
+    y, layer = _fused_forward(x, top_k_index, top_k_weights, fp4, recipe, limit, routed_scaling)
+    layers.add(layer)
+    return y
+
+
 def _fused_call(x, top_k_index, top_k_weights, fp4, recipe, limit, routed_scaling):
     args = (recipe, limit, routed_scaling)
+    if _DEFERRED:
+        return _deferred_call(_DEFERRED[-1], x, top_k_index, top_k_weights, fp4, *args)
     key = _graph_key(x, top_k_index, top_k_weights, fp4, *args)
     entry = _GRAPH_CACHE.get(key) if key is not None else None
     if isinstance(entry, _Graph) and entry.fp4() is not fp4:
@@ -309,6 +372,8 @@ def moe_forward(x, top_k_index, top_k_weights, fp4: Fp4ExpertWeights, recipe: Re
     t, k = top_k_index.shape
     h = x.shape[-1]
     drop_last = recipe.fault == "drop_last_slot"
+    if recipe.fault == "router_weight_after_requant" and _DEFERRED:
+        raise NotCapturable("fault (c) runs every row on the per-block path, which syncs on the host")
     if recipe.fault == "router_weight_after_requant":  # every row per block (fault (c)), from ExpertRows
         rows = ExpertRows(x, top_k_index, top_k_weights, fp4.num_experts)
         w = rows.w / float(routed_scaling) if recipe.routed_scaling == "unfused" else rows.w
