@@ -26,6 +26,7 @@ PROBE = ("import atexit, os, sys; atexit.register(lambda: open(os.environ['EG_PR
 def mistakes(ws: Path) -> dict[str, list[str]]:
     (ws / "afile").write_text("x\n")
     (ws / "corrupt.yaml").write_text("alpha: 0.05\ntasks: [unclosed\n")
+    (ws / "empty").mkdir(exist_ok=True)
     return {
         "missing --model": ["gate", "--model", str(ws / "nope")],
         "--model is a file": ["gate", "--model", str(ws / "afile")],
@@ -35,7 +36,12 @@ def mistakes(ws: Path) -> dict[str, list[str]]:
         "missing --candidate": ["gate", "--candidate", str(ws / "nope")],
         "--baselines-root is a file": ["gate", "--candidate", str(ws), "--baselines-root", str(ws / "afile")],
         "--out is a file": ["gate", "--out", str(ws / "afile")],
-        "kernel typo (imports the registry)": ["gate", "--kernel", "w4a4_pakced"],
+        "kernel typo": ["gate", "--kernel", "w4a4_pakced"],
+        "--device cuda, no GPU": ["gate", "--device", "cuda"],
+        "missing --data-dir": ["gate", "--data-dir", str(ws / "nope")],
+        "--out holds another run": ["run", "--out", str(ws)],
+        "--samples with no baseline": ["gate", "--samples", "2", "--temperature", "0.7",
+                                       "--baselines-root", str(ws / "empty")],
     }
 
 

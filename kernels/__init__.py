@@ -1,5 +1,9 @@
 """Kernel registry and emulated mega-MoE kernels. Import name: ``evalgate.kernels``.
 
+Importing the package is light: ``names`` (every kernel name) needs neither torch nor transformers. The
+registry and the catalogs that register each kernel load on first use of one of ``__all__`` below, or of
+``registry.get_kernel``/``kernel_names``; the command line checks a kernel's name before paying for them.
+
 This folder must never run as the top-level module ``kernels``: Hugging Face publishes a package of that
 name and transformers probes for it. Python finds this folder under that name only when the repository
 root is on ``sys.path`` (``python -c`` or a notebook started there); the guard below keeps such an import
@@ -7,11 +11,13 @@ inert, and without a version transformers then treats the hub package as absent.
 """
 
 if __name__ == "evalgate.kernels":
-    from .registry import KERNELS, Kernel, get_kernel, kernel_names, register_kernel  # noqa: F401
-    from . import bf16  # noqa: F401  (registers the reference kernel)
-    from . import catalog  # noqa: F401  (registers the emulated FP4 kernels, healthy and faulty)
-    from .real import catalog as real_catalog  # noqa: F401  (registers the real kernels, beside their recipes)
-    from .checkpoint import load_fp4_checkpoint, save_fp4_checkpoint  # noqa: F401
-
     __all__ = ["KERNELS", "Kernel", "get_kernel", "kernel_names", "register_kernel", "load_fp4_checkpoint",
                "save_fp4_checkpoint"]
+
+    def __getattr__(name: str):
+        if name not in __all__:
+            raise AttributeError(f"module 'evalgate.kernels' has no attribute {name!r}")
+        from . import checkpoint, registry
+
+        registry.load_catalogs()
+        return getattr(checkpoint if name.endswith("_checkpoint") else registry, name)

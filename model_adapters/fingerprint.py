@@ -15,6 +15,8 @@ import json
 import struct
 from pathlib import Path
 
+from evalgate.errors import UserError
+
 WEIGHT_BYTES_LIMIT = 1 << 30  # about a second of sha256; a 150 GB checkpoint would take minutes
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt")
@@ -55,3 +57,21 @@ def model_fingerprint(model_dir: str | Path) -> dict:
         "tokenizer_sha256": tokenizer_sha,
         "model_type": config.get("model_type"),
     }
+
+
+def check_model_dir(path: str | Path) -> Path:
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise UserError(f"model dir {str(d)!r} does not exist; pass --model a local transformers checkpoint folder")
+    cfg = d / "config.json"
+    if not cfg.is_file():
+        raise UserError(f"{str(d)!r} has no config.json; pass --model a transformers checkpoint folder")
+    try:
+        config = json.loads(cfg.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{str(cfg)!r} is not valid JSON ({exc}); the checkpoint is damaged") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise UserError(f"{str(cfg)!r} has no model_type; it is not a transformers config")
+    if not any(d.glob("*.safetensors")):
+        raise UserError(f"{str(d)!r} has no *.safetensors weights")
+    return d

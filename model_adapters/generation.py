@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from evalgate.model_adapters.sampling import SampleKey, next_tokens
+from evalgate.model_adapters.stops import cut_at_stop
 
 
 @dataclass
@@ -33,16 +34,6 @@ class RawGeneration:
     stop_hit: str | None
     n_prompt_tokens: int
     latency_s: float | None = None  # from the start of its prefill to its last token
-
-
-def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
-    """``text`` cut before the earliest stop string, and which stop string that was."""
-    best, hit = len(text), None
-    for s in stops:
-        i = text.find(s)
-        if i != -1 and i < best:
-            best, hit = i, s
-    return text[:best], hit
 
 
 def greedy_generate(model, tokenizer, prompts: list[str], stops: list[tuple[str, ...]], max_new_tokens: list[int],

@@ -17,30 +17,12 @@ import torch
 
 from evalgate.errors import UserError
 from evalgate.kernels import get_kernel
-from evalgate.model_adapters.fingerprint import model_fingerprint
+from evalgate.model_adapters.fingerprint import check_model_dir, model_fingerprint
 from evalgate.model_adapters.generation import decode, decode_stream
 from evalgate.model_adapters.sampling import SampleKey
 from evalgate.types import AdapterBase, Generation, Request
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-def check_model_dir(path: str | Path) -> Path:
-    d = Path(path).expanduser()
-    if not d.is_dir():
-        raise UserError(f"model dir {str(d)!r} does not exist; pass --model a local transformers checkpoint folder")
-    cfg = d / "config.json"
-    if not cfg.is_file():
-        raise UserError(f"{str(d)!r} has no config.json; pass --model a transformers checkpoint folder")
-    try:
-        config = json.loads(cfg.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{str(cfg)!r} is not valid JSON ({exc}); the checkpoint is damaged") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise UserError(f"{str(cfg)!r} has no model_type; it is not a transformers config")
-    if not any(d.glob("*.safetensors")):
-        raise UserError(f"{str(d)!r} has no *.safetensors weights")
-    return d
 
 
 NUMERICS = ("canonical", "native")

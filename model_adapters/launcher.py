@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evalgate.errors import UserError
-from evalgate.kernels import Kernel
+from evalgate.kernels.registry import Kernel
 from evalgate.model_adapters.engines import Selection, Stack, preflight, probe_stack, server_python, version_tuple
 
 ENGINES = ("sglang", "vllm")

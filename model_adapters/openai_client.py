@@ -38,9 +38,10 @@ import httpx
 
 from evalgate.version import __version__
 from evalgate.errors import UserError
-from evalgate.kernels import get_kernel
-from evalgate.model_adapters.generation import cut_at_stop
-from evalgate.model_adapters.sampling import SEED_RULE, sample_seed
+from evalgate.kernels.registry import get_kernel
+from evalgate.model_adapters.stops import cut_at_stop
+from evalgate.model_adapters.sample_seeds import SEED_RULE, sample_seed
+from evalgate.model_adapters.server_errors import RESUME_HINT, ServerError  # noqa: F401  (raised here)
 from evalgate.model_adapters.verification import CONTRADICTED, UNVERIFIABLE, check_kernel
 from evalgate.types import AdapterBase, Generation, Request
 
@@ -52,16 +53,7 @@ IDENTITY_KEYS = ("model_path", "tokenizer_path", "revision", "dtype", "quantizat
                  "enable_deterministic_inference")
 STOP_REASONS = {"stop": "stop", "eos": "stop", "content_filter": "stop", "tool_calls": "stop",
                 "function_call": "stop", "length": "length"}
-RESUME_HINT = "finished items are saved, restart the server and rerun with --resume"
 API_KEY_ENV = "EVALGATE_SERVER_API_KEY"  # sent as a bearer token when set; never recorded
-
-
-class ServerError(UserError):
-    """The server failed a request after every retry; ``finished`` holds what completed before."""
-
-    def __init__(self, message: str, finished: dict | None = None):
-        super().__init__(message)
-        self.finished = finished or {}
 
 
 class _Retryable(Exception):

@@ -23,26 +23,17 @@ The server path reaches the same sampler: the client sends the stream seed as th
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
 import torch
 
-SAMPLER = "gumbel-max-lowbias32-v1"  # recorded in the decoding settings: a change makes runs incomparable
-SEED_RULE = "sha256('evalgate-seed-1:{run seed}:{doc_id!r}:{sample}')[:4] & 0x7fffffff"
+from evalgate.model_adapters.sample_seeds import MAX_SEED, SAMPLER, SEED_RULE, sample_seed  # noqa: F401
+
 MASK32 = 0xFFFFFFFF
-MAX_SEED = 2**63 - 1
 _DOMAIN = 0x5EED5A3D  # first word of every counter: keeps this generator's streams apart from any other use
 _LANES = 2  # two 32-bit words per uniform (52 bits used)
 CR_MARGIN = 2.0**-46  # float64 error bound of -log(-log u), relative and absolute, with a wide safety factor
-
-
-def sample_seed(run_seed: int, doc_id, sample: int = 0) -> int:
-    """The stream seed of sample ``sample`` of item ``doc_id``: a stable 31-bit hash of the run seed, the doc
-    id and the sample index (31 bits so every engine's per-request ``seed`` field accepts it)."""
-    digest = hashlib.sha256(f"evalgate-seed-1:{run_seed}:{doc_id!r}:{sample}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 @dataclass(frozen=True)

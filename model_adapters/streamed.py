@@ -64,7 +64,7 @@ def device_capacities(devices: list[str]) -> list[tuple[str, int]]:
     for d in devices:
         if d.startswith("cuda"):
             if not torch.cuda.is_available():
-                raise UserError(f"--device-map names {d} but no CUDA device is visible; use --device-map cpu")
+                raise UserError(f"{d} was asked for (--device or --device-map) but no CUDA device is visible; use cpu")
             index = torch.device(d).index
             free, _ = torch.cuda.mem_get_info(0 if index is None else index)
             out.append((d if index is not None else "cuda:0", int(free)))

@@ -1,6 +1,6 @@
 """The mistakes a new user makes (46 found by trying evalgate as a new user, numbered as found), each driven through the
 installed command line in a subprocess: the exit code, one stderr line without a traceback, whether the error
-came before torch was imported (what can be checked before the heavy start), and that no stored run or
+came before torch was imported (every one of them can be checked before the heavy start), and that no stored run or
 baseline changed. The wall time of each is printed (`pytest -s`); speed targets live in benchmarks.
 
 Cases that need a model run (Ctrl-C, a full disk mid-run, record of an interrupted run) are in
@@ -36,12 +36,12 @@ class Case:
     args: list[str]  # {ws} is the workspace
     code: int
     says: str  # a fragment of the one line
-    before_torch: bool = True  # answered before torch is imported
     env: dict = field(default_factory=dict)
     cwd: str = "{ws}"
 
 
 CASES = [
+    Case("1", ["gate", "--kernel", "w4a4_pakced"], 2, "unknown kernel 'w4a4_pakced'; choose one of: bf16,"),
     Case("2", ["gate", "--kernal", "w4a4_packed"], 2, "Did you mean '--kernel'?"),
     Case("3", ["gate", "--model", "/nonexistent/model"], 2, "--model '/nonexistent/model' does not exist"),
     Case("4", ["gate", "--model", "{ws}/afile"], 2, "is a file; pass the checkpoint's folder"),
@@ -53,7 +53,7 @@ CASES = [
     Case("10", ["gate", "--candidate", "{ws}/runs/cand", "--baseline", "/nonexistent/base", "--allow-uncalibrated",
                 "--thresholds", "{ws}/policy.yaml"], 2, "/nonexistent/base"),
     Case("11", ["gate", "--candidate", "{ws}/runs/cand", "--baseline", "{gsm8k_baseline}", "--allow-uncalibrated",
-                "--thresholds", "{ws}/policy.yaml"], 2, "humaneval", before_torch=False),
+                "--thresholds", "{ws}/policy.yaml"], 2, "humaneval"),
     Case("12", ["gate", "--candidate", "{ws}/runs/cand", "--thresholds", "{ws}/corrupt.yaml"], 2, "corrupt.yaml"),
     Case("12m", ["gate", "--model", "{ws}/notamodel", "--thresholds", "{ws}/corrupt.yaml"], 2, "corrupt.yaml"),
     Case("13", ["gate", "--candidate", "{ws}/runs/cand", "--thresholds", "{ws}/empty.yaml"], 2, "empty.yaml"),
@@ -63,12 +63,11 @@ CASES = [
          "--thresholds '{ws}/nope.yaml' does not exist"),
     Case("15d", ["gate", "--candidate", "{ws}/runs/cand", "--thresholds", "{ws}"], 2, "is a folder"),
     Case("16", ["gate", "--candidate", "{ws}/runs/trunc", "--baseline", "{ws}/runs/base", "--allow-uncalibrated",
-                "--thresholds", "{ws}/policy.yaml"], 2, "the candidate has 15 of 30 items", before_torch=False),
+                "--thresholds", "{ws}/policy.yaml"], 2, "the candidate has 15 of 30 items"),
     Case("17", ["gate", "--candidate", "{ws}/runs/garbage", "--baseline", "{ws}/runs/base", "--allow-uncalibrated",
                 "--thresholds", "{ws}/policy.yaml"], 2, "line 6 is not JSON"),
     Case("18", ["gate", "--candidate", "{ws}/runs/emptyjsonl", "--baseline", "{ws}/runs/base",
-                "--allow-uncalibrated", "--thresholds", "{ws}/policy.yaml"], 2, "the candidate has 0 of 30 items",
-         before_torch=False),
+                "--allow-uncalibrated", "--thresholds", "{ws}/policy.yaml"], 2, "the candidate has 0 of 30 items"),
     Case("19", ["gate", "--candidate", "{ws}/runs/nomani", "--baseline", "{ws}/runs/base", "--allow-uncalibrated",
                 "--thresholds", "{ws}/policy.yaml"], 2, "holds no manifest.json"),
     Case("20", ["gate", "--candidate", "{ws}/runs/badjson", "--baseline", "{ws}/runs/base", "--allow-uncalibrated",
@@ -80,25 +79,26 @@ CASES = [
     Case("22", ["kernels", "check", "--limit", "0"], 2, "--limit"),
     Case("23", ["gate", "--samples", "2"], 2, "--temperature"),
     Case("24", ["gate", "--samples", "2", "--temperature", "0.7"], 2,
-         "evalgate calibrate --model", before_torch=False),
+         "evalgate calibrate --model"),
     Case("26a", ["gate", "--tasks", ""], 2, "--tasks is empty"),
     Case("27", ["gate", "--server", "http://127.0.0.1:1"], 2, "connection refused on 127.0.0.1:1"),
     Case("28", ["gate", "--server", "http://127.0.0.1:{banner_port}"], 2, "does not speak HTTP"),
     Case("29", ["gate", "--server", "ftp://127.0.0.1/"], 2, "is not an http:// or https:// URL"),
     Case("31", ["gate", "--resume"], 2, "No such option '--resume'"),
     Case("32", ["gate", "--out", "{ws}/locked", "--thresholds", "{ws}/policy.yaml"], 2,
-         "is being written by another evalgate command", before_torch=False),
+         "is being written by another evalgate command"),
     Case("33", ["gate", "--candidate", "{ws}/runs/cand", "--baseline", "{ws}/runs/base", "--allow-uncalibrated",
                 "--thresholds", "{ws}/policy.yaml", "--report-dir", "{ro}/reports"], 4, "read-only file system"),
     Case("34", ["gate", "--out", "{ro}/run"], 4, "--out '{ro}/run' cannot be written (read-only file system"),
     Case("35", ["gate"], 4, "--out 'results/runs/gate-", cwd="{ro}"),
     Case("36", ["report", "--candidate", "{ws}/runs/cand", "--baseline", "{ws}/runs/base", "--allow-uncalibrated",
                 "--html", "{ro}/report.html"], 4, "read-only file system"),
-    Case("37", ["gate", "--out", "{full}/run"], 4, "no space for the run", before_torch=False),
-    Case("39", ["gate", "--device", "cuda", "--out", "{ws}/cuda-run"], 2, "cuda",
-         before_torch=False),
-    Case("40", ["gate", "--data-dir", "/nonexistent/data"], 2, "/nonexistent/data", before_torch=False),
-    Case("41", ["selfcheck", "--kernels", "nope"], 2, "unknown kernel 'nope'", before_torch=False),
+    Case("37", ["gate", "--out", "{full}/run"], 4, "no space for the run"),
+    Case("39", ["gate", "--device", "cuda", "--out", "{ws}/cuda-run"], 2, "--device cuda: no CUDA device is visible",
+         env={"CUDA_VISIBLE_DEVICES": ""}),
+    Case("39b", ["run", "--device", "gpu"], 2, "--device 'gpu' is not a device; pass cpu, cuda or cuda:N"),
+    Case("40", ["gate", "--data-dir", "/nonexistent/data"], 2, "/nonexistent/data"),
+    Case("41", ["selfcheck", "--kernels", "nope"], 2, "unknown kernel 'nope'"),
     Case("42a", ["report", "--baseline", "{ws}/runs/base"], 2, "Missing option '--candidate'"),
     Case("42b", ["report", "--baseline", "{ws}/runs/base", "--candidate", "{ws}/runs/cand", "--html", "{ws}"], 2,
          "--html"),
@@ -108,16 +108,14 @@ CASES = [
          env={"EVALGATE_BASELINES": "/nonexistent"}),
     Case("44", ["baseline", "record", "{ws}/runs/base", "--baselines-root", "{ws}/recorded"], 2,
          "baselines are immutable"),
-    Case("46", ["run", "--out", "{ws}/runs/base"], 2, "already holds files", before_torch=False),
+    Case("46", ["run", "--out", "{ws}/runs/base"], 2, "already holds files"),
     Case("43c", ["baseline", "list"], 2, "'/nonexistent' does not exist", env={"EVALGATE_BASELINES": "/nonexistent"}),
     Case("43d", ["baseline", "record", "{ws}/runs/base", "--baselines-root", "{ws}/afile"], 2, "is a file"),
     Case("45a", ["baseline", "record", "{ws}/runs/nomani"], 2, "holds no manifest.json"),
-    Case("c1", ["gate", "--candidate", "{ws}/runs/cand", "--kernel", "w4a4"], 2, "drop --kernel",
-         before_torch=False),
+    Case("c1", ["gate", "--candidate", "{ws}/runs/cand", "--kernel", "w4a4"], 2, "drop --kernel"),
     Case("c2", ["gate", "--candidate", "{ws}/runs/cand", "--out", "{ws}/x", "--limit", "3"], 2, "drop --limit/--out"),
 ]
-# 1 (kernel typo) imports the kernel registry, which is torch: tested in test_cli_options.py. 8 (a baselines root
-# as --baseline) is accepted now: test_cli_baseline_paths.py; 30, 37 mid-run and 45 are in test_cli_interrupt.py;
+# 8 (a baselines root as --baseline) is accepted now: test_cli_baseline_paths.py; 30, 37 mid-run and 45 are in test_cli_interrupt.py;
 # 38 (unicode paths) is a PASS; 25 (--limit's calibrate hint) is not covered here.
 
 
@@ -183,7 +181,7 @@ def workspace(tmp_path_factory):
         subprocess.run(["umount", str(path)], capture_output=True)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c.before_torch else pytest.mark.slow) for c in CASES],
+@pytest.mark.parametrize("case", CASES,
                          ids=[f"{c.trial}:{' '.join(c.args[:3])}" for c in CASES])
 def test_a_mistake_ends_in_one_line_and_changes_nothing(case, workspace, cli_env, tmp_path):
     from evalgate.cli.preflight import run_lock
@@ -216,6 +214,5 @@ def test_a_mistake_ends_in_one_line_and_changes_nothing(case, workspace, cli_env
     assert len(lines) == 1 and lines[0].startswith("evalgate: "), proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert case.says.format(**fill) in lines[0]
-    if case.before_torch:
-        assert probe.read_text() == "False", "answered only after importing torch"
+    assert probe.read_text() == "False", "answered only after importing torch"
     assert (_tree_digest(ws / "runs"), _tree_digest(ws / "recorded")) == before

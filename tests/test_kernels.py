@@ -303,3 +303,20 @@ def test_bf16_kernel_skips_empty_slots():
     with_sentinel = idx.clone()
     with_sentinel[:, -1] = module.num_experts
     assert torch.equal(f(module, x, with_sentinel, w), f(module, x, idx[:, :-1], w[:, :-1]))
+
+
+def test_the_torch_free_name_list_is_what_the_catalogs_register():
+    # the command line checks --kernel against evalgate.kernels.names before loading torch; a kernel added to a
+    # catalog but not to the names (or a name left after its kernel is gone) would be refused or crash later
+    import subprocess
+    import sys
+
+    from evalgate.kernels.names import ALL, listed_names
+    from evalgate.kernels.registry import KERNELS
+
+    assert set(K.KERNELS) == set(KERNELS) == ALL
+    assert set(listed_names()) == {n for n in ALL if not (KERNELS[n].faulty and KERNELS[n].real)}
+    probe = ("import sys; import evalgate.kernels.names, evalgate.cli.options as o; "
+             "o.KERNEL.convert('w4a4_packed', None, None); print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

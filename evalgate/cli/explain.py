@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from evalgate.cli.options import baselines_root_option
+from evalgate.cli.options import baselines_root_option, checked_device
 from evalgate.errors import NotComparable, UserError
 
 
@@ -58,7 +58,8 @@ def _items(cmp, item: str | None, task: str | None) -> list[tuple[str, object]]:
 @baselines_root_option()
 @click.option("--model", default=None, type=click.Path(),
               help="Checkpoint to replay (default: the run's own; needed for a run through a server).")
-@click.option("--device", default="cpu", show_default=True, help="Where to replay: cpu, cuda, cuda:1...")
+@click.option("--device", default="cpu", show_default=True, callback=checked_device,
+              help="Where to replay: cpu, cuda, cuda:1...")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write every explanation to this JSON file.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,

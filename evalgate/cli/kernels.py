@@ -162,7 +162,8 @@ def check(shape, tokens, model_path, tasks, limit, kernels, data_dir, seed, as_j
     else:
         if limit < 1:
             raise UserError(f"--limit must be at least 1 (got {limit})")
-        from evalgate.model_adapters.hf import check_model_dir, load_model
+        from evalgate.model_adapters.fingerprint import check_model_dir
+        from evalgate.model_adapters.hf import load_model
 
         check_model_dir(model_path)
         pairs = task_pairs(_parse_list(tasks, "tasks"), limit, data_dir)

@@ -19,9 +19,8 @@ BATCH_SIZE = 128
 
 class KernelName(click.ParamType):
     """A kernel name of `evalgate kernels list` (``multiple``: comma-separated names, converted to a list). An
-    unknown name is a usage error (exit 2) on one line listing the known kernels. Listing them imports the
-    registry (and torch), so a command's own default is taken as written: a command that runs no kernel
-    (``gate --candidate``) never pays for it; tests/test_cli_options.py checks every default is known."""
+    unknown name is a usage error (exit 2) on one line listing the known kernels, checked against
+    ``evalgate.kernels.names`` (no torch import: it answers before anything heavy loads)."""
 
     name = "kernel"
 
@@ -31,21 +30,17 @@ class KernelName(click.ParamType):
             self.name = "kernels"
 
     def convert(self, value, param, ctx):
+        from evalgate.kernels.names import ALL, listed_names
+
         if value is None or isinstance(value, list):
             return value
         names = [v.strip() for v in value.split(",") if v.strip()] if self.multiple else [value]
         if not names:
             self.fail("is empty; name at least one kernel, comma-separated", param, ctx)
-        own_default = (ctx is not None and param is not None and param.name is not None
-                       and ctx.get_parameter_source(param.name) is ParameterSource.DEFAULT)
-        if not own_default:
-            from evalgate.kernels import kernel_names
-
-            known = kernel_names()
-            for name in names:
-                if name not in known:
-                    self.fail(f"unknown kernel {name!r}; choose one of: {', '.join(known)} "
-                              "(see `evalgate kernels list`)", param, ctx)
+        for name in names:
+            if name not in ALL:
+                self.fail(f"unknown kernel {name!r}; choose one of: {', '.join(listed_names())} "
+                          "(see `evalgate kernels list`)", param, ctx)
         return names if self.multiple else value
 
 
@@ -68,6 +63,14 @@ def _request_threads(ctx, param, value):
         from evalgate.cores import request_threads
 
         request_threads(value)
+    return value
+
+
+def checked_device(ctx, param, value):
+    """--device: a device name, and a GPU only where the machine has one (``preflight.device``)."""
+    from evalgate.cli.preflight import device
+
+    device(value, "--" + param.name.replace("_", "-"))
     return value
 
 
@@ -139,7 +142,7 @@ def run_options(f):
         click.option("--batch-size", type=click.IntRange(min=1), default=BATCH_SIZE, show_default=True,
                      help="In-process rows decoded together per process (finished rows are refilled); with canonical "
                           "numerics no output depends on it."),
-        click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1..."),
+        click.option("--device", default="cpu", show_default=True, callback=checked_device, help="cpu, cuda, cuda:1..."),
         click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None, help="Override the checkpoint dtype."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="Override every profile's token limit (changes the profile id; for smoke runs)."),
         click.option("--data-dir", type=click.Path(), default=None, envvar="EVALGATE_DATA_DIR", help="Offline data folder laid out as in docs/scoring.md#data-directory [env: EVALGATE_DATA_DIR]."),

@@ -11,6 +11,7 @@ import fcntl
 import http.client
 import json
 import os
+import re
 import shutil
 import socket
 from contextlib import contextmanager
@@ -88,6 +89,24 @@ def model_folder(model: str | None) -> None:
         raise UserError(f"{str(config)!r} is not valid JSON ({exc}); the checkpoint is damaged") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise UserError(f"{str(config)!r} has no model_type; it is not a transformers config")
+
+
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def device(value: str, flag: str = "--device") -> None:
+    """A device a model can be put on: ``cpu``, ``cuda`` or ``cuda:N``. A CUDA device on a machine with no
+    NVIDIA device node (or with ``CUDA_VISIBLE_DEVICES`` empty) is refused without importing torch; where a
+    node exists, torch decides later."""
+    if not DEVICE.fullmatch(value):
+        raise UserError(f"{flag} {value!r} is not a device; pass cpu, cuda or cuda:N")
+    if value == "cpu":
+        return
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    nodes = os.path.exists("/dev/nvidiactl") or os.path.isdir("/proc/driver/nvidia/gpus")
+    if not nodes or (hidden is not None and hidden.strip() in ("", "-1")):
+        why = "CUDA_VISIBLE_DEVICES hides every GPU" if nodes else "no NVIDIA GPU on this machine"
+        raise UserError(f"{flag} {value}: no CUDA device is visible ({why}); use {flag} cpu")
 
 
 def thresholds_file(path: str | None):

@@ -52,7 +52,7 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
     preflight.free_space(out, preflight.run_bytes(sum(len(t.items) for t in loaded.values()), spec.samples), "--out")
     with preflight.run_lock(out):
         prepare_out(out, resume)  # refuse a bad --out before the model loads or a server spends minutes starting
-        from evalgate.model_adapters.openai_client import RESUME_HINT, ServerError
+        from evalgate.model_adapters.server_errors import RESUME_HINT, ServerError
 
         note_resumable(out, f"--out {shlex.quote(str(out))} --resume")
         try:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import click
 
-from evalgate.cli.options import KERNELS, baselines_root_option, parse_tasks, run_spec
+from evalgate.cli.options import KERNELS, baselines_root_option, checked_device, parse_tasks, run_spec
 from evalgate.gate.stopped import decided
 
 # The healthy kernels of the canary's table (w4a8_sglang is w4a8 behind a server's scale rule: opt in with
@@ -175,7 +175,7 @@ def canary_gate(tasks: list[str], batch_size: int, runs_dir: Path, baselines_roo
 @click.option("--runs-dir", type=click.Path(), default=None, help="Where the runs go (default: results/runs/selfcheck-<time>); finished runs there are reused.")
 @baselines_root_option()
 @click.option("--data-dir", type=click.Path(), default=None, envvar="EVALGATE_DATA_DIR", help="Offline data folder [env: EVALGATE_DATA_DIR].")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1...")
+@click.option("--device", default="cpu", show_default=True, callback=checked_device, help="cpu, cuda, cuda:1...")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the rows here.")
 @click.option("--no-early-stop", "no_early_stop", is_flag=True,
               help="Run every item of every kernel (default: a gate stops once its FAIL is certain).")

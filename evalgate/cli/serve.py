@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from evalgate.cli.options import KERNEL, resolve_model
+from evalgate.cli.options import KERNEL, checked_device, resolve_model
 from evalgate.errors import UserError
 
 
@@ -18,7 +18,7 @@ from evalgate.errors import UserError
               help="Most concurrent requests decoded in one batch.")
 @click.option("--batch-window-ms", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="How long the first request of a batch waits for others.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1...")
+@click.option("--device", default="cpu", show_default=True, callback=checked_device, help="cpu, cuda, cuda:1...")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None, help="Override the checkpoint dtype.")
 @click.option("--served-model-name", default=None, help="The model id clients send (default: the folder name).")
 def serve(model, kernel, host, port, batch_size, batch_window_ms, device, dtype, served_model_name):

@@ -50,7 +50,7 @@ class Sampling:
         sampler (the seed rule and the sampler's name: a change to either makes samples differ)."""
         if self.greedy:
             return greedy
-        from evalgate.model_adapters.sampling import SAMPLER, SEED_RULE
+        from evalgate.model_adapters.sample_seeds import SAMPLER, SEED_RULE
 
         return {**greedy, "do_sample": True, "temperature": float(self.temperature), "n": self.samples,
                 "seed": self.seed, "sampler": SAMPLER, "seed_rule": SEED_RULE}
@@ -59,7 +59,7 @@ class Sampling:
         """Greedy: the requests as they are. Sampled: k requests per item, sample j with its stream seed."""
         if self.greedy:
             return list(requests)
-        from evalgate.model_adapters.sampling import sample_seed
+        from evalgate.model_adapters.sample_seeds import sample_seed
 
         return [replace(r, sample=j, temperature=float(self.temperature), seed=sample_seed(self.seed, r.doc_id, j))
                 for r in requests for j in range(self.samples)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from evalgate.stats.paired import _check_alpha
+from evalgate.stats.alpha import check_alpha as _check_alpha
 
 def holm_adjusted(pvalues: Mapping[str, float]) -> dict[str, float]:
     """Holm step-down adjusted p-values: p̃(j) = max_{i ≤ j} min(1, (K − i + 1)·p(i)).

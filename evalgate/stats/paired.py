@@ -20,6 +20,8 @@ from typing import Sequence
 import numpy as np
 from scipy.stats import binom, norm
 
+from evalgate.stats.alpha import check_alpha as _check_alpha
+
 # --------------------------------------------------------------------------------------------------------
 # Counts
 # --------------------------------------------------------------------------------------------------------
@@ -121,11 +123,6 @@ def mcnemar_mid_p_one_sided(b: int, c: int) -> float:
 # --------------------------------------------------------------------------------------------------------
 
 _SIDED = ("two", "lower", "upper")
-
-
-def _check_alpha(alpha: float) -> None:
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
 
 
 def tango_z(delta0, b, c, n):
