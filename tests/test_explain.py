@@ -118,7 +118,9 @@ def test_flips_explain_column_and_a_server_run_says_what_it_cannot(tiny_pair):
     assert differing
     x = Explainer(pairing).explain("gsm8k", differing[0])
     assert x.kind == NOT_REPLAYED and "log-probabilities" in x.cannot and x.base_token is not None
-    assert summary_line([x]) == "0 of 1 flips are near-ties: margin < 0.5 nats at the first divergent token (1 not replayed)"
+    assert summary_line([x]) == ("0 of 1 flips are near-ties: margin < 0.5 nats at the first divergent token "
+                                 f"(1 not replayed: {x.cannot})")
+    assert x.cannot.startswith("no in-process model")
 
 
 def test_the_summary_line_counts_near_ties():

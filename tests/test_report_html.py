@@ -264,3 +264,75 @@ def test_report_cli_writes_html_and_exits_with_the_verdict(tmp_path):
     missing = CliRunner().invoke(cli, ["report", "--baseline", str(tmp_path / "nope"), "--candidate",
                                        str(cand), "--html", str(tmp_path / "y.html")])
     assert missing.exit_code == 2 and "not a run directory" in missing.output
+
+
+# --- flips tagged by `evalgate gate --explain`: sortable by kind, task and margin, offline --------------------
+
+
+def _explained(verdict, margins: dict) -> "FlipExplanations":
+    """Explanations of the first flips of each task, each with a chosen margin (None: not replayed)."""
+    from evalgate.explain import NEAR_TIE_NATS, NOT_REPLAYED, Explanation, KernelChoice, TopToken, summary_line
+    from evalgate.report.explained import FlipExplanations
+
+    found = []
+    for (task, doc_id), margin in margins.items():
+        if margin is None:
+            found.append(Explanation(task, doc_id, "lost", NOT_REPLAYED, "w4a8", "w4a4_packed", cannot="why not"))
+            continue
+        top = (TopToken(1, "a", -0.1), TopToken(2, "b", -0.1 - margin))
+        found.append(Explanation(task, doc_id, "lost", "near-tie" if margin < NEAR_TIE_NATS else "divergence",
+                                 "w4a8", "w4a4_packed", position=4, base=KernelChoice("w4a8", top, margin), kl_mean=0.01, kl_max=0.1,
+                                 cand=KernelChoice("w4a4_packed", top, margin), layer=1, expert=3))
+    cmp = verdict.comparison
+    return FlipExplanations(tuple(found), summary_line(found), cmp.baseline.manifest.get("run_id"),
+                            cmp.candidate.manifest.get("run_id"))
+
+
+def test_explained_flips_sort_by_kind_task_and_margin_offline(browser, tmp_path):
+    base, cand = write_pair(tmp_path / "runs", 40, 12, lost_every=3, gained_every=4)
+    verdict = gate_runs(base, cand, str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
+    flips = verdict.comparison.flips()
+    picked = list(zip(flips["task"], flips["doc_id"]))
+    gsm8k = [p for p in picked if p[0] == "gsm8k"][:3]
+    humaneval = [p for p in picked if p[0] == "humaneval"][:2]
+    margins = dict(zip(gsm8k + humaneval, [2.5, 0.125, None, 0.25, 1.0]))
+    explained = _explained(verdict, margins)
+    page_file = tmp_path / "report.html"
+    page_file.write_text(report_html(verdict, explained), encoding="utf-8")
+    browser.get(page_file.as_uri())  # from disk: no server, nothing to fetch
+
+    def shown(attr: str) -> list:
+        return browser.execute_script(
+            f"return [...document.querySelectorAll('details.flip')].map(r => r.dataset.{attr} || null)")
+
+    def tagged_margins() -> list:
+        return [float(m) if m else None for m, k in zip(shown("margin"), shown("kind")) if k is not None]
+
+    assert len(shown("i")) == len(picked)
+    initial = shown("task")  # lost first, task by task, then gained
+    assert initial != sorted(initial)
+    browser.find_element("css selector", 'button.sort[data-sort="margin"]').click()
+    assert tagged_margins() == [0.125, 0.25, 1.0, 2.5, None]  # ascending, the unreplayed last
+    assert shown("kind")[len(margins):] == [None] * (len(picked) - len(margins))  # untagged flips after
+    browser.find_element("css selector", 'button.sort[data-sort="margin"]').click()
+    assert tagged_margins() == [2.5, 1.0, 0.25, 0.125, None]  # descending, the unreplayed still last
+    assert browser.find_element("css selector", 'button.sort[data-sort="margin"]').get_attribute("aria-sort") \
+        == "descending"
+    browser.find_element("css selector", 'button.sort[data-sort="kind"]').click()
+    assert [k for k in shown("kind") if k] == ["divergence", "divergence", "near-tie", "near-tie", "not replayed"]
+    browser.find_element("css selector", 'button.sort[data-sort="task"]').click()
+    tasks = shown("task")
+    assert tasks == sorted(tasks)
+    # a row opened after sorting shows its own item's diff (rows keep their data index)
+    first = browser.find_element("css selector", "details.flip")
+    first.find_element("css selector", "summary").click()
+    _wait_until(browser, "return !!document.querySelector('details.flip[open] .body .side');")
+    index = int(first.get_attribute("data-i"))
+    assert first.find_element("css selector", ".question").text == browser.execute_script(
+        "return JSON.parse(document.getElementById('flip-data').textContent)[arguments[0]].question", index)
+    # the filters still count what they show, whatever the order
+    browser.execute_script("var s = document.getElementById('f-task'); s.value = 'humaneval';"
+                           "s.dispatchEvent(new Event('change'))")
+    assert _visible_rows(browser) == sum(t == "humaneval" for t, _ in picked)
+    errors = [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"]
+    assert not errors, errors
