@@ -102,13 +102,16 @@ def _decision_flags(baselines, baseline_kernel, baselines_root, root_given: bool
 @click.option("--no-early-stop", "no_early_stop", is_flag=True,
               help="Run every item, even once the FAIL is certain (default: stop generating then; docs/gate.md#stopping-early).")
 @click.option("--max-samples", type=click.IntRange(min=1), default=None, help="While a task is undecided, add coupled samples per item in rounds up to this many (default 8; 1: no rounds; docs/gate.md#sequential-rounds).")
+@click.option("--items", type=click.Choice(["all", "candidate"]), default="all", show_default=True,
+              help="With --candidate: 'candidate' decides on the stored run's own items (a --limit run against the "
+                   "full baseline, checked item by item; the policy's margins, the smaller n).")
 @click.option("--explain", is_flag=True, help="Replay every flip through both kernels and say why it flipped (near-tie or divergence, where), in the verdict and every report (docs/explain.md).")
 @sampling_options
 @server_options
 def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel, candidate,
          baselines, baseline_kernel, baselines_root, thresholds_path, out, report_dir, allow_uncalibrated,
          no_early_stop, samples, temperature, seed, server, model_id, launch, launch_timeout, request_timeout,
-         concurrency, retries, server_args, max_samples=None, explain=False):
+         concurrency, retries, server_args, max_samples=None, explain=False, items="all"):
     """Compare a candidate kernel with the stored W4A8 baseline and decide: PASS (exit 0), FAIL (1: the
     kernel is worse, or does not compute what it declares), INCONCLUSIVE (3: the data show neither; the
     verdict says how many samples would).
@@ -147,8 +150,11 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
 
         plan = plan_gate(candidate=load_run(candidate), baselines=baselines, baseline_kernel=baseline_kernel,
                          baselines_root=baselines_root, thresholds=policy, report_dir=report_dir,
-                         allow_uncalibrated=allow_uncalibrated)
+                         allow_uncalibrated=allow_uncalibrated, items=items)
         _finish(run_gate(plan), plan.report_dir, Path(candidate), decision_flags, explain)
+    if items != "all":
+        raise UserError("--items candidate decides a stored run on its own items: make it with `evalgate run "
+                        "--limit N --out RUN`, then `evalgate gate --candidate RUN --items candidate`")
     if not (server or launch):
         preflight.model_folder(model)
     preflight.server(server)
