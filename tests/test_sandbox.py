@@ -105,6 +105,82 @@ def test_run_programs_keeps_order_and_per_program_timeouts():
         run_programs(sources, [T], workers=2)
 
 
+class ProblemsInFlight:
+    """A stand-in for one sandbox run that notes which problems are running at once: a program of a problem
+    that is already running is a breach; every call waits at a barrier with the others of its round, so a pool
+    that ran fewer than ``meet`` different problems at once would break the barrier instead of passing."""
+
+    def __init__(self, meet: int, inner=None):
+        import threading
+
+        self.inner = inner  # the real run, if any
+        self.lock = threading.Lock()
+        self.running: list = []
+        self.breaches: list = []
+        self.barrier = threading.Barrier(meet, timeout=60) if meet > 1 else None
+
+    def __call__(self, program, timeout, limits):
+        with self.lock:
+            if program.test in self.running:
+                self.breaches.append(program.test)
+            self.running.append(program.test)
+        try:
+            if self.barrier is not None:
+                self.barrier.wait()
+            return program.source if self.inner is None else self.inner(program, timeout, limits)
+        finally:
+            with self.lock:
+                self.running.remove(program.test)
+
+
+def sample_programs(problems: int, samples: int) -> list[Program]:
+    """``samples`` programs of each of ``problems`` problems, each problem's samples side by side (as a sampled
+    run's batch lists them)."""
+    return [Program(source=f"p{p}s{s}", test=f"def check(candidate):\n    assert candidate() == {p}\n",
+                    entry_point="f") for p in range(problems) for s in range(samples)]
+
+
+def test_two_programs_of_one_problem_never_run_at_once(monkeypatch):
+    """The samples of a problem run one after another (no contention channel between them), while the
+    workers run different problems side by side (the barrier needs three at once)."""
+    in_flight = ProblemsInFlight(meet=3)
+    monkeypatch.setattr(sandbox, "_run_one", in_flight)
+    programs = sample_programs(3, 4)
+    assert run_programs(programs, T, workers=3) == [p.source for p in programs]
+    assert in_flight.breaches == []
+
+
+def test_the_rule_holds_across_pools_and_single_runs_of_one_process(monkeypatch):
+    import threading
+
+    in_flight = ProblemsInFlight(meet=1)
+    monkeypatch.setattr(sandbox, "_run_one", in_flight)
+    programs = sample_programs(2, 6)
+    results = {}
+    threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, run_programs(programs, T, workers=2)))
+               for k in range(2)]
+    alone = lambda: results.__setitem__("one", [run_program(programs[0]) for _ in range(6)])  # noqa: E731
+    threads.append(threading.Thread(target=alone))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results[0] == results[1] == [p.source for p in programs] and results["one"] == ["p0s0"] * 6
+    assert in_flight.breaches == []
+
+
+def test_samples_of_one_problem_in_real_sandboxes_never_overlap(monkeypatch):
+    in_flight = ProblemsInFlight(meet=1, inner=sandbox._run_one)
+    monkeypatch.setattr(sandbox, "_run_one", in_flight)
+    toy = {"prompt": "def inc(x):\n    \"\"\"x + 1\"\"\"\n", "entry_point": "inc",
+           "test": "def check(candidate):\n    assert candidate(1) == 2\n"}
+    other = dict(toy, test="def check(candidate):\n    assert candidate(2) == 3\n")
+    outcomes = run_programs([humaneval_program(p, "    return x + 1\n") for p in (toy, other) for _ in range(4)], T,
+                            workers=2)
+    assert all(o.passed for o in outcomes), [o.result for o in outcomes]
+    assert in_flight.breaches == []
+
+
 # ---- hostile programs --------------------------------------------------------------------------------
 
 def test_infinite_loop_times_out():

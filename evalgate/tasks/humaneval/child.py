@@ -29,7 +29,8 @@ the **judge** (trusted), which:
 
 The **sandbox** joins its control group, is PID 1 of a new PID namespace and enters new mount, network
 (loopback only, down), cgroup, IPC and UTS namespaces; it mounts a
-fresh tmpfs on ``/tmp`` and ``/dev/shm`` and a fresh ``/proc``, closes every descriptor but stdin
+fresh tmpfs on ``/tmp`` and ``/dev/shm`` and a ``/proc`` of its own processes only, read-only
+(``mount_program_proc``), closes every descriptor but stdin
 (``/dev/null``), stdout, stderr and the channel, drops to the slot's uid, enters a user namespace of its
 own (so no key of the user keyring outlives it), forbids nested namespaces in it, joins a new session
 keyring, drops every capability, sets no_new_privs and the rlimits, installs the system-call allowlist
@@ -79,6 +80,10 @@ EXCERPT_BYTES = 4096
 ROOT_BYTES = 512 << 20  # the root's tmpfs: a cap; it holds the copies (about 50 MiB), no more
 SYSCALL_REFUSED = "the program made a system call the sandbox does not allow (killed by SIGSYS)"
 JUDGE_MEMORY_BYTES = 2 << 30  # RLIMIT_AS of a judge: it decodes at most one 16 MiB frame at a time
+PROC_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
+# what a program's /proc shows: "pid" = a proc of process entries only (subset=pid, Linux 5.8), read-only;
+# "covered" = every other top-level entry covered (kernels without subset=pid); set from the harness's config
+PROC_VIEW = "pid"
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -108,10 +113,10 @@ def _bind_read_only(source, target, flags=MS_NOSUID | MS_NODEV):
     _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
 
 
-def _write(path, text):
+def _write(path, text, dir_fd=None):
     """``text`` into ``path`` with one write (what the kernel's id maps and limits files take)."""
     data = text.encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
     try:
         if os.write(fd, data) != len(data):
             raise OSError(errno.EIO, f"short write to {path}")
@@ -243,6 +248,8 @@ def main():
         ctl.send(marshal.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         os._exit(1)
     config["mode"] = info["mode"]
+    global PROC_VIEW
+    PROC_VIEW = config.get("proc_view", PROC_VIEW)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # a sandbox orphaned by a dead judge is ours to reap
     ctl.send(marshal.dumps(info))
     serve_harness(ctl, config)
@@ -720,6 +727,7 @@ def isolate(header, sock, out_fd, err_fd, namespaces, work_dir, joins):
     os.set_inheritable(0, True), os.set_inheritable(1, True), os.set_inheritable(2, True)
     uid, gid = header["uid"], header["gid"]
     isolation = {"network": "sockets-disabled", "pid": "none", "mount": "none"}
+    proc_setup = None
     if namespaces:
         # a network namespace of its own (loopback only, down): nothing in it outlives the program
         _unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | (CLONE_NEWCGROUP if joins else 0),
@@ -728,15 +736,19 @@ def isolate(header, sock, out_fd, err_fd, namespaces, work_dir, joins):
         size = f"size={header['limits']['tmpfs_bytes']},mode=1777"
         _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, size)
         _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, size)
-        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        ipc_limits = ipc_namespace_limits(header["limits"]["tmpfs_bytes"])
+        # a whole, writable /proc for the rest of this setup only (IPC limits, id maps), reached through a
+        # descriptor closed before the program runs; the program's /proc is mounted over it
+        _mount("proc", "/proc", "proc", PROC_FLAGS)
+        proc_setup = os.open("/proc", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        ipc_limits = ipc_namespace_limits(header["limits"]["tmpfs_bytes"], proc_setup)
+        proc_view = mount_program_proc()
         work_dir = "/tmp/work"
         os.mkdir(work_dir, 0o700)
         if uid is not None:
             os.chown(work_dir, uid, gid)
         isolation = {"network": "netns", "netns": "its own", "cgroup": "its own" if joins else "none",
                      "pid": "pidns", "mount": "mountns", "ipc": "ipcns", "uts": "utsns",
-                     "root": "minimal", "tmpfs": ["/tmp", "/dev/shm"], "proc": "private", "ipc_limits": ipc_limits}
+                     "root": "minimal", "tmpfs": ["/tmp", "/dev/shm"], "proc": proc_view, "ipc_limits": ipc_limits}
     os.chdir(work_dir)
     os.setsid()  # a session and process group of its own: kill(0, ...) reaches nothing of ours
     if not namespaces:
@@ -750,16 +762,17 @@ def isolate(header, sock, out_fd, err_fd, namespaces, work_dir, joins):
         libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # a uid change clears it; the id maps of /proc/self need it
         euid, egid = os.geteuid(), os.getegid()
         _unshare(CLONE_NEWUSER, "NEWUSER")
-        _write("/proc/self/setgroups", "deny")
-        _write("/proc/self/uid_map", f"{euid} {euid} 1")
-        _write("/proc/self/gid_map", f"{egid} {egid} 1")
+        _write("self/setgroups", "deny", proc_setup)
+        _write("self/uid_map", f"{euid} {euid} 1", proc_setup)
+        _write("self/gid_map", f"{egid} {egid} 1", proc_setup)
         isolation["user"] = "userns"
         for kind in NAMESPACE_KINDS:  # no nested namespaces (and no capabilities in them)
             try:
-                _write(f"/proc/sys/user/max_{kind}_namespaces", "0")
+                _write(f"sys/user/max_{kind}_namespaces", "0", proc_setup)
             except OSError:
                 pass
         isolation["nested_namespaces"] = "blocked"
+        os.close(proc_setup)  # the writable /proc is out of reach from here on
     if "keyctl" in _SYSCALL and libc.syscall(_SYSCALL["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None) >= 0:
         isolation["keyring"] = "fresh session keyring"
     drop_capabilities()
@@ -772,7 +785,34 @@ def isolate(header, sock, out_fd, err_fd, namespaces, work_dir, joins):
     return isolation
 
 
-def ipc_namespace_limits(shm_bytes):
+def mount_program_proc():
+    """The program's /proc, over the setup's: its own processes' entries and nothing of the host.
+
+    A fresh /proc shows host-wide counters that one program can move and a later or concurrent one read
+    (``stat``, ``loadavg``, ``meminfo``, ``vmstat``, ``sys/fs/dentry-state``, ``pressure/``, ...), and
+    writable files (``self/comm``: a chosen name in the host's kernel log when the process crashes;
+    ``self/mem``...). So: process entries only (``subset=pid``), read-only, nosuid, nodev, noexec; where the
+    kernel has no ``subset=pid`` (before 5.8), a read-only view with every top-level entry but the process
+    directories covered by an empty file or directory. Returns what the program sees, for the record."""
+    # EINVAL: no subset=pid before 5.8; in a user namespace the kernel may refuse it: covered instead
+    if PROC_VIEW == "pid" and libc.mount(b"proc", b"/proc", b"proc", PROC_FLAGS | MS_RDONLY, b"subset=pid") == 0:
+        return "own processes only, read-only"
+    _mount("/proc", "/proc", None, MS_BIND)
+    _mount(None, "/proc", None, MS_REMOUNT | MS_BIND | MS_RDONLY | PROC_FLAGS)
+    covered = 0
+    for name in os.listdir("/proc"):
+        path = "/proc/" + name
+        if name.isdigit() or os.path.islink(path):  # processes; self, thread-self, mounts, net lead into them
+            continue
+        if os.path.isdir(path):
+            _mount("tmpfs", path, "tmpfs", MS_RDONLY | PROC_FLAGS, "size=4k,nr_inodes=1,mode=0555")
+        else:
+            _bind_read_only("/dev/null", path, PROC_FLAGS)
+        covered += 1
+    return f"own processes only, read-only ({covered} host entries covered)"
+
+
+def ipc_namespace_limits(shm_bytes, proc_fd):
     """Cap SysV shared memory and message queues, and POSIX message queues, of this (new) IPC namespace:
     unattached segments and queued messages are not counted by RLIMIT_AS. Returns what was set."""
     pages = max(1, shm_bytes // os.sysconf("SC_PAGE_SIZE"))
@@ -781,7 +821,7 @@ def ipc_namespace_limits(shm_bytes):
     done = {}
     for name, value in wanted.items():
         try:
-            _write("/proc/sys/" + name, str(value))
+            _write("sys/" + name, str(value), proc_fd)
             done[name] = value
         except OSError:
             pass

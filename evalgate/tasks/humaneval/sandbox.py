@@ -12,9 +12,10 @@ Every program gets, forked from a warm **executor** (``child.py``; one per harne
 ``python -s -S`` holding no state of the evaluator): a judge process, and a sandbox process that is PID 1
 of new PID, mount, network, cgroup, IPC, UTS and user namespaces and of a control group of its own (all
 its processes' memory; killed whole with its verdict), in a minimal root of private copies (no
-site-packages, no data files of the host, no page cache shared with anything), with fresh ``/tmp``,
-``/dev/shm`` and ``/proc``, a fresh session keyring, no capabilities, no_new_privs, rlimits, a system-call
-allowlist, and a uid of its own. Uids come from a block this harness holds a
+site-packages, no data files of the host, no page cache shared with anything), with fresh ``/tmp`` and
+``/dev/shm``, a read-only ``/proc`` of its own processes only, a fresh session keyring, no capabilities,
+no_new_privs, rlimits, a system-call allowlist, and a uid of its own. Two programs of one problem never run
+at once in a harness process (``run_program``, ``run_programs``). Uids come from a block this harness holds a
 lock on (``flock``) for as long as it lives, so concurrent harnesses on one host never share a uid, and
 cleanup by uid only ever reaches this harness's own block. See docs/humaneval-sandbox.md.
 
@@ -50,6 +51,9 @@ EXCERPT_BYTES = 4096
 SLOT_UID_BASE = 1_500_000_000
 UID_BLOCK_SIZE = 1024
 UID_BLOCKS = 4096
+# A program's /proc: "pid", its own processes' entries only (subset=pid), read-only, falling back to "covered"
+# (every other top-level entry covered) on kernels without subset=pid; "covered" forces the fallback.
+PROC_VIEW = "pid"
 LOCK_DIRS = ("/run/evalgate-sandbox", os.path.join(tempfile.gettempdir(), "evalgate-sandbox-locks"))
 
 FAILURE_CLASSES = ("passed", "failed:assertion", "failed:syntax", "failed:name", "failed:exception",
@@ -350,7 +354,7 @@ class Executor:
         self.ctl = ours
         mode = sandbox_mode()
         config = {"mode": mode, "root_dir": root_dir, "python_dirs": _python_dirs(),
-                  "package_dirs": _package_dirs(), "hidden_paths": _hidden_paths()}
+                  "package_dirs": _package_dirs(), "hidden_paths": _hidden_paths(), "proc_view": PROC_VIEW}
         try:
             ours.sendall(marshal.dumps(config))
             ours.settimeout(120)
@@ -461,9 +465,50 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 # ---- one run ---------------------------------------------------------------------------------------------
 
+# Two programs of one problem never run at the same time in this process: two samples of a problem could
+# otherwise signal each other (CPU contention, timing), and a mark is worth something only to the same problem.
+_turns = threading.Condition()
+_running_problems: set = set()
+
+
+def _problem(program: Program):
+    """What identifies a program's problem (its test), or None for a plain program (no problem to share)."""
+    return None if program.test is None else (program.test, program.entry_point, program.trusted_prefix)
+
+
+def _take_turn(problem, blocking: bool = True) -> bool:
+    """Mark ``problem`` running in this process; waits (or returns False) while another program of it runs."""
+    if problem is None:
+        return True
+    with _turns:
+        while problem in _running_problems:
+            if not blocking:
+                return False
+            _turns.wait()
+        _running_problems.add(problem)
+        return True
+
+
+def _end_turn(problem) -> None:
+    if problem is not None:
+        with _turns:
+            _running_problems.discard(problem)
+            _turns.notify_all()
+
+
 def run_program(source: Union[str, Program], timeout: float = DEFAULT_TIMEOUT, **limits) -> Outcome:
-    """Run one program; ``limits`` are ``Limits`` fields. A ``str`` is a plain program (its own verdict)."""
+    """Run one program; ``limits`` are ``Limits`` fields. A ``str`` is a plain program (its own verdict).
+    While another program of the same problem runs in this process, it waits for it to end."""
     program = source if isinstance(source, Program) else Program(source=source)
+    problem = _problem(program)
+    _take_turn(problem)
+    try:
+        return _run_one(program, timeout, limits)
+    finally:
+        _end_turn(problem)
+
+
+def _run_one(program: Program, timeout: float, limits: dict) -> Outcome:
     lim = replace(Limits(), **limits)
     if lim.cpu_seconds is None:
         lim = replace(lim, cpu_seconds=int(timeout) + 2)
@@ -535,12 +580,45 @@ def _outcome(result: dict, info: dict) -> Outcome:
 
 def run_programs(sources: Sequence[Union[str, Program]], timeout: float | Sequence[float] = DEFAULT_TIMEOUT,
                  workers: int | None = None, **limits) -> list[Outcome]:
-    """Run many programs on a bounded pool of threads, each driving one sandbox; results in input order."""
+    """Run many programs on a bounded pool of threads, each driving one sandbox; results in input order.
+
+    Each free worker takes the first waiting program whose problem has no program running in this process
+    (``run_program``'s rule), so the samples of one problem run one after another while other problems fill
+    the pool. The first error (in input order) is raised once every program has ended."""
     timeouts = [timeout] * len(sources) if isinstance(timeout, (int, float)) else list(timeout)
     if len(timeouts) != len(sources):
         raise ValueError(f"{len(sources)} programs but {len(timeouts)} timeouts")
     if not sources:
         return []
+    programs = [s if isinstance(s, Program) else Program(source=s) for s in sources]
+    problems = [_problem(p) for p in programs]
     executor()  # start it once, before the threads race for it
-    with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
-        return list(pool.map(lambda st: run_program(st[0], st[1], **limits), zip(sources, timeouts)))
+    waiting = list(range(len(programs)))
+    results: list = [None] * len(programs)
+
+    def next_program() -> int | None:
+        with _turns:
+            while waiting:
+                for k, i in enumerate(waiting):
+                    if _take_turn(problems[i], blocking=False):
+                        return waiting.pop(k)
+                _turns.wait()
+        return None
+
+    def work() -> None:
+        while (i := next_program()) is not None:
+            try:
+                results[i] = _run_one(programs[i], timeouts[i], limits)
+            except BaseException as exc:  # kept for the caller; the other programs still run
+                results[i] = exc
+            finally:
+                _end_turn(problems[i])
+
+    n = min(workers or default_workers(), len(programs))
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        for future in [pool.submit(work) for _ in range(n)]:
+            future.result()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results

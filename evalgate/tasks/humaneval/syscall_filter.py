@@ -10,8 +10,8 @@ enough to read whole. docs/humaneval-sandbox.md#system-calls lists the calls and
 
 A call outside the list is not executed: the kernel sends SIGSYS (``SECCOMP_RET_TRAP``, which the kernel
 does not log), whose default action ends the process, and the judge reports that as ``failed:exception``
-("a system call the sandbox does not allow"). ``clone3`` alone answers ENOSYS instead, so that the C
-library falls back to ``clone``, whose flags the filter can read.
+("a system call the sandbox does not allow"). ``clone3`` and ``sysinfo`` answer ENOSYS instead (``clone3``, so
+that the C library falls back to ``clone``, whose flags the filter can read).
 """
 
 import ctypes
@@ -34,7 +34,7 @@ ALLOWED = {
                   "rt_sigqueueinfo sigaltstack kill tgkill tkill getpid getppid gettid getuid geteuid getgid "
                   "getegid getresuid getresgid getgroups getpgrp getpgid getsid setpgid setsid fork vfork wait4 "
                   "waitid exit exit_group set_tid_address set_robust_list get_robust_list rseq arch_prctl futex "
-                  "sched_yield sched_getaffinity getpriority getrusage times sysinfo uname prlimit64 getrlimit "
+                  "sched_yield sched_getaffinity getpriority getrusage times uname prlimit64 getrlimit "
                   "setrlimit capget restart_syscall"),
     # clocks, sleeps and timers
     "time": ("clock_gettime clock_getres clock_nanosleep nanosleep gettimeofday time alarm setitimer getitimer "
@@ -65,7 +65,10 @@ ARGUMENT_RULES = {
     "pwritev2": ("one of", 5, (0,)),
     "clone": ("none of", 0, CLONE_NAMESPACE_FLAGS),  # processes and threads, never namespaces
 }
-ENOSYS_CALLS = ("clone3",)  # its flags are behind a pointer: answered ENOSYS, so the C library uses clone
+# answered ENOSYS rather than refused: clone3's flags are behind a pointer (the C library then uses clone);
+# sysinfo tells host-wide load, free memory and process count (what the sandbox's /proc hides), and the C
+# library's callers (sysconf's page counts) take a failure
+ENOSYS_CALLS = ("clone3", "sysinfo")
 
 SYSCALL_NUMBERS = {"x86_64": {
     "read": 0, "write": 1, "open": 2, "close": 3, "stat": 4, "fstat": 5, "lstat": 6, "poll": 7, "lseek": 8,
