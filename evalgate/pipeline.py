@@ -94,13 +94,13 @@ def decide_look(plan: GatePlan, baseline, candidate: Run, ledger) -> Verdict:
     from evalgate.gate.sequence import data_digest
 
     look = ledger.next_look
-    verdict = gate_runs(baseline, candidate, plan.policy.at_look(look), plan.allow_uncalibrated)
+    verdict = gate_runs(baseline, candidate, plan.policy.at_look(look), plan.allow_uncalibrated, plan.items)
     if verdict.comparison is None or verdict.decision is None:  # aggregate-only: one unpaired decision
         return verdict
     digest = data_digest(verdict.comparison)
     seen, _ = ledger.look_for(digest)
     if seen != look:
-        verdict = gate_runs(baseline, candidate, plan.policy.at_look(seen), plan.allow_uncalibrated)
+        verdict = gate_runs(baseline, candidate, plan.policy.at_look(seen), plan.allow_uncalibrated, plan.items)
     k = max((p.k for p in verdict.comparison.pairs.values()), default=1)
     alpha = plan.policy.at_look(seen).alpha
     ledger.record(seen, digest, k, alpha, verdict.verdict, {t: d.verdict for t, d in verdict.decision.tasks.items()})

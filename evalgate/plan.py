@@ -48,6 +48,7 @@ class GatePlan:
     max_samples: int = DEFAULT_MAX_SAMPLES
     baselines_root: Path | None = None  # where sampled baselines are looked up for the rounds
     ledger_dir: Path | None = None  # the gate's sequence ledgers (every look it took); None: not recorded
+    items: str = "all"  # "candidate": decide on the stored candidate's items only (gate.subset)
 
 
 def stamp() -> str:
@@ -121,15 +122,22 @@ def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, base
               thresholds: str | Path | None = None, out: str | Path | None = None,
               report_dir: str | Path | None = None, allow_uncalibrated: bool = False, early_stop: bool = True,
               stop_on_conformance: bool = True, fingerprint: str | None = None, served: bool = False,
-              tasks: Mapping[str, LoadedTask] | None = None, max_samples: int | None = None) -> GatePlan:
+              tasks: Mapping[str, LoadedTask] | None = None, max_samples: int | None = None,
+              items: str = "all") -> GatePlan:
     """One gate's plan from its arguments. ``spec``: a candidate to run (``fingerprint`` is the served model's
     when ``served``, else the local checkpoint's is computed); ``candidate``: a stored run to decide from.
     ``baselines``: baseline folders (default: the stored ``baseline_kernel`` baseline for the model and the
     tasks' profiles, under ``baselines_root``, else the canary's packaged ones). ``tasks``: already loaded
-    (``load_tasks(spec)``), e.g. to start their preparation early. Raises UserError (one line) for anything
-    that cannot be read or found."""
+    (``load_tasks(spec)``), e.g. to start their preparation early. ``items="candidate"``: decide a stored
+    candidate on its own items (the stored baseline found by profile name where the ids differ, e.g. a
+    ``--limit`` run). Raises UserError (one line) for anything that cannot be read or found."""
     if (spec is None) == (candidate is None):
         raise ValueError("plan_gate takes a spec to run or a stored candidate, not both")
+    if items not in ("all", "candidate"):
+        raise UserError(f'--items must be "all" or "candidate", not {items!r}')
+    if items == "candidate" and candidate is None:
+        raise UserError("--items candidate decides a stored run on its own items: make it with `evalgate run "
+                        "--limit N --out RUN`, then `evalgate gate --candidate RUN --items candidate`")
     root = Path(baselines_root) if baselines_root else None
     if candidate is not None:
         profiles = {t: s.get("name") for t, s in candidate.manifest.get("tasks", {}).items()}
@@ -146,7 +154,14 @@ def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, base
     else:
         if fingerprint is None:
             fingerprint = local_fingerprint(spec.model)
-        baseline, missing = load_stored_baseline(lookup_roots(root), fingerprint, profile_ids, baseline_kernel)
+        names = profiles if items == "candidate" else None
+        baseline, missing = load_stored_baseline(lookup_roots(root), fingerprint, profile_ids, baseline_kernel, names)
+        if missing and candidate is not None and items == "all":
+            by_name, _ = load_stored_baseline(lookup_roots(root), fingerprint, profile_ids, baseline_kernel, profiles)
+            if by_name is not None:  # the same profiles on other items: a --limit run
+                raise UserError(f"{candidate.path} ran other items than the stored {baseline_kernel} baseline of its "
+                                f"profiles ({', '.join(missing)}: e.g. a --limit run); decide it on its own items: add "
+                                "`--items candidate` to this command")
         if missing:
             raise _missing_baseline(spec, missing, baseline_kernel, root, served)
     rounds = dict(max_samples=DEFAULT_MAX_SAMPLES if max_samples is None else max_samples, baselines_root=root,
@@ -156,7 +171,7 @@ def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, base
     if candidate is not None:
         return GatePlan(policy=policy, baseline=baseline, allow_uncalibrated=allow_uncalibrated,
                         report_dir=Path(report_dir) if report_dir else candidate.path / "gate", candidate=candidate,
-                        **rounds)
+                        items=items, **rounds)
     run_out = Path(out) if out else gate_out(spec.kernel)
     return GatePlan(policy=policy, baseline=baseline, allow_uncalibrated=allow_uncalibrated,
                     report_dir=Path(report_dir) if report_dir else run_out / "gate", spec=spec, tasks=loaded,

@@ -19,7 +19,10 @@ from evalgate.errors import UserError
               help="Where to write the self-contained HTML report.")
 @click.option("--thresholds", "thresholds_path", type=click.Path(), default=None, help="Policy file (default: $EVALGATE_THRESHOLDS, else the canary's own for canary runs, else ./thresholds.yaml, else the packaged one).")
 @click.option("--allow-uncalibrated", is_flag=True, help="Decide even if the baseline has no A/A calibration (recorded).")
-def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated):
+@click.option("--items", type=click.Choice(["all", "candidate"]), default="all", show_default=True,
+              help="'candidate': decide on the candidate's own items (a --limit run against a full baseline, checked "
+                   "item by item; the policy's margins, the smaller n).")
+def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated, items):
     """Per-item HTML report of a candidate run against a baseline, and its verdict (exit 0 PASS, 1 FAIL,
     3 INCONCLUSIVE)."""
     from evalgate.canary import policy_for
@@ -37,7 +40,7 @@ def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated)
     preflight.stored_run(candidate)
     run = load_run(candidate)  # read once: for its profiles (a canary run has its own policy) and the decision
     policy = resolve_policy(thresholds_path, canary=policy_for(run) is not None)
-    verdict = gate_runs(list(baselines), run, policy, allow_uncalibrated)
+    verdict = gate_runs(list(baselines), run, policy, allow_uncalibrated, items)
     text = report_html(verdict)  # rendered fully before the file is touched
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text, encoding="utf-8")

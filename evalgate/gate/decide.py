@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from evalgate.errors import NotComparable
+from evalgate.errors import NotComparable, UserError
 from evalgate.gate.compare import Pairing, compare
 from evalgate.gate.policy import Thresholds, load_thresholds
 from evalgate.gate.rule import TaskData, TaskRule, decide_overall, decide_task
@@ -154,14 +154,23 @@ def decide_unpaired(baseline: Run, candidate: Run, thresholds: Thresholds) -> Ve
 
 
 def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = None,
-              allow_uncalibrated: bool = False) -> Verdict:
+              allow_uncalibrated: bool = False, items: str = "all") -> Verdict:
     """Decide from runs. ``baseline`` is a loaded ``StoredBaseline``, or a run/baseline folder or a list of
     baseline folders (read here); ``candidate`` a ``Run`` or its folder; ``thresholds`` a policy or its file
-    (None: the default policy)."""
+    (None: the default policy). ``items="candidate"``: decide on the candidate's items only (a ``--limit``
+    run against a full baseline), both runs cut to them after an item-by-item check (``gate.subset``); the
+    policy's margins stay, the smaller n decides."""
     stored = baseline if isinstance(baseline, StoredBaseline) else load_baseline(baseline)
     dirs, base_run = list(stored.dirs), stored.run
     cand_run = candidate if isinstance(candidate, Run) else load_run(candidate)
     policy = thresholds if isinstance(thresholds, Thresholds) else load_thresholds(thresholds)
+    subset_notes: list[str] = []
+    if items == "candidate" and not base_run.manifest.get("aggregate_only"):
+        from evalgate.gate.subset import item_lists, restrict
+
+        base_run, cand_run, subset_notes = restrict(base_run, cand_run, item_lists("candidate", base_run, cand_run, None))
+    elif items != "all":
+        raise UserError(f'items must be "all" or "candidate", not {items!r}')
     if base_run.manifest.get("aggregate_only"):
         return with_conformance(replace(decide_unpaired(base_run, cand_run, policy), baseline_dirs=[str(d) for d in dirs]),
                                 cand_run)
@@ -173,7 +182,7 @@ def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = 
                       aa_flips={t: a["flips"] for t, a in stored.aa.items()})
     verdict = decide(pairing, policy, aa=stored.aa, require_aa=not allow_uncalibrated)
     # runs whose HumanEval programs ran under different Python minors: compared, said in the verdict (gate.json)
-    notes = [*verdict.notes, *python_warnings(base_run.manifest, cand_run.manifest, tasks)]
+    notes = [*subset_notes, *verdict.notes, *python_warnings(base_run.manifest, cand_run.manifest, tasks)]
     verdict = replace(verdict, baseline_dirs=[str(d) for d in dirs], notes=notes)
     if pairing.stopped_early:  # decided on its best completion: certain FAIL, or no verdict at all
         from evalgate.gate.stopped import check_stopped_verdict, summary

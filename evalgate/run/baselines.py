@@ -235,13 +235,22 @@ def list_baselines(root: str | Path = DEFAULT_ROOT) -> list[dict]:
     return rows
 
 
-def _find(roots: list[Path], fingerprint: str, profile_id: str, kernel: str) -> tuple[Path, RunManifest] | None:
-    """The first root's matching baseline folder and its manifest (a user's own baseline wins)."""
+def _find(roots: list[Path], fingerprint: str, profile_id: str, kernel: str,
+          profile_name: str | None = None) -> tuple[Path, RunManifest] | None:
+    """The first root's matching baseline folder and its manifest (a user's own baseline wins): by profile id,
+    else (``profile_name`` given: a candidate on a subset of the items, checked item by item afterwards) by
+    profile name."""
     for root in roots:
         for d, m in _stored(root):
             (summary,) = m.tasks.values()
             if m.model.fingerprint == fingerprint and summary.profile_id == profile_id and m.kernel.name == kernel:
                 return d, m
+    if profile_name is not None:
+        for root in roots:
+            for d, m in _stored(root):
+                (summary,) = m.tasks.values()
+                if m.model.fingerprint == fingerprint and summary.name == profile_name and m.kernel.name == kernel:
+                    return d, m
     return None
 
 
@@ -257,11 +266,12 @@ def find_stored_baseline(roots: list[Path], fingerprint: str, profile_id: str, k
     return found[0] if found else None
 
 
-def load_stored_baseline(roots: list[Path], fingerprint: str, profile_ids: dict[str, str],
-                         kernel: str) -> tuple["StoredBaseline | None", list[str]]:
+def load_stored_baseline(roots: list[Path], fingerprint: str, profile_ids: dict[str, str], kernel: str,
+                         profile_names: dict[str, str] | None = None) -> tuple["StoredBaseline | None", list[str]]:
     """The stored ``kernel`` baseline of every task (``lookup_roots`` order), each file read once; or None
-    and the tasks that have none."""
-    found = {task: _find(roots, fingerprint, pid, kernel) for task, pid in profile_ids.items()}
+    and the tasks that have none. ``profile_names``: match by name where no id matches (a subset candidate)."""
+    names = profile_names or {}
+    found = {task: _find(roots, fingerprint, pid, kernel, names.get(task)) for task, pid in profile_ids.items()}
     missing = [t for t, f in found.items() if f is None]
     if missing:
         return None, missing
