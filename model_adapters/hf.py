@@ -46,8 +46,7 @@ def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: s
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    if not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()  # keep CI logs clean
+    hf_logging.disable_progress_bar()  # one progress style: evalgate's own (run/progress.py), in CI logs too
     d = check_model_dir(path)
     kernel = get_kernel(kernel_name)
     device_map = streamed_device_map(d, kernel, device, device_map)

@@ -1,4 +1,10 @@
-"""Progress for long work: a rich bar on a terminal, a plain line now and then otherwise (CI logs)."""
+"""Progress for long work: a rich bar on a terminal, a plain line now and then otherwise (CI logs).
+
+The time left is estimated from work, not from item counts: each item weighs what its answer is expected to
+cost (the stored baseline's answer length, in tokens, where the gate has one; else the mean of those known,
+else 1). Continuous batching finishes short answers first, so a count-based estimate would promise the
+end far too early; weighted, the first finished items already give a fair estimate.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +20,11 @@ class Progress:
 
     def __enter__(self):
         if self.rich:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(),
+                                     TextColumn("{task.fields[items]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                                     transient=False)
             self._bar.__enter__()
         return self
 
@@ -25,23 +32,42 @@ class Progress:
         if self._bar is not None:
             self._bar.__exit__(*exc)
 
-    def task(self, description: str, total: int, done: int = 0) -> "TaskProgress":
-        return TaskProgress(self, description, total, done)
+    def task(self, description: str, total: int, done: int = 0, weights: dict | None = None,
+             done_ids=()) -> "TaskProgress":
+        """A task of ``total`` items, ``done`` of them already stored (``done_ids``: which). ``weights``:
+        doc id -> expected cost (tokens) for the time-left estimate."""
+        return TaskProgress(self, description, total, done, weights or {}, done_ids)
 
 
 class TaskProgress:
-    def __init__(self, parent: Progress, description: str, total: int, done: int):
+    def __init__(self, parent: Progress, description: str, total: int, done: int, weights: dict, done_ids=()):
         self.parent, self.description, self.total, self.done = parent, description, total, done
+        known = [w for w in weights.values() if w and w > 0]
+        self._weights, self._default = weights, (sum(known) / len(known) if known else 1.0)
+        self.work_total = self._default * total + sum(self._weight(i) - self._default for i in weights)
+        self.work_done = float(sum(self._weight(i) for i in done_ids)) if done_ids else self._default * done
         self._last_line = 0.0
-        self._started, self._first = time.monotonic(), done  # items already stored (a resume) are not timed
-        self._id = parent._bar.add_task(description, total=total, completed=done) if parent._bar else None
+        self._started, self._first_work = time.monotonic(), self.work_done  # a resume's items are not timed
+        self._id = (parent._bar.add_task(description, total=self.work_total, completed=self.work_done,
+                                         items=self._items()) if parent._bar else None)
         if parent._bar is None:
             self._line(force=True)
 
-    def advance(self, n: int) -> None:
+    def _weight(self, doc_id) -> float:
+        w = self._weights.get(doc_id)
+        return float(w) if w and w > 0 else self._default
+
+    def _items(self) -> str:
+        return f"{self.done}/{self.total}"
+
+    def advance(self, n: int, doc_ids=()) -> None:
+        """``n`` more items done (``doc_ids``: which, for their weights)."""
         self.done += n
+        self.work_done += sum(self._weight(i) for i in doc_ids) if doc_ids else self._default * n
+        if self.done >= self.total:
+            self.work_done = self.work_total
         if self._id is not None:
-            self.parent._bar.update(self._id, completed=self.done)
+            self.parent._bar.update(self._id, completed=self.work_done, items=self._items())
         else:
             self._line(force=self.done >= self.total)
 
@@ -49,19 +75,26 @@ class TaskProgress:
         now = time.monotonic()
         if force or now - self._last_line > 10:
             self._last_line = now
-            print(f"{self.description}: {self.done}/{self.total}{self._times(now)}", file=self.parent.stream,
-                  flush=True)
+            print(f"{self.description}: {self._items()}{self._times(now)}", file=self.parent.stream, flush=True)
 
     def _times(self, now: float) -> str:
-        """", 0:42 elapsed, about 1:10 left" (the rate of the items done so far; none before the first)."""
+        """", 0:42 elapsed, about 1:10 left" (from the work done so far; none before the first item)."""
         elapsed = now - self._started
         if elapsed < 1:
             return ""
         text = f", {_clock(elapsed)} elapsed"
-        done = self.done - self._first
-        if 0 < done and self.done < self.total:
-            text += f", about {_clock(elapsed / done * (self.total - self.done))} left"
+        left = self.seconds_left(now)
+        if left is not None:
+            text += f", about {_clock(left)} left"
         return text
+
+    def seconds_left(self, now: float | None = None) -> float | None:
+        """The estimate: time so far over the work done so far, times the work left (None before any)."""
+        done = self.work_done - self._first_work
+        if done <= 0 or self.done >= self.total:
+            return None
+        elapsed = (time.monotonic() if now is None else now) - self._started
+        return elapsed / done * (self.work_total - self.work_done)
 
 
 def _clock(seconds: float) -> str:

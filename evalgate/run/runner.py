@@ -289,6 +289,7 @@ class _TaskRun:
         self.by_id = {item["doc_id"]: item for item in self.items}
         requests = [r for r in self.task.requests(self.items, self.resolved) if r.doc_id not in self.writer.stored]
         lengths = (expected_tokens or {}).get(self.task.name) or {}
+        self.lengths = lengths
         if lengths:
             requests = [replace(r, expected_tokens=lengths.get(r.doc_id)) for r in requests]
         if spec.order == "reverse":
@@ -306,8 +307,10 @@ class _TaskRun:
         prepared = self.task.prepare(self.resolved, self.data_dir)
         if prepared:
             self.entry["prepare"] = prepared
+        ids = {item["doc_id"] for item in self.items}
         self.bar = progress.task(f"{self.task.name} [{self.kernel_name}]", total=len(self.items),
-                                 done=len(self.writer.stored))
+                                 done=len(self.writer.stored), done_ids=list(self.writer.stored),
+                                 weights={d: t for d, t in self.lengths.items() if d in ids})
 
     def score_and_write(self, samples: list[Request], sample_generations) -> None:
         batch, generations = self.groups.add(samples, sample_generations)
@@ -322,7 +325,7 @@ class _TaskRun:
         written = self.writer.append(records)
         self.times["score_s"] += time.perf_counter() - t0
         if self.bar is not None:
-            self.bar.advance(len(written))
+            self.bar.advance(len(written), [r["doc_id"] for r in written])
         if written and self.observer is not None:
             self.observer.scored(self.task.name, written)
 

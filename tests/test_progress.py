@@ -1,0 +1,72 @@
+"""The time-left estimate weighs each item by its expected answer length (the stored baseline's), so the
+short answers continuous batching finishes first do not promise an early end."""
+
+from __future__ import annotations
+
+import io
+
+from evalgate.run.progress import Progress
+
+
+def _task(weights, total=None, done_ids=()):
+    stream = io.StringIO()
+    progress = Progress(enabled=False, stream=stream)
+    task = progress.task("gsm8k [w4a4_packed]", total=total or len(weights), done=len(done_ids), weights=weights,
+                         done_ids=done_ids)
+    return task, stream
+
+
+def test_the_estimate_weighs_items_by_their_expected_length():
+    task, _ = _task({0: 10, 1: 10, 2: 80})
+    assert task.seconds_left() is None  # nothing done yet: no rate
+    task.advance(1, [0])
+    start = task._started
+    # 10 of 100 tokens' worth in 5 s: 45 s left (a count would say 10 s: 1 of 3 items in 5 s)
+    assert abs(task.seconds_left(start + 5.0) - 45.0) < 1e-9
+    task.advance(1, [2])
+    assert abs(task.seconds_left(start + 9.0) - 9.0 / 90 * 10) < 1e-9
+
+
+def test_items_without_a_length_weigh_the_mean_and_a_resume_is_not_timed():
+    task, _ = _task({0: 30, 1: 10}, total=4, done_ids=[0])  # items 2 and 3: no stored length, weigh 20
+    assert task.work_total == 30 + 10 + 20 + 20 and task.work_done == 30
+    assert task.seconds_left(task._started + 3.0) is None  # the resumed item took no time of this run
+    task.advance(1, [2])
+    assert abs(task.seconds_left(task._started + 4.0) - 4.0 / 20 * 30) < 1e-9
+
+
+def test_without_lengths_every_item_weighs_one_and_the_plain_lines_say_the_estimate():
+    task, stream = _task({}, total=4)
+    task._started -= 8.0  # eight seconds in
+    task.advance(1)
+    task._line(force=True)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "gsm8k [w4a4_packed]: 0/4"
+    assert lines[-1].startswith("gsm8k [w4a4_packed]: 1/4, 0:08 elapsed, about 0:2")  # 24 s, give or take the clock
+    task.advance(3)
+    assert task.seconds_left() is None and stream.getvalue().splitlines()[-1].startswith("gsm8k [w4a4_packed]: 4/4")
+
+
+class _Recording(Progress):
+    def __init__(self):
+        super().__init__(enabled=False, stream=io.StringIO())
+        self.tasks = []
+
+    def task(self, description, total, done=0, weights=None, done_ids=()):
+        bar = super().task(description, total, done, weights, done_ids)
+        self.tasks.append(bar)
+        return bar
+
+
+def test_a_run_weighs_its_bar_by_the_lengths_it_was_handed(tmp_path, data_dir):
+    from test_decoding_schedule import LengthAdapter
+
+    from evalgate.run.runner import RunSpec, execute
+
+    spec = RunSpec(model="fake", kernel="w4a4_packed", tasks=["gsm8k"], limit=4, batch_size=2, data_dir=str(data_dir))
+    lengths = {0: 5, 1: 50, 2: 500, 3: 5000}
+    progress = _Recording()
+    execute(spec, tmp_path / "run", adapter=LengthAdapter("w4a4_packed"), progress=progress,
+            expected_tokens={"gsm8k": lengths})
+    (bar,) = progress.tasks
+    assert bar.work_total == sum(lengths.values()) and bar.work_done == bar.work_total and bar.done == 4
