@@ -736,9 +736,9 @@ def isolate(header, sock, out_fd, err_fd, namespaces, work_dir, joins):
         size = f"size={header['limits']['tmpfs_bytes']},mode=1777"
         _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, size)
         _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, size)
-        # a whole, writable /proc for the rest of this setup only (IPC limits, id maps), reached through a
-        # descriptor closed before the program runs; the program's /proc is mounted over it
-        _mount("proc", "/proc", "proc", PROC_FLAGS)
+        # the executor's /proc (the host's), for the rest of this setup only (IPC limits, id maps; each file
+        # speaks of the calling process and its namespaces), reached through a descriptor closed before the
+        # program runs; the program's own /proc is mounted over it
         proc_setup = os.open("/proc", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         ipc_limits = ipc_namespace_limits(header["limits"]["tmpfs_bytes"], proc_setup)
         proc_view = mount_program_proc()
@@ -786,7 +786,7 @@ def isolate(header, sock, out_fd, err_fd, namespaces, work_dir, joins):
 
 
 def mount_program_proc():
-    """The program's /proc, over the setup's: its own processes' entries and nothing of the host.
+    """The program's /proc, over the executor's: its own processes' entries and nothing of the host.
 
     A fresh /proc shows host-wide counters that one program can move and a later or concurrent one read
     (``stat``, ``loadavg``, ``meminfo``, ``vmstat``, ``sys/fs/dentry-state``, ``pressure/``, ...), and
@@ -797,7 +797,7 @@ def mount_program_proc():
     # EINVAL: no subset=pid before 5.8; in a user namespace the kernel may refuse it: covered instead
     if PROC_VIEW == "pid" and libc.mount(b"proc", b"/proc", b"proc", PROC_FLAGS | MS_RDONLY, b"subset=pid") == 0:
         return "own processes only, read-only"
-    _mount("/proc", "/proc", None, MS_BIND)
+    _mount("proc", "/proc", "proc", PROC_FLAGS)
     _mount(None, "/proc", None, MS_REMOUNT | MS_BIND | MS_RDONLY | PROC_FLAGS)
     covered = 0
     for name in os.listdir("/proc"):
