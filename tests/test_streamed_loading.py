@@ -217,9 +217,12 @@ def test_fullwidth_script_tiny(tmp_path, monkeypatch):
     assert figures["config"]["n_routed_experts"] == 8 and figures["config"]["num_hidden_layers"] == 43
     assert figures["h200s_needed"] == 1 and figures["projected_gsm8k_s_full_model"] > 0
     rows = figures["batches"]
-    assert [(r["cache"], r["batch"]) for r in rows] == [("hf", 1), ("hf", 3), ("slots", 1), ("slots", 3)]
+    assert [(r["cache"], r["batch"]) for r in rows] == [("hf", 1), ("hf", 3), ("slots", 1), ("graphs", 1),
+                                                         ("slots", 3), ("graphs", 3)]
     assert figures["copy_bandwidth_gb_s"] > 0
-    for one, three in (rows[:2], rows[2:]):
+    by = {(r["cache"], r["batch"]): r for r in rows}
+    assert all(by["graphs", b]["graph_bits_equal"] and not by["graphs", b]["graphed"] for b in (1, 3))  # CPU
+    for one, three in ((by[c, 1], by[c, 3]) for c in ("hf", "slots", "graphs")):
         assert three["prompt_tokens"] > 3 * 100  # few-shot prompts, prefilled
         # a step of 3 rows reads at least the experts of 1 row: its floor is at least batch 1's
         assert three["floor_gib"] >= one["floor_gib"] > 0 and one["x_floor"] > 0
