@@ -10,8 +10,9 @@
 
 Fault (c) (w * quantize(h): FP32 L2 input) runs every row on the per-block path (`gemm.f64_gemm` for L2).
 Which rows take the fast path is decided per row on the device before the GEMM (`fast.plan_rows`: no host
-sync; the layer reads once, at its end, how many rows the fast path left); the per-block path
-runs SLOW_CHUNK_ROWS rows at a time, so no call holds an FP32 accumulator for all its rows. Both paths
+sync; the layer reads once, at its end, how many rows the fast path left; under `defer_finish`, a whole
+decoding step in one CUDA graph, no layer reads it and the step reads the sum of every layer's); the
+per-block path runs SLOW_CHUNK_ROWS rows at a time, so no call holds an FP32 accumulator for all its rows. Both paths
 compute RN_fp32 of the exact dot product (docs/kernels.md#accumulation), so a row's bits do not depend on
 the path; `check.triton_layer_check` holds the whole forward against the emulator bit for bit.
 """
@@ -225,7 +226,8 @@ def _fused_forward(x, top_k_index, top_k_weights, fp4, recipe, limit, routed_sca
     return y, layer
 
 
-# CUDA graphs of the fused path's device work, for calls of up to max_rows (token, slot) rows (0: never):
+# CUDA graphs of one call's fused device work (where no graph of the whole step holds it, `defer_finish`: prefill,
+# transformers' cache), for calls of up to max_rows (token, slot) rows (0: never):
 # launching ~25 kernels from Python leaves the GPU idle until the GEMMs are reached (~2 ms measured at 4096
 # tokens x 6 slots, not only on small calls). A shape's first call runs eagerly (compiling the kernels),
 # its second captures the graph, later ones copy their inputs in and replay it.
