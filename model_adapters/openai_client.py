@@ -375,8 +375,10 @@ class OpenAIAdapter(AdapterBase):
                 last = f"no answer within --request-timeout {self.request_timeout:g} s"
             except httpx.TransportError as exc:  # refused, reset, dropped mid-response
                 last = _transport_error(exc)
-        raise UserError(f"server {self.url} failed {what} on {path} after {self.retries + 1} attempts: {last}; "
-                        f"{RESUME_HINT}")
+        # the server, not the input: the command line ends with the environment code (4)
+        hint = RESUME_HINT if what.startswith("item") else "check that the server is up and serving, then rerun"
+        raise ServerError(f"server {self.url} failed {what} on {path} after {self.retries + 1} attempts: {last}; "
+                          f"{hint}")
 
     def _http(self, method: str, path: str, payload: dict | None) -> tuple[int, bytes]:
         body = None if payload is None else json.dumps(payload).encode("utf-8")

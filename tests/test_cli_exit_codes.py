@@ -30,7 +30,11 @@ ENDINGS = [
 
 
 @pytest.mark.parametrize("exc, code, line", ENDINGS, ids=[type(e).__name__ + str(c) for e, c, _ in ENDINGS])
-def test_every_ending_has_its_code_and_one_line(exc, code, line, monkeypatch, capsys):
+def test_every_ending_has_its_code_and_one_line(exc, code, line, monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    (tmp_path / "runs" / "x" / "manifest.json").write_text("{}")  # the run stored something: it can resume
+
     @click.command("ending")
     def ending():
         note_resumable("runs/x", "--out runs/x")
@@ -49,3 +53,37 @@ def test_every_ending_has_its_code_and_one_line(exc, code, line, monkeypatch, ca
         assert len(err) == 1
     else:
         assert err[0] == "Traceback (most recent call last):"
+
+
+def test_a_failure_before_the_run_stored_anything_offers_no_resume(monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+
+    @click.command("ending")
+    def ending():
+        note_resumable("runs/x", "--out runs/x --resume")  # chosen, never written: `--resume` would fail there
+        raise EnvironmentFailure("server http://gpu:30000 failed the model list")
+
+    main.add_command(ending)
+    monkeypatch.setattr(sys, "argv", ["evalgate", "ending"])
+    try:
+        got = _run_main()
+    finally:
+        main.commands.pop("ending")
+    assert got == 4
+    assert capsys.readouterr().err.strip() == "evalgate: could not finish: server http://gpu:30000 failed the model list"
+
+
+@pytest.mark.parametrize("command", [["gate"], ["run", "--out", "{tmp}/run"], ["calibrate"]])
+def test_a_server_failing_at_start_is_the_environment_and_names_no_resume(command, cli_env, tmp_path):
+    import subprocess
+
+    from fake_server import FakeServer
+
+    with FakeServer(models_status=500) as server:
+        args = [a.format(tmp=tmp_path) for a in command]
+        proc = subprocess.run([sys.executable, "-m", "evalgate", *args, "--server", server.url, "--retries", "1"],
+                              env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    (line,) = proc.stderr.strip().splitlines()
+    assert proc.returncode == 4, proc.stderr
+    assert line.startswith("evalgate: could not finish: server ") and "failed the model list" in line
+    assert "--resume" not in line and "are kept" not in line

@@ -52,7 +52,7 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
 
         prepare_out(runs / f"calibrate-{stamp}-{kernel.replace('/', '_')}-server", resume=False)
     log_dir = runs / f"calibrate-{stamp}-{kernel.replace('/', '_')}-server"
-    from evalgate.errors import UserError
+    from evalgate.errors import EnvironmentFailure
     from evalgate.model_adapters.server_errors import RESUME_HINT, ServerError
 
     try:
@@ -60,8 +60,9 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
                             request_timeout, concurrency, retries, batch_size, resume_hint=False) as adapter:
             results = run_calibration(spec, Path(baselines_root), runs_dir=runs, thresholds_path=policy,
                                       second_batch_size=second_batch_size, adapter=adapter, stamp=stamp)
-    except ServerError as exc:  # a calibration is not resumed: it starts again, on a healthy server
-        raise UserError(str(exc).replace(RESUME_HINT, "restart the server and run the calibration again")) from None
+    except ServerError as exc:  # the server, not the input; a calibration is not resumed: it starts again
+        raise EnvironmentFailure(str(exc).replace(RESUME_HINT, "restart the server and run the calibration "
+                                                              "again")) from None
     for task, r in results.items():
         click.echo(f"{task}: A/A flip rate ψ0 = {100 * r['psi0']:.2f}% ({r['b'] + r['c']} of {r['n']} items), "
                    f"Δ0 = {100 * r['delta0']:+.2f} pp, A/A verdict {r['verdict']}; stored in {r['baseline']}")

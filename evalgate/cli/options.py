@@ -287,9 +287,11 @@ def note_resumable(out: str | Path, rerun: str) -> None:
 
 def resume_note(ctx) -> str:
     """"; finished items in 'X' are kept: run the same command with --out X to resume", or "" before a run
-    folder was chosen."""
+    folder was chosen or before the run stored anything (nothing to resume: the same command starts again)."""
     noted = ctx.meta.get(RESUME_KEY)
     if not noted:
         return ""
     out, rerun = noted
+    if not (Path(out) / "manifest.json").is_file():
+        return ""
     return f"; finished items in {out!r} are kept: run the same command with {rerun} to resume"
