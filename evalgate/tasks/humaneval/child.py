@@ -772,7 +772,7 @@ def isolate(header, sock, out_fd, err_fd, namespaces, work_dir, joins):
             except OSError:
                 pass
         isolation["nested_namespaces"] = "blocked"
-        os.close(proc_setup)  # the writable /proc is out of reach from here on
+        os.close(proc_setup)  # the executor's /proc is out of reach from here on
     if "keyctl" in _SYSCALL and libc.syscall(_SYSCALL["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None) >= 0:
         isolation["keyring"] = "fresh session keyring"
     drop_capabilities()
