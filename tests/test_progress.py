@@ -18,33 +18,46 @@ def _task(weights, total=None, done_ids=()):
 
 def test_the_estimate_weighs_items_by_their_expected_length():
     task, _ = _task({0: 10, 1: 10, 2: 80})
-    assert task.seconds_left() is None  # nothing done yet: no rate
+    run = task.parent
+    assert run.seconds_left() is None  # nothing done yet: no rate
     task.advance(1, [0])
-    start = task._started
+    start = run._started
     # 10 of 100 tokens' worth in 5 s: 45 s left (a count would say 10 s: 1 of 3 items in 5 s)
-    assert abs(task.seconds_left(start + 5.0) - 45.0) < 1e-9
+    assert abs(run.seconds_left(start + 5.0) - 45.0) < 1e-9
     task.advance(1, [2])
-    assert abs(task.seconds_left(start + 9.0) - 9.0 / 90 * 10) < 1e-9
+    assert abs(run.seconds_left(start + 9.0) - 9.0 / 90 * 10) < 1e-9
 
 
 def test_items_without_a_length_weigh_the_mean_and_a_resume_is_not_timed():
     task, _ = _task({0: 30, 1: 10}, total=4, done_ids=[0])  # items 2 and 3: no stored length, weigh 20
+    run = task.parent
     assert task.work_total == 30 + 10 + 20 + 20 and task.work_done == 30
-    assert task.seconds_left(task._started + 3.0) is None  # the resumed item took no time of this run
+    assert run.seconds_left(run._started + 3.0) is None  # the resumed item took no time of this run
     task.advance(1, [2])
-    assert abs(task.seconds_left(task._started + 4.0) - 4.0 / 20 * 30) < 1e-9
+    assert abs(run.seconds_left(run._started + 4.0) - 4.0 / 20 * 30) < 1e-9
+
+
+def test_tasks_in_one_stream_share_one_estimate():
+    # HumanEval decodes first (costliest first); GSM8K's first item arrives late but the run's rate is known
+    progress = Progress(enabled=False, stream=io.StringIO())
+    humaneval = progress.task("humaneval", total=2, weights={"H/0": 100, "H/1": 100})
+    gsm8k = progress.task("gsm8k", total=2, weights={0: 50, 1: 50})
+    humaneval.advance(2, ["H/0", "H/1"])
+    gsm8k.advance(1, [0])
+    assert abs(progress.seconds_left(progress._started + 25.0) - 25.0 / 250 * 50) < 1e-9
 
 
 def test_without_lengths_every_item_weighs_one_and_the_plain_lines_say_the_estimate():
     task, stream = _task({}, total=4)
     task._started -= 8.0  # eight seconds in
+    task.parent._started -= 8.0
     task.advance(1)
     task._line(force=True)
     lines = stream.getvalue().splitlines()
     assert lines[0] == "gsm8k [w4a4_packed]: 0/4"
     assert lines[-1].startswith("gsm8k [w4a4_packed]: 1/4, 0:08 elapsed, about 0:2")  # 24 s, give or take the clock
     task.advance(3)
-    assert task.seconds_left() is None and stream.getvalue().splitlines()[-1].startswith("gsm8k [w4a4_packed]: 4/4")
+    assert task.parent.seconds_left() is None and stream.getvalue().splitlines()[-1].startswith("gsm8k [w4a4_packed]: 4/4")
 
 
 class _Recording(Progress):

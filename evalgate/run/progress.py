@@ -1,9 +1,11 @@
 """Progress for long work: a rich bar on a terminal, a plain line now and then otherwise (CI logs).
 
 The time left is estimated from work, not from item counts: each item weighs what its answer is expected to
-cost (the stored baseline's answer length, in tokens, where the gate has one; else the mean of those known,
-else 1). Continuous batching finishes short answers first, so a count-based estimate would promise the
-end far too early; weighted, the first finished items already give a fair estimate.
+cost (the stored baseline's answer length, in tokens, where the gate has one; else its token limit; an item
+without either weighs the mean of its task's). Continuous batching finishes short answers first, so a
+count-based estimate would promise the end far too early; weighted, the first finished items already give a
+fair estimate. Tasks decoded in one stream share their time, so the estimate is the run's: all of its
+tasks' work done so far against all of their work left.
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ class Progress:
         self.stream = stream or sys.stderr
         self.rich = self.stream.isatty() if enabled is None else enabled
         self._bar = None
+        self._tasks: list[TaskProgress] = []
+        self._started: float | None = None
 
     def __enter__(self):
         if self.rich:
-            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 
             self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(),
-                                     TextColumn("{task.fields[items]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                                     transient=False)
+                                     TextColumn("{task.fields[items]}"), TimeElapsedColumn(),
+                                     TextColumn("{task.fields[left]}"), transient=False)
             self._bar.__enter__()
         return self
 
@@ -36,7 +40,28 @@ class Progress:
              done_ids=()) -> "TaskProgress":
         """A task of ``total`` items, ``done`` of them already stored (``done_ids``: which). ``weights``:
         doc id -> expected cost (tokens) for the time-left estimate."""
-        return TaskProgress(self, description, total, done, weights or {}, done_ids)
+        if self._started is None:
+            self._started = time.monotonic()
+        task = TaskProgress(self, description, total, done, weights or {}, done_ids)
+        self._tasks.append(task)
+        return task
+
+    def seconds_left(self, now: float | None = None) -> float | None:
+        """The run's estimate: the time since its first task over the work its tasks finished since, times
+        the work they have left (None before any, or once all is done)."""
+        done = sum(t.work_done - t.first_work for t in self._tasks)
+        left = sum(t.work_total - t.work_done for t in self._tasks)
+        if done <= 0 or left <= 0 or self._started is None:
+            return None
+        return ((time.monotonic() if now is None else now) - self._started) / done * left
+
+    def _refresh(self) -> None:
+        """Every task's bar shows the run's estimate."""
+        left = self.seconds_left()
+        text = "" if left is None else f"about {_clock(left)} left"
+        for t in self._tasks:
+            if t.bar_id is not None:
+                self._bar.update(t.bar_id, left=text)
 
 
 class TaskProgress:
@@ -47,9 +72,9 @@ class TaskProgress:
         self.work_total = self._default * total + sum(self._weight(i) - self._default for i in weights)
         self.work_done = float(sum(self._weight(i) for i in done_ids)) if done_ids else self._default * done
         self._last_line = 0.0
-        self._started, self._first_work = time.monotonic(), self.work_done  # a resume's items are not timed
-        self._id = (parent._bar.add_task(description, total=self.work_total, completed=self.work_done,
-                                         items=self._items()) if parent._bar else None)
+        self._started, self.first_work = time.monotonic(), self.work_done  # a resume's items are not timed
+        self.bar_id = (parent._bar.add_task(description, total=self.work_total, completed=self.work_done,
+                                            items=self._items(), left="") if parent._bar else None)
         if parent._bar is None:
             self._line(force=True)
 
@@ -66,8 +91,9 @@ class TaskProgress:
         self.work_done += sum(self._weight(i) for i in doc_ids) if doc_ids else self._default * n
         if self.done >= self.total:
             self.work_done = self.work_total
-        if self._id is not None:
-            self.parent._bar.update(self._id, completed=self.work_done, items=self._items())
+        if self.bar_id is not None:
+            self.parent._bar.update(self.bar_id, completed=self.work_done, items=self._items())
+            self.parent._refresh()
         else:
             self._line(force=self.done >= self.total)
 
@@ -78,23 +104,16 @@ class TaskProgress:
             print(f"{self.description}: {self._items()}{self._times(now)}", file=self.parent.stream, flush=True)
 
     def _times(self, now: float) -> str:
-        """", 0:42 elapsed, about 1:10 left" (from the work done so far; none before the first item)."""
+        """", 0:42 elapsed, about 1:10 left" (the run's estimate; none before its first item, nor once this
+        task is done)."""
         elapsed = now - self._started
         if elapsed < 1:
             return ""
         text = f", {_clock(elapsed)} elapsed"
-        left = self.seconds_left(now)
+        left = self.parent.seconds_left(now) if self.done < self.total else None
         if left is not None:
             text += f", about {_clock(left)} left"
         return text
-
-    def seconds_left(self, now: float | None = None) -> float | None:
-        """The estimate: time so far over the work done so far, times the work left (None before any)."""
-        done = self.work_done - self._first_work
-        if done <= 0 or self.done >= self.total:
-            return None
-        elapsed = (time.monotonic() if now is None else now) - self._started
-        return elapsed / done * (self.work_total - self.work_done)
 
 
 def _clock(seconds: float) -> str:

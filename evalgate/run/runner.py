@@ -289,7 +289,8 @@ class _TaskRun:
         self.by_id = {item["doc_id"]: item for item in self.items}
         requests = [r for r in self.task.requests(self.items, self.resolved) if r.doc_id not in self.writer.stored]
         lengths = (expected_tokens or {}).get(self.task.name) or {}
-        self.lengths = lengths
+        # what the progress bar weighs each item by: its expected answer length, else its token limit
+        self.weights = dict(lengths) or {r.doc_id: r.max_new_tokens for r in requests}
         if lengths:
             requests = [replace(r, expected_tokens=lengths.get(r.doc_id)) for r in requests]
         if spec.order == "reverse":
@@ -310,7 +311,7 @@ class _TaskRun:
         ids = {item["doc_id"] for item in self.items}
         self.bar = progress.task(f"{self.task.name} [{self.kernel_name}]", total=len(self.items),
                                  done=len(self.writer.stored), done_ids=list(self.writer.stored),
-                                 weights={d: t for d, t in self.lengths.items() if d in ids})
+                                 weights={d: t for d, t in self.weights.items() if d in ids})
 
     def score_and_write(self, samples: list[Request], sample_generations) -> None:
         batch, generations = self.groups.add(samples, sample_generations)
