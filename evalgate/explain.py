@@ -101,20 +101,6 @@ class Explanation:
         out["margin"] = self.margin
         return out
 
-    @classmethod
-    def from_dict(cls, data: dict) -> "Explanation":
-        """The explanation ``to_dict`` gave (read back from gate.json: the report re-rendered, nothing replayed)."""
-        known = {f.name for f in fields(cls)}
-        out = {k: v for k, v in data.items() if k in known}
-        for side in ("base", "cand"):
-            if out.get(side) is not None:
-                c = out[side]
-                out[side] = KernelChoice(c["kernel"], tuple(TopToken(**t) for t in c["top"]), c["margin"])
-        out["layers"] = tuple(LayerDifference(**{**x, "selected": tuple(x.get("selected", ()))})
-                              for x in out.get("layers", ()))
-        out["notes"] = tuple(out.get("notes", ()))
-        return cls(**out)
-
     def line(self) -> str:
         """One line: kind, where, the tokens and margins, the layer and expert."""
         head = f"{self.task} {self.doc_id}" + (f" ({self.direction})" if self.direction else "")
@@ -183,6 +169,57 @@ def summary_line(explanations: list[Explanation], threshold: float = NEAR_TIE_NA
     if reasons:
         extra[-1] += f": {reasons[0]}" + (f" (and {len(reasons) - 1} other reason(s))" if len(reasons) > 1 else "")
     return line + (f" ({'; '.join(extra)})" if extra else "")
+
+
+# --- the gate's outputs ------------------------------------------------------------------------------
+
+
+def explained_flips(comparison, explanations, replay_seconds: float | None = None,
+                    load_seconds: float | None = None):
+    """``explanations`` of ``comparison``'s flips (e.g. ``cmp.explain_flips()``) as the gate's outputs carry
+    them: a ``evalgate.report.explained.FlipExplanations``, what ``evalgate gate --explain`` stores and renders."""
+    from evalgate.report.explained import FlipExplanations, run_ids
+
+    found = list(explanations)
+    return FlipExplanations(tuple({**x.to_dict(), "line": x.line()} for x in found), summary_line(found),
+                            NEAR_TIE_NATS, *run_ids(comparison), replay_seconds=replay_seconds,
+                            load_seconds=load_seconds, replayed=sum(x.reproduced is not None for x in found))
+
+
+def _device(run) -> str:
+    """Where the run computed, when this machine has it (a replay reproduces the run there); else the CPU."""
+    device = str((run.manifest.get("model") or {}).get("device") or "cpu")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return "cpu"
+    return device
+
+
+def explain_flips(verdict, device: str | None = None):
+    """Replay every flip of the verdict's comparison (``evalgate gate --explain``); None for an aggregate-only
+    verdict (no items). A run through a server is not replayed (no in-process model) and the summary line
+    says so; anything else that stops the replay is said there too instead of failing the gate, whose verdict
+    stands without it."""
+    from evalgate.report.explained import FlipExplanations, flip_ids, run_ids
+
+    cmp = verdict.comparison
+    if cmp is None:
+        return None
+    wanted = flip_ids(cmp)
+    if not wanted:
+        return FlipExplanations((), "no flips: nothing to explain", NEAR_TIE_NATS, *run_ids(cmp))
+    explainer = Explainer(cmp, device=device or _device(cmp.candidate))
+    try:
+        load_s = explainer.load(sorted({task for task, _ in wanted}))
+        t0 = time.perf_counter()
+        found = [explainer.explain(task, doc_id) for task, doc_id in wanted]
+        spent = time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001 - the verdict is decided; an explanation must not lose it
+        why = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+        return FlipExplanations((), f"{len(wanted)} flip(s) not explained: {why}", NEAR_TIE_NATS, *run_ids(cmp))
+    return explained_flips(cmp, found, replay_seconds=spent, load_seconds=load_s)
 
 
 # --- replay -----------------------------------------------------------------------------------------

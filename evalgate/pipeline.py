@@ -72,7 +72,8 @@ def gate_explanations(verdict: Verdict, report_dir: Path, replay: bool):
     ``replay`` (``--explain``), else what a gate.json in ``report_dir`` already holds for the same two runs (a
     report rewritten from the stored run keeps them; nothing is replayed), else None. The explainer loads
     both kernels' models itself: the gate's own model is the runner's, and the baseline kernel's never loads."""
-    from evalgate.report.explained import explain_flips, stored_explanations
+    from evalgate.explain import explain_flips
+    from evalgate.report.explained import stored_explanations
 
     return explain_flips(verdict) if replay else stored_explanations(report_dir, verdict)
 

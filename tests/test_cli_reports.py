@@ -15,7 +15,7 @@ from synthetic_runs import write_pair
 
 # the console script whose report writer meets a read-only file system, as after a remount mid-run
 READ_ONLY_REPORTS = ("import errno, sys, evalgate.report.outputs as outputs\n"
-                     "def refuse(verdict, out_dir):\n"
+                     "def refuse(verdict, out_dir, explained=None):\n"
                      "    raise OSError(errno.EROFS, 'Read-only file system', str(out_dir) + '/gate.json')\n"
                      "outputs.write_outputs = refuse\n"
                      "from evalgate.cli.main import entry\n"

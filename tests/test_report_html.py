@@ -271,8 +271,7 @@ def test_report_cli_writes_html_and_exits_with_the_verdict(tmp_path):
 
 def _explained(verdict, margins: dict) -> "FlipExplanations":
     """Explanations of the first flips of each task, each with a chosen margin (None: not replayed)."""
-    from evalgate.explain import NEAR_TIE_NATS, NOT_REPLAYED, Explanation, KernelChoice, TopToken, summary_line
-    from evalgate.report.explained import FlipExplanations
+    from evalgate.explain import NEAR_TIE_NATS, NOT_REPLAYED, Explanation, KernelChoice, TopToken, explained_flips
 
     found = []
     for (task, doc_id), margin in margins.items():
@@ -283,9 +282,7 @@ def _explained(verdict, margins: dict) -> "FlipExplanations":
         found.append(Explanation(task, doc_id, "lost", "near-tie" if margin < NEAR_TIE_NATS else "divergence",
                                  "w4a8", "w4a4_packed", position=4, base=KernelChoice("w4a8", top, margin), kl_mean=0.01, kl_max=0.1,
                                  cand=KernelChoice("w4a4_packed", top, margin), layer=1, expert=3))
-    cmp = verdict.comparison
-    return FlipExplanations(tuple(found), summary_line(found), cmp.baseline.manifest.get("run_id"),
-                            cmp.candidate.manifest.get("run_id"))
+    return explained_flips(verdict.comparison, found)
 
 
 def test_explained_flips_sort_by_kind_task_and_margin_offline(browser, tmp_path):
