@@ -75,7 +75,6 @@ BF16 = register_kernel(
         version="transformers-grouped_mm",
         description="BF16 weights and activations, no quantization (the reference)",
         experts_forward=bf16_experts_forward,
-        env={},
         recipe={"weights": "bf16", "activations": "bf16", "intermediate": "bf16"},
     )
 )

@@ -14,9 +14,6 @@ from .fp8_moe import Fp8Recipe, recipe_forward
 from .recipe import Recipe
 from .registry import Kernel, get_kernel, register_kernel
 
-FP4_ACTS = {"DG_USE_FP4_ACTS": "1"}
-PACKED = {"DG_USE_FP4_ACTS": "1", "DG_MEGA_MOE_FP4": "1"}  # both, or the docs/kernels.md#the-packed-fp4-hazard hazard
-
 W4A8 = Recipe(activations="e4m3", intermediate="e4m3")
 W4A8_SGLANG = Recipe(activations="e4m3", intermediate="e4m3", input_scale_rule="sglang_fp8")
 # PR #27, PR #44, PyPI 0.1.0 and 0.1.7: the input quantizer rounds ties toward zero (docs/kernels.md#tie-modes).
@@ -25,14 +22,13 @@ W4A4 = Recipe(activations="e2m1", input_ties="zero", intermediate="e2m1")
 W4A4_TE = Recipe(activations="e2m1", input_ties="even", intermediate="e2m1")
 
 
-def _emulated(name, version, description, recipe: Recipe, env=None, api=None, faulty=False, twin=None) -> Kernel:
+def _emulated(name, version, description, recipe: Recipe, api=None, faulty=False, twin=None) -> Kernel:
     return register_kernel(
         Kernel(
             name=name,
             version=version,
             description=description,
             experts_forward=experts_forward(recipe),
-            env=dict(env or {}),
             recipe=recipe.as_dict(),
             faulty=faulty,
             twin=twin,
@@ -45,44 +41,43 @@ def _emulated(name, version, description, recipe: Recipe, env=None, api=None, fa
 _emulated(
     "w4a8", "sgl-deep-gemm 0.1.0 sm100_fp8_fp4_mega_moe (kUseFp4Acts=false)",
     "FP4 weights, FP8 E4M3 activations and intermediate (DeepGEMM 0.1.0 default; the baseline)",
-    W4A8, env={}, api={"mma_type": "fp8xfp4"},
+    W4A8, api={"mma_type": "fp8xfp4"},
 )
 _emulated(
     "w4a8_sglang", "sglang JIT FP8 pre-dispatch + sgl-deep-gemm 0.1.0",
     "as w4a8, with SGLang's FP8 pre-dispatch scale rule (amax floor 1e-10)",
-    W4A8_SGLANG, env={}, api={"mma_type": "fp8xfp4"},
+    W4A8_SGLANG, api={"mma_type": "fp8xfp4"},
 )
 _emulated(
     "w4a4", "DeepGEMM PR #27 (160e75b) sm100_fp8_fp4_mega_moe (kUseFp4Acts=true)",
     "FP4 weights, FP4 E2M1 activations (ties toward zero) and intermediate (W4A4-old)",
-    W4A4, env=FP4_ACTS,
+    W4A4,
 )
 # Spec docs/kernels.md#kernels-at-a-glance: W4A4-old and W4A4-packed are one function for the emulator; only identity differs.
 _emulated(
     "w4a4_packed", "DeepGEMM PR #44 (e9d5329) sm100_fp4_mega_moe",
     "packed FP4xFP4 kernel: same numerics as w4a4 (kind::mxf4, K 64, packed smem)",
-    W4A4, env=PACKED,
+    W4A4,
 )
 _emulated(
     "w4a4_te", "sgl-deep-gemm >= 0.2.0 mma_type=mxf4xmxf4",
     "FP4 weights, FP4 activations with ties-to-even input rounding, FP4 intermediate",
-    W4A4_TE, env={}, api={"mma_type": "mxf4xmxf4"},
+    W4A4_TE, api={"mma_type": "mxf4xmxf4"},
 )
 
 
-def _faulty(suffix: str, fault: str, description: str, env=PACKED) -> Kernel:
+def _faulty(suffix: str, fault: str, description: str) -> Kernel:
     recipe = Recipe(activations="e2m1", input_ties="zero", intermediate="e2m1", fault=fault)
     return _emulated(
         f"faulty/w4a4_packed-{suffix}", "fault-injected (evalgate test double)",
-        description, recipe, env=env, faulty=True, twin="w4a4_packed",
+        description, recipe, faulty=True, twin="w4a4_packed",
     )
 
 
 _faulty("scale-exp", "weight_scale_exponent_plus_one",
         "w4a4_packed with one weight scale exponent +1 in one group of every row")
 _faulty("fp8-layout", "fp8_layout_read_as_packed_fp4",
-        "FP8-written activations read by the packed FP4 kernel (DG_MEGA_MOE_FP4 without DG_USE_FP4_ACTS)",
-        env={"DG_MEGA_MOE_FP4": "1"})
+        "FP8-written activations read by the packed FP4 kernel (DG_MEGA_MOE_FP4 without DG_USE_FP4_ACTS)")
 _faulty("weight-after-requant", "router_weight_after_requant",
         "w4a4_packed with the router weight applied after the intermediate re-quantization")
 _faulty("drop-slot", "drop_last_slot",
@@ -107,7 +102,7 @@ def _one_expert_fault(healthy):
 register_kernel(Kernel(
     name="faulty/w4a4_packed-one-expert", version="fault-injected (evalgate test double)",
     description=f"w4a4_packed with expert {ONE_EXPERT}'s router weight x (1 + 1/512) (one expert of all)",
-    experts_forward=_one_expert_fault(get_kernel("w4a4_packed").experts_forward), env=dict(PACKED),
+    experts_forward=_one_expert_fault(get_kernel("w4a4_packed").experts_forward),
     recipe=Recipe(activations="e2m1", input_ties="zero", intermediate="e2m1", fault="one_expert_router_weight").as_dict(),
     faulty=True, twin="w4a4_packed", prepare_model=prepare_fp4_model,
 ))

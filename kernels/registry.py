@@ -23,7 +23,6 @@ class Kernel:
     version: str  # which real kernel/release this emulates or wraps
     description: str  # one line: what it computes
     experts_forward: Callable  # fn(experts_module, hidden_states[T,H], top_k_index[T,K], top_k_weights[T,K]) -> [T,H]
-    env: dict[str, str] = field(default_factory=dict)  # what a server's launch environment needs to select it
     recipe: dict = field(default_factory=dict)  # the numerics, machine-readable (formats, tie modes...)
     faulty: bool = False  # fault-injected on purpose; never a default
     twin: str | None = None  # for a faulty kernel: the healthy kernel it was derived from

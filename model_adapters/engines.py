@@ -140,6 +140,23 @@ TABLE: tuple[Row, ...] = (
 )
 
 
+def served_by(kernel: str) -> list[str]:
+    """One line per table row that can serve ``kernel``: the stack, then the environment and flags that select
+    it ("no setting" where it is the engine's default), and the numerics it then computes where they are
+    another kernel's. Empty: no engine serves it (in-process only)."""
+    lines = []
+    for row in TABLE:
+        how = row.kernels.get(kernel)
+        if isinstance(how, Selection):
+            needs = [f"{k}={v}" for k, v in how.env.items()] + list(how.flags)
+            if kernel == "w4a4_packed":
+                needs.append("(a build with the packed kernel)")
+            if how.served_numerics and how.served_numerics != kernel:
+                needs.append(f"(computes {how.served_numerics})")
+            lines.append(f"{row.describe()}: {' '.join(needs) or 'no setting'}")
+    return lines
+
+
 def find_row(stack: Stack) -> Row | None:
     return next((row for row in TABLE if row.matches(stack)), None)
 

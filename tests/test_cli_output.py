@@ -1,6 +1,6 @@
-"""Output a person can copy: `evalgate kernels list` never splits a kernel name or an environment setting
-across lines, at any terminal width (a narrow one gets a list instead of a table); every command's --help
-names the exit codes and every option says what it does."""
+"""Output a person can copy: `evalgate kernels list` never splits a kernel name or a serving line (its
+environment settings and flags) across lines, at any terminal width; every command's --help names the exit
+codes and every option says what it does."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def test_kernel_names_and_settings_are_never_split(width):
     lines = buf.getvalue().splitlines()
     for r in rows:
         assert any(r["name"] in line for line in lines), (width, r["name"])
-        for key, value in r["env"].items():
-            assert any(f"{key}={value}" in line for line in lines), (width, key)
+        for served in r["served_by"]:
+            assert any(line.endswith(f"served by: {served}") for line in lines), (width, served)
 
 
 def _commands(command: click.Command, path: list[str]):
@@ -101,12 +101,14 @@ def test_a_verdict_on_a_terminal_never_splits_a_value(width, tmp_path, monkeypat
 def test_progress_lines_in_a_log_say_elapsed_and_left(monkeypatch):
     from evalgate.run import progress as progress_module
 
-    clock = iter([0.0, 0.0, 30.0, 60.0])  # start, first line, after 50 items, after all
-    monkeypatch.setattr(progress_module.time, "monotonic", lambda: next(clock))
+    now = [0.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
     stream = io.StringIO()
     with progress_module.Progress(enabled=False, stream=stream) as bars:
         bar = bars.task("gsm8k [w4a4_packed]", total=200)
+        now[0] = 30.0
         bar.advance(50)  # 30 s for 50 items
+        now[0] = 60.0
         bar.advance(150)
     assert stream.getvalue().splitlines() == ["gsm8k [w4a4_packed]: 0/200",
                                               "gsm8k [w4a4_packed]: 50/200, 0:30 elapsed, about 1:30 left",

@@ -99,7 +99,7 @@ class LengthAdapter(AdapterBase):
 
     def __init__(self, kernel: str):
         self.kernel = SimpleNamespace(name=kernel, version="fake 1.0", id=f"{kernel}@fake 1.0", description="fake",
-                                      env={}, recipe={}, faulty=False)
+                                      recipe={}, faulty=False)
         self.expected = []
 
     def info(self) -> dict:

@@ -271,7 +271,7 @@ class StreamingAdapter(AdapterBase):
 
     from types import SimpleNamespace as _NS
 
-    kernel = _NS(name="faulty/x", version="fake 1.0", id="faulty/x@fake 1.0", description="fake", env={},
+    kernel = _NS(name="faulty/x", version="fake 1.0", id="faulty/x@fake 1.0", description="fake",
                  recipe={}, faulty=True)
     serving = "stream"
 

@@ -11,11 +11,22 @@ def _run(*args):
     return CliRunner().invoke(main, ["kernels", *args])
 
 
-def test_list_json_has_identity_env_and_recipe():
+def test_list_json_has_identity_serving_and_recipe():
+    from evalgate.model_adapters.engines import TABLE, Selection
+
     res = _run("list", "--json")
     assert res.exit_code == 0, res.output
     rows = {r["name"]: r for r in json.loads(res.output)}
-    assert rows["w4a4_packed"]["env"] == {"DG_USE_FP4_ACTS": "1", "DG_MEGA_MOE_FP4": "1"}
+    # how a server selects a kernel comes from the engine table alone, one line per row that serves it
+    for name, row in rows.items():
+        serving = [t for t in TABLE if isinstance(t.kernels.get(name), Selection)]
+        assert len(row["served_by"]) == len(serving), name
+    (packed,) = rows["w4a4_packed"]["served_by"]
+    assert packed.startswith("sglang 0.5.12 to before 0.5.20, sgl-deep-gemm 0.1.0 to before 0.1.7: ")
+    assert "DG_MEGA_MOE_FP4=1" in packed and "DG_USE_FP4_ACTS=1" in packed
+    assert rows["w4a4_te"]["served_by"] == ["sglang >= 0.5.20, sgl-deep-gemm >= 0.2.0: --enable-w4a4-mxfp4-megamoe"]
+    assert any("computes w4a8_sglang" in line for line in rows["w4a8"]["served_by"])
+    assert rows["faulty/w4a4_packed-drop-slot"]["served_by"] == [] and "env" not in rows["w4a4"]
     assert rows["w4a4_packed"]["recipe"]["activations"] == "e2m1"
     assert rows["w4a8"]["recipe"]["activations"] == "e4m3"
     assert rows["bf16"]["faulty"] is False and rows["faulty/w4a4_packed-drop-slot"]["faulty"] is True
@@ -25,7 +36,7 @@ def test_list_json_has_identity_env_and_recipe():
 
 def test_list_table():
     res = _run("list")
-    assert res.exit_code == 0 and "w4a4_packed" in res.output and "DG_MEGA_MOE_FP4" in res.output
+    assert res.exit_code == 0 and "w4a4_packed" in res.output and "--enable-w4a4-mxfp4-megamoe" in res.output
 
 
 def test_layer_check_tiny_json():

@@ -25,12 +25,13 @@ kernels_group = click.Group(
 
 def _kernel_rows(include_faulty: bool) -> list[dict]:
     from evalgate.kernels import KERNELS, kernel_names
+    from evalgate.model_adapters.engines import served_by
 
     rows = []
     names = kernel_names(include_faulty=include_faulty)
     for name in sorted(names, key=lambda n: (KERNELS[n].faulty, n)):  # healthy kernels first
         k = KERNELS[name]
-        rows.append({"name": k.name, "version": k.version, "description": k.description, "env": k.env,
+        rows.append({"name": k.name, "version": k.version, "description": k.description, "served_by": served_by(name),
                      "api": k.api, "faulty": k.faulty, "twin": k.twin, "recipe": k.recipe})
     return rows
 
@@ -39,7 +40,8 @@ def _kernel_rows(include_faulty: bool) -> list[dict]:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (every recipe field).")
 @click.option("--faulty/--no-faulty", default=True, show_default=True, help="Include fault-injected test kernels.")
 def list_kernels(as_json: bool, faulty: bool):
-    """Name, what it computes, the release it emulates and the server environment that selects it."""
+    """Name, what it computes, the release it emulates, and how each server version selects it
+    (docs/serving.md#kernel-selection-per-engine-version)."""
     rows = _kernel_rows(faulty)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
@@ -47,36 +49,18 @@ def list_kernels(as_json: bool, faulty: bool):
     print_kernel_rows(rows, _console())
 
 
-# below this many columns for the descriptions, the table becomes a list: one block per kernel
-MIN_TEXT_COLUMNS = 40
-
-
 def print_kernel_rows(rows: list[dict], console) -> None:
-    """The kernels as a table whose names and environment settings are never split across lines (the
-    descriptions wrap at words), or, on a terminal too narrow for that, as a list of one block per kernel."""
+    """One block per kernel, the same on a terminal and in a pipe: its name, what it computes, what it
+    emulates, and one line per server version that can serve it. Names and serving lines are never broken
+    (a long one runs past the width instead); only the descriptions wrap, at words."""
     from rich.markup import escape
-    from rich.table import Table
 
-    envs = []
     for r in rows:
-        env = " ".join(f"{k}={v}" for k, v in r["env"].items()) or "-"
-        if r["api"]:
-            env += "  (" + ", ".join(f"{k}={v}" for k, v in r["api"].items()) + ")"
-        envs.append(env)
-    fixed = max(len(r["name"]) for r in rows) + max(len(e) for e in envs) + 13  # two cells, borders, padding
-    if fixed + MIN_TEXT_COLUMNS > console.width:
-        for r, env in zip(rows, envs):
-            console.print(escape(r["name"]), style="bold red" if r["faulty"] else "bold", soft_wrap=True)
-            for label, value in (("computes", r["description"]), ("emulates", r["version"]), ("server env", env)):
-                console.print(f"  {label}: {escape(value)}", soft_wrap=label == "server env")
-        return
-    table = Table(title="evalgate kernels", show_lines=False)
-    for col in ("name", "computes", "emulates", "server env"):
-        table.add_column(col, no_wrap=col in ("name", "server env"))
-    for r, env in zip(rows, envs):
-        name = f"[red]{escape(r['name'])}[/red]" if r["faulty"] else escape(r["name"])
-        table.add_row(name, escape(r["description"]), escape(r["version"]), escape(env))
-    console.print(table)
+        console.print(escape(r["name"]), style="bold red" if r["faulty"] else "bold", soft_wrap=True)
+        for label, value in (("computes", r["description"]), ("emulates", r["version"])):
+            console.print(f"  {label}: {escape(value)}")
+        for line in r["served_by"] or ["in-process only"]:
+            console.print(f"  served by: {escape(line)}", soft_wrap=True)
 
 
 def _console():

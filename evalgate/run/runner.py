@@ -192,7 +192,7 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter: Model
         "spec": asdict(spec),
         "model": model_info,
         "kernel": {"name": kernel.name, "version": kernel.version, "id": kernel.id,
-                   "description": kernel.description, "env": kernel.env, "recipe": kernel.recipe,
+                   "description": kernel.description, "recipe": kernel.recipe,
                    "faulty": kernel.faulty},
         "dg_env": _dg_environment(),
         "tasks": {name: {**t.resolved.summary(), "n_items": len(t.items)} for name, t in loaded.items()},

@@ -59,7 +59,7 @@ def _prepare(library: RealLibrary):
 def _real(name: str, implements: str, layout: str, gemm, library: RealLibrary, tolerance: Tolerance,
           description: str) -> None:
     recipe = Fp8Recipe(layout)
-    common = dict(env={}, recipe=recipe.as_dict(), implements=implements, library=library, tolerance=tolerance,
+    common = dict(recipe=recipe.as_dict(), implements=implements, library=library, tolerance=tolerance,
                   prepare_model=_prepare(library))
     register_kernel(Kernel(name=name, version=library.name, description=description,
                            experts_forward=real_forward(recipe, gemm), **common))
@@ -83,6 +83,6 @@ for _name, _recipe, _tolerance, _what in (
         ("sgl-deep-gemm/w4a4", "w4a4_te", None, "fp8_fp4_mega_moe, mma_type=mxf4xmxf4 (W4A4, input ties to even)")):
     register_kernel(Kernel(
         name=_name, version=SGL_DEEP_GEMM.name, description=f"sgl-deep-gemm {_what}, SM100",
-        experts_forward=mega_moe_forward(_recipe), env={}, recipe={"implements": _recipe, "mma_type": _what},
+        experts_forward=mega_moe_forward(_recipe), recipe={"implements": _recipe, "mma_type": _what},
         implements=_recipe, library=SGL_DEEP_GEMM, tolerance=_tolerance, prepare_model=_prepare(SGL_DEEP_GEMM),
         api={"mma_type": _what.split("mma_type=")[1].split(" ")[0]}))
