@@ -19,6 +19,7 @@ from evalgate.errors import NotComparable, UserError
 from evalgate.explain import Explainer, Explanation, summary_line
 from evalgate.gate.compare import Pairing
 from evalgate.gate.compare import compare as pair_runs
+from evalgate.gate.compare import serving_difference
 from evalgate.gate.decide import decide as decide_pairing
 from evalgate.gate.decide import gate_runs
 from evalgate.gate.policy import Thresholds, load_thresholds
@@ -283,7 +284,7 @@ def _subset_hint(base: Run, cand: Run, tasks: list[str]) -> str:
 
 def compare(baseline, candidate=None, tasks: list[str] | None = None, metrics: dict[str, str] | None = None,
             aa_flips: dict[str, set] | None = None, thresholds=None, items=None,
-            baseline_kernel: str = "w4a8") -> Comparison:
+            baseline_kernel: str = "w4a8", across_serving: bool = False) -> Comparison:
     """Pair two stored runs; refuses (``NotComparable``) when they must not be compared.
 
     ``baseline``: a run or baseline folder, a ``Run``, a list of per-task baseline folders (as stored by
@@ -296,7 +297,8 @@ def compare(baseline, candidate=None, tasks: list[str] | None = None, metrics: d
     of item ids, or a dict task -> ids. Both runs are cut to those items after checking, item by item, what
     the profile id covers (profile, settings, dataset, decoding, each item's prompt); without it the item
     sets must be equal. ``thresholds`` (a policy file or ``Thresholds``) is used when ``summary`` needs
-    statistics.
+    statistics. ``across_serving``: pair two server runs whose serving identity (shared-expert fusion,
+    routed-scaling placement) differs, which is otherwise refused; the notes say so.
     """
     baseline, cand = _sides(baseline, candidate)
     baseline_dirs: list[Path] = []
@@ -317,11 +319,14 @@ def compare(baseline, candidate=None, tasks: list[str] | None = None, metrics: d
         tasks = list(lists)
     names = tasks or [t for t in cand.tasks if t in cand.records]
     try:
-        pairing = pair_runs(base, cand, tasks=tasks, metrics=metrics, aa_flips=aa_flips)
+        pairing = pair_runs(base, cand, tasks=tasks, metrics=metrics, aa_flips=aa_flips, across_serving=across_serving)
     except NotComparable as exc:
         hint = _subset_hint(base, cand, names) if items is None else ""
         raise NotComparable(f"{exc}{hint}") from None
     notes += python_warnings(base.manifest, cand.manifest, list(pairing.pairs))
+    differs = serving_difference(base, cand) if across_serving else None
+    if differs:
+        notes.append(f"compared across a serving difference, as asked: {differs}")
     return Comparison(pairing.baseline, pairing.candidate, pairing.pairs, pairing.aa_flips, thresholds=thresholds,
                       notes=notes, baseline_dirs=baseline_dirs)
 

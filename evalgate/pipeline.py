@@ -59,7 +59,7 @@ def gate(plan: GatePlan, adapter: ModelAdapter | None = None) -> Verdict:
     if candidate is None:
         # stopped for at the next look's α: certain there, so certain at any earlier look's larger α too
         observer = (EarlyStop(plan.baseline, plan.policy.at_look(ledger.next_look), plan.allow_uncalibrated,
-                              plan.stop_on_conformance) if plan.early_stop else None)
+                              plan.stop_on_conformance, plan.across_serving) if plan.early_stop else None)
         candidate = run_or_resume(plan.spec, plan.out, adapter, observer, plan.tasks, plan.baseline.answer_lengths)
     verdict = decide_look(plan, plan.baseline, candidate, ledger)
     if plan.spec is None or verdict.decision is None or verdict.verdict != "INCONCLUSIVE":
@@ -95,13 +95,15 @@ def decide_look(plan: GatePlan, baseline, candidate: Run, ledger) -> Verdict:
     from evalgate.gate.sequence import data_digest
 
     look = ledger.next_look
-    verdict = gate_runs(baseline, candidate, plan.policy.at_look(look), plan.allow_uncalibrated, plan.items)
+    verdict = gate_runs(baseline, candidate, plan.policy.at_look(look), plan.allow_uncalibrated, plan.items,
+                        plan.across_serving)
     if verdict.comparison is None or verdict.decision is None:  # aggregate-only: one unpaired decision
         return verdict
     digest = data_digest(verdict.comparison)
     seen, _ = ledger.look_for(digest)
     if seen != look:
-        verdict = gate_runs(baseline, candidate, plan.policy.at_look(seen), plan.allow_uncalibrated, plan.items)
+        verdict = gate_runs(baseline, candidate, plan.policy.at_look(seen), plan.allow_uncalibrated, plan.items,
+                        plan.across_serving)
     k = max((p.k for p in verdict.comparison.pairs.values()), default=1)
     alpha = plan.policy.at_look(seen).alpha
     ledger.record(seen, digest, k, alpha, verdict.verdict, {t: d.verdict for t, d in verdict.decision.tasks.items()})

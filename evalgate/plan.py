@@ -49,6 +49,7 @@ class GatePlan:
     baselines_root: Path | None = None  # where sampled baselines are looked up for the rounds
     ledger_dir: Path | None = None  # the gate's sequence ledgers (every look it took); None: not recorded
     items: str = "all"  # "candidate": decide on the stored candidate's items only (gate.subset)
+    across_serving: bool = False  # compare although the servers differ in serving identity (said in the verdict)
 
 
 def stamp() -> str:
@@ -123,7 +124,7 @@ def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, base
               report_dir: str | Path | None = None, allow_uncalibrated: bool = False, early_stop: bool = True,
               stop_on_conformance: bool = True, fingerprint: str | None = None, served: bool = False,
               tasks: Mapping[str, LoadedTask] | None = None, max_samples: int | None = None,
-              items: str = "all") -> GatePlan:
+              items: str = "all", across_serving: bool = False) -> GatePlan:
     """One gate's plan from its arguments. ``spec``: a candidate to run (``fingerprint`` is the served model's
     when ``served``, else the local checkpoint's is computed); ``candidate``: a stored run to decide from.
     ``baselines``: baseline folders (default: the stored ``baseline_kernel`` baseline for the model and the
@@ -171,8 +172,9 @@ def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, base
     if candidate is not None:
         return GatePlan(policy=policy, baseline=baseline, allow_uncalibrated=allow_uncalibrated,
                         report_dir=Path(report_dir) if report_dir else candidate.path / "gate", candidate=candidate,
-                        items=items, **rounds)
+                        items=items, across_serving=across_serving, **rounds)
     run_out = Path(out) if out else gate_out(spec.kernel)
     return GatePlan(policy=policy, baseline=baseline, allow_uncalibrated=allow_uncalibrated,
                     report_dir=Path(report_dir) if report_dir else run_out / "gate", spec=spec, tasks=loaded,
-                    out=run_out, early_stop=early_stop, stop_on_conformance=stop_on_conformance, **rounds)
+                    out=run_out, early_stop=early_stop, stop_on_conformance=stop_on_conformance,
+                    across_serving=across_serving, **rounds)

@@ -249,8 +249,34 @@ def test_runs_served_with_and_without_the_fused_shared_expert_are_not_comparable
         manifest = json.loads((path / "manifest.json").read_text())
         manifest["model"]["serving_identity"] = identity
         (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(NotComparable, match="serving serving_identity differs .*'fused'.*'not fused'"):
+    with pytest.raises(NotComparable, match="serving identity differs .*'fused'.*'not fused'.*--across-serving"):
         gate_runs(base, cand, policy(tmp_path), allow_uncalibrated=True)
+    # asked for, the comparison is made and the verdict says across what
+    verdict = gate_runs(base, cand, policy(tmp_path), allow_uncalibrated=True, across_serving=True)
+    assert verdict.verdict in ("PASS", "FAIL", "INCONCLUSIVE")
+    (note,) = [n for n in verdict.notes if "across a serving difference" in n]
+    assert "'not fused'" in note and "--across-serving" in note
+
+
+def test_the_command_line_compares_across_serving_only_when_asked(tmp_path, cli_env):
+    import subprocess
+    import sys
+
+    from gate_helpers import policy
+    from synthetic_runs import write_pair
+
+    base, cand = write_pair(tmp_path / "runs", n_gsm8k=60, n_humaneval=0)
+    for path, fusion in ((base, "fused"), (cand, "not fused")):
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["model"]["serving_identity"] = {"shared_expert_fusion": fusion, "routed_scaling": "before the kernel"}
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    gate = [sys.executable, "-m", "evalgate", "gate", "--candidate", str(cand), "--baseline", str(base),
+            "--allow-uncalibrated", "--thresholds", str(policy(tmp_path))]
+    refused = subprocess.run(gate, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "pass --across-serving" in refused.stderr, refused.stderr
+    asked = subprocess.run([*gate, "--across-serving"], env=cli_env, capture_output=True, text=True, timeout=300)
+    assert asked.returncode in (0, 1, 3), asked.stderr
+    assert "compared across a serving difference" in (cand / "gate" / "report.md").read_text()
 
 
 def test_the_probe_reads_versions_packed_build_and_gpu_in_the_servers_environment(tmp_path):

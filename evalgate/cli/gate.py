@@ -85,7 +85,9 @@ def _decision_flags(baselines, baseline_kernel, baselines_root, root_given: bool
         flags += ["--baselines-root", str(baselines_root)]
     if thresholds_path:
         flags += ["--thresholds", str(thresholds_path)]
-    return flags + (["--allow-uncalibrated"] if allow_uncalibrated else [])
+    flags += ["--allow-uncalibrated"] if allow_uncalibrated else []
+    flags += ["--items", "candidate"] if _explicit("items") and click.get_current_context().params["items"] != "all" else []
+    return flags + (["--across-serving"] if click.get_current_context().params.get("across_serving") else [])
 
 
 @click.command()
@@ -105,13 +107,16 @@ def _decision_flags(baselines, baseline_kernel, baselines_root, root_given: bool
 @click.option("--items", type=click.Choice(["all", "candidate"]), default="all", show_default=True,
               help="With --candidate: 'candidate' decides on the stored run's own items (a --limit run against the "
                    "full baseline, checked item by item; the policy's margins, the smaller n).")
+@click.option("--across-serving", is_flag=True,
+              help="Compare although the baseline's and the candidate's servers differ in serving identity "
+                   "(shared-expert fusion, routed-scaling placement); the verdict says so (docs/serving.md).")
 @click.option("--explain", is_flag=True, help="Replay every flip through both kernels and say why it flipped (near-tie or divergence, where), in the verdict and every report (docs/explain.md).")
 @sampling_options
 @server_options
 def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel, candidate,
          baselines, baseline_kernel, baselines_root, thresholds_path, out, report_dir, allow_uncalibrated,
          no_early_stop, samples, temperature, seed, server, model_id, launch, launch_timeout, request_timeout,
-         concurrency, retries, server_args, max_samples=None, explain=False, items="all"):
+         concurrency, retries, server_args, max_samples=None, explain=False, items="all", across_serving=False):
     """Compare a candidate kernel with the stored W4A8 baseline and decide: PASS (exit 0), FAIL (1: the
     kernel is worse, or does not compute what it declares), INCONCLUSIVE (3: the data show neither; the
     verdict says how many samples would).
@@ -150,7 +155,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
 
         plan = plan_gate(candidate=load_run(candidate), baselines=baselines, baseline_kernel=baseline_kernel,
                          baselines_root=baselines_root, thresholds=policy, report_dir=report_dir,
-                         allow_uncalibrated=allow_uncalibrated, items=items)
+                         allow_uncalibrated=allow_uncalibrated, items=items, across_serving=across_serving)
         _finish(run_gate(plan), plan.report_dir, Path(candidate), decision_flags, explain)
     if items != "all":
         raise UserError("--items candidate decides a stored run on its own items: make it with `evalgate run "
@@ -191,6 +196,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
                                  baselines_root=baselines_root, thresholds=policy, out=run_out,
                                  report_dir=report_dir, allow_uncalibrated=allow_uncalibrated,
                                  early_stop=not no_early_stop, served=served, max_samples=max_samples,
+                                 across_serving=across_serving,
                                  fingerprint=adapter.info()["fingerprint"] if adapter is not None else None)
                 verdict = run_gate(plan, adapter)
         except ServerError as exc:  # the server went away mid-run: the environment, not the input

@@ -22,7 +22,10 @@ from evalgate.errors import UserError
 @click.option("--items", type=click.Choice(["all", "candidate"]), default="all", show_default=True,
               help="'candidate': decide on the candidate's own items (a --limit run against a full baseline, checked "
                    "item by item; the policy's margins, the smaller n).")
-def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated, items):
+@click.option("--across-serving", is_flag=True,
+              help="Compare although the two runs' servers differ in serving identity (shared-expert fusion, "
+                   "routed-scaling placement); the verdict says so.")
+def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated, items, across_serving):
     """Per-item HTML report of a candidate run against a baseline, and its verdict (exit 0 PASS, 1 FAIL,
     3 INCONCLUSIVE)."""
     from evalgate.canary import policy_for
@@ -40,7 +43,7 @@ def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated,
     preflight.stored_run(candidate)
     run = load_run(candidate)  # read once: for its profiles (a canary run has its own policy) and the decision
     policy = resolve_policy(thresholds_path, canary=policy_for(run) is not None)
-    verdict = gate_runs(list(baselines), run, policy, allow_uncalibrated, items)
+    verdict = gate_runs(list(baselines), run, policy, allow_uncalibrated, items, across_serving)
     text = report_html(verdict)  # rendered fully before the file is touched
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text, encoding="utf-8")

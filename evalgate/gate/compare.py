@@ -52,8 +52,16 @@ def is_truncated(record: dict) -> bool:
     return record.get("finish_reason") == "length"
 
 
-def comparability_problems(base: Run, cand: Run, tasks: list[str]) -> list[str]:
-    """Everything that makes the two runs incomparable; empty when they may be compared."""
+def serving_difference(base: Run, cand: Run) -> str | None:
+    """How the two runs' servers compute around the kernel differently (shared-expert fusion, routed-scaling
+    placement), or None when they do not."""
+    b, c = base.manifest.get("model", {}).get("serving_identity"), cand.manifest.get("model", {}).get("serving_identity")
+    return None if b == c else f"serving identity differs ({b} vs {c})"
+
+
+def comparability_problems(base: Run, cand: Run, tasks: list[str], across_serving: bool = False) -> list[str]:
+    """Everything that makes the two runs incomparable; empty when they may be compared. ``across_serving``:
+    the user asked to compare across a difference in serving identity (said in the verdict instead)."""
     problems: list[str] = []
     bm, cm = base.manifest, cand.manifest
     if bm.get("aggregate_only"):
@@ -63,6 +71,11 @@ def comparability_problems(base: Run, cand: Run, tasks: list[str]) -> list[str]:
             problems.append(f"model {key} differs ({_short(bm.get('model', {}).get(key))} vs {_short(cm.get('model', {}).get(key))})")
     for key in SERVING_KEYS:
         b, c = bm.get("model", {}).get(key), cm.get("model", {}).get(key)
+        if key == "serving_identity" and b != c:
+            if not across_serving:
+                problems.append(f"serving identity differs ({b} vs {c}): the servers compute around the kernel "
+                                "differently; to compare across that, pass --across-serving (across_serving=True)")
+            continue
         if b != c:
             problems.append(f"serving {key} differs ({b} vs {c})")
     (bf, ba), (cf, ca) = numerics_of(bm), numerics_of(cm)
@@ -412,14 +425,15 @@ def _extracted(record: dict):
 
 
 def compare(baseline, candidate, tasks: list[str] | None = None, metrics: dict[str, str] | None = None,
-            aa_flips: dict[str, set] | None = None) -> Pairing:
-    """Pair two stored runs (paths or ``Run``s). Refuses (``NotComparable``) when they must not be compared."""
+            aa_flips: dict[str, set] | None = None, across_serving: bool = False) -> Pairing:
+    """Pair two stored runs (paths or ``Run``s). Refuses (``NotComparable``) when they must not be compared;
+    ``across_serving``: not for a difference in serving identity alone."""
     base, cand = _as_run(baseline), _as_run(candidate)
     if base.manifest.get("aggregate_only"):
         raise NotComparable(f"{base.path} is an aggregate-only baseline (a published score, no per-item records); "
                             "it can only be gated with an unpaired test (see `evalgate gate`)")
     tasks = tasks or [t for t in cand.tasks if t in cand.records]
-    problems = comparability_problems(base, cand, tasks)
+    problems = comparability_problems(base, cand, tasks, across_serving)
     if problems:
         raise NotComparable("runs are not comparable: " + "; ".join(problems))
     metrics = metrics or {}

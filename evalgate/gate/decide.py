@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from evalgate.errors import NotComparable, UserError
-from evalgate.gate.compare import Pairing, compare
+from evalgate.gate.compare import Pairing, compare, serving_difference
 from evalgate.gate.policy import Thresholds, load_thresholds
 from evalgate.gate.rule import TaskData, TaskRule, decide_overall, decide_task
 from evalgate.gate.verdict import EXIT_CODES, Verdict
@@ -154,12 +154,13 @@ def decide_unpaired(baseline: Run, candidate: Run, thresholds: Thresholds) -> Ve
 
 
 def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = None,
-              allow_uncalibrated: bool = False, items: str = "all") -> Verdict:
+              allow_uncalibrated: bool = False, items: str = "all", across_serving: bool = False) -> Verdict:
     """Decide from runs. ``baseline`` is a loaded ``StoredBaseline``, or a run/baseline folder or a list of
     baseline folders (read here); ``candidate`` a ``Run`` or its folder; ``thresholds`` a policy or its file
     (None: the default policy). ``items="candidate"``: decide on the candidate's items only (a ``--limit``
     run against a full baseline), both runs cut to them after an item-by-item check (``gate.subset``); the
-    policy's margins stay, the smaller n decides."""
+    policy's margins stay, the smaller n decides. ``across_serving``: compare although the two servers
+    differ in serving identity (shared-expert fusion, routed scaling), which the verdict then says."""
     stored = baseline if isinstance(baseline, StoredBaseline) else load_baseline(baseline)
     dirs, base_run = list(stored.dirs), stored.run
     cand_run = candidate if isinstance(candidate, Run) else load_run(candidate)
@@ -179,7 +180,11 @@ def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = 
     if missing:
         raise NotComparable(f"the baseline has no {', '.join(missing)}; record a baseline for every task the candidate ran")
     pairing = compare(base_run, cand_run, tasks=tasks, metrics={t: policy.task(t).metric for t in tasks},
-                      aa_flips={t: a["flips"] for t, a in stored.aa.items()})
+                      aa_flips={t: a["flips"] for t, a in stored.aa.items()}, across_serving=across_serving)
+    differs = serving_difference(base_run, cand_run) if across_serving else None
+    if differs:
+        subset_notes.append(f"compared across a serving difference, as asked (--across-serving): {differs}; the "
+                            "verdict covers the kernel and that difference together")
     verdict = decide(pairing, policy, aa=stored.aa, require_aa=not allow_uncalibrated)
     # runs whose HumanEval programs ran under different Python minors: compared, said in the verdict (gate.json)
     notes = [*subset_notes, *verdict.notes, *python_warnings(base_run.manifest, cand_run.manifest, tasks)]

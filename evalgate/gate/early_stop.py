@@ -33,7 +33,8 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def best_completion_verdict(baseline, candidate, policy: Thresholds, aa: dict | None = None, require_aa: bool = True):
+def best_completion_verdict(baseline, candidate, policy: Thresholds, aa: dict | None = None, require_aa: bool = True,
+                            across_serving: bool = False):
     """The gate's verdict on the best completion of ``candidate`` (a ``Run`` holding the items scored so far):
     the candidate taken as stopped early, its missing items right, valid and not truncated, decided by
     ``compare`` and ``decide`` exactly as the gate decides a complete run (conformance aside). Raises
@@ -45,7 +46,8 @@ def best_completion_verdict(baseline, candidate, policy: Thresholds, aa: dict | 
     partial = Run(path=candidate.path, manifest={**candidate.manifest, "status": "stopped_early"},
                   records=candidate.records)
     tasks = list(partial.manifest["tasks"])
-    pairing = compare(baseline, partial, tasks=tasks, metrics={t: policy.task(t).metric for t in tasks}, aa_flips={})
+    pairing = compare(baseline, partial, tasks=tasks, metrics={t: policy.task(t).metric for t in tasks}, aa_flips={},
+                      across_serving=across_serving)
     return decide(pairing, policy, aa=aa or {}, require_aa=require_aa)
 
 
@@ -57,8 +59,10 @@ class EarlyStop:
     comparison it cannot make (the complete run's gate reports that). Nothing is read from disk: the
     baseline comes loaded, the candidate's records from the runner."""
 
-    def __init__(self, baseline, policy: Thresholds, allow_uncalibrated: bool = False, on_conformance: bool = True):
+    def __init__(self, baseline, policy: Thresholds, allow_uncalibrated: bool = False, on_conformance: bool = True,
+                 across_serving: bool = False):
         self.baseline = baseline  # evalgate.run.baselines.StoredBaseline
+        self.across_serving = across_serving  # the gate compares across a serving difference (GatePlan)
         self.policy = policy
         self.require_aa = not allow_uncalibrated
         # False: only the accuracy FAIL stops (selfcheck, which measures what the canary's accuracy catches)
@@ -135,7 +139,7 @@ class EarlyStop:
         try:
             candidate = Run(path=self._path, manifest=manifest, records=records)
             verdict = best_completion_verdict(self.baseline.run, candidate, self.policy, self.baseline.aa,
-                                              self.require_aa)
+                                              self.require_aa, self.across_serving)
         except (NotComparable, UserError, ValueError, KeyError):
             return None
         self.checks += 1
