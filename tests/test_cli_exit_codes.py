@@ -29,23 +29,28 @@ ENDINGS = [
 ]
 
 
+def _end_with(exc: BaseException, rerun: str, monkeypatch) -> int:
+    """Run a command that notes runs/x as its run folder (resumed with ``rerun``), then raises ``exc``."""
+    @click.command("ending")
+    def ending():
+        note_resumable("runs/x", rerun)
+        raise exc
+
+    main.add_command(ending)
+    monkeypatch.setattr(sys, "argv", ["evalgate", "ending"])
+    try:
+        return _run_main()
+    finally:
+        main.commands.pop("ending")
+
+
 @pytest.mark.parametrize("exc, code, line", ENDINGS, ids=[type(e).__name__ + str(c) for e, c, _ in ENDINGS])
 def test_every_ending_has_its_code_and_one_line(exc, code, line, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "x").mkdir(parents=True)
     (tmp_path / "runs" / "x" / "manifest.json").write_text("{}")  # the run stored something: it can resume
 
-    @click.command("ending")
-    def ending():
-        note_resumable("runs/x", "--out runs/x")
-        raise exc
-
-    main.add_command(ending)
-    monkeypatch.setattr(sys, "argv", ["evalgate", "ending"])
-    try:
-        got = _run_main()
-    finally:
-        main.commands.pop("ending")
+    got = _end_with(exc, "--out runs/x", monkeypatch)
     err = capsys.readouterr().err.strip().splitlines()
     assert got == code
     assert err[-1] == line
@@ -58,17 +63,9 @@ def test_every_ending_has_its_code_and_one_line(exc, code, line, monkeypatch, ca
 def test_a_failure_before_the_run_stored_anything_offers_no_resume(monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
 
-    @click.command("ending")
-    def ending():
-        note_resumable("runs/x", "--out runs/x --resume")  # chosen, never written: `--resume` would fail there
-        raise EnvironmentFailure("server http://gpu:30000 failed the model list")
-
-    main.add_command(ending)
-    monkeypatch.setattr(sys, "argv", ["evalgate", "ending"])
-    try:
-        got = _run_main()
-    finally:
-        main.commands.pop("ending")
+    # runs/x chosen, never written: `--resume` would fail there
+    got = _end_with(EnvironmentFailure("server http://gpu:30000 failed the model list"), "--out runs/x --resume",
+                    monkeypatch)
     assert got == 4
     assert capsys.readouterr().err.strip() == "evalgate: could not finish: server http://gpu:30000 failed the model list"
 

@@ -11,8 +11,9 @@ from click.core import ParameterSource
 
 from evalgate.cli import preflight
 from evalgate.cli.baseline_paths import resolve_baselines
-from evalgate.cli.options import (KERNEL, baselines_root_option, note_resumable, run_options, run_spec, sampling_options,
-                                  sampling_settings, served_model_name, server_adapter, server_options)
+from evalgate.cli.options import (KERNEL, baselines_root_option, decision_options, note_resumable, run_options,
+                                  run_spec, sampling_options, sampling_settings, served_model_name, server_adapter,
+                                  server_options)
 from evalgate.errors import EnvironmentFailure, UserError, describe_os_error
 
 
@@ -104,12 +105,7 @@ def _decision_flags(baselines, baseline_kernel, baselines_root, root_given: bool
 @click.option("--no-early-stop", "no_early_stop", is_flag=True,
               help="Run every item, even once the FAIL is certain (default: stop generating then; docs/gate.md#stopping-early).")
 @click.option("--max-samples", type=click.IntRange(min=1), default=None, help="While a task is undecided, add coupled samples per item in rounds up to this many (default 8; 1: no rounds; docs/gate.md#sequential-rounds).")
-@click.option("--items", type=click.Choice(["all", "candidate"]), default="all", show_default=True,
-              help="With --candidate: 'candidate' decides on the stored run's own items (a --limit run against the "
-                   "full baseline, checked item by item; the policy's margins, the smaller n).")
-@click.option("--across-serving", is_flag=True,
-              help="Compare although the baseline's and the candidate's servers differ in serving identity "
-                   "(shared-expert fusion, routed-scaling placement); the verdict says so (docs/serving.md).")
+@decision_options
 @click.option("--explain", is_flag=True, help="Replay every flip through both kernels and say why it flipped (near-tie or divergence, where), in the verdict and every report (docs/explain.md).")
 @sampling_options
 @server_options

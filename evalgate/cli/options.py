@@ -48,6 +48,16 @@ KERNEL = KernelName()  # --kernel, --baseline-kernel
 KERNELS = KernelName(multiple=True)  # --kernels a,b,c
 
 
+def decision_options(f):
+    """How a stored candidate is paired with its baseline, shared by ``gate`` and ``report``."""
+    f = click.option("--across-serving", is_flag=True,
+                     help="Compare although the two runs' servers differ in serving identity (shared-expert fusion, "
+                          "routed-scaling placement); the verdict says so (docs/serving.md).")(f)
+    return click.option("--items", type=click.Choice(["all", "candidate"]), default="all", show_default=True,
+                        help="'candidate': decide a stored run on its own items (a --limit run against the full "
+                             "baseline, checked item by item; the policy's margins, the smaller n).")(f)
+
+
 def baselines_root_option(dest: str = "baselines_root"):
     """The user's baselines root, ``--baselines-root`` in every command (``--root`` is kept as another name
     for it); the gate then falls back to the canary's packaged baselines (evalgate.run.baselines.lookup_roots)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from evalgate.cli import preflight
+from evalgate.cli.options import decision_options
 from evalgate.errors import UserError
 
 
@@ -19,12 +20,7 @@ from evalgate.errors import UserError
               help="Where to write the self-contained HTML report.")
 @click.option("--thresholds", "thresholds_path", type=click.Path(), default=None, help="Policy file (default: $EVALGATE_THRESHOLDS, else the canary's own for canary runs, else ./thresholds.yaml, else the packaged one).")
 @click.option("--allow-uncalibrated", is_flag=True, help="Decide even if the baseline has no A/A calibration (recorded).")
-@click.option("--items", type=click.Choice(["all", "candidate"]), default="all", show_default=True,
-              help="'candidate': decide on the candidate's own items (a --limit run against a full baseline, checked "
-                   "item by item; the policy's margins, the smaller n).")
-@click.option("--across-serving", is_flag=True,
-              help="Compare although the two runs' servers differ in serving identity (shared-expert fusion, "
-                   "routed-scaling placement); the verdict says so.")
+@decision_options
 def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated, items, across_serving):
     """Per-item HTML report of a candidate run against a baseline, and its verdict (exit 0 PASS, 1 FAIL,
     3 INCONCLUSIVE)."""
