@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from evalgate.kernels.triton import moe
+from evalgate.kernels.triton import dispatch, moe
 from evalgate.model_adapters.attention_slots import SlotCache
 
 ENABLED = True  # a switch for comparisons (benchmarks/dsv4_flash_fullwidth.py runs both)
@@ -47,7 +47,12 @@ def why_not(cache: SlotCache) -> str | None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     fn = ALL_EXPERTS_FUNCTIONS.get(getattr(cache.model.config, "_experts_implementation", None))
-    return moe.capturable(fn, device)
+    recipe = getattr(fn, "recipe", None)
+    if recipe is None:
+        return "the experts do not run an emulated kernel's Triton path"
+    if not dispatch.use_triton(torch.empty(0, device=device), recipe):
+        return f"recipe {recipe} does not run on Triton here"
+    return moe.capturable(recipe)
 
 
 class _Bucket:

@@ -300,16 +300,9 @@ class defer_finish:
         _DEFERRED.pop()
 
 
-def capturable(experts_forward, device) -> str | None:
-    """Why a decoding step whose experts run ``experts_forward`` (a transformers experts function) on
-    ``device`` cannot be captured whole under ``defer_finish``; None if it can."""
-    from .dispatch import use_triton
-
-    recipe = getattr(experts_forward, "recipe", None)
-    if recipe is None:
-        return "the experts do not run an emulated kernel's Triton path"
-    if not use_triton(torch.empty(0, device=device), recipe):
-        return f"recipe {recipe} does not run on Triton here"
+def capturable(recipe) -> str | None:
+    """Why a decoding step whose experts run ``recipe`` on the Triton path cannot be captured whole under
+    ``defer_finish``; None if it can."""
     if fast.FORCE_SLOW_ROWS or certify.FORCE_HOST_ROWS or recipe.fault not in _GRAPH_FAULTS:
         return f"fault {recipe.fault} (or a forced per-block path) syncs on the host"
     return None
