@@ -1,8 +1,8 @@
 """Kernel registry and emulated mega-MoE kernels. Import name: ``evalgate.kernels``.
 
 Importing the package is light: ``names`` (every kernel name) needs neither torch nor transformers. The
-registry and the catalogs that register each kernel load on first use of one of ``__all__`` below, or of
-``registry.get_kernel``/``kernel_names``; the command line checks a kernel's name before paying for them.
+catalogs that register each kernel (``catalogs``) load on first use of one of ``__all__`` below; the command
+line checks a kernel's name before paying for them.
 
 This folder must never run as the top-level module ``kernels``: Hugging Face publishes a package of that
 name and transformers probes for it. Python finds this folder under that name only when the repository
@@ -17,7 +17,6 @@ if __name__ == "evalgate.kernels":
     def __getattr__(name: str):
         if name not in __all__:
             raise AttributeError(f"module 'evalgate.kernels' has no attribute {name!r}")
-        from . import checkpoint, registry
+        from . import catalogs, checkpoint, registry  # noqa: F401  (catalogs: every kernel registered)
 
-        registry.load_catalogs()
         return getattr(checkpoint if name.endswith("_checkpoint") else registry, name)

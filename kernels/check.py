@@ -23,7 +23,7 @@ from evalgate.errors import UserError
 from . import formats
 from .emulator import MoEEmulation, as_gemm_weights, run_chunk_together, weight_fault
 from .reference import Bf16GroupedMM, Fp32Reference
-from .registry import get_kernel, kernel_names
+from .catalogs import get_kernel, kernel_names
 from .weights import Fp4ExpertWeights, double_one_group_per_row
 
 SHAPES = {

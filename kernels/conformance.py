@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .checkpoint import experts_modules
-from .registry import get_kernel
+from .catalogs import get_kernel
 
 PROMPTS = 8  # at most this many of the run's first prompts supply the hidden states
 SHOWN = 8  # worst experts / tokens kept in the record (all that fail are kept, up to FAILED_SHOWN)

@@ -49,25 +49,6 @@ class Kernel:
 
 
 KERNELS: dict[str, Kernel] = {}
-_catalogs = "not loaded"
-
-
-def load_catalogs() -> None:
-    """Register every kernel (once): the reference, the emulated FP4 kernels (healthy and faulty) and the real
-    kernels beside their recipes. Called by the lookups below, so a name is found whichever module asked."""
-    global _catalogs
-    if _catalogs != "not loaded":
-        return  # loaded, or loading: a catalog looks up a kernel it has just registered
-    _catalogs = "loading"
-    try:
-        from . import bf16, catalog  # noqa: F401
-        from .real import catalog as real_catalog  # noqa: F401
-    except BaseException:
-        _catalogs = "not loaded"
-        raise
-    _catalogs = "loaded"
-
-
 def register_kernel(kernel: Kernel) -> Kernel:
     from dataclasses import replace
 
@@ -89,7 +70,6 @@ def register_kernel(kernel: Kernel) -> Kernel:
 
 
 def get_kernel(name: str) -> Kernel:
-    load_catalogs()
     if name not in KERNELS:
         known = ", ".join(sorted(KERNELS))
         raise UserError(f"unknown kernel {name!r}; choose one of: {known} (see `evalgate kernels list`)")
@@ -99,6 +79,5 @@ def get_kernel(name: str) -> Kernel:
 def kernel_names(include_faulty: bool = True) -> list[str]:
     """Every registered kernel; a fault injected into a real kernel only where its library can run (it is a
     test double for that machine: elsewhere it could neither run nor fail)."""
-    load_catalogs()
     return sorted(n for n, k in KERNELS.items()
                   if (include_faulty or not k.faulty) and not (k.faulty and k.real and k.library.missing()))
