@@ -13,6 +13,8 @@ the sha256 of the canonical JSON (sorted keys, UTF-8, no insignificant whitespac
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -65,8 +67,9 @@ class ResolvedProfile:
             "decoding": self.decoding,
         }
 
-    @property
+    @functools.cached_property
     def profile_id(self) -> str:
+        # computed once: it hashes the whole profile (few-shot examples included), and every record carries it
         return sha256_text(canonical_json(self.identity()))
 
     def summary(self) -> dict:
