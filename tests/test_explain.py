@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -330,6 +331,24 @@ def test_the_gates_explanations_are_the_same_bit_for_bit_and_reread_without_a_re
     assert rewritten["explanations"] == record["explanations"]
     assert f"why they flipped: {record['explanations']['summary']}\n" in stdout
     assert 'class="explained"' in (out / "report.html").read_text()
+    # `evalgate report` on the pair tags the flips the candidate's own gate folder explained, without a replay
+    import shutil
+
+    from click.testing import CliRunner
+
+    from evalgate.cli.main import main
+
+    base, cand, thresholds, _ = gate_pair
+    (cand / "gate").mkdir()
+    try:
+        shutil.copy(out / "gate.json", cand / "gate" / "gate.json")
+        result = CliRunner().invoke(main, ["report", "--baseline", str(base), "--candidate", str(cand), "--thresholds",
+                                           str(thresholds), "--allow-uncalibrated", "--html", str(tmp_path / "r.html")])
+        assert result.exit_code in (0, 1, 3), result.output
+        page = (tmp_path / "r.html").read_text()
+        assert len(re.findall(r'<span class="explained"', page)) == n
+    finally:
+        shutil.rmtree(cand / "gate")
 
 
 @pytest.mark.slow

@@ -40,7 +40,10 @@ def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated,
     run = load_run(candidate)  # read once: for its profiles (a canary run has its own policy) and the decision
     policy = resolve_policy(thresholds_path, canary=policy_for(run) is not None)
     verdict = gate_runs(list(baselines), run, policy, allow_uncalibrated, items, across_serving)
-    text = report_html(verdict)  # rendered fully before the file is touched
+    from evalgate.report.explained import stored_explanations
+
+    # flips a `gate --explain` of this very pair explained are tagged again (nothing replayed)
+    text = report_html(verdict, stored_explanations(Path(candidate) / "gate", verdict))  # rendered before the file is touched
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(out)
