@@ -181,6 +181,38 @@ def test_samples_of_one_problem_in_real_sandboxes_never_overlap(monkeypatch):
     assert in_flight.breaches == []
 
 
+def test_a_problem_another_harness_is_running_waits_for_it(monkeypatch):
+    """Across harness processes (two runs, two test workers) one problem's programs take turns too: while
+    another process holds the problem's lock, its program here does not start; other problems go on."""
+    import subprocess
+    import sys
+    import threading
+
+    in_flight = ProblemsInFlight(meet=1)
+    monkeypatch.setattr(sandbox, "_run_one", in_flight)
+    busy, free = sample_programs(2, 1)
+    busy = Program(source="busy", test=busy.test + "# held elsewhere\n", entry_point="f")
+    holder = subprocess.Popen(  # another harness in the middle of a program of `busy`'s problem
+        [sys.executable, "-c", "import sys\nfrom evalgate.tasks.humaneval import sandbox\n"
+         "from evalgate.tasks.humaneval.sandbox import Program\n"
+         f"p = Program(source='x', test={busy.test!r}, entry_point='f')\n"
+         "assert sandbox._take_turn(sandbox._problem(p), blocking=False)\nprint('held', flush=True)\n"
+         "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        done = {}
+        waiting = threading.Thread(target=lambda: done.setdefault("busy", run_program(busy)))
+        waiting.start()
+        assert run_program(free) == free.source  # another problem is not held up
+        waiting.join(1.0)
+        assert waiting.is_alive() and "busy" not in done  # still waiting for the other harness's turn
+    finally:
+        holder.stdin.close()  # the other harness's program ends: its lock goes with its process
+        holder.wait(30)
+    waiting.join(30)
+    assert done == {"busy": "busy"} and in_flight.breaches == []
+
+
 # ---- hostile programs --------------------------------------------------------------------------------
 
 def test_infinite_loop_times_out():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import hashlib
 import marshal
 import os
 import signal
@@ -465,10 +466,25 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 # ---- one run ---------------------------------------------------------------------------------------------
 
-# Two programs of one problem never run at the same time in this process: two samples of a problem could
+# Two programs of one problem never run at the same time on this host: two samples of a problem could
 # otherwise signal each other (CPU contention, timing), and a mark is worth something only to the same problem.
+# In this process a condition says which problems run; across harness processes, a lock file per problem.
 _turns = threading.Condition()
-_running_problems: set = set()
+_running_problems: dict = {}  # problem -> the descriptor holding its host-wide lock
+TURN_POLL_S = 0.05  # how often a waiting program looks again (another harness's turn ends without telling us)
+
+
+def _host_turn(problem) -> int | None:
+    """The host-wide lock of ``problem`` (a descriptor), or None while another harness runs a program of it."""
+    name = hashlib.sha256(repr(problem).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    fd = os.open(os.path.join(_lock_dir(), f"problem-{name}.lock"),
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _problem(program: Program):
@@ -477,23 +493,48 @@ def _problem(program: Program):
 
 
 def _take_turn(problem, blocking: bool = True) -> bool:
-    """Mark ``problem`` running in this process; waits (or returns False) while another program of it runs."""
+    """Mark ``problem`` running on this host; waits (or returns False) while another program of it runs, in
+    this process or another harness's."""
     if problem is None:
         return True
     with _turns:
-        while problem in _running_problems:
+        while True:
+            if problem not in _running_problems:
+                fd = _host_turn(problem)
+                if fd is not None:
+                    _running_problems[problem] = fd
+                    return True
             if not blocking:
                 return False
-            _turns.wait()
-        _running_problems.add(problem)
-        return True
+            _turns.wait(TURN_POLL_S)
 
 
 def _end_turn(problem) -> None:
     if problem is not None:
         with _turns:
-            _running_problems.discard(problem)
+            fd = _running_problems.pop(problem, None)
+            if fd is not None:
+                os.close(fd)  # releases the host-wide lock
             _turns.notify_all()
+
+
+def _turns_after_fork_in_child() -> None:
+    """A forked process holds none of its parent's problems: its copies of their lock descriptors are closed
+    (the parent's own keep the locks), and it starts with none running. The fork happened under ``_turns``
+    (``before``), so no descriptor was half taken."""
+    global _turns
+    for fd in _running_problems.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _running_problems.clear()
+    _turns = threading.Condition()
+
+
+# the current ``_turns`` each time (a forked child has a fresh one)
+os.register_at_fork(before=lambda: _turns.acquire(), after_in_parent=lambda: _turns.release(),
+                    after_in_child=_turns_after_fork_in_child)
 
 
 def run_program(source: Union[str, Program], timeout: float = DEFAULT_TIMEOUT, **limits) -> Outcome:
@@ -602,7 +643,7 @@ def run_programs(sources: Sequence[Union[str, Program]], timeout: float | Sequen
                 for k, i in enumerate(waiting):
                     if _take_turn(problems[i], blocking=False):
                         return waiting.pop(k)
-                _turns.wait()
+                _turns.wait(TURN_POLL_S)
         return None
 
     def work() -> None:
