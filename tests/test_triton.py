@@ -194,15 +194,7 @@ def test_l2_upper_limbs_on_half_tiles_give_the_same_bits(monkeypatch, widest_fir
 def test_wide_rows_take_more_limbs_and_wide_experts_the_per_block_path(tiny_case):
     """Token rows whose groups span 2^6 and 2^12 (2 and 3 activation limbs), and an expert with a weight
     column spanning 2^5 (refused by the fast path: its rows go the per-block way), in one call."""
-    x = tiny_case.x.clone()
-    x[1, :32] *= 2.0**6
-    x[2, :32] *= 2.0**12
-    w = tiny_case.weights
-    s1 = w.w1_scale.clone()
-    s1[int(tiny_case.top_k_index[0, 0]), 0, 0] += 5
-    weights = type(w)(w.w1, s1, w.w2, w.w2_scale, source=w.source)
-    case = check.LayerCase(x, tiny_case.top_k_index, tiny_case.top_k_weights, weights, tiny_case.limit,
-                           tiny_case.routed_scaling)
+    case = _wide_case(tiny_case)
     limbs, slow = dict(fast.LIMB_LAUNCHES), moe.STATS["slow_rows"]
     _same_bits(case, "w4a4_packed")
     assert fast.LIMB_LAUNCHES[3] > limbs[3]
