@@ -213,6 +213,18 @@ def test_a_problem_another_harness_is_running_waits_for_it(monkeypatch):
     assert done == {"busy": "busy"} and in_flight.breaches == []
 
 
+def test_without_a_private_lock_directory_the_turns_hold_within_the_process(monkeypatch):
+    def no_directory():
+        raise sandbox.SandboxError("no private directory for the locks")
+
+    in_flight = ProblemsInFlight(meet=2)
+    monkeypatch.setattr(sandbox, "_run_one", in_flight)
+    monkeypatch.setattr(sandbox, "_lock_dir", no_directory)
+    programs = sample_programs(2, 3)
+    assert run_programs(programs, T, workers=2) == [p.source for p in programs]
+    assert in_flight.breaches == [] and sandbox._running_problems == {}
+
+
 # ---- hostile programs --------------------------------------------------------------------------------
 
 def test_infinite_loop_times_out():

@@ -474,10 +474,17 @@ _running_problems: dict = {}  # problem -> the descriptor holding its host-wide 
 TURN_POLL_S = 0.05  # how often a waiting program looks again (another harness's turn ends without telling us)
 
 
+NO_HOST_LOCK = -1  # no private lock directory here: the turns hold within this process only
+
+
 def _host_turn(problem) -> int | None:
     """The host-wide lock of ``problem`` (a descriptor), or None while another harness runs a program of it."""
     name = hashlib.sha256(repr(problem).encode("utf-8", "surrogatepass")).hexdigest()[:32]
-    fd = os.open(os.path.join(_lock_dir(), f"problem-{name}.lock"),
+    try:
+        directory = _lock_dir()
+    except SandboxError:
+        return NO_HOST_LOCK
+    fd = os.open(os.path.join(directory, f"problem-{name}.lock"),
                  os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -513,7 +520,7 @@ def _end_turn(problem) -> None:
     if problem is not None:
         with _turns:
             fd = _running_problems.pop(problem, None)
-            if fd is not None:
+            if fd is not None and fd != NO_HOST_LOCK:
                 os.close(fd)  # releases the host-wide lock
             _turns.notify_all()
 
@@ -525,7 +532,8 @@ def _turns_after_fork_in_child() -> None:
     global _turns
     for fd in _running_problems.values():
         try:
-            os.close(fd)
+            if fd != NO_HOST_LOCK:
+                os.close(fd)
         except OSError:
             pass
     _running_problems.clear()
