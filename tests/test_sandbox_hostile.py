@@ -1130,10 +1130,10 @@ def test_memory_is_bounded_per_sandbox_not_per_process():
 
 def test_a_fraction_too_costly_to_decode_is_refused_before_it_is_built():
     huge = module("", returns="__import__('fractions').Fraction((1 << 60000) + 1, (1 << 60001) + 3, _normalize=False)")
-    started = time.monotonic()
     outcome = run_item(HE0, huge)
+    # Only the check before decoding writes this message; without it the judge's gcd would run into the judge's
+    # deadline and answer "judge overran". (No wall-clock bound: a host-wide turn on HE0 may wait for another test.)
     assert not outcome.passed and "Fraction's integers are limited" in outcome.result, outcome.result
-    assert time.monotonic() - started < T
     assert run_item(HE0, HE0["canonical_solution"]).passed  # its honest neighbour
 
 
