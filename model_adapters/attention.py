@@ -17,7 +17,7 @@ beside it. ``install(model)`` replaces both with tiled forms that compute the sa
 The arithmetic of each score, softmax and weighted sum is eager's (the same dtypes, the sink in the
 denominator, the max subtracted first); only the length of the softmax's sum changes, so results agree with
 eager within float rounding, not bit for bit. This is for models that keep PyTorch's numerics (``numerics:
-native``: compressed-attention layers, or ``--numerics native``); the canonical forward pass
+native``: compressed attention on a GPU by default, or ``numerics="native"``); the canonical forward pass
 (``invariant.py``) has its own attention and is never routed here.
 """
 

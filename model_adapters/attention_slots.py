@@ -1,4 +1,4 @@
-"""Decoding DeepSeek-V4 from a KV cache preallocated per row ("slot"), with PyTorch's numerics.
+"""Decoding DeepSeek-V4 from a KV cache preallocated per row ("slot").
 
 transformers' DeepSeek-V4 cache grows by concatenation (every step copies each layer's window; every
 compressed entry is a ``torch.cat``), and it keeps one timeline for the whole batch: a left-padded row's
@@ -15,12 +15,16 @@ every row owns a slot with its own timeline, written in place:
 
 A decoding step (``SlotCache`` passed as ``past_key_values``, one token per row) writes each row's new key
 and compressor input at its own position, closes the windows of the rows whose token completes one, and
-attends over the row's window and its selected entries (``attention._attend``: eager's arithmetic). A prompt
-is prefilled alone by transformers' own forward (no padding) and its cache is moved into a free slot
-(``SlotCache.admit``); a finished row's slot is taken by the next prompt. So a row computes what it would
-compute alone, whatever the other slots hold (up to the floating-point order of its own softmax sum), and
-its tokens do not depend on its neighbours' timelines as a padded batch's do. PyTorch's matrix products can
-still round differently at different batch sizes on a GPU.
+attends over the row's window and its selected entries. A prompt is prefilled alone by the model's own
+forward (no padding) and its cache is moved into a free slot (``SlotCache.admit``); a finished row's slot is
+taken by the next prompt. So a row's tokens do not depend on its neighbours' timelines as a padded batch's do.
+
+The arithmetic follows the model's numerics. With PyTorch's (``native``) a window is pooled and a row
+attends with eager's operations (``attention._attend``): a row computes what it would compute alone up to
+the floating-point order of its own sums, and PyTorch's matrix products can round differently at different
+batch sizes on a GPU. With canonical numerics (``invariant.install``) they are ``invariant_compressed.pool``
+and ``attend``, and every projection is canonical: a row's logits are those of a prefill of its whole
+sequence, bit for bit, whatever the batch and the other slots.
 """
 
 from __future__ import annotations
@@ -29,7 +33,18 @@ import types
 
 import torch
 
+from evalgate.model_adapters import invariant_compressed
 from evalgate.model_adapters.attention import _attend
+
+
+def native_pool(module, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """transformers' pooling of a window: kv, gate [..., W, D] -> the normalised entry [..., D]."""
+    return module.kv_norm((kv * gate.softmax(dim=-2, dtype=torch.float32).to(kv.dtype)).sum(dim=-2))
+
+
+def native_attend(attn, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """eager's attention of one query per row (``attention._attend``)."""
+    return _attend(attn, query, keys, mask, attn.scaling)
 
 
 class _Compressed:
@@ -71,10 +86,10 @@ class _Compressed:
                 self.prev_kv[slot, (count + 1) % 2] = prior[0].to(self.prev_kv.dtype)
                 self.prev_gate[slot, (count + 1) % 2] = layer.overlap_gate[name][0].to(self.prev_gate.dtype)
 
-    def step(self, module, rows, positions, kv, gate) -> torch.Tensor:
+    def step(self, module, rows, positions, kv, gate, pool=native_pool) -> torch.Tensor:
         """Write one token per row (kv, gate [b, feed] at ``positions`` [b]); rows whose token closes a
-        window get its entry. Returns how many entries each row has now [b]. Reads nothing it writes, so a
-        step run again with the same inputs leaves the same state."""
+        window get its entry (``pool``ed). Returns how many entries each row has now [b]. Reads nothing it
+        writes, so a step run again with the same inputs leaves the same state."""
         at = positions % self.rate
         self.kv[rows, at] = kv.to(self.kv.dtype)
         self.gate[rows, at] = gate.to(self.gate.dtype)
@@ -90,8 +105,7 @@ class _Compressed:
             prev_gate = self.prev_gate[rows, read].unsqueeze(1).to(window_gate.dtype)
             new_prev_kv, new_prev_gate = self.kv[rows][..., :d], window_gate[:, 0, :, :d]
             window_gate = torch.cat([prev_gate, window_gate[..., d:]], dim=2)
-        entry = module.kv_norm(
-            (window_kv * window_gate.softmax(dim=2, dtype=torch.float32).to(window_kv.dtype)).sum(dim=2))
+        entry = pool(module, window_kv, window_gate)
         first = ((count - 1).clamp(min=0) * self.rate).unsqueeze(1)  # the window's first position
         cos, sin = module.rotary_emb(entry, position_ids=first, layer_type=module.rope_layer_type)
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
@@ -146,8 +160,13 @@ class SlotCache:
     NO_MASK = {"slots": None}  # transformers then builds no mask: each row's own state says what it sees
 
     def __init__(self, model, slots: int, max_length: int, spare: int = 0):
+        from evalgate.model_adapters.invariant import numerics
+
         install(model)
         self.model = model
+        canonical = numerics(model) != "native"
+        self.pool = invariant_compressed.pool if canonical else native_pool
+        self.attend = invariant_compressed.attend if canonical else native_attend
         attns = [layer.self_attn for layer in model.model.layers]
         self.layers = [_LayerSlots(a, slots + spare, max_length) for a in attns]
         self.positions = torch.zeros(slots + spare, dtype=torch.long, device=attns[0].kv_proj.weight.device)
@@ -214,22 +233,25 @@ def _step_attention(self, hidden_states, position_embeddings, position_ids, cach
     slots = torch.arange(state.window, device=keys.device)
     open_ = slots.unsqueeze(0) <= positions.unsqueeze(1)  # a slot of the ring is written once p reaches it
     if self.compressor is not None:
-        entries, chosen = _compressed_step(self, state, rows, positions, hidden_states, q_residual, position_ids)
+        entries, chosen = _compressed_step(self, cache, state, rows, positions, hidden_states, q_residual,
+                                           position_ids)
         keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
         open_ = torch.cat([open_, chosen], dim=1)
     mask = torch.zeros(open_.shape, dtype=q.dtype, device=q.device).masked_fill_(~open_, torch.finfo(q.dtype).min)
-    out = _attend(self, q, keys.unsqueeze(1), mask.view(b, 1, 1, -1), self.scaling)  # [b, H, 1, D]
+    out = cache.attend(self, q, keys.unsqueeze(1), mask.view(b, 1, 1, -1))  # [b, H, 1, D]
     out = apply_rotary_pos_emb(out, cos, -sin)
     grouped = out.transpose(1, 2).reshape(b, 1, self.config.o_groups, -1)
     return self.o_b_proj(self.o_a_proj(grouped).flatten(2)), None
 
 
-def _compressed_step(self, state: _LayerSlots, rows, positions, hidden_states, q_residual, position_ids):
+def _compressed_step(self, cache: SlotCache, state: _LayerSlots, rows, positions, hidden_states, q_residual,
+                     position_ids):
     """The compressor's (and for CSA the indexer's) step: (entries [b, capacity + 1, D], which of them the
     row attends to [b, capacity + 1] bool: the closed windows, for CSA only the indexer's top k of them)."""
     compressor = self.compressor
     flat = hidden_states[:, 0]
-    count = state.compressor.step(compressor, rows, positions, compressor.kv_proj(flat), compressor.gate_proj(flat))
+    count = state.compressor.step(compressor, rows, positions, compressor.kv_proj(flat), compressor.gate_proj(flat),
+                                  cache.pool)
     entries = state.compressor.entries[rows]
     index = torch.arange(entries.shape[1], device=entries.device)
     closed = index.unsqueeze(0) < count.unsqueeze(1)  # the spare last column is never closed
@@ -238,7 +260,7 @@ def _compressed_step(self, state: _LayerSlots, rows, positions, hidden_states, q
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
     indexer = compressor.indexer
-    state.indexer.step(indexer, rows, positions, indexer.kv_proj(flat), indexer.gate_proj(flat))
+    state.indexer.step(indexer, rows, positions, indexer.kv_proj(flat), indexer.gate_proj(flat), cache.pool)
     keys = state.indexer.entries[rows]  # [b, capacity + 1, d]
     cos, sin = indexer.rotary_emb(hidden_states, position_ids=position_ids, layer_type=indexer.rope_layer_type)
     q = indexer.q_b_proj(q_residual).view(len(rows), 1, -1, indexer.head_dim).transpose(1, 2)

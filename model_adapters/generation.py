@@ -212,10 +212,20 @@ def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
 
 def _slot_decoding(model, device) -> bool:
     """Whether a batch decodes from per-row slots (``attention_slots.SlotCache``): a DeepSeek-V4 model that
-    keeps PyTorch's numerics, on a GPU. There rows join and leave as with canonical numerics, and a row's
-    compressor windows follow its own positions, not a padded batch's."""
-    return (str(device).startswith("cuda") and not _canonical(model)
-            and getattr(model.config, "model_type", None) == "deepseek_v4")
+    keeps PyTorch's numerics, on a GPU; or one with canonical numerics and compressed attention, anywhere.
+    There rows join and leave, and a row's compressor windows follow its own positions, not a padded
+    batch's (with canonical numerics a left-padded sliding-window batch stays as it is: its rows are
+    already their own)."""
+    if getattr(model.config, "model_type", None) != "deepseek_v4":
+        return False
+    if _canonical(model):
+        return _compressed(model)
+    return str(device).startswith("cuda")
+
+
+def _compressed(model) -> bool:
+    """Whether the model has CSA or HCA layers."""
+    return any(kind != "sliding_attention" for kind in getattr(model.config, "layer_types", None) or ())
 
 
 @torch.inference_mode()
@@ -262,6 +272,8 @@ def _decode_slots(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
             spent.steps_with_few_rows += len(slots) < FEW_ROWS
             finished += _take_tokens(logits, slots, live, fed, free, tokenizer, eos_ids, stops, max_new_tokens, keys,
                                      enc)
+            if queue.balances:
+                queue.publish([(r.index, len(r.generated)) for r in live.values()])
         if finished:
             yield finished
         if not live and queue.exhausted():
@@ -379,6 +391,9 @@ class _SharedQueue(_LocalQueue):
     def publish(self, live) -> None:
         self.loads[self.worker] = self.costs.load(self.costs.rest(live))
 
+    def exhausted(self) -> bool:
+        return self.counter.value >= len(self.order)
+
     def take(self, k: int, live=()) -> list[int]:
         with self.counter.get_lock():
             start = self.counter.value
@@ -414,7 +429,8 @@ def _worker(args, queue, conn) -> None:
     what its loop spent (``DecodeStats``)."""
     try:
         spent: list[DecodeStats] = []
-        for finished in _decode_queue(*args, queue, spent):
+        decode = _decode_slots if _slot_decoding(args[0], args[5]) else _decode_queue
+        for finished in decode(*args, queue, spent):
             conn.send(("items", finished))
         conn.send(("done", spent[0] if spent else None))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
@@ -485,8 +501,11 @@ def _drain(children: list, stats: list | None = None):
 
 
 def _dynamic(model, enc, max_new_tokens) -> bool:
-    """Whether rows may leave and join the batch: canonical numerics, a cache of plain dynamic layers, and
-    every row shorter than the sliding window (beyond it the window would count a row's padding)."""
+    """Whether rows may leave and join the batch: canonical numerics, and either per-row slots (compressed
+    attention) or a cache of plain dynamic layers with every row shorter than the sliding window (beyond it
+    the window would count a row's padding)."""
+    if _canonical(model) and _compressed(model) and getattr(model.config, "model_type", None) == "deepseek_v4":
+        return True
     window = getattr(getattr(model, "config", None), "sliding_window", None)
     longest = max(len(e) + m for e, m in zip(enc, max_new_tokens))
     return _canonical(model) and (window is None or longest < window - 1) and _spliceable(model)

@@ -25,11 +25,11 @@ from evalgate.types import AdapterBase, Generation, Request
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-NUMERICS = ("canonical", "native")
+NUMERICS = ("auto", "canonical", "native")
 
 
 def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: str | None = None,
-               numerics: str = "canonical", device_map: str | None = None):
+               numerics: str = "auto", device_map: str | None = None):
     """(model, tokenizer) with ``kernel_name`` serving every MoE experts module.
 
     An FP4 checkpoint with ``device_map`` (``auto``, ``cpu``, ``cuda:0,cuda:1``; the CLI's ``--device-map``),
@@ -37,10 +37,10 @@ def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: s
     (``streamed.py``; a model that does not fit is refused before loading). Otherwise transformers loads it
     on the CPU, dequantized, and the stored codes are attached.
 
-    ``numerics="canonical"`` (default) gives the model a batch-, thread- and instruction-set-invariant
-    forward pass (``invariant.install``; docs/kernels.md#canonical-numerics); a model it does not cover
-    (another architecture, compressed-attention layers) keeps PyTorch's numerics, with a warning on stderr,
-    and ``invariant.numerics(model)`` says which one it got. ``"native"``: PyTorch's own numerics."""
+    ``numerics="canonical"`` gives the model a batch-, thread- and instruction-set-invariant forward pass
+    (``invariant.install``; docs/kernels.md#canonical-numerics); a model it does not cover (another
+    architecture) keeps PyTorch's numerics, with a warning on stderr, and ``invariant.numerics(model)`` says
+    which one it got. ``"native"``: PyTorch's own numerics. ``"auto"`` (default): ``resolved_numerics``."""
     if numerics not in NUMERICS:
         raise UserError(f"numerics {numerics!r}; choose one of: {', '.join(NUMERICS)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,11 +73,28 @@ def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: s
     return model, tokenizer
 
 
+def resolved_numerics(model, numerics: str) -> str:
+    """What ``numerics="auto"`` means for ``model`` where it now lies: canonical, except for a DeepSeek-V4
+    model with compressed attention on a GPU, which keeps PyTorch's numerics. Its decoding steps run there
+    as CUDA graphs of the whole step (the speed the README measures at full width); the canonical forward
+    synchronises with the host in every step and keeps float64 grids of the dense weights (8 times their
+    BF16 bytes). ``canonical`` and ``native`` are what they say."""
+    if numerics != "auto":
+        return numerics
+    on_gpu = any(p.device.type == "cuda" for p in model.parameters())
+    compressed = any(kind != "sliding_attention" for kind in getattr(model.config, "layer_types", None) or ())
+    if on_gpu and compressed and getattr(model.config, "model_type", None) == "deepseek_v4":
+        print("evalgate: PyTorch's own numerics for compressed attention on a GPU (CUDA-graphed steps); outputs "
+              "may depend on the batch (numerics='canonical' makes them invariant, at a cost)", file=sys.stderr)
+        return "native"
+    return "canonical"
+
+
 def _finish(model, numerics: str) -> None:
     from evalgate.cores import configure_torch  # the cores we may use, not the machine's
 
     configure_torch(getattr(model.config, "hidden_size", None))
-    if numerics == "canonical":
+    if resolved_numerics(model, numerics) == "canonical":
         from evalgate.model_adapters import invariant
 
         try:
@@ -128,7 +145,7 @@ class HFAdapter(AdapterBase):
     serving = "stream"
 
     def __init__(self, path: str | Path, kernel_name: str, device: str = "cpu", dtype: str | None = None,
-                 batch_size: int = 8, numerics: str = "canonical"):
+                 batch_size: int = 8, numerics: str = "auto"):
         t0 = time.perf_counter()
         self.path = check_model_dir(path)
         self.kernel = get_kernel(kernel_name)

@@ -1,7 +1,7 @@
 """A forward pass whose tokens do not depend on the batch, the thread count or the CPU's instruction set.
 
-``install(model)`` gives a DeepSeek-V4 model (the canary, the tiny test models, any ``DeepseekV4ForCausalLM``
-with sliding-window attention) canonical numerics in every module, so that an item's logits, and hence its
+``install(model)`` gives a DeepSeek-V4 model (the canary, the tiny test models, any ``DeepseekV4ForCausalLM``:
+sliding-window, CSA and HCA attention) canonical numerics in every module, so that an item's logits, and hence its
 greedy tokens, are a function of the item alone (docs/kernels.md#canonical-numerics):
 
 - every matrix product (projections, router, hyper-connection mixes, attention scores and values, the
@@ -13,8 +13,11 @@ greedy tokens, are a function of the item alone (docs/kernels.md#canonical-numer
   padding;
 - the routed experts are the selected kernel, whose accumulation is exact (``kernels/exact.py``); the
   ``bf16`` reference kernel switches to canonical matmuls on a module that carries the flag set here;
-- the RoPE inverse frequencies, computed with ``pow`` when the model was built, are recomputed correctly
-  rounded.
+- the RoPE inverse frequencies (default and YaRN), computed with ``pow`` when the model was built, are
+  recomputed correctly rounded;
+- CSA / HCA layers: the compressors' window pooling and the indexer's scores and top-k are canonical too
+  (``invariant_compressed.py``); a batch of such a model decodes from per-row slots (``attention_slots``),
+  because transformers' compressors cut windows along a padded batch's common timeline.
 
 It binds forwards to module instances (nothing in transformers changes; other models are untouched) and
 refuses a module it does not know, so an operation without a canonical definition cannot slip in.
@@ -244,9 +247,10 @@ def decoder_layer_forward(self, hidden_states, input_ids=None, **kwargs):
 
 def attention_forward(self, hidden_states, position_embeddings, position_ids, attention_mask, past_key_values=None,
                       **kwargs):
-    """DeepseekV4Attention.forward for sliding-window layers (shared-KV MQA, sinks, grouped output), with
-    canonical attention. The keys' and values' fixed-point grids are kept beside the KV cache and extended
-    by the new keys only (a key's grid depends on that key alone)."""
+    """DeepseekV4Attention.forward (shared-KV MQA, sinks, grouped output) with canonical attention. For a
+    sliding-window layer the keys' and values' fixed-point grids are kept beside the KV cache and extended by
+    the new keys only (a key's grid depends on that key alone); a CSA / HCA layer appends its compressor's
+    entries to the window's keys and their block bias to the mask (``invariant_compressed``)."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
     input_shape = hidden_states.shape[:-1]
@@ -258,10 +262,19 @@ def attention_forward(self, hidden_states, position_embeddings, position_ids, at
     q = apply_rotary_pos_emb(q, cos, sin)
     kv = self.kv_norm(kv).view(*hidden_shape).transpose(1, 2)
     kv = apply_rotary_pos_emb(kv, cos, sin)
-    keys, values = fixed_operand(kv.transpose(-1, -2), "columns"), fixed_operand(kv, "rows")
-    if past_key_values is not None:
-        full = past_key_values.update(kv, kv, self.layer_idx)[0]
-        keys, values = _with_cache(past_key_values.layers[self.layer_idx], full, keys, values)
+    if self.compressor is not None:
+        if past_key_values is not None:
+            kv = past_key_values.update(kv, kv, self.layer_idx)[0]
+        entries, block_bias = self.compressor(hidden_states, q_residual, position_ids, past_key_values, self.layer_idx)
+        kv = torch.cat([kv, entries.to(kv.dtype)], dim=2)  # fresh grids: the entries change from call to call
+        keys, values = fixed_operand(kv.transpose(-1, -2), "columns"), fixed_operand(kv, "rows")
+        if isinstance(attention_mask, torch.Tensor) and block_bias is not None:
+            attention_mask = torch.cat([attention_mask, block_bias.to(attention_mask.dtype)], dim=-1)
+    else:
+        keys, values = fixed_operand(kv.transpose(-1, -2), "columns"), fixed_operand(kv, "rows")
+        if past_key_values is not None:
+            full = past_key_values.update(kv, kv, self.layer_idx)[0]
+            keys, values = _with_cache(past_key_values.layers[self.layer_idx], full, keys, values)
     if isinstance(attention_mask, torch.Tensor) and keys.q.shape[-1] > attention_mask.shape[-1]:
         attention_mask = torch.nn.functional.pad(attention_mask, (0, keys.q.shape[-1] - attention_mask.shape[-1]))
     attn_output = canonical_attention(self, q, keys, values, attention_mask, self.scaling)
@@ -435,7 +448,13 @@ def register_attention() -> None:
 def _forwards():
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
 
+    from evalgate.model_adapters import invariant_compressed as c
+
     return [  # subclasses before their bases (GroupedLinear is an nn.Linear)
+        (m.DeepseekV4HCACompressor, c.hca_compressor_forward),
+        (m.DeepseekV4CSACompressor, c.csa_compressor_forward),
+        (m.DeepseekV4Indexer, c.indexer_forward),
+        (m.DeepseekV4IndexerScorer, c.indexer_scorer_forward),
         (m.DeepseekV4GroupedLinear, grouped_linear_forward),
         (nn.Linear, linear_forward),
         (m.DeepseekV4RMSNorm, rms_norm_forward),
@@ -464,7 +483,7 @@ def _kept():
 
 def install(model) -> None:
     """Give ``model`` canonical numerics (module docstring). Raises NotImplementedError, naming the module,
-    for a module it has no canonical form of (e.g. compressed-attention layers)."""
+    for a module it has no canonical form of."""
     if getattr(model, "_evalgate_numerics", None) == NUMERICS:
         return
     if getattr(model.config, "model_type", None) != "deepseek_v4":
@@ -475,14 +494,12 @@ def install(model) -> None:
         fn = next((f for cls, f in forwards if isinstance(module, cls)), None)
         if fn is None and not isinstance(module, kept):
             raise NotImplementedError(f"no canonical forward for {name or 'the model'} ({type(module).__name__})")
-        if type(module).__name__ == "DeepseekV4Attention" and module.compressor is not None:
-            raise NotImplementedError(f"{name}: compressed-attention layers have no canonical forward; "
-                                      "use sliding_attention layers")
         plan.append((name, module, fn))
     register_attention()
     for name, module, fn in plan:
         if fn is not None:
             module.forward = types.MethodType(fn, module)
+            module.__dict__.pop("_evalgate_slots", None)  # a slot decoder bound earlier wraps this forward again
         if type(module).__name__ == "DeepseekV4RotaryEmbedding":
             _canonical_rope(module)
         if type(module).__name__ == "DeepseekV4Experts":
@@ -492,10 +509,13 @@ def install(model) -> None:
 
 
 def _canonical_rope(rotary) -> None:
+    from evalgate.model_adapters.invariant_compressed import yarn_inv_freq
+
     for layer_type in rotary.layer_types:
-        if rotary.rope_type[layer_type] != "default":
-            raise NotImplementedError(f"RoPE type {rotary.rope_type[layer_type]!r} has no canonical form")
-        inv = canonical_inv_freq(rotary.config, layer_type)
+        kind = rotary.rope_type[layer_type]
+        if kind not in ("default", "yarn"):
+            raise NotImplementedError(f"RoPE type {kind!r} has no canonical form")
+        inv = (canonical_inv_freq if kind == "default" else yarn_inv_freq)(rotary.config, layer_type)
         for attr in (f"{layer_type}_inv_freq", f"{layer_type}_original_inv_freq"):
             buf = getattr(rotary, attr)
             with torch.no_grad():

@@ -40,6 +40,10 @@ def why_not(cache: SlotCache) -> str | None:
     device = cache.positions.device
     if device.type != "cuda":
         return "not on a GPU"
+    from evalgate.model_adapters.invariant import numerics
+
+    if numerics(cache.model) != "native":  # its correctly rounded functions decide some elements on the host
+        return "canonical numerics synchronise with the host"
     if cache.positions.numel() <= cache.slots:
         return "the cache has no spare slot for padding rows"
     if len({p.device for p in cache.model.parameters()}) > 1:

@@ -51,7 +51,7 @@ def tiny_config(vocab_size: int, **overrides):
 
 
 # sliding window, CSA and HCA layers at sizes where a GSM8K prompt crosses the window and closes compressor
-# windows of both kinds (the canonical forward pass does not cover these: the model keeps PyTorch's numerics)
+# windows of both kinds
 COMPRESSED = dict(num_hidden_layers=3, layer_types=["sliding_attention", "compressed_sparse_attention",
                                                     "heavily_compressed_attention"],
                   mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=32,
