@@ -9,7 +9,7 @@ import torch
 
 from evalgate.model_adapters import generation, invariant
 from evalgate.model_adapters.attention_slots import SlotCache
-from test_attention import KINDS, VOCAB, _model, _Tokenizer
+from test_attention import DEVICES, KINDS, VOCAB, _model, _Tokenizer
 
 
 def _canonical(**kw):
@@ -59,19 +59,20 @@ def test_without_its_canonical_compressor_the_forward_is_not_this_one(monkeypatc
 
 
 @torch.no_grad()
-def test_rows_decoded_from_slots_give_the_prefill_logits_bit_for_bit():
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_decoded_from_slots_give_the_prefill_logits_bit_for_bit(device):
     """BF16, top-3 of the indexer. Three rows admitted at different lengths into scattered slots and decoded
     together for 20 steps (windows closing at different steps per row; a row leaves and another takes its
     slot): each step's logits are, bit for bit, the last logits of a prefill of the row's whole sequence."""
-    model = _canonical(dtype=torch.bfloat16, index_topk=3)
-    seqs = {0: _prompt(40, 5), 3: _prompt(40, 6), 1: _prompt(40, 7)}
+    model = _canonical(dtype=torch.bfloat16, index_topk=3, device=device)
+    seqs = {k: v.to(device) for k, v in {0: _prompt(40, 5), 3: _prompt(40, 6), 1: _prompt(40, 7)}.items()}
     starts = {0: 7, 3: 16, 1: 19}
     cache = SlotCache(model, slots=4, max_length=64)
     for slot, seq in seqs.items():
         cache.admit(slot, model(input_ids=seq[None, :starts[slot]], use_cache=True).past_key_values, starts[slot])
     for step in range(20):
         if step == 10:  # slot 3's row leaves; a new one of 12 tokens takes the slot
-            seqs[3], starts[3] = _prompt(40, 8), 12 - step
+            seqs[3], starts[3] = _prompt(40, 8).to(device), 12 - step
             cache.admit(3, model(input_ids=seqs[3][None, :12], use_cache=True).past_key_values, 12)
         slots = sorted(seqs)
         at = [starts[s] + step for s in slots]
@@ -82,25 +83,34 @@ def test_rows_decoded_from_slots_give_the_prefill_logits_bit_for_bit():
 
 
 @pytest.mark.slow
-def test_generation_is_batch_invariant_with_compressed_attention(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_generation_is_batch_invariant_with_compressed_attention(monkeypatch, device):
     """12 prompts of 5-60 tokens, each with its own token limit: every prompt gets the same tokens alone, in
-    batches of 4 and 12 (continuous batching over slots), and from two forked workers."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # as configure_torch leaves a tiny model
+    batches of 4 and 12 (continuous batching over slots), and (on the CPU) from two forked workers."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # forked workers after multi-threaded work would inherit a dead thread pool
-    model = _canonical(dtype=torch.bfloat16, index_topk=3)
+    try:
+        _decode_alone_and_batched(monkeypatch, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _decode_alone_and_batched(monkeypatch, device):
+    model = _canonical(dtype=torch.bfloat16, index_topk=3, device=device)
     g = torch.Generator().manual_seed(7)
     lengths = torch.randint(5, 60, (12,), generator=g).tolist()
     prompts = [" ".join(str(int(x)) for x in torch.randint(3, VOCAB, (n,), generator=g)) for n in lengths]
     limits = torch.randint(4, 30, (12,), generator=g).tolist()
     stops = [()] * len(prompts)
-    alone = [generation.decode(model, _Tokenizer(), [p], [()], [m])[0].token_ids for p, m in zip(prompts, limits)]
+    alone = [generation.decode(model, _Tokenizer(), [p], [()], [m], device)[0].token_ids
+             for p, m in zip(prompts, limits)]
     used = []
     inner = generation._decode_slots
     monkeypatch.setattr(generation, "_decode_slots", lambda *a: used.append(1) or inner(*a))
-    for batch, workers in ((4, 1), (12, 1), (5, 2)):
+    for batch, workers in ((4, 1), (12, 1)) + (((5, 2),) if device == "cpu" else ()):
         got = [None] * len(prompts)
-        for finished in generation.decode_stream(model, _Tokenizer(), prompts, stops, limits, batch_size=batch,
-                                                 workers=workers):
+        for finished in generation.decode_stream(model, _Tokenizer(), prompts, stops, limits, device,
+                                                 batch_size=batch, workers=workers):
             for i, gen in finished:
                 got[i] = gen.token_ids
         assert got == alone, (batch, workers)
