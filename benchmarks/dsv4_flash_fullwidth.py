@@ -399,14 +399,35 @@ def project_gate(row: dict, layers: int, total_layers: int, per_replica: int, gp
     return seconds / replicas
 
 
+def use_hyper(model, choice: str) -> None:
+    """The hyper-connections' forward for the steps that follow: ``triton`` (``hyper_triton``, where it can
+    run) or ``torch`` (transformers' own)."""
+    import types
+
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+
+    from evalgate.model_adapters import hyper_triton
+
+    if choice not in ("triton", "torch"):
+        raise SystemExit(f"--hyper {choice!r}: expected triton or torch")
+    if choice == "triton" and hyper_triton.install(model):
+        return
+    if choice == "triton":
+        print(f"hyper: the Triton kernel does not run here ({hyper_triton.usable(model)}); transformers' forward",
+              flush=True)
+    for module in model.modules():
+        if isinstance(module, DeepseekV4HyperConnection):
+            module.forward = types.MethodType(DeepseekV4HyperConnection.forward, module)
+
+
 def print_table(rows: list[dict], bandwidth: float, device: str) -> None:
     print(f"decode steps against the weight-read floor (copy bandwidth of {device}: {bandwidth / 1e9:.0f} GB/s "
           "read + written, measured in this run)")
-    print(f"{'cache':>6s} {'batch':>5s} {'prefill tok/s':>13s} {'step ms':>8s} {'tokens/s':>9s} {'floor GiB':>9s} "
+    print(f"{'cache':>15s} {'batch':>5s} {'prefill tok/s':>13s} {'step ms':>8s} {'tokens/s':>9s} {'floor GiB':>9s} "
           f"{'floor ms':>8s} {'x floor':>7s} {'peak GiB':>9s} {'gate 2xH200 min':>15s} {'gate 4xH200 min':>15s}")
     for r in rows:
         peak = "/".join(f"{v:.1f}" for v in r["peak_gib"].values()) or "-"
-        print(f"{r['cache']:>6s} {r['batch']:5d} {r['prefill_tokens_per_s']:13.1f} {r['step_ms']:8.2f} "
+        print(f"{r['cache']:>15s} {r['batch']:5d} {r['prefill_tokens_per_s']:13.1f} {r['step_ms']:8.2f} "
               f"{r['tokens_per_s']:9.1f} {r['floor_gib']:9.2f} {r['floor_ms']:8.2f} {r['x_floor']:7.2f} {peak:>9s} "
               f"{r['gate_min_2_h200']:15.1f} {r['gate_min_4_h200']:15.1f}")
 
@@ -471,6 +492,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cache", default="hf,slots,graphs", help="caches to decode from: hf (transformers', "
                    "left-padded static batch), slots (preallocated per row, attention_slots.py), graphs (slots, "
                    "each step a CUDA graph of the whole step per batch bucket, step_graphs.py)")
+    p.add_argument("--hyper", default="triton", help="hyper-connection weights of the slots' steps, comma-separated: "
+                   "triton (one kernel, hyper_triton.py, what a GPU load binds), torch (transformers' ~120 "
+                   "kernels each); several: the slots and graphs rows once per choice, in this run")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
 
@@ -546,8 +570,12 @@ def main(argv: list[str] | None = None) -> dict:
         for cache in [c for c in caches if c not in slot_modes] + (["slots"] if slot_modes else []):
             try:
                 if cache == "slots":
-                    measured.extend(measure_slots(model, tokenizer, prompts, batches, args.steps, placement.devices,
-                                                  bandwidth, slot_modes))
+                    for hyper in [h.strip() for h in args.hyper.split(",") if h.strip()]:
+                        use_hyper(model, hyper)
+                        for row in measure_slots(model, tokenizer, prompts, batches, args.steps, placement.devices,
+                                                 bandwidth, slot_modes):
+                            row["cache"] += "" if hyper == "triton" else f"/{hyper}-hc"
+                            measured.append(row)
                     continue
                 for b in batches:
                     measured.append(measure_batch(model, tokenizer, prompts, b, args.steps, placement.devices,

@@ -103,9 +103,10 @@ def _finish(model, numerics: str) -> None:
             print(f"evalgate: PyTorch's own numerics for this model, outputs may depend on the batch: {exc}",
                   file=sys.stderr)
     if any(p.device.type == "cuda" for p in model.parameters()):  # eager's score tensor does not fit a GPU
-        from evalgate.model_adapters import attention
+        from evalgate.model_adapters import attention, hyper_triton
 
         attention.install(model)
+        hyper_triton.install(model)  # PyTorch's numerics: ~240 tiny kernels a layer become two
 
 
 def streamed_device_map(d: Path, kernel, device: str, device_map: str | None) -> str | None:

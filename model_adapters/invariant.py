@@ -36,6 +36,8 @@ from torch import nn
 
 from evalgate.kernels import canonical
 from evalgate.kernels.canonical import FixedOperand, fixed_matmul, fixed_operand, ordered_sum
+from evalgate.model_adapters.canonical_blocks import attend as _attend
+from evalgate.model_adapters.canonical_blocks import fused_linear as _fused_linear
 
 NUMERICS = canonical.VERSION
 ATTENTION = "evalgate_canonical"
@@ -161,15 +163,6 @@ def hyper_head_forward(self, x):
     mixes = canonical.linear(flat, self.hc_fn, owner=self, out_dtype=torch.float32)
     pre = canonical.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
     return ordered_sum(pre.unsqueeze(-1) * x, 2).to(x.dtype)
-
-
-def _fused_linear(owner, name: str, x, linears):
-    """Several bias-free linear layers of one input as one canonical matmul: a column's grid is its own, so
-    the outputs are those of the separate layers, bit for bit."""
-    weights = tuple(m.weight for m in linears)
-    b = canonical.cached_operand(owner, name, weights, lambda ws: fixed_operand(torch.cat(ws).t(), "columns"))
-    out = fixed_matmul(x.reshape(-1, x.shape[-1]), b, x.dtype)
-    return [o.reshape(*x.shape[:-1], -1) for o in out.split([w.shape[0] for w in weights], dim=-1)]
 
 
 def mlp_forward(self, x):
@@ -384,20 +377,6 @@ def stack_left_padded(a: torch.Tensor, b: torch.Tensor, dim: int, length: int, v
         rows.narrow(dim, 0, pad).fill_(value)
         rows.narrow(dim, pad, part.shape[dim]).copy_(part)
     return out
-
-
-def _attend(query, keys, values, mask, sinks, scaling):
-    """DeepSeek-V4's eager attention (sinks, FP32 softmax) with canonical numerics. query [b, H, s, D]; keys
-    and values one KV head [b, 1, ...], so the heads are folded into the rows of one matrix product."""
-    b, h, s, d = query.shape
-    scores = fixed_matmul(query.reshape(b, 1, h * s, d), keys, query.dtype).view(b, h, s, -1) * scaling
-    if mask is not None:
-        scores = scores + mask
-    sink = sinks.reshape(1, -1, 1, 1).expand(b, -1, s, -1)
-    combined = torch.cat([scores, sink], dim=-1)
-    combined = combined - combined.amax(dim=-1, keepdim=True)
-    probs = canonical.softmax(combined, dim=-1)[..., :-1].to(query.dtype)
-    return fixed_matmul(probs.reshape(b, 1, h * s, -1), values, query.dtype).view(b, h, s, d)
 
 
 def canonical_attention(module, query, keys, values, attention_mask, scaling):

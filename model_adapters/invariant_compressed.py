@@ -23,6 +23,8 @@ import torch
 
 from evalgate.kernels import canonical
 from evalgate.kernels.canonical import fixed_operand
+from evalgate.model_adapters.canonical_blocks import attend as canonical_attend
+from evalgate.model_adapters.canonical_blocks import fused_linear
 
 
 def pool(module, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -35,11 +37,9 @@ def pool(module, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 def attend(attn, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One query per row over its own keys: query [b, H, 1, D], keys (K = V) [b, 1, T, D], mask [b, 1, 1, T]
-    additive. Returns [b, H, 1, D] (``invariant._attend``: canonical scores, softmax and weighted sum)."""
-    from evalgate.model_adapters.invariant import _attend
-
+    additive. Returns [b, H, 1, D] (``canonical_blocks.attend``: canonical scores, softmax and weighted sum)."""
     operands = fixed_operand(keys.transpose(-1, -2), "columns"), fixed_operand(keys, "rows")
-    return _attend(query, *operands, mask, attn.sinks, attn.scaling)
+    return canonical_attend(query, *operands, mask, attn.sinks, attn.scaling)
 
 
 def _entries(module, cache_layer, name: str, hidden_states: torch.Tensor, overlap: bool) -> torch.Tensor:
@@ -47,11 +47,9 @@ def _entries(module, cache_layer, name: str, hidden_states: torch.Tensor, overla
     far [B, T, D] (with a cache, every entry of the row's history)."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
-    from evalgate.model_adapters.invariant import _fused_linear
-
     batch = hidden_states.shape[0]
     rate, width = module.compress_rate, module.head_dim
-    kv, gate = _fused_linear(module, "kv_gate", hidden_states, (module.kv_proj, module.gate_proj))
+    kv, gate = fused_linear(module, "kv_gate", hidden_states, (module.kv_proj, module.gate_proj))
     if cache_layer is None:
         usable = (kv.shape[1] // rate) * rate
         chunk_kv, chunk_gate, first_position = kv[:, :usable], gate[:, :usable], 0
