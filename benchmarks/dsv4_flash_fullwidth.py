@@ -12,7 +12,8 @@ packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's 
 ``--max-new-tokens`` tokens at batch ``--batch-size`` (``--items 0``: skip); (6) print tokens/s, the projected
 time of a 1,319-item GSM8K run, and peak memory per device against the packed expert bytes; (7) for each
 batch of ``--batches``: prefill that many GSM8K prompts, time ``--steps`` decoding steps (median) from each
-cache of ``--cache`` (transformers'; per-row slots; slots with each step a CUDA graph of the whole step), and
+cache of ``--cache`` (transformers'; per-row slots; slots with each step a CUDA graph of the whole step; the
+slots' steps once per ``--hyper`` choice of hyper-connection forward), and
 hold each step against its weight-read floor (``step_floor``), with the copy bandwidth of the device measured
 in this run; then project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``).
 
