@@ -13,7 +13,7 @@ packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's 
 time of a 1,319-item GSM8K run, and peak memory per device against the packed expert bytes; (7) for each
 batch of ``--batches``: prefill that many GSM8K prompts, time ``--steps`` decoding steps (median) from each
 cache of ``--cache`` (transformers'; per-row slots; slots with each step a CUDA graph of the whole step; the
-slots' steps once per ``--hyper`` choice of hyper-connection forward), and
+slots' steps once per ``--fused`` choice of hyper-connection and RMSNorm forwards), and
 hold each step against its weight-read floor (``step_floor``), with the copy bandwidth of the device measured
 in this run; then project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``).
 
@@ -400,25 +400,23 @@ def project_gate(row: dict, layers: int, total_layers: int, per_replica: int, gp
     return seconds / replicas
 
 
-def use_hyper(model, choice: str) -> None:
-    """The hyper-connections' forward for the steps that follow: ``triton`` (``hyper_triton``, where it can
-    run) or ``torch`` (transformers' own)."""
+def use_fused(model, choice: str) -> None:
+    """The hyper-connections' and RMSNorms' forwards for the steps that follow: ``triton`` (``triton_layers``,
+    where it can run) or ``torch`` (transformers' own)."""
     import types
 
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
-
-    from evalgate.model_adapters import hyper_triton
+    from evalgate.model_adapters import triton_layers
 
     if choice not in ("triton", "torch"):
-        raise SystemExit(f"--hyper {choice!r}: expected triton or torch")
-    if choice == "triton" and hyper_triton.install(model):
+        raise SystemExit(f"--fused {choice!r}: expected triton or torch")
+    if choice == "triton" and triton_layers.install(model):
         return
     if choice == "triton":
-        print(f"hyper: the Triton kernel does not run here ({hyper_triton.usable(model)}); transformers' forward",
+        print(f"fused: the Triton kernels do not run here ({triton_layers.usable(model)}); transformers' forwards",
               flush=True)
     for module in model.modules():
-        if isinstance(module, DeepseekV4HyperConnection):
-            module.forward = types.MethodType(DeepseekV4HyperConnection.forward, module)
+        if type(module).__name__ in triton_layers.FORWARDS:
+            module.forward = types.MethodType(type(module).forward, module)
 
 
 def print_table(rows: list[dict], bandwidth: float, device: str) -> None:
@@ -493,9 +491,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cache", default="hf,slots,graphs", help="caches to decode from: hf (transformers', "
                    "left-padded static batch), slots (preallocated per row, attention_slots.py), graphs (slots, "
                    "each step a CUDA graph of the whole step per batch bucket, step_graphs.py)")
-    p.add_argument("--hyper", default="triton", help="hyper-connection weights of the slots' steps, comma-separated: "
-                   "triton (one kernel, hyper_triton.py, what a GPU load binds), torch (transformers' ~120 "
-                   "kernels each); several: the slots and graphs rows once per choice, in this run")
+    p.add_argument("--fused", default="triton", help="hyper-connection weights and RMSNorms of the slots' steps, "
+                   "comma-separated: triton (one kernel each, triton_layers.py, what a GPU load binds), torch "
+                   "(transformers' forwards); several: the slots and graphs rows once per choice, in this run")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
 
@@ -571,11 +569,11 @@ def main(argv: list[str] | None = None) -> dict:
         for cache in [c for c in caches if c not in slot_modes] + (["slots"] if slot_modes else []):
             try:
                 if cache == "slots":
-                    for hyper in [h.strip() for h in args.hyper.split(",") if h.strip()]:
-                        use_hyper(model, hyper)
+                    for fused in [f.strip() for f in args.fused.split(",") if f.strip()]:
+                        use_fused(model, fused)
                         for row in measure_slots(model, tokenizer, prompts, batches, args.steps, placement.devices,
                                                  bandwidth, slot_modes):
-                            row["cache"] += "" if hyper == "triton" else f"/{hyper}-hc"
+                            row["cache"] += "" if fused == "triton" else f"/{fused}"
                             measured.append(row)
                     continue
                 for b in batches:

@@ -103,10 +103,10 @@ def _finish(model, numerics: str) -> None:
             print(f"evalgate: PyTorch's own numerics for this model, outputs may depend on the batch: {exc}",
                   file=sys.stderr)
     if any(p.device.type == "cuda" for p in model.parameters()):  # eager's score tensor does not fit a GPU
-        from evalgate.model_adapters import attention, hyper_triton
+        from evalgate.model_adapters import attention, triton_layers
 
         attention.install(model)
-        hyper_triton.install(model)  # PyTorch's numerics: ~240 tiny kernels a layer become two
+        triton_layers.install(model)  # PyTorch's numerics: hundreds of tiny kernels a layer become a dozen
 
 
 def streamed_device_map(d: Path, kernel, device: str, device_map: str | None) -> str | None:

@@ -1,5 +1,6 @@
-"""The hyper-connection weights as one Triton kernel (``model_adapters/hyper_triton.py``) against transformers'
-``DeepseekV4HyperConnection.forward``, under Triton's interpreter on a CPU (on a GPU where there is one).
+"""DeepSeek-V4 layers as Triton kernels (``model_adapters/triton_layers.py``: the hyper-connection weights,
+the RMSNorms) against transformers' own forwards, under Triton's interpreter on a CPU (on a GPU where there
+is one).
 
 Triton reads TRITON_INTERPRET when it is first imported, and a test session may have imported it already
 (transformers can), so each check runs in a fresh process."""
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 SETUP = """
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
-from evalgate.model_adapters import hyper_triton
+from evalgate.model_adapters import triton_layers
 from evalgate.model_adapters.tiny import tiny_config
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """
@@ -53,9 +55,9 @@ def test_the_kernel_computes_transformers_weights(hc):
         streams = torch.randn(5, 14, {hc}, cfg.hidden_size, device=DEVICE).to(torch.bfloat16) * 3
         with torch.no_grad():
             ref = module(streams)
-            hyper_triton.install(torch.nn.Sequential(module), force=True)
+            triton_layers.install(torch.nn.Sequential(module), force=True)
             got = module(streams)
-        assert module.forward.__func__ is hyper_triton.hyper_connection_forward  # the kernel ran, no fallback
+        assert module.forward.__func__ is triton_layers.hyper_connection_forward  # the kernel ran, no fallback
         for name, a, b in zip(("post", "comb", "collapsed"), got, ref):
             a, b = a.float(), b.float()
             assert a.shape == b.shape, (name, a.shape, b.shape)
@@ -85,11 +87,13 @@ def test_a_model_with_the_kernel_gives_transformers_logits():
         with torch.no_grad():
             ref = model(input_ids=ids).logits
             if DEVICE == "cpu":
-                assert not hyper_triton.install(model) and hyper_triton.usable(model) == "not on a GPU"
-            assert hyper_triton.install(model, force=True)
+                assert not triton_layers.install(model) and triton_layers.usable(model) == "not on a GPU"
+            assert triton_layers.install(model, force=True)
             got = model(input_ids=ids).logits
-        bound = [m.forward.__func__ for m in model.modules() if isinstance(m, DeepseekV4HyperConnection)]
-        assert bound and all(f is hyper_triton.hyper_connection_forward for f in bound)  # no fallback
+        bound = [(type(m).__name__, m.forward.__func__) for m in model.modules()
+                 if type(m).__name__ in triton_layers.FORWARDS]
+        assert {name for name, _ in bound} == set(triton_layers.FORWARDS)
+        assert all(f is triton_layers.FORWARDS[name] for name, f in bound)  # every kernel ran, no fallback
         assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item(), (got - ref).abs().max()
         print("ok")
     """)
@@ -101,7 +105,7 @@ def test_a_kernel_that_fails_hands_the_module_back_to_transformers(monkeypatch):
     call, and transformers' forward from then on."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 
-    from evalgate.model_adapters import hyper_triton
+    from evalgate.model_adapters import triton_layers
     from evalgate.model_adapters.tiny import tiny_config
 
     torch.manual_seed(0)
@@ -119,11 +123,42 @@ def test_a_kernel_that_fails_hands_the_module_back_to_transformers(monkeypatch):
         calls.append(1)
         raise RuntimeError("no kernel for you")
 
-    monkeypatch.setattr(hyper_triton, "hyper_weights", broken)
-    hyper_triton.install(torch.nn.Sequential(module), force=True)
+    monkeypatch.setattr(triton_layers, "hyper_weights", broken)
+    module.forward = types.MethodType(triton_layers.hyper_connection_forward, module)
     with torch.no_grad(), pytest.warns(UserWarning, match="no kernel for you"):
         got = module(streams)
     with torch.no_grad():
         again = module(streams)
     assert calls == [1] and all(torch.equal(a, b) for a, b in zip(got, ref)) and all(
         torch.equal(a, b) for a, b in zip(again, ref))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_norm_kernel_computes_transformers_rms_norms(dtype):
+    """Weighted (FP32 and BF16 weights) and unweighted RMSNorm over widths of one pass, of a width that is not
+    a power of two, and of several passes (wider than NORM_BLOCK): transformers' results within one rounding
+    of the output dtype, and no fallback."""
+    out = _run(f"""
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm, DeepseekV4UnweightedRMSNorm
+        torch.manual_seed(0)
+        dtype = torch.{dtype}
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+        for width in (64, 1000, 2 * hyper_kernels.NORM_BLOCK + 3):
+            x = (torch.randn(3, 5, width) * torch.linspace(0.01, 30, width)).to(dtype).to(DEVICE)
+            for module in (DeepseekV4RMSNorm(width, eps=1e-6), DeepseekV4RMSNorm(width, eps=1e-6).to(torch.bfloat16),
+                           DeepseekV4UnweightedRMSNorm(eps=1e-6)):
+                module = module.to(DEVICE)
+                if hasattr(module, "weight"):
+                    with torch.no_grad():
+                        module.weight.normal_(1.0, 0.3)
+                with torch.no_grad():
+                    ref = module(x)
+                    hyper_kernels.install(torch.nn.Sequential(module), force=True)
+                    got = module(x)
+                assert module.forward.__func__ is hyper_kernels.FORWARDS[type(module).__name__]
+                assert got.dtype == ref.dtype and got.shape == ref.shape
+                err = ((got.float() - ref.float()).abs() / ref.float().abs().clamp(min=1e-3)).max().item()
+                assert err <= 2 * ulp, (width, type(module).__name__, err)
+        print("ok")
+    """.replace("hyper_kernels", "triton_layers"))
+    assert out.strip().endswith("ok")

@@ -1,0 +1,216 @@
+"""DeepSeek-V4 layers as Triton kernels, for PyTorch's numerics on a GPU: the hyper-connection weights and
+the RMSNorms.
+
+A decoding step launches its kernels one after the other, and most of them hold a few elements per token,
+so at batch 1 and at batch 256 alike a step costs far more than its arithmetic:
+
+- ``DeepseekV4HyperConnection.forward`` turns each token's projected mixes into the ``pre``, ``post`` and
+  ``comb`` weights with a sigmoid, a softmax and a Sinkhorn loop of ``hc_sinkhorn_iters`` (20) row and
+  column normalisations over an hc x hc matrix (4 x 4 in DeepSeek-V4-Flash): about 120 kernels, twice a
+  layer. ``hyper_weights`` computes all three for a block of tokens in registers, one kernel.
+- transformers' RMSNorms (about nine a layer: the block norms, the query, key and compressor norms, the
+  hyper-connections' input norms) take six to eight kernels each. ``rms_norm`` is one.
+
+``install`` binds both to a model on a GPU that keeps PyTorch's numerics (canonical numerics have their own
+forwards, ``invariant.py``). Same formulas, dtypes and roundings as transformers; the exponentials and the
+order of each sum are Triton's, so results agree with transformers' within float rounding, not bit for bit
+(``tests/test_triton_layers.py``, under Triton's interpreter on a CPU).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+ENABLED = True  # a switch for comparisons (benchmarks/dsv4_flash_fullwidth.py measures both)
+BLOCK = 32  # tokens per program (hyper-connection weights)
+NORM_BLOCK = 4096  # elements of a row per pass (RMSNorm)
+
+
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def hyper_weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, n_rows, eps,
+                             HC: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+        width = (2 + HC) * HC
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = rows < n_rows
+        i = tl.arange(0, HC)
+        pre_scale = tl.load(scale_ptr)
+        post_scale = tl.load(scale_ptr + 1)
+        comb_scale = tl.load(scale_ptr + 2)
+        vec = rows[:, None] * width + i[None, :]
+        pre_w = tl.load(mix_ptr + vec, mask=ok[:, None], other=0.0)
+        post_w = tl.load(mix_ptr + vec + HC, mask=ok[:, None], other=0.0)
+        pre = 1.0 / (1.0 + tl.exp(-(pre_w * pre_scale + tl.load(base_ptr + i)[None, :]))) + eps
+        post = 2.0 * (1.0 / (1.0 + tl.exp(-(post_w * post_scale + tl.load(base_ptr + HC + i)[None, :]))))
+        tl.store(pre_ptr + rows[:, None] * HC + i[None, :], pre, mask=ok[:, None])
+        tl.store(post_ptr + rows[:, None] * HC + i[None, :], post, mask=ok[:, None])
+        r = tl.arange(0, HC)[None, :, None]
+        c = tl.arange(0, HC)[None, None, :]
+        cell = r * HC + c
+        z = tl.load(mix_ptr + rows[:, None, None] * width + 2 * HC + cell, mask=ok[:, None, None], other=0.0)
+        z = z * comb_scale + tl.load(base_ptr + 2 * HC + cell)
+        e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+        comb = e / tl.sum(e, axis=2)[:, :, None] + eps
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+        for _ in tl.static_range(ITERS - 1):
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+        tl.store(comb_ptr + rows[:, None, None] * HC * HC + cell, comb, mask=ok[:, None, None])
+
+    return hyper_weights_kernel
+
+
+def _norm_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, WIDTH: tl.constexpr, WEIGHTED: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * WIDTH
+        cols = tl.arange(0, BLOCK)
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in tl.static_range(0, WIDTH, BLOCK):
+            x = tl.load(x_ptr + row + start + cols, mask=start + cols < WIDTH, other=0.0).to(tl.float32)
+            total += x * x
+        r = 1.0 / tl.sqrt_rn(tl.sum(total, axis=0) / WIDTH + eps)
+        if not WEIGHTED:  # transformers rounds the factor to the input's dtype, then multiplies in it
+            r = r.to(out_ptr.dtype.element_ty).to(tl.float32)
+        for start in tl.static_range(0, WIDTH, BLOCK):
+            ok = start + cols < WIDTH
+            x = tl.load(x_ptr + row + start + cols, mask=ok, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                y = tl.load(w_ptr + start + cols, mask=ok, other=0.0).to(tl.float32) * (x * r)
+            else:
+                y = x * r
+            tl.store(out_ptr + row + start + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+    return rms_norm_kernel
+
+
+_KERNEL = []
+_NORM_KERNEL = []
+
+
+def _on_device(t: torch.Tensor):
+    """Triton launches on the current device: a model spread over GPUs has layers on the others."""
+    import contextlib
+
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """transformers' DeepseekV4RMSNorm (``weight``: FP32 x · rsqrt(mean x² + eps), times the weight in FP32,
+    rounded once to x's dtype) or DeepseekV4UnweightedRMSNorm (``weight`` None: the factor rounded to x's
+    dtype, times x in it) over the last dimension."""
+    if not _NORM_KERNEL:
+        _NORM_KERNEL.append(_norm_kernel())
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(flat)
+    width = flat.shape[-1]
+    block = min(NORM_BLOCK, 1 << max(0, width - 1).bit_length())
+    if flat.shape[0]:
+        with _on_device(flat):
+            _NORM_KERNEL[0][(flat.shape[0],)](flat, flat if weight is None else weight.contiguous(), out, eps,
+                                              WIDTH=width, WEIGHTED=weight is not None, BLOCK=block)
+    return out.view(x.shape)
+
+
+def _or_transformers(forward):
+    """``forward`` bound to a module; where Triton fails to build or launch its kernel (a first call, before
+    any CUDA graph holds it) the module goes back to its class's own forward, with a warning."""
+    import functools
+
+    @functools.wraps(forward)
+    def guarded(self, *args):
+        try:
+            return forward(self, *args)
+        except Exception as exc:  # noqa: BLE001  (a Triton build or launch error: transformers' forward serves)
+            import warnings
+
+            warnings.warn(f"{type(self).__name__} on transformers' forward: its Triton kernel failed ({exc})",
+                          stacklevel=2)
+            self.forward = types.MethodType(type(self).forward, self)
+            return self.forward(*args)
+
+    return guarded
+
+
+@_or_transformers
+def rms_norm_forward(self, hidden_states):
+    """DeepseekV4RMSNorm.forward with ``rms_norm``."""
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+@_or_transformers
+def unweighted_rms_norm_forward(self, x):
+    """DeepseekV4UnweightedRMSNorm.forward with ``rms_norm``."""
+    return rms_norm(x, None, self.eps)
+
+
+def hyper_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, eps: float):
+    """mixes [..., (2 + hc) * hc] FP32 (the flattened streams' projection), base [(2 + hc) * hc], scale [3] ->
+    (pre [..., hc], post [..., hc], comb [..., hc, hc]) FP32, as ``DeepseekV4HyperConnection.forward``."""
+    if not _KERNEL:
+        _KERNEL.append(_kernel())
+    lead = mixes.shape[:-1]
+    flat = mixes.reshape(-1, mixes.shape[-1]).contiguous()
+    n = flat.shape[0]
+    pre = flat.new_empty(n, hc)
+    post = flat.new_empty(n, hc)
+    comb = flat.new_empty(n, hc, hc)
+    if n:
+        with _on_device(flat):
+            _KERNEL[0][(-(-n // BLOCK),)](flat, base.float().contiguous(), scale.float().contiguous(), pre, post,
+                                          comb, n, eps, HC=hc, ITERS=iters, BLOCK=BLOCK)
+    return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+@_or_transformers
+def hyper_connection_forward(self, hidden_streams):
+    """DeepseekV4HyperConnection.forward with ``hyper_weights``."""
+    import torch.nn.functional as F
+
+    batch_size, seq_len = hidden_streams.shape[:2]
+    flattened = self.input_norm(hidden_streams.view(batch_size, seq_len, -1).float())
+    mixes = F.linear(flattened, self.fn.float())
+    pre, post, comb = hyper_weights(mixes, self.base, self.scale, self.hc_mult, self.hc_sinkhorn_iters, self.hc_eps)
+    collapsed = (pre.unsqueeze(-1) * hidden_streams).sum(dim=2).to(hidden_streams.dtype)
+    return post, comb, collapsed
+
+
+def usable(model) -> str | None:
+    """Why ``install`` leaves ``model`` alone, or None when it binds the kernel."""
+    from evalgate.kernels.triton.availability import unavailable_reason
+    from evalgate.model_adapters.invariant import numerics
+
+    if not ENABLED:
+        return "disabled"
+    if numerics(model) != "native":
+        return "canonical numerics have their own forwards"
+    hc = getattr(model.config, "hc_mult", 0)
+    if hc < 1 or hc & (hc - 1):
+        return f"hc_mult {hc} is not a power of two"
+    device = next(model.parameters()).device.type
+    return unavailable_reason(device) if device == "cuda" else "not on a GPU"
+
+
+FORWARDS = {"DeepseekV4HyperConnection": hyper_connection_forward, "DeepseekV4RMSNorm": rms_norm_forward,
+            "DeepseekV4UnweightedRMSNorm": unweighted_rms_norm_forward}
+
+
+def install(model, force: bool = False) -> bool:
+    """Bind ``FORWARDS`` to the modules of ``model`` where ``usable``, or anywhere with ``force`` (Triton's
+    interpreter on a CPU, in tests). Returns whether it did."""
+    if not force and usable(model) is not None:
+        return False
+    for module in model.modules():
+        forward = FORWARDS.get(type(module).__name__)
+        if forward is not None:
+            module.forward = types.MethodType(forward, module)
+    return True
