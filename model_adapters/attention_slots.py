@@ -20,7 +20,8 @@ forward (no padding) and its cache is moved into a free slot (``SlotCache.admit`
 taken by the next prompt. So a row's tokens do not depend on its neighbours' timelines as a padded batch's do.
 
 The arithmetic follows the model's numerics. With PyTorch's (``native``) a window is pooled and a row
-attends with eager's operations (``attention._attend``): a row computes what it would compute alone up to
+attends with eager's operations (``attention._attend``), and RoPE is transformers' or, where
+``triton_layers.install`` bound its kernels, one Triton kernel: a row computes what it would compute alone up to
 the floating-point order of its own sums, and PyTorch's matrix products can round differently at different
 batch sizes on a GPU. With canonical numerics (``invariant.install``) they are ``invariant_compressed.pool``
 and ``attend``, and every projection is canonical: a row's logits are those of a prefill of its whole
@@ -45,6 +46,20 @@ def native_pool(module, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 def native_attend(attn, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """eager's attention of one query per row (``attention._attend``)."""
     return _attend(attn, query, keys, mask, attn.scaling)
+
+
+def transformers_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+    """transformers' ``apply_rotary_pos_emb(x, cos, sign * sin)``."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(x, cos, sin if sign > 0 else -sin)
+
+
+def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+    """The same as one Triton kernel (``triton_layers.rope_step``)."""
+    from evalgate.model_adapters.triton_layers import rope_step
+
+    return rope_step(x, cos, sin, sign)
 
 
 class _Compressed:
@@ -86,7 +101,7 @@ class _Compressed:
                 self.prev_kv[slot, (count + 1) % 2] = prior[0].to(self.prev_kv.dtype)
                 self.prev_gate[slot, (count + 1) % 2] = layer.overlap_gate[name][0].to(self.prev_gate.dtype)
 
-    def step(self, module, rows, positions, kv, gate, pool=native_pool) -> torch.Tensor:
+    def step(self, module, rows, positions, kv, gate, pool=native_pool, rope=transformers_rope) -> torch.Tensor:
         """Write one token per row (kv, gate [b, feed] at ``positions`` [b]); rows whose token closes a
         window get its entry (``pool``ed). Returns how many entries each row has now [b]. Reads nothing it
         writes, so a step run again with the same inputs leaves the same state."""
@@ -108,9 +123,7 @@ class _Compressed:
         entry = pool(module, window_kv, window_gate)
         first = ((count - 1).clamp(min=0) * self.rate).unsqueeze(1)  # the window's first position
         cos, sin = module.rotary_emb(entry, position_ids=first, layer_type=module.rope_layer_type)
-        from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
-
-        entry = apply_rotary_pos_emb(entry.unsqueeze(1), cos, sin).squeeze(1)[:, 0]
+        entry = rope(entry.unsqueeze(1), cos, sin).squeeze(1)[:, 0]
         where = torch.where(closing, count - 1, torch.full_like(count, self.capacity))
         self.entries[rows, where] = entry.to(self.entries.dtype)
         if self.overlap:
@@ -167,6 +180,8 @@ class SlotCache:
         canonical = numerics(model) != "native"
         self.pool = invariant_compressed.pool if canonical else native_pool
         self.attend = invariant_compressed.attend if canonical else native_attend
+        fused = not canonical and getattr(model, "_evalgate_triton_layers", False)
+        self.rope = fused_rope if fused else transformers_rope  # triton_layers.install marks the model
         attns = [layer.self_attn for layer in model.model.layers]
         self.layers = [_LayerSlots(a, slots + spare, max_length) for a in attns]
         self.positions = torch.zeros(slots + spare, dtype=torch.long, device=attns[0].kv_proj.weight.device)
@@ -215,8 +230,6 @@ class SlotCache:
 
 def _step_attention(self, hidden_states, position_embeddings, position_ids, cache: SlotCache):
     """DeepseekV4Attention.forward for one token per row, from and into the rows' slots."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
-
     state = cache.layers[self.layer_idx]
     positions = position_ids[:, 0]
     rows = cache.rows.to(positions.device)  # the layer's device, over several GPUs
@@ -225,9 +238,9 @@ def _step_attention(self, hidden_states, position_embeddings, position_ids, cach
     cos, sin = position_embeddings[self.rope_layer_type]
     q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
     q = self.q_b_norm(self.q_b_proj(q_residual).view(*hidden_shape).transpose(1, 2))
-    q = apply_rotary_pos_emb(q, cos, sin)
+    q = cache.rope(q, cos, sin)
     kv = self.kv_norm(self.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2)
-    kv = apply_rotary_pos_emb(kv, cos, sin)  # [b, 1, 1, D]
+    kv = cache.rope(kv, cos, sin)  # [b, 1, 1, D]
     state.keys[rows, positions % state.window] = kv[:, 0, 0].to(state.keys.dtype)
     keys = state.keys[rows]  # [b, window, D]
     slots = torch.arange(state.window, device=keys.device)
@@ -239,7 +252,7 @@ def _step_attention(self, hidden_states, position_embeddings, position_ids, cach
         open_ = torch.cat([open_, chosen], dim=1)
     mask = torch.zeros(open_.shape, dtype=q.dtype, device=q.device).masked_fill_(~open_, torch.finfo(q.dtype).min)
     out = cache.attend(self, q, keys.unsqueeze(1), mask.view(b, 1, 1, -1))  # [b, H, 1, D]
-    out = apply_rotary_pos_emb(out, cos, -sin)
+    out = cache.rope(out, cos, sin, -1.0)
     grouped = out.transpose(1, 2).reshape(b, 1, self.config.o_groups, -1)
     return self.o_b_proj(self.o_a_proj(grouped).flatten(2)), None
 
@@ -251,20 +264,19 @@ def _compressed_step(self, cache: SlotCache, state: _LayerSlots, rows, positions
     compressor = self.compressor
     flat = hidden_states[:, 0]
     count = state.compressor.step(compressor, rows, positions, compressor.kv_proj(flat), compressor.gate_proj(flat),
-                                  cache.pool)
+                                  cache.pool, cache.rope)
     entries = state.compressor.entries[rows]
     index = torch.arange(entries.shape[1], device=entries.device)
     closed = index.unsqueeze(0) < count.unsqueeze(1)  # the spare last column is never closed
     if state.indexer is None:
         return entries, closed
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
-
     indexer = compressor.indexer
-    state.indexer.step(indexer, rows, positions, indexer.kv_proj(flat), indexer.gate_proj(flat), cache.pool)
+    state.indexer.step(indexer, rows, positions, indexer.kv_proj(flat), indexer.gate_proj(flat), cache.pool,
+                       cache.rope)
     keys = state.indexer.entries[rows]  # [b, capacity + 1, d]
     cos, sin = indexer.rotary_emb(hidden_states, position_ids=position_ids, layer_type=indexer.rope_layer_type)
     q = indexer.q_b_proj(q_residual).view(len(rows), 1, -1, indexer.head_dim).transpose(1, 2)
-    q = apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)
+    q = cache.rope(q, cos, sin).transpose(1, 2)
     scores = indexer.scorer(q, keys, hidden_states)[:, 0]  # [b, capacity + 1]
     return entries, top_entries(scores, closed, indexer.index_topk)
 

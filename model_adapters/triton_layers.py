@@ -10,8 +10,11 @@ so at batch 1 and at batch 256 alike a step costs far more than its arithmetic:
   layer. ``hyper_weights`` computes all three for a block of tokens in registers, one kernel.
 - transformers' RMSNorms (about nine a layer: the block norms, the query, key and compressor norms, the
   hyper-connections' input norms) take six to eight kernels each. ``rms_norm`` is one.
+- ``apply_rotary_pos_emb`` (about a dozen kernels: the half-size cos / sin repeated, the rope slice cut,
+  rotated, cast and joined back) runs six times a layer in a decoding step from slots. ``rope_step`` is one;
+  ``attention_slots`` calls it where ``install`` marked the model.
 
-``install`` binds both to a model on a GPU that keeps PyTorch's numerics (canonical numerics have their own
+``install`` binds them to a model on a GPU that keeps PyTorch's numerics (canonical numerics have their own
 forwards, ``invariant.py``). Same formulas, dtypes and roundings as transformers; the exponentials and the
 order of each sum are Triton's, so results agree with transformers' within float rounding, not bit for bit
 (``tests/test_triton_layers.py``, under Triton's interpreter on a CPU).
@@ -93,8 +96,53 @@ def _norm_kernel():
     return rms_norm_kernel
 
 
+def _rope_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_t, sxb, sxt, sxd, scb, ssb, SIGN: tl.constexpr,
+                    D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+        b = tl.program_id(0)
+        t = tl.program_id(1)
+        d = tl.arange(0, BLOCK_D)
+        ok = d < D
+        base = x_ptr + b.to(tl.int64) * sxb + t.to(tl.int64) * sxt
+        x = tl.load(base + d * sxd, mask=ok, other=0.0)
+        j = d - (D - 2 * HALF)  # the interleaved rope slice is the trailing 2 * HALF channels
+        rope = ok & (j >= 0)
+        odd = (j % 2) == 1
+        partner = tl.where(odd, d - 1, d + 1)
+        xp = tl.load(base + partner * sxd, mask=rope, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + b.to(tl.int64) * scb + j // 2, mask=rope, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + b.to(tl.int64) * ssb + j // 2, mask=rope, other=0.0).to(tl.float32) * SIGN
+        y = x.to(tl.float32) * c + tl.where(odd, xp, -xp) * s  # rotate_half: (-x_odd, x_even) per pair
+        out = tl.where(rope, y.to(out_ptr.dtype.element_ty), x)
+        tl.store(out_ptr + (b.to(tl.int64) * n_t + t) * D + d, out, mask=ok)
+
+    return rope_kernel
+
+
 _KERNEL = []
 _NORM_KERNEL = []
+_ROPE_KERNEL = []
+
+
+def rope_step(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+    """transformers' ``apply_rotary_pos_emb(x, cos, sign * sin)`` for one position per row: x [b, T, 1, D]
+    (T heads), cos and sin [b, 1, D_rope / 2] -> [b, T, 1, D] in x's dtype, contiguous."""
+    if not _ROPE_KERNEL:
+        _ROPE_KERNEL.append(_rope_kernel())
+    b, t, s, d = x.shape
+    if s != 1 or cos.shape[1] != 1:
+        raise ValueError(f"rope_step takes one position per row, not x {tuple(x.shape)}, cos {tuple(cos.shape)}")
+    half = cos.shape[-1]
+    out = torch.empty(b, t, 1, d, dtype=x.dtype, device=x.device)
+    if b and t:
+        with _on_device(x):
+            _ROPE_KERNEL[0][(b, t)](x, cos, sin, out, t, x.stride(0), x.stride(1), x.stride(3), cos.stride(0),
+                                    sin.stride(0), SIGN=sign, D=d, HALF=half, BLOCK_D=1 << max(0, d - 1).bit_length())
+    return out
 
 
 def _on_device(t: torch.Tensor):
@@ -213,4 +261,5 @@ def install(model, force: bool = False) -> bool:
         forward = FORWARDS.get(type(module).__name__)
         if forward is not None:
             module.forward = types.MethodType(forward, module)
+    model._evalgate_triton_layers = True  # attention_slots takes rope_step then
     return True

@@ -162,3 +162,61 @@ def test_the_norm_kernel_computes_transformers_rms_norms(dtype):
         print("ok")
     """.replace("hyper_kernels", "triton_layers"))
     assert out.strip().endswith("ok")
+
+
+def test_decoding_from_slots_with_the_kernels_gives_transformers_logits():
+    """A model with all three attention kinds (FP32), decoded from slots for 12 steps past several window
+    closes: with every kernel bound (RoPE in the slot step included) each step's logits are those without
+    them, within float rounding; the kernels did run."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    out = _run(f"""
+        import copy, sys
+        sys.path.insert(0, {tests_dir!r})
+        from test_attention import _model, VOCAB
+        from evalgate.model_adapters import attention_slots
+        from evalgate.model_adapters.attention_slots import SlotCache
+        plain = _model(index_topk=64, device=DEVICE)
+        fused = copy.deepcopy(plain)
+        assert triton_layers.install(fused, force=True)
+        prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).to(DEVICE)
+                   for n in (23, 9, 30)]
+        caches = []
+        for model in (plain, fused):
+            cache = SlotCache(model, slots=4, max_length=64)
+            with torch.no_grad():
+                for slot, p in zip((2, 0, 3), prompts):
+                    cache.admit(slot, model(input_ids=p[None], use_cache=True).past_key_values, len(p))
+            caches.append(cache)
+        assert caches[0].rope is attention_slots.transformers_rope and caches[1].rope is attention_slots.fused_rope
+        tokens = torch.tensor([5, 6, 7], device=DEVICE)
+        for step in range(12):
+            with torch.no_grad():
+                a, b = (c.decode_step(tokens, [2, 0, 3]) for c in caches)
+            assert (a - b).abs().max().item() <= 1e-4 * a.abs().max().item(), (step, (a - b).abs().max())
+            tokens = a.argmax(-1)
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
+def test_the_rope_kernel_is_transformers_rope():
+    """rope_step against apply_rotary_pos_emb for queries (many heads, a transposed layout), a single key,
+    and the inverse rotation (-sin), in BF16 and FP32: within one rounding of the dtype."""
+    out = _run("""
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+        torch.manual_seed(0)
+        for dtype in (torch.bfloat16, torch.float32):
+            ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+            for heads, d, half, sign in ((8, 96, 16, 1.0), (1, 96, 16, 1.0), (8, 64, 32, -1.0), (3, 32, 16, 1.0)):
+                x = torch.randn(5, 1, heads, d).to(dtype).to(DEVICE).transpose(1, 2)  # [b, H, 1, D], strided
+                angle = torch.randn(5, 1, half, device=DEVICE) * 3
+                cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+                ref = apply_rotary_pos_emb(x, cos, sin * sign)
+                got = triton_layers.rope_step(x, cos, sin, sign)
+                assert got.shape == ref.shape and got.dtype == ref.dtype
+                err = ((got.float() - ref.float()).abs() / ref.float().abs().clamp(min=1e-2)).max().item()
+                assert err <= 2 * ulp, (dtype, heads, d, half, sign, err)
+                assert torch.equal(got[..., :d - 2 * half], x[..., :d - 2 * half])  # the nope channels as they were
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
