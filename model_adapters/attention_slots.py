@@ -55,11 +55,23 @@ def transformers_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sig
     return apply_rotary_pos_emb(x, cos, sin if sign > 0 else -sin)
 
 
+_ROPE_FAILED: list[str] = []  # why the Triton RoPE could not run here, once it failed
+
+
 def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
-    """The same as one Triton kernel (``triton_layers.rope_step``)."""
+    """The same as one Triton kernel (``triton_layers.rope_step``). Where Triton fails to build or launch it
+    (a first step, before any CUDA graph holds it), transformers' rotation from then on, with a warning."""
     from evalgate.model_adapters.triton_layers import rope_step
 
-    return rope_step(x, cos, sin, sign)
+    if not _ROPE_FAILED:
+        try:
+            return rope_step(x, cos, sin, sign)
+        except Exception as exc:  # noqa: BLE001  (a Triton build or launch error)
+            import warnings
+
+            _ROPE_FAILED.append(str(exc))
+            warnings.warn(f"RoPE on transformers' rotation: its Triton kernel failed ({exc})", stacklevel=2)
+    return transformers_rope(x, cos, sin, sign)
 
 
 class _Compressed:

@@ -220,3 +220,24 @@ def test_the_rope_kernel_is_transformers_rope():
         print("ok")
     """)
     assert out.strip().endswith("ok")
+
+
+def test_a_rope_kernel_that_fails_hands_the_step_back_to_transformers(monkeypatch):
+    """A Triton failure in the slot step's RoPE: a warning once, transformers' rotation then and after."""
+    from evalgate.model_adapters import attention_slots, triton_layers
+
+    monkeypatch.setattr(attention_slots, "_ROPE_FAILED", [])
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("no rope kernel")
+
+    monkeypatch.setattr(triton_layers, "rope_step", broken)
+    x = torch.randn(2, 3, 1, 16)
+    angle = torch.randn(2, 1, 4)
+    ref = attention_slots.transformers_rope(x, angle.cos(), angle.sin(), -1.0)
+    with pytest.warns(UserWarning, match="no rope kernel"):
+        first = attention_slots.fused_rope(x, angle.cos(), angle.sin(), -1.0)
+    second = attention_slots.fused_rope(x, angle.cos(), angle.sin(), -1.0)
+    assert calls == [1] and torch.equal(first, ref) and torch.equal(second, ref)
