@@ -218,12 +218,8 @@ class UidBlock:
     def acquire(self) -> None:
         directory = _lock_dir()
         for index in range(UID_BLOCKS):
-            fd = os.open(os.path.join(directory, f"uid-block-{index}.lock"),
-                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
+            fd = _try_lock(directory, f"uid-block-{index}.lock")
+            if fd is None:
                 continue
             self.lock_fd, self.base = fd, SLOT_UID_BASE + index * UID_BLOCK_SIZE
             self._clear_leftovers()
@@ -484,13 +480,20 @@ def _host_turn(problem) -> int | None:
         directory = _lock_dir()
     except SandboxError:
         return NO_HOST_LOCK
-    fd = os.open(os.path.join(directory, f"problem-{name}.lock"),
-                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return _try_lock(directory, f"problem-{name}.lock")
+
+
+def _try_lock(directory: str, name: str) -> int | None:
+    """An exclusive lock on the file ``name`` of the private lock directory (created if missing): its open
+    descriptor, which holds the lock until closed, or None while another process holds it."""
+    fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as exc:
         os.close(fd)
-        return None
+        if isinstance(exc, BlockingIOError):
+            return None
+        raise
     return fd
 
 
