@@ -216,16 +216,11 @@ def _slot_decoding(model, device) -> bool:
     There rows join and leave, and a row's compressor windows follow its own positions, not a padded
     batch's (with canonical numerics a left-padded sliding-window batch stays as it is: its rows are
     already their own)."""
-    if getattr(model.config, "model_type", None) != "deepseek_v4":
-        return False
+    from evalgate.model_adapters.invariant_compressed import compressed_attention
+
     if _canonical(model):
-        return _compressed(model)
-    return str(device).startswith("cuda")
-
-
-def _compressed(model) -> bool:
-    """Whether the model has CSA or HCA layers."""
-    return any(kind != "sliding_attention" for kind in getattr(model.config, "layer_types", None) or ())
+        return compressed_attention(model)
+    return str(device).startswith("cuda") and getattr(model.config, "model_type", None) == "deepseek_v4"
 
 
 @torch.inference_mode()
@@ -504,7 +499,7 @@ def _dynamic(model, enc, max_new_tokens) -> bool:
     """Whether rows may leave and join the batch: canonical numerics, and either per-row slots (compressed
     attention) or a cache of plain dynamic layers with every row shorter than the sliding window (beyond it
     the window would count a row's padding)."""
-    if _canonical(model) and _compressed(model) and getattr(model.config, "model_type", None) == "deepseek_v4":
+    if _canonical(model) and _slot_decoding(model, "cpu"):  # slots: any device, rows of any length
         return True
     window = getattr(getattr(model, "config", None), "sliding_window", None)
     longest = max(len(e) + m for e, m in zip(enc, max_new_tokens))

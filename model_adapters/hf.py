@@ -81,9 +81,9 @@ def resolved_numerics(model, numerics: str) -> str:
     BF16 bytes). ``canonical`` and ``native`` are what they say."""
     if numerics != "auto":
         return numerics
-    on_gpu = any(p.device.type == "cuda" for p in model.parameters())
-    compressed = any(kind != "sliding_attention" for kind in getattr(model.config, "layer_types", None) or ())
-    if on_gpu and compressed and getattr(model.config, "model_type", None) == "deepseek_v4":
+    from evalgate.model_adapters.invariant_compressed import compressed_attention
+
+    if any(p.device.type == "cuda" for p in model.parameters()) and compressed_attention(model):
         print("evalgate: PyTorch's own numerics for compressed attention on a GPU (CUDA-graphed steps); outputs "
               "may depend on the batch (numerics='canonical' makes them invariant, at a cost)", file=sys.stderr)
         return "native"

@@ -27,6 +27,13 @@ from evalgate.model_adapters.canonical_blocks import attend as canonical_attend
 from evalgate.model_adapters.canonical_blocks import fused_linear
 
 
+def compressed_attention(model) -> bool:
+    """Whether ``model`` is a DeepSeek-V4 model with CSA or HCA layers."""
+    config = model.config
+    return (getattr(config, "model_type", None) == "deepseek_v4"
+            and any(kind != "sliding_attention" for kind in getattr(config, "layer_types", None) or ()))
+
+
 def pool(module, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """One entry per window: kv, gate [..., W, D] (gate with the position bias added, -inf where a slot is
     empty) -> the normalised entry [..., D] in kv's dtype, before RoPE."""
