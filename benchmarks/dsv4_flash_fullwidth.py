@@ -293,6 +293,66 @@ def _row(model, step, cache: str, batch: int, prompt_tokens: int, prefill_s: flo
             "peak_gib": {d: round(v / GiB, 2) for d, v in peaks.items()}}
 
 
+class _ModuleRanges:
+    """Names each decoder layer's parts (attention, its compressor and indexer, the MoE, its experts, norms,
+    hyper-connections) as profiler ranges, so a profile's table says which part a step's device time is in."""
+
+    def __init__(self, model):
+        self.handles, self.open = [], []
+        for layer in model.model.layers:
+            for module in [layer, *layer.children(), *(g for c in layer.children() for g in c.children())]:
+                name = type(module).__name__
+                self.handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self._enter(n)))
+                self.handles.append(module.register_forward_hook(lambda m, a, o: self._exit()))
+
+    def _enter(self, name: str) -> None:
+        rf = torch.profiler.record_function(f"## {name}")
+        rf.__enter__()
+        self.open.append(rf)
+
+    def _exit(self) -> None:
+        self.open.pop().__exit__(None, None, None)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def profile_step(model, step, path: Path, label: str) -> None:
+    """One ``step()`` under the torch profiler: its device time by kernel and by operator (and by layer part,
+    eagerly), with the number of kernels it launched, written to ``path`` (``--profile``)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    ranges = _ModuleRanges(model) if "eager" in label else None
+    try:
+        step()
+        sync()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            step()
+            sync()
+    finally:
+        if ranges is not None:
+            ranges.close()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    launched = sum(e.count for e in kernels)
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3
+    with path.open("a") as f:
+        f.write(f"\n===== {label}: {launched} kernels, {busy:.2f} ms of kernel time =====\n")
+        f.write(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=70,
+                             max_name_column_width=90))
+        parts = [e for e in events if e.key.startswith("## ")]
+        if parts:
+            f.write("\nby layer part (device time of its kernels, all layers):\n")
+            for e in sorted(parts, key=lambda e: -(e.device_time_total if cuda else e.cpu_time_total)):
+                ms = (e.device_time_total if cuda else e.cpu_time_total) / 1e3
+                f.write(f"  {e.key[3:]:40s} {e.count:6d} calls {ms:9.2f} ms\n")
+    print(f"profile {label}: {launched} kernels, {busy:.2f} ms kernel time -> {path}", flush=True)
+
+
 def _prompt_ids(tokenizer, prompts: list[str], batch: int) -> list[list[int]]:
     """``batch`` prompts' token ids, the list repeated as needed."""
     repeated = (prompts * (batch // len(prompts) + 1))[:batch]
@@ -330,23 +390,23 @@ def measure_batch(model, tokenizer, prompts: list[str], batch: int, steps: int, 
 
 @torch.inference_mode()
 def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], steps: int, devices: list[str],
-                  bandwidth: float, modes: tuple[str, ...] = ("slots", "graphs")) -> list[dict]:
+                  bandwidth: float, modes: tuple[str, ...] = ("slots", "graphs"), fused: tuple[str, ...] = ("triton",),
+                  profile: Path | None = None) -> list[dict]:
     """The per-row preallocated cache (``attention_slots.SlotCache``): the largest batch's prompts prefilled
-    one at a time and admitted into slots, then for each batch ``steps`` decoding steps of its first slots,
-    eagerly (``slots``) and as a CUDA graph of the whole step (``graphs``, ``step_graphs.StepGraphs``). A
-    graphed row also holds the graph's logits against the eager step's of the same rows and tokens, bit for
-    bit (``graph_bits_equal``), and how many steps ran again without the graph (``reruns``: the MoE's fast
-    path left rows)."""
+    one at a time and admitted into slots, then for each ``fused`` choice (``use_fused``) and each batch
+    ``steps`` decoding steps of its first slots, eagerly (``slots``) and as a CUDA graph of the whole step
+    (``graphs``, ``step_graphs.StepGraphs``). A graphed row also holds the graph's logits against the eager
+    step's of the same rows and tokens, bit for bit (``graph_bits_equal``), and how many steps ran again
+    without the graph (``reruns``: the MoE's fast path left rows). ``profile``: a folder; the smallest and the
+    largest batch's steps, eager and graphed, are profiled into it (``profile_step``)."""
     from evalgate.model_adapters.attention_slots import SlotCache
     from evalgate.model_adapters.step_graphs import StepGraphs
 
     first = devices[0]
     ids = _prompt_ids(tokenizer, prompts, max(batches))
-    cache = SlotCache(model, slots=len(ids), max_length=max(map(len, ids)) + (2 * steps + 6) * len(batches) + 8,
-                      spare=1)
-    graphs = StepGraphs(cache) if "graphs" in modes else None
-    if graphs is not None and graphs.reason:
-        print(f"graphs: whole-step CUDA graphs unavailable ({graphs.reason}); the steps run eagerly", flush=True)
+    use_fused(model, fused[0])
+    cache = SlotCache(model, slots=len(ids),
+                      max_length=max(map(len, ids)) + (2 * steps + 12) * len(batches) * len(fused) + 8, spare=1)
     _reset_peaks(devices)
     t = _Timer(first)
     last = []
@@ -357,28 +417,38 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     prefill_s = t.seconds()
     tokens = torch.stack(last)
     rows = []
-    for batch in batches:
-        slots, listed = torch.arange(batch, device=tokens.device), list(range(batch))
+    for choice in fused:
+        use_fused(model, choice)
+        graphs = StepGraphs(cache) if "graphs" in modes else None  # captured anew: the forwards changed
+        if graphs is not None and graphs.reason:
+            print(f"graphs: whole-step CUDA graphs unavailable ({graphs.reason}); the steps run eagerly", flush=True)
+        for batch in batches:
+            slots, listed = torch.arange(batch, device=tokens.device), list(range(batch))
 
-        def step():
-            tokens[:batch] = cache.decode_step(tokens[:batch], slots).argmax(-1)
+            def step():
+                tokens[:batch] = cache.decode_step(tokens[:batch], slots).argmax(-1)
 
-        def graphed():
-            tokens[:batch] = graphs.step(tokens[:batch], listed).argmax(-1)
+            def graphed():
+                tokens[:batch] = graphs.step(tokens[:batch], listed).argmax(-1)
 
-        for mode in modes:
-            if mode == "slots":
-                step_s = _median_step(step, steps, first)
-            else:
-                step_s = _median_step(graphed, steps, first, warmup=2)
-            row = _row(model, step, mode, batch, sum(map(len, ids)), prefill_s, step_s, devices, bandwidth)
-            if mode == "graphs":  # the step is idempotent until the rows advance: graph and eager, same inputs
-                got = graphs.logits(tokens[:batch], listed)
-                row["graph_bits_equal"] = bool(torch.equal(got, cache.forward(tokens[:batch], slots)))
-                row["reruns"] = graphs.stats["reruns"]
-                row["graphed"] = graphs.stats["replays"] > 0
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for mode in modes:
+                if mode == "slots":
+                    step_s = _median_step(step, steps, first)
+                else:
+                    step_s = _median_step(graphed, steps, first, warmup=2)
+                row = _row(model, step, mode, batch, sum(map(len, ids)), prefill_s, step_s, devices, bandwidth)
+                row["cache"] += "" if choice == "triton" else f"/{choice}"
+                if mode == "graphs":  # the step is idempotent until the rows advance: graph and eager, same inputs
+                    got = graphs.logits(tokens[:batch], listed)
+                    row["graph_bits_equal"] = bool(torch.equal(got, cache.forward(tokens[:batch], slots)))
+                    row["reruns"] = graphs.stats["reruns"]
+                    row["graphed"] = graphs.stats["replays"] > 0
+                if profile is not None and batch in (min(batches), max(batches)):
+                    profile.mkdir(parents=True, exist_ok=True)
+                    profile_step(model, step if mode == "slots" else graphed, profile / f"{choice}.txt",
+                                 f"{'eager' if mode == 'slots' else 'graphed'} step, batch {batch}, --fused {choice}")
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
@@ -495,8 +565,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fused", default="triton", help="hyper-connection weights, RMSNorms and RoPE of the slots' steps, "
                    "comma-separated: triton (one kernel each, triton_layers.py, what a GPU load binds), torch "
                    "(transformers' forwards); several: the slots and graphs rows once per choice, in this run")
+    p.add_argument("--profile", default=None, help="a folder: profile the smallest and largest batch's slot steps "
+                   "into it (device time by kernel, operator and layer part; host time on a CPU)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
+    fused = tuple(f.strip() for f in args.fused.split(",") if f.strip())
+    for choice in fused:
+        if choice not in ("triton", "torch"):
+            p.error(f"--fused {choice!r}: expected triton or torch")
 
     import evalgate.kernels  # noqa: F401  (registers the kernels)
     from evalgate.model_adapters import attention
@@ -570,12 +646,9 @@ def main(argv: list[str] | None = None) -> dict:
         for cache in [c for c in caches if c not in slot_modes] + (["slots"] if slot_modes else []):
             try:
                 if cache == "slots":
-                    for fused in [f.strip() for f in args.fused.split(",") if f.strip()]:
-                        use_fused(model, fused)
-                        for row in measure_slots(model, tokenizer, prompts, batches, args.steps, placement.devices,
-                                                 bandwidth, slot_modes):
-                            row["cache"] += "" if fused == "triton" else f"/{fused}"
-                            measured.append(row)
+                    measured += measure_slots(model, tokenizer, prompts, batches, args.steps, placement.devices,
+                                              bandwidth, slot_modes, fused,
+                                              Path(args.profile) if args.profile else None)
                     continue
                 for b in batches:
                     measured.append(measure_batch(model, tokenizer, prompts, b, args.steps, placement.devices,
