@@ -118,7 +118,9 @@ def cpu_profile(module, x, idx, w, device) -> None:
 
 TILINGS = [{"bk": 128, "warps": 4, "stages": 3}, {"bk": 128, "warps": 4, "stages": 2}, {"bk": 128, "warps": 4, "stages": 4},
            {"bk": 64, "warps": 4, "stages": 4}, {"bk": 128, "warps": 8, "stages": 3}, {"bk": 256, "warps": 8, "stages": 3},
-           {"bk": 128, "bk2": 256, "warps": 4, "stages": 3}, {"bm_max": 64, "bk": 128, "warps": 4, "stages": 3}]
+           {"bk": 128, "bk2": 256, "warps": 4, "stages": 3}, {"bm_max": 64, "bk": 128, "warps": 4, "stages": 3},
+           {"bn": 64, "bn2": 64}, {"bn": 64, "bn2": 64, "stages": 4}, {"bn": 64, "bn2": 32, "stages": 4},
+           {"bn": 256, "bn2": 128}, {"bn": 256, "bn2": 256, "warps": 8}, {"bn": 64, "bn2": 64, "bk": 256, "stages": 2}]
 
 
 def sweep(module, name, x, idx, w, repeat, base) -> None:

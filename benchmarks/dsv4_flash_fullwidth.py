@@ -393,7 +393,7 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
                   bandwidth: float, modes: tuple[str, ...] = ("slots", "graphs"), fused: tuple[str, ...] = ("triton",),
                   profile: Path | None = None) -> list[dict]:
     """The per-row preallocated cache (``attention_slots.SlotCache``): the largest batch's prompts prefilled
-    one at a time and admitted into slots, then for each ``fused`` choice (``use_fused``) and each batch
+    one at a time (each distinct prompt once) and admitted into slots, then for each ``fused`` choice (``use_fused``) and each batch
     ``steps`` decoding steps of its first slots, eagerly (``slots``) and as a CUDA graph of the whole step
     (``graphs``, ``step_graphs.StepGraphs``). A graphed row also holds the graph's logits against the eager
     step's of the same rows and tokens, bit for bit (``graph_bits_equal``), and how many steps ran again
@@ -409,12 +409,17 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
                       max_length=max(map(len, ids)) + (2 * steps + 12) * len(batches) * len(fused) + 8, spare=1)
     _reset_peaks(devices)
     t = _Timer(first)
-    last = []
+    last = [None] * len(ids)
+    distinct = {}  # the prompts repeat past len(prompts): each is prefilled once and admitted into its slots
     for slot, prompt in enumerate(ids):
+        distinct.setdefault(tuple(prompt), []).append(slot)
+    for prompt, slots_of in distinct.items():
         out = model(input_ids=torch.tensor([prompt], device=first), use_cache=True, logits_to_keep=1)
-        cache.admit(slot, out.past_key_values, len(prompt))
-        last.append(out.logits[0, -1].argmax())
+        for slot in slots_of:
+            cache.admit(slot, out.past_key_values, len(prompt))
+            last[slot] = out.logits[0, -1].argmax()
     prefill_s = t.seconds()
+    prefilled = sum(map(len, distinct))
     tokens = torch.stack(last)
     rows = []
     for choice in fused:
@@ -436,7 +441,7 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
                     step_s = _median_step(step, steps, first)
                 else:
                     step_s = _median_step(graphed, steps, first, warmup=2)
-                row = _row(model, step, mode, batch, sum(map(len, ids)), prefill_s, step_s, devices, bandwidth)
+                row = _row(model, step, mode, batch, prefilled, prefill_s, step_s, devices, bandwidth)
                 row["cache"] += "" if choice == "triton" else f"/{choice}"
                 if mode == "graphs":  # the step is idempotent until the rows advance: graph and eager, same inputs
                     got = graphs.logits(tokens[:batch], listed)

@@ -21,9 +21,10 @@ taken by the next prompt. So a row's tokens do not depend on its neighbours' tim
 
 The arithmetic follows the model's numerics. With PyTorch's (``native``) a window is pooled and a row
 attends with eager's operations (``attention._attend``), and RoPE is transformers' or, where
-``triton_layers.install`` bound its kernels, one Triton kernel: a row computes what it would compute alone up to
-the floating-point order of its own sums, and PyTorch's matrix products can round differently at different
-batch sizes on a GPU. With canonical numerics (``invariant.install``) they are ``invariant_compressed.pool``
+``triton_layers.install`` bound its kernels, one Triton kernel each, and so is the attention
+(``triton_attention.decode_attention``, reading the ring and the entries in place): a row computes what it
+would compute alone up to the floating-point order of its own sums, and PyTorch's matrix products can round
+differently at different batch sizes on a GPU. With canonical numerics (``invariant.install``) they are ``invariant_compressed.pool``
 and ``attend``, and every projection is canonical: a row's logits are those of a prefill of its whole
 sequence, bit for bit, whatever the batch and the other slots.
 """
@@ -162,7 +163,10 @@ class _LayerSlots:
             capacity = max_length // compressor.compress_rate
             self.compressor = _Compressed(compressor, slots, capacity, device)
             indexer = getattr(compressor, "indexer", None)
-            if indexer is not None:
+            # an indexer whose top k covers every entry a slot can hold selects all the closed ones: its
+            # scores decide nothing, so it keeps no state and takes no step (8-shot GSM8K in DeepSeek-V4-Flash:
+            # at most 2,047 tokens a slot, 511 entries, top 512)
+            if indexer is not None and capacity + 1 > indexer.index_topk:
                 self.indexer = _Compressed(indexer, slots, capacity, device)
 
     def admit(self, slot: int, layer, length: int) -> None:
@@ -194,6 +198,7 @@ class SlotCache:
         self.attend = invariant_compressed.attend if canonical else native_attend
         fused = not canonical and getattr(model, "_evalgate_triton_layers", False)
         self.rope = fused_rope if fused else transformers_rope  # triton_layers.install marks the model
+        self.fused_attention = fused  # triton_attention.decode_attention, where the head fits its tile
         attns = [layer.self_attn for layer in model.model.layers]
         self.layers = [_LayerSlots(a, slots + spare, max_length) for a in attns]
         self.positions = torch.zeros(slots + spare, dtype=torch.long, device=attns[0].kv_proj.weight.device)
@@ -254,34 +259,70 @@ def _step_attention(self, hidden_states, position_embeddings, position_ids, cach
     kv = self.kv_norm(self.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2)
     kv = cache.rope(kv, cos, sin)  # [b, 1, 1, D]
     state.keys[rows, positions % state.window] = kv[:, 0, 0].to(state.keys.dtype)
-    keys = state.keys[rows]  # [b, window, D]
-    slots = torch.arange(state.window, device=keys.device)
-    open_ = slots.unsqueeze(0) <= positions.unsqueeze(1)  # a slot of the ring is written once p reaches it
+    chosen = None
     if self.compressor is not None:
-        entries, chosen = _compressed_step(self, cache, state, rows, positions, hidden_states, q_residual,
-                                           position_ids)
-        keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
-        open_ = torch.cat([open_, chosen], dim=1)
-    mask = torch.zeros(open_.shape, dtype=q.dtype, device=q.device).masked_fill_(~open_, torch.finfo(q.dtype).min)
-    out = cache.attend(self, q, keys.unsqueeze(1), mask.view(b, 1, 1, -1))  # [b, H, 1, D]
+        chosen = _compressed_step(self, cache, state, rows, positions, hidden_states, q_residual, position_ids)
+    out = None
+    if cache.fused_attention:
+        out = fused_attend(self, q, state, rows, positions, chosen)
+    if out is None:
+        out = _attend_gathered(self, cache, q, state, rows, positions, chosen)
     out = cache.rope(out, cos, sin, -1.0)
     grouped = out.transpose(1, 2).reshape(b, 1, self.config.o_groups, -1)
     return self.o_b_proj(self.o_a_proj(grouped).flatten(2)), None
 
 
+_ATTENTION_FAILED: list[str] = []  # why the Triton attention could not run here, once it failed
+
+
+def fused_attend(self, q, state: _LayerSlots, rows, positions, chosen):
+    """The step's attention as one Triton kernel (``triton_attention.decode_attention``), reading the ring and
+    the entries in place: [b, H, 1, D], or None where the head does not fit its tile or Triton fails (then
+    and from then on, with a warning, the gathered form)."""
+    from evalgate.model_adapters import triton_attention
+
+    entries = None if chosen is None else state.compressor.entries
+    dtypes = {q.dtype, state.keys.dtype} | ({entries.dtype} if entries is not None else set())
+    if _ATTENTION_FAILED or not triton_attention.supported(self.head_dim) or len(dtypes) > 1:
+        return None
+    try:
+        return triton_attention.decode_attention(q, state.keys, rows, positions, entries, chosen, self.sinks,
+                                                 self.scaling)
+    except Exception as exc:  # noqa: BLE001  (a Triton build or launch error)
+        import warnings
+
+        _ATTENTION_FAILED.append(str(exc))
+        warnings.warn(f"slot attention on PyTorch's operations: its Triton kernel failed ({exc})", stacklevel=2)
+        return None
+
+
+def _attend_gathered(self, cache: SlotCache, q, state: _LayerSlots, rows, positions, chosen):
+    """The step's attention with the rows' ring keys and entries gathered and joined, and an additive mask
+    (``cache.attend``): [b, H, 1, D]."""
+    b = q.shape[0]
+    keys = state.keys[rows]  # [b, window, D]
+    slots = torch.arange(state.window, device=keys.device)
+    open_ = slots.unsqueeze(0) <= positions.unsqueeze(1)  # a slot of the ring is written once p reaches it
+    if chosen is not None:
+        keys = torch.cat([keys, state.compressor.entries[rows].to(keys.dtype)], dim=1)
+        open_ = torch.cat([open_, chosen], dim=1)
+    mask = torch.zeros(open_.shape, dtype=q.dtype, device=q.device).masked_fill_(~open_, torch.finfo(q.dtype).min)
+    return cache.attend(self, q, keys.unsqueeze(1), mask.view(b, 1, 1, -1))
+
+
 def _compressed_step(self, cache: SlotCache, state: _LayerSlots, rows, positions, hidden_states, q_residual,
                      position_ids):
-    """The compressor's (and for CSA the indexer's) step: (entries [b, capacity + 1, D], which of them the
-    row attends to [b, capacity + 1] bool: the closed windows, for CSA only the indexer's top k of them)."""
+    """The compressor's (and for CSA the indexer's) step: which of the row's entries
+    (``state.compressor.entries[row]``, [capacity + 1, D]) it attends to, [b, capacity + 1] bool: the closed
+    windows, for CSA only the indexer's top k of them."""
     compressor = self.compressor
     flat = hidden_states[:, 0]
     count = state.compressor.step(compressor, rows, positions, compressor.kv_proj(flat), compressor.gate_proj(flat),
                                   cache.pool, cache.rope)
-    entries = state.compressor.entries[rows]
-    index = torch.arange(entries.shape[1], device=entries.device)
+    index = torch.arange(state.compressor.entries.shape[1], device=count.device)
     closed = index.unsqueeze(0) < count.unsqueeze(1)  # the spare last column is never closed
-    if state.indexer is None:
-        return entries, closed
+    if state.indexer is None:  # HCA, or a top k that takes every closed entry
+        return closed
     indexer = compressor.indexer
     state.indexer.step(indexer, rows, positions, indexer.kv_proj(flat), indexer.gate_proj(flat), cache.pool,
                        cache.rope)
@@ -290,7 +331,7 @@ def _compressed_step(self, cache: SlotCache, state: _LayerSlots, rows, positions
     q = indexer.q_b_proj(q_residual).view(len(rows), 1, -1, indexer.head_dim).transpose(1, 2)
     q = cache.rope(q, cos, sin).transpose(1, 2)
     scores = indexer.scorer(q, keys, hidden_states)[:, 0]  # [b, capacity + 1]
-    return entries, top_entries(scores, closed, indexer.index_topk)
+    return top_entries(scores, closed, indexer.index_topk)
 
 
 def top_entries(scores: torch.Tensor, closed: torch.Tensor, k: int) -> torch.Tensor:

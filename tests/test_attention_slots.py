@@ -98,6 +98,33 @@ def test_top_entries_ties_to_the_lower_index():
     assert top_entries(scores, closed, 10).tolist() == closed.tolist()  # k beyond the closed: all of them
 
 
+@torch.no_grad()
+def test_an_indexer_whose_top_k_covers_every_entry_keeps_no_state():
+    """A CSA layer whose indexer's top k covers every entry a slot can hold (17 entries of 64 tokens, top 17)
+    keeps no indexer state and selects every closed entry: its rows decode as the rows of a cache one entry
+    larger (top 17 of 18), whose indexer runs and also selects them all while a row holds at most 17, bit
+    for bit (canonical numerics: the entries beyond a row's closed ones change no bit)."""
+    from evalgate.model_adapters import invariant
+
+    model = _model(index_topk=17)
+    invariant.install(model)
+    prompts = _prompts()
+    logits = []
+    for max_length in (64, 68):
+        cache = SlotCache(model, slots=4, max_length=max_length)
+        kept = [layer.indexer is not None for layer, attn in zip(cache.layers, model.model.layers)
+                if getattr(attn.self_attn.compressor, "indexer", None) is not None]
+        assert kept and all(k == (max_length == 68) for k in kept)
+        for slot, prompt in enumerate(prompts):
+            _admit(model, cache, slot, prompt)
+        rows, tokens, steps = torch.arange(4), torch.tensor([5, 6, 7, 8]), []
+        for _ in range(STEPS):
+            steps.append(cache.decode_step(tokens, rows))
+            tokens = steps[-1].argmax(-1)
+        logits.append(torch.stack(steps))
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_a_prompt_too_long_for_the_slots_is_refused():
     model = _model()
     cache = SlotCache(model, slots=1, max_length=20)

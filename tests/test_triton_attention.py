@@ -1,0 +1,125 @@
+"""A decoding step's attention as one Triton kernel (``model_adapters/triton_attention.py``) against the
+gathered form it replaces (``attention_slots._attend_gathered``: eager's ``_attend`` over the rows' ring keys
+and entries, joined, with an additive mask), under Triton's interpreter on a CPU (on a GPU where there is one).
+
+Triton reads TRITON_INTERPRET when it is first imported, and a test session may have imported it already
+(transformers can), so each check runs in a fresh process."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed: pip install triton (its interpreter runs on a CPU)")
+
+SETUP = """
+import types
+import torch
+from evalgate.model_adapters import attention_slots, triton_attention
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gathered(q, ring, rows, positions, entries, chosen, sinks, scaling):
+    attn = types.SimpleNamespace(sinks=sinks, scaling=scaling)
+    state = types.SimpleNamespace(keys=ring, window=ring.shape[1],
+                                  compressor=None if entries is None else types.SimpleNamespace(entries=entries))
+    cache = types.SimpleNamespace(attend=attention_slots.native_attend)
+    return attention_slots._attend_gathered(attn, cache, q, state, rows, positions, chosen)
+"""
+
+
+def _run(body: str) -> str:
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", SETUP + textwrap.dedent(body)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kernel_attends_as_the_gathered_form(dtype):
+    """Three rows in scattered slots of a ring of 16 (one row inside its first window: unwritten ring keys
+    stay shut), 20 heads (two programs, the second partial), entries chosen at random (one row chooses none:
+    the ring and the sink alone), sinks of both signs: within float rounding of the gathered form; with no
+    entries (a sliding-window layer) likewise."""
+    out = _run(f"""
+        torch.manual_seed(0)
+        dt = torch.{dtype}
+        slots, w, c, h, d = 5, 16, 9, 20, 32
+        ring = torch.randn(slots, w, d, device=DEVICE).to(dt)
+        entries = torch.randn(slots, c, d, device=DEVICE).to(dt)
+        rows = torch.tensor([3, 0, 4], device=DEVICE)
+        positions = torch.tensor([5, 16, 40], device=DEVICE)
+        chosen = torch.rand(3, c, device=DEVICE) < 0.5
+        chosen[1] = False
+        sinks = torch.randn(h, device=DEVICE) * 2
+        q = (torch.randn(3, h, 1, d, device=DEVICE) * 0.5).to(dt)
+        scaling = d ** -0.5
+        tol = 1e-5 if dt == torch.float32 else 2e-2
+        for e, ch in ((entries, chosen), (None, None)):
+            got = triton_attention.decode_attention(q, ring, rows, positions, e, ch, sinks, scaling)
+            ref = gathered(q, ring, rows, positions, e, ch, sinks, scaling)
+            assert got.shape == ref.shape == (3, h, 1, d) and got.dtype == dt
+            err = (got.float() - ref.float()).abs().max().item()
+            assert err <= tol, err
+        # unwritten ring keys (slot 3 holds positions 0-5) and entries not chosen are shut: garbage there
+        # changes no bit of any row
+        before = triton_attention.decode_attention(q, ring, rows, positions, entries, chosen, sinks, scaling)
+        ring[3, 6:] = 1e4
+        entries[~torch.zeros(slots, c, dtype=torch.bool, device=DEVICE).index_put_((rows,), chosen)] = -1e4
+        after = triton_attention.decode_attention(q, ring, rows, positions, entries, chosen, sinks, scaling)
+        assert torch.equal(after, before)
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+def test_a_model_decodes_from_slots_with_the_kernel_as_without():
+    """The tiny three-kind model (sliding, CSA, HCA) decoding four rows from slots for 12 steps: with the
+    kernel bound (what a GPU with PyTorch's numerics runs) the logits are those of the gathered form within
+    float rounding, and the greedy tokens are the same."""
+    out = _run("""
+        import sys
+        sys.path.insert(0, "tests")
+        from test_attention import _model
+        from test_attention_slots import _admit, _prompts
+
+        model = _model(index_topk=3, device=DEVICE)
+        prompts = _prompts()
+        calls = []
+        kernel = triton_attention.decode_attention
+        triton_attention.decode_attention = lambda *a: calls.append(1) or kernel(*a)
+        logits = {}
+        for fused in (False, True):
+            cache = attention_slots.SlotCache(model, slots=6, max_length=64)
+            cache.fused_attention = fused
+            slots = [4, 0, 5, 2]
+            for slot, prompt in zip(slots, prompts):
+                _admit(model, cache, slot, prompt)
+            rows = torch.tensor(slots, device=DEVICE)
+            tokens = torch.tensor([5, 6, 7, 8], device=DEVICE)
+            steps = []
+            with torch.no_grad():
+                for i in range(12):
+                    step = cache.decode_step(tokens, rows)
+                    steps.append(step)
+                    tokens = step.argmax(-1)
+            logits[fused] = torch.stack(steps)
+        assert not attention_slots._ATTENTION_FAILED, attention_slots._ATTENTION_FAILED
+        assert len(calls) == 12 * len(model.model.layers)  # every layer of every step, in the fused run
+        a, b = logits[False], logits[True]
+        err = (a - b).abs().max().item()
+        assert err <= 1e-4 * max(1.0, a.abs().max().item()), err
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        print("ok")
+    """)
+    assert "ok" in out
