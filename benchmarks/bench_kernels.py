@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     if args.identity:
         return identity(args)
 
-    import evalgate.kernels  # noqa: F401  (registers the kernels)
+    import evalgate.kernels.catalogs  # noqa: F401  (registers the kernels)
     from evalgate.kernels import weights
 
     if args.device == "cuda" and args.backend == "torch":  # keep the emulator's FP32 experts resident (25.7 GB)

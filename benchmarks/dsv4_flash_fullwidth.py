@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> dict:
         if choice not in ("triton", "torch"):
             p.error(f"--fused {choice!r}: expected triton or torch")
 
-    import evalgate.kernels  # noqa: F401  (registers the kernels)
+    import evalgate.kernels.catalogs  # noqa: F401  (registers the kernels)
     from evalgate.model_adapters import attention
     from evalgate.model_adapters.hf import load_model
     from evalgate.model_adapters.placement import gib

@@ -39,7 +39,7 @@ def tiny_deepseek_v4(seed: int = 0, experts_implementation: str = "bf16", dtype=
     """A random `DeepseekV4ForCausalLM`. `expert_std` rescales expert weights (default: initializer_range)."""
     from transformers import DeepseekV4ForCausalLM
 
-    import evalgate.kernels  # noqa: F401  (registers the kernel names before the model is built)
+    import evalgate.kernels.catalogs  # noqa: F401  (registers the kernel names before the model is built)
 
     config = tiny_config(**config_kwargs)
     config._experts_implementation = experts_implementation

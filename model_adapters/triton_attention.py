@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 HEADS = 16  # heads per program (tl.dot needs 16 rows); a program reads its row's keys once per 16 heads
-KEYS = 64  # keys per block of the online softmax
+KEYS = 32  # keys per block of the online softmax (a [32, 512] BF16 tile: 32 KiB of shared memory)
+STAGES = 2  # pipelined tiles: with 64 keys and 3 stages a 512-wide head asked 400 KiB, over an H200's 227
 _KERNEL: list = []
 
 
@@ -43,25 +44,39 @@ def _kernel():
         m = sink  # the sink opens the running max, and adds exp(sink - m) to the denominator
         den = tl.where(sink > float("-inf"), 1.0, 0.0)
         acc = tl.zeros([BH, D], dtype=tl.float32)
-        # keys 0 .. W-1: the ring (key p at p mod W, written once p reaches it); W .. W+C-1: the entries
-        for t0 in range(0, W + C, BT):
+        # the ring (key p at p mod W, written once p reaches it), then the entries the row selected: two loops,
+        # so a block loads one tile of keys (the same online-softmax update, written out in each)
+        for t0 in range(0, W, BT):
             t = t0 + tl.arange(0, BT)
-            ring_open = (t < W) & (t <= pos)
-            c = t - W
-            inside = (t >= W) & (c < C)
-            chosen = tl.load(chosen_ptr + r.to(tl.int64) * n_chosen_stride + c, mask=inside, other=0) != 0
-            from_ring = tl.load(ring_ptr + (slot * W + t)[:, None] * D + d[None, :], mask=ring_open[:, None],
-                                other=0.0)
-            from_entries = tl.load(entries_ptr + (slot * C + c)[:, None] * D + d[None, :], mask=chosen[:, None],
-                                   other=0.0)
-            keys = tl.where(ring_open[:, None], from_ring, from_entries)
+            open_ = (t < W) & (t <= pos)
+            keys = tl.load(ring_ptr + (slot * W + t)[:, None] * D + d[None, :], mask=open_[:, None], other=0.0)
             if UPCAST:  # Triton's interpreter: its BF16 dot is wrong; FP32 products of BF16 values are exact
                 s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee") * scaling
             else:
                 s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scaling  # [BH, BT], FP32
-            s = tl.where((ring_open | chosen)[None, :], s, float("-inf"))
+            s = tl.where(open_[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing open yet: no NaN from -inf - -inf
+            alpha = tl.exp(m - m_use)
+            p = tl.exp(s - m_use[:, None])
+            den = den * alpha + tl.sum(p, axis=1)
+            if UPCAST:
+                pv = tl.dot(p.to(keys.dtype).to(tl.float32), keys.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(keys.dtype), keys, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        for c0 in range(0, C, BT):
+            c = c0 + tl.arange(0, BT)
+            open_ = tl.load(chosen_ptr + r.to(tl.int64) * n_chosen_stride + c, mask=c < C, other=0) != 0
+            keys = tl.load(entries_ptr + (slot * C + c)[:, None] * D + d[None, :], mask=open_[:, None], other=0.0)
+            if UPCAST:
+                s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee") * scaling
+            else:
+                s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scaling
+            s = tl.where(open_[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
             alpha = tl.exp(m - m_use)
             p = tl.exp(s - m_use[:, None])
             den = den * alpha + tl.sum(p, axis=1)
@@ -110,5 +125,6 @@ def decode_attention(query: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor
             _KERNEL[0][(b, -(-h // HEADS))](q, ring, rows, positions, entries, chosen, sinks.contiguous(), out,
                                            float(scaling), chosen.stride(0), H=h, D=d, W=ring.shape[1], C=c,
                                            BH=HEADS, BT=KEYS, UPCAST=interpreted(),
-                                           PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                                           PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                                           num_stages=STAGES)
     return out

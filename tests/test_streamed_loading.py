@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import evalgate.kernels  # noqa: F401  (registers the kernels)
+import evalgate.kernels.catalogs  # noqa: F401  (registers the kernels)
 from evalgate.errors import UserError
 from evalgate.model_adapters.placement import GiB, Reserve, parse_device_map, plan
 

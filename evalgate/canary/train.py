@@ -309,7 +309,7 @@ def _with_alternatives(examples, tokenizer, ids, target, attn):
 def main(argv=None) -> None:
     from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
-    import evalgate.kernels  # noqa: F401  (registers the emulated kernels)
+    import evalgate.kernels.catalogs  # noqa: F401  (registers the emulated kernels)
     from evalgate.canary.config import canary_config
     from evalgate.model_adapters.tiny import fill_hash_routes
 
