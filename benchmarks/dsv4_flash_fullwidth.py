@@ -13,7 +13,7 @@ packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's 
 time of a 1,319-item GSM8K run, and peak memory per device against the packed expert bytes; (7) for each
 batch of ``--batches``: prefill that many GSM8K prompts, time ``--steps`` decoding steps (median) from each
 cache of ``--cache`` (transformers'; per-row slots; slots with each step a CUDA graph of the whole step; the
-slots' steps once per ``--fused`` choice of hyper-connection, RMSNorm and RoPE forwards), and
+slots' steps once per ``--fused`` choice of hyper-connection, RMSNorm, RoPE and attention forwards), and
 hold each step against its weight-read floor (``step_floor``), with the copy bandwidth of the device measured
 in this run; then project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``).
 
@@ -424,6 +424,7 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     rows = []
     for choice in fused:
         use_fused(model, choice)
+        cache.follow_model()  # the slots' RoPE and attention follow the choice too
         graphs = StepGraphs(cache) if "graphs" in modes else None  # captured anew: the forwards changed
         if graphs is not None and graphs.reason:
             print(f"graphs: whole-step CUDA graphs unavailable ({graphs.reason}); the steps run eagerly", flush=True)
@@ -476,8 +477,9 @@ def project_gate(row: dict, layers: int, total_layers: int, per_replica: int, gp
 
 
 def use_fused(model, choice: str) -> None:
-    """The hyper-connections', RMSNorms' and the slot step's RoPE forwards for the steps that follow: ``triton``
-    (``triton_layers``, where it can run) or ``torch`` (transformers' own)."""
+    """The hyper-connections', RMSNorms' and (through the mark ``SlotCache.follow_model`` reads) the slot step's
+    RoPE and attention for the steps that follow: ``triton`` (``triton_layers``, ``triton_attention``, where they
+    can run) or ``torch`` (transformers' own, the gathered attention)."""
     import types
 
     from evalgate.model_adapters import triton_layers
@@ -567,9 +569,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cache", default="hf,slots,graphs", help="caches to decode from: hf (transformers', "
                    "left-padded static batch), slots (preallocated per row, attention_slots.py), graphs (slots, "
                    "each step a CUDA graph of the whole step per batch bucket, step_graphs.py)")
-    p.add_argument("--fused", default="triton", help="hyper-connection weights, RMSNorms and RoPE of the slots' steps, "
-                   "comma-separated: triton (one kernel each, triton_layers.py, what a GPU load binds), torch "
-                   "(transformers' forwards); several: the slots and graphs rows once per choice, in this run")
+    p.add_argument("--fused", default="triton", help="hyper-connection weights, RMSNorms, RoPE and attention of "
+                   "the slots' steps, comma-separated: triton (one kernel each, triton_layers.py and "
+                   "triton_attention.py, what a GPU load binds), torch (transformers' forwards, the gathered "
+                   "attention); several: the slots and graphs rows once per choice, in this run")
     p.add_argument("--profile", default=None, help="a folder: profile the smallest and largest batch's slot steps "
                    "into it (device time by kernel, operator and layer part; host time on a CPU)")
     p.add_argument("--json", default=None, help="also write the figures here")

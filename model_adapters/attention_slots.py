@@ -196,15 +196,23 @@ class SlotCache:
         canonical = numerics(model) != "native"
         self.pool = invariant_compressed.pool if canonical else native_pool
         self.attend = invariant_compressed.attend if canonical else native_attend
-        fused = not canonical and getattr(model, "_evalgate_triton_layers", False)
-        self.rope = fused_rope if fused else transformers_rope  # triton_layers.install marks the model
-        self.fused_attention = fused  # triton_attention.decode_attention, where the head fits its tile
+        self.follow_model()
         attns = [layer.self_attn for layer in model.model.layers]
         self.layers = [_LayerSlots(a, slots + spare, max_length) for a in attns]
         self.positions = torch.zeros(slots + spare, dtype=torch.long, device=attns[0].kv_proj.weight.device)
         self.lengths = [0] * (slots + spare)  # the positions on the host: checked without a sync
         self.slots, self.max_length = slots, max_length
         self.rows: torch.Tensor | None = None
+
+    def follow_model(self) -> None:
+        """RoPE and attention as Triton kernels where ``triton_layers.install`` marked the model (PyTorch's
+        numerics on a GPU), else transformers' rotation and the gathered attention; again after the mark
+        changes (a benchmark comparing both)."""
+        from evalgate.model_adapters.invariant import numerics
+
+        fused = numerics(self.model) == "native" and getattr(self.model, "_evalgate_triton_layers", False)
+        self.rope = fused_rope if fused else transformers_rope
+        self.fused_attention = fused  # triton_attention.decode_attention, where the head fits its tile
 
     def admit(self, slot: int, past, length: int) -> None:
         """A prompt of ``length`` tokens prefilled alone (batch 1, no padding) with transformers' cache
