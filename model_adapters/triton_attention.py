@@ -21,76 +21,6 @@ import torch
 HEADS = 16  # heads per program (tl.dot needs 16 rows); a program reads its row's keys once per 16 heads
 KEYS = 32  # keys per block of the online softmax (a [32, 512] BF16 tile: 32 KiB of shared memory)
 STAGES = 2  # pipelined tiles: with 64 keys and 3 stages a 512-wide head asked 400 KiB, over an H200's 227
-_KERNEL: list = []
-
-
-def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def decode_attention_kernel(q_ptr, ring_ptr, rows_ptr, pos_ptr, entries_ptr, chosen_ptr, sinks_ptr, out_ptr,
-                                scaling, n_chosen_stride, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-                                C: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr,
-                                PRECISION: tl.constexpr):
-        r = tl.program_id(0)
-        heads = tl.program_id(1) * BH + tl.arange(0, BH)
-        live = heads < H
-        d = tl.arange(0, D)
-        slot = tl.load(rows_ptr + r).to(tl.int64)
-        pos = tl.load(pos_ptr + r)
-        q = tl.load(q_ptr + (r.to(tl.int64) * H + heads)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
-        sink = tl.load(sinks_ptr + heads, mask=live, other=0.0).to(tl.float32)
-        m = sink  # the sink opens the running max, and adds exp(sink - m) to the denominator
-        den = tl.where(sink > float("-inf"), 1.0, 0.0)
-        acc = tl.zeros([BH, D], dtype=tl.float32)
-        # the ring (key p at p mod W, written once p reaches it), then the entries the row selected: two loops,
-        # so a block loads one tile of keys (the same online-softmax update, written out in each)
-        for t0 in range(0, W, BT):
-            t = t0 + tl.arange(0, BT)
-            open_ = (t < W) & (t <= pos)
-            keys = tl.load(ring_ptr + (slot * W + t)[:, None] * D + d[None, :], mask=open_[:, None], other=0.0)
-            if UPCAST:  # Triton's interpreter: its BF16 dot is wrong; FP32 products of BF16 values are exact
-                s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee") * scaling
-            else:
-                s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scaling  # [BH, BT], FP32
-            s = tl.where(open_[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing open yet: no NaN from -inf - -inf
-            alpha = tl.exp(m - m_use)
-            p = tl.exp(s - m_use[:, None])
-            den = den * alpha + tl.sum(p, axis=1)
-            if UPCAST:
-                pv = tl.dot(p.to(keys.dtype).to(tl.float32), keys.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(keys.dtype), keys, input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
-        for c0 in range(0, C, BT):
-            c = c0 + tl.arange(0, BT)
-            open_ = tl.load(chosen_ptr + r.to(tl.int64) * n_chosen_stride + c, mask=c < C, other=0) != 0
-            keys = tl.load(entries_ptr + (slot * C + c)[:, None] * D + d[None, :], mask=open_[:, None], other=0.0)
-            if UPCAST:
-                s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee") * scaling
-            else:
-                s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scaling
-            s = tl.where(open_[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-            alpha = tl.exp(m - m_use)
-            p = tl.exp(s - m_use[:, None])
-            den = den * alpha + tl.sum(p, axis=1)
-            if UPCAST:
-                pv = tl.dot(p.to(keys.dtype).to(tl.float32), keys.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(keys.dtype), keys, input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
-        out = acc / den[:, None]
-        tl.store(out_ptr + (r.to(tl.int64) * H + heads)[:, None] * D + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=live[:, None])
-
-    return decode_attention_kernel
 
 
 def supported(head_dim: int) -> bool:
@@ -105,11 +35,10 @@ def decode_attention(query: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor
     ring[rows[i], p mod W], open for ring index <= positions[i]), entries [slots, C, D] with chosen [b, C]
     bool (which of row i's entries it attends to; None for a sliding-window layer), sinks [H]: eager's
     attention with the sink in the denominator -> [b, H, 1, D] in the query's dtype."""
-    if not _KERNEL:
-        _KERNEL.append(_kernel())
     b, h, s, d = query.shape
     if s != 1 or not supported(d):
-        raise ValueError(f"decode_attention takes one query per row of a power-of-two head_dim, not {tuple(query.shape)}")
+        raise ValueError(f"decode_attention takes one query per row of a power-of-two head_dim, not "
+                         f"{tuple(query.shape)}")
     q = query.reshape(b, h, d).contiguous()
     out = torch.empty(b, h, 1, d, dtype=query.dtype, device=query.device)
     if entries is None:
@@ -119,12 +48,12 @@ def decode_attention(query: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor
         chosen = chosen.contiguous().view(torch.uint8) if chosen.dtype == torch.bool else chosen.contiguous()
     if b:
         from evalgate.kernels.triton.availability import interpreted
+        from evalgate.model_adapters.triton_attention_kernel import decode_attention_kernel
         from evalgate.model_adapters.triton_layers import _on_device
 
         with _on_device(q):
-            _KERNEL[0][(b, -(-h // HEADS))](q, ring, rows, positions, entries, chosen, sinks.contiguous(), out,
-                                           float(scaling), chosen.stride(0), H=h, D=d, W=ring.shape[1], C=c,
-                                           BH=HEADS, BT=KEYS, UPCAST=interpreted(),
-                                           PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                                           num_stages=STAGES)
+            decode_attention_kernel[(b, -(-h // HEADS))](
+                q, ring, rows, positions, entries, chosen, sinks.contiguous(), out, float(scaling), chosen.stride(0),
+                H=h, D=d, W=ring.shape[1], C=c, BH=HEADS, BT=KEYS, UPCAST=interpreted(),
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_stages=STAGES)
     return out

@@ -1,23 +1,16 @@
 """A decoding step's attention as one Triton kernel (``model_adapters/triton_attention.py``) against the
 gathered form it replaces (``attention_slots._attend_gathered``: eager's ``_attend`` over the rows' ring keys
-and entries, joined, with an additive mask), under Triton's interpreter on a CPU (on a GPU where there is one).
-
-Triton reads TRITON_INTERPRET when it is first imported, and a test session may have imported it already
-(transformers can), so each check runs in a fresh process."""
+and entries, joined, with an additive mask), under Triton's interpreter on a CPU (on a GPU where there is
+one). Each check runs in a fresh process (``triton_process``)."""
 
 from __future__ import annotations
-
-import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton is not installed: pip install triton (its interpreter runs on a CPU)")
+from triton_process import needs_triton, run
+
+pytestmark = needs_triton
 
 SETUP = """
 import types
@@ -36,13 +29,7 @@ def gathered(q, ring, rows, positions, entries, chosen, sinks, scaling):
 
 
 def _run(body: str) -> str:
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, "-c", SETUP + textwrap.dedent(body)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return run(SETUP, body)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -88,8 +75,6 @@ def test_a_model_decodes_from_slots_with_the_kernel_as_without():
     kernel bound (what a GPU with PyTorch's numerics runs) the logits are those of the gathered form within
     float rounding, and the greedy tokens are the same."""
     out = _run("""
-        import sys
-        sys.path.insert(0, "tests")
         from test_attention import _model
         from test_attention_slots import _admit, _prompts
 

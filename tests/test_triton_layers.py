@@ -1,24 +1,17 @@
 """DeepSeek-V4 layers as Triton kernels (``model_adapters/triton_layers.py``: the hyper-connection weights,
 the RMSNorms) against transformers' own forwards, under Triton's interpreter on a CPU (on a GPU where there
-is one).
-
-Triton reads TRITON_INTERPRET when it is first imported, and a test session may have imported it already
-(transformers can), so each check runs in a fresh process."""
+is one). Each check runs in a fresh process (``triton_process``)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
 import types
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton is not installed: pip install triton (its interpreter runs on a CPU)")
+from triton_process import needs_triton, run
+
+pytestmark = needs_triton
 
 SETUP = """
 import torch
@@ -30,13 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _run(body: str) -> str:
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    script = SETUP + textwrap.dedent(body)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return run(SETUP, body)
 
 
 @pytest.mark.parametrize("hc", [2, 4])
@@ -168,10 +155,8 @@ def test_decoding_from_slots_with_the_kernels_gives_transformers_logits():
     """A model with all three attention kinds (FP32), decoded from slots for 12 steps past several window
     closes: with every kernel bound (RoPE in the slot step included) each step's logits are those without
     them, within float rounding; the kernels did run."""
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    out = _run(f"""
-        import copy, sys
-        sys.path.insert(0, {tests_dir!r})
+    out = _run("""
+        import copy
         from test_attention import _model, VOCAB
         from evalgate.model_adapters import attention_slots
         from evalgate.model_adapters.attention_slots import SlotCache
