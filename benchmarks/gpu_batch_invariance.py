@@ -12,7 +12,8 @@ the canary onto the device with the kernel (emulated experts: the Triton path on
 ``--limit`` items of the canary GSM8K profile greedily, once with ``batch_size`` 1 (every item alone) and
 once with ``--batch`` (32: continuous batching as the gate does it; the batch-1 side can run in
 ``--procs`` processes at once, each decoding its share one item at a time), and prints how many items' token ids
-differ, where the first difference is, and the time each side took. ``--model`` takes another local checkpoint
+differ, where the first difference is, and the time each side took (``--alone``: only these numerics run the
+batch-1 side; the others are timed at ``--batch``, what the invariant path costs against). ``--model`` takes another local checkpoint
 in place of the canary (e.g. a tiny one with compressed attention, which keeps PyTorch's numerics and, on a
 GPU, decodes from per-row slots: ``generation._decode_slots``).
 """
@@ -90,6 +91,10 @@ def measure(numerics: str, args) -> dict:
     reqs = requests(args.limit)
     many, secs_many = decode_all(adapter.model, adapter.tokenizer, reqs, adapter.device, args.batch)
     print(f"  {numerics:9s} batch {args.batch:3d}: {len(reqs)} items in {secs_many:7.1f} s", flush=True)
+    if numerics not in args.alone:  # its batch's time only: what canonical numerics cost against it
+        del adapter
+        return {"numerics": numerics, "numerics_got": got, "items": len(reqs), "differ": None, "texts_differ": None,
+                "rate": None, "first_diff_positions": [], "batch1_s": None, f"batch{args.batch}_s": secs_many}
     t0 = time.perf_counter()
     if args.procs > 1:  # batch 1 in several processes: an item alone gives the same tokens in any process
         import multiprocessing as mp
@@ -130,8 +135,11 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=None, help="first N canary GSM8K items (default: all 200)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--procs", type=int, default=1, help="decode the batch-1 side in this many processes")
+    p.add_argument("--alone", default=None, help="the numerics whose batch-1 side runs (comma-separated) "
+                   "[default: all of --numerics]; the others time their --batch side only")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
+    args.alone = {n.strip() for n in (args.alone or args.numerics).split(",") if n.strip()}
     import torch
 
     if args.model is None:
@@ -150,6 +158,10 @@ def main(argv=None) -> int:
     print(f"{'numerics':10s} {'(got)':14s} {'items':>5s} {'differ':>6s} {'A/A rate':>8s} {'texts':>5s} "
           f"{'b1 s':>7s} {'b' + str(args.batch) + ' s':>7s}  first differing positions")
     for r in results:
+        if r["differ"] is None:
+            print(f"{r['numerics']:10s} {r['numerics_got']:14s} {r['items']:5d} {'-':>6s} {'-':>8s} {'-':>5s} "
+                  f"{'-':>7s} {r[f'batch{args.batch}_s']:7.1f}  (batch {args.batch} only)")
+            continue
         print(f"{r['numerics']:10s} {r['numerics_got']:14s} {r['items']:5d} {r['differ']:6d} {r['rate']:8.3f} "
               f"{r['texts_differ']:5d} {r['batch1_s']:7.1f} {r[f'batch{args.batch}_s']:7.1f}  "
               f"{r['first_diff_positions']}")
