@@ -390,15 +390,16 @@ def measure_batch(model, tokenizer, prompts: list[str], batch: int, steps: int, 
 
 @torch.inference_mode()
 def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], steps: int, devices: list[str],
-                  bandwidth: float, modes: tuple[str, ...] = ("slots", "graphs"), fused: tuple[str, ...] = ("triton",),
-                  profile: Path | None = None) -> list[dict]:
+                  bandwidth: float, modes: tuple[str, ...] = ("slots", "graphs"),
+                  fused: tuple[str, ...] = ("triton",), profile: Path | None = None) -> list[dict]:
     """The per-row preallocated cache (``attention_slots.SlotCache``): the largest batch's prompts prefilled
-    one at a time (each distinct prompt once) and admitted into slots, then for each ``fused`` choice (``use_fused``) and each batch
-    ``steps`` decoding steps of its first slots, eagerly (``slots``) and as a CUDA graph of the whole step
-    (``graphs``, ``step_graphs.StepGraphs``). A graphed row also holds the graph's logits against the eager
-    step's of the same rows and tokens, bit for bit (``graph_bits_equal``), and how many steps ran again
-    without the graph (``reruns``: the MoE's fast path left rows). ``profile``: a folder; the smallest and the
-    largest batch's steps, eager and graphed, are profiled into it (``profile_step``)."""
+    one at a time (each distinct prompt once) and admitted into slots, then for each ``fused`` choice
+    (``use_fused``) and each batch ``steps`` decoding steps of its first slots, eagerly (``slots``) and as a
+    CUDA graph of the whole step (``graphs``, ``step_graphs.StepGraphs``). A graphed row also holds the
+    graph's logits against the eager step's of the same rows and tokens, bit for bit (``graph_bits_equal``),
+    and how many steps ran again without the graph (``reruns``: the MoE's fast path left rows). ``profile``:
+    a folder; the smallest and the largest batch's steps, eager and graphed, are profiled into it
+    (``profile_step``)."""
     from evalgate.model_adapters.attention_slots import SlotCache
     from evalgate.model_adapters.step_graphs import StepGraphs
 
@@ -415,9 +416,10 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
         distinct.setdefault(tuple(prompt), []).append(slot)
     for prompt, slots_of in distinct.items():
         out = model(input_ids=torch.tensor([prompt], device=first), use_cache=True, logits_to_keep=1)
+        token = out.logits[0, -1].argmax()
         for slot in slots_of:
             cache.admit(slot, out.past_key_values, len(prompt))
-            last[slot] = out.logits[0, -1].argmax()
+            last[slot] = token
     prefill_s = t.seconds()
     prefilled = sum(map(len, distinct))
     tokens = torch.stack(last)
@@ -484,8 +486,6 @@ def use_fused(model, choice: str) -> None:
 
     from evalgate.model_adapters import triton_layers
 
-    if choice not in ("triton", "torch"):
-        raise SystemExit(f"--fused {choice!r}: expected triton or torch")
     if choice == "triton" and triton_layers.install(model):
         return
     if choice == "triton":

@@ -13,9 +13,9 @@ the canary onto the device with the kernel (emulated experts: the Triton path on
 once with ``--batch`` (32: continuous batching as the gate does it; the batch-1 side can run in
 ``--procs`` processes at once, each decoding its share one item at a time), and prints how many items' token ids
 differ, where the first difference is, and the time each side took (``--alone``: only these numerics run the
-batch-1 side; the others are timed at ``--batch``, what the invariant path costs against). ``--model`` takes another local checkpoint
-in place of the canary (e.g. a tiny one with compressed attention, which keeps PyTorch's numerics and, on a
-GPU, decodes from per-row slots: ``generation._decode_slots``).
+batch-1 side; the others are timed at ``--batch``, what the invariant path costs against). ``--model`` takes
+another local checkpoint in place of the canary (e.g. a tiny one with compressed attention, which decodes
+from per-row slots in either numerics: ``generation._decode_slots``).
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ attends with eager's operations (``attention._attend``), and RoPE is transformer
 ``triton_layers.install`` bound its kernels, one Triton kernel each, and so is the attention
 (``triton_attention.decode_attention``, reading the ring and the entries in place): a row computes what it
 would compute alone up to the floating-point order of its own sums, and PyTorch's matrix products can round
-differently at different batch sizes on a GPU. With canonical numerics (``invariant.install``) they are ``invariant_compressed.pool``
-and ``attend``, and every projection is canonical: a row's logits are those of a prefill of its whole
-sequence, bit for bit, whatever the batch and the other slots.
+differently at different batch sizes on a GPU. With canonical numerics (``invariant.install``) they are
+``invariant_compressed.pool`` and ``attend``, and every projection is canonical: a row's logits are those of
+a prefill of its whole sequence, bit for bit, whatever the batch and the other slots.
 """
 
 from __future__ import annotations
@@ -56,23 +56,29 @@ def transformers_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sig
     return apply_rotary_pos_emb(x, cos, sin if sign > 0 else -sin)
 
 
+def _triton_or(failed: list[str], what: str, kernel, fallback):
+    """``kernel()``; where Triton fails to build or launch it (a first step, before any CUDA graph holds it),
+    ``fallback()`` from then on: ``failed`` remembers why, and a warning says ``what`` runs instead."""
+    if not failed:
+        try:
+            return kernel()
+        except Exception as exc:  # noqa: BLE001  (a Triton build or launch error)
+            import warnings
+
+            failed.append(str(exc))
+            warnings.warn(f"{what}: its Triton kernel failed ({exc})", stacklevel=3)
+    return fallback()
+
+
 _ROPE_FAILED: list[str] = []  # why the Triton RoPE could not run here, once it failed
 
 
 def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
-    """The same as one Triton kernel (``triton_layers.rope_step``). Where Triton fails to build or launch it
-    (a first step, before any CUDA graph holds it), transformers' rotation from then on, with a warning."""
+    """The same as one Triton kernel (``triton_layers.rope_step``), or transformers' rotation where it fails."""
     from evalgate.model_adapters.triton_layers import rope_step
 
-    if not _ROPE_FAILED:
-        try:
-            return rope_step(x, cos, sin, sign)
-        except Exception as exc:  # noqa: BLE001  (a Triton build or launch error)
-            import warnings
-
-            _ROPE_FAILED.append(str(exc))
-            warnings.warn(f"RoPE on transformers' rotation: its Triton kernel failed ({exc})", stacklevel=2)
-    return transformers_rope(x, cos, sin, sign)
+    return _triton_or(_ROPE_FAILED, "RoPE on transformers' rotation", lambda: rope_step(x, cos, sin, sign),
+                      lambda: transformers_rope(x, cos, sin, sign))
 
 
 class _Compressed:
@@ -193,9 +199,9 @@ class SlotCache:
 
         install(model)
         self.model = model
-        canonical = numerics(model) != "native"
-        self.pool = invariant_compressed.pool if canonical else native_pool
-        self.attend = invariant_compressed.attend if canonical else native_attend
+        self.native = numerics(model) == "native"
+        self.pool = native_pool if self.native else invariant_compressed.pool
+        self.attend = native_attend if self.native else invariant_compressed.attend
         self.follow_model()
         attns = [layer.self_attn for layer in model.model.layers]
         self.layers = [_LayerSlots(a, slots + spare, max_length) for a in attns]
@@ -208,9 +214,7 @@ class SlotCache:
         """RoPE and attention as Triton kernels where ``triton_layers.install`` marked the model (PyTorch's
         numerics on a GPU), else transformers' rotation and the gathered attention; again after the mark
         changes (a benchmark comparing both)."""
-        from evalgate.model_adapters.invariant import numerics
-
-        fused = numerics(self.model) == "native" and getattr(self.model, "_evalgate_triton_layers", False)
+        fused = self.native and getattr(self.model, "_evalgate_triton_layers", False)
         self.rope = fused_rope if fused else transformers_rope
         self.fused_attention = fused  # triton_attention.decode_attention, where the head fits its tile
 
@@ -291,17 +295,12 @@ def fused_attend(self, q, state: _LayerSlots, rows, positions, chosen):
 
     entries = None if chosen is None else state.compressor.entries
     dtypes = {q.dtype, state.keys.dtype} | ({entries.dtype} if entries is not None else set())
-    if _ATTENTION_FAILED or not triton_attention.supported(self.head_dim) or len(dtypes) > 1:
+    if not triton_attention.supported(self.head_dim) or len(dtypes) > 1:
         return None
-    try:
-        return triton_attention.decode_attention(q, state.keys, rows, positions, entries, chosen, self.sinks,
-                                                 self.scaling)
-    except Exception as exc:  # noqa: BLE001  (a Triton build or launch error)
-        import warnings
-
-        _ATTENTION_FAILED.append(str(exc))
-        warnings.warn(f"slot attention on PyTorch's operations: its Triton kernel failed ({exc})", stacklevel=2)
-        return None
+    return _triton_or(_ATTENTION_FAILED, "slot attention on PyTorch's operations",
+                      lambda: triton_attention.decode_attention(q, state.keys, rows, positions, entries, chosen,
+                                                                self.sinks, self.scaling),
+                      lambda: None)
 
 
 def _attend_gathered(self, cache: SlotCache, q, state: _LayerSlots, rows, positions, chosen):
