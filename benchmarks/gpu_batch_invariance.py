@@ -59,7 +59,8 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 
 def _alone(args_tuple):
-    """Worker: decode items `share` (indices) of the first `limit` requests one at a time (batch 1)."""
+    """Worker: decode items `share` (indices) of the first `limit` requests at batch 1: one slot, so each item
+    decodes alone (no neighbour), one after the other, and the step's graph is captured once."""
     numerics, kernel, device, limit, share, model = args_tuple
     import torch
 
@@ -68,11 +69,8 @@ def _alone(args_tuple):
     torch.set_num_threads(1)
     adapter = HFAdapter(model, kernel, device=device, numerics=numerics)
     reqs = requests(limit)
-    out = {}
-    for i in share:
-        gens, _ = decode_all(adapter.model, adapter.tokenizer, [reqs[i]], adapter.device, 1)
-        out[i] = (gens[0].token_ids, gens[0].text)
-    return out
+    gens, _ = decode_all(adapter.model, adapter.tokenizer, [reqs[i] for i in share], adapter.device, 1)
+    return {i: (g.token_ids, g.text) for i, g in zip(share, gens)}
 
 
 class _Gen:
