@@ -11,9 +11,10 @@ whole model in memory); (4) load them streamed (``model_adapters/streamed.py``: 
 packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's few-shot prompts) for
 ``--max-new-tokens`` tokens at batch ``--batch-size`` (``--items 0``: skip); (6) print tokens/s, the projected
 time of a 1,319-item GSM8K run, and peak memory per device against the packed expert bytes; (7) for each
-batch of ``--batches``: prefill that many GSM8K prompts, time ``--steps`` decoding steps (median) from each
+batch of ``--batches``: prefill that many GSM8K prompts (each prompt's prefill and one move into a slot timed, as
+a gate pays them), time ``--steps`` decoding steps (median) from each
 cache of ``--cache`` (transformers'; per-row slots; slots with each step a CUDA graph of the whole step; the
-slots' steps once per ``--fused`` choice of hyper-connection, RMSNorm, RoPE and attention forwards), and
+slots' steps once per ``--fused`` choice of hyper-connection, RMSNorm, RoPE, compressor and attention forwards), and
 hold each step against its weight-read floor (``step_floor``), with the copy bandwidth of the device measured
 in this run; then project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``).
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -409,24 +411,32 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     cache = SlotCache(model, slots=len(ids),
                       max_length=max(map(len, ids)) + (2 * steps + 12) * len(batches) * len(fused) + 8, spare=1)
     _reset_peaks(devices)
-    t = _Timer(first)
     last = [None] * len(ids)
     distinct = {}  # the prompts repeat past len(prompts): each is prefilled once and admitted into its slots
     for slot, prompt in enumerate(ids):
         distinct.setdefault(tuple(prompt), []).append(slot)
+    prefill_s, moves = 0.0, []
     for prompt, slots_of in distinct.items():
+        t = _Timer(first)  # what a gate pays per item: its prefill and one move into a slot
         out = model(input_ids=torch.tensor([prompt], device=first), use_cache=True, logits_to_keep=1)
         token = out.logits[0, -1].argmax()
-        for slot in slots_of:
+        cache.admit(slots_of[0], out.past_key_values, len(prompt))
+        prefill_s += t.seconds()
+        for slot in slots_of[1:]:  # the same prompt's further slots fill the batch: copies a gate never makes
+            t = _Timer(first)
             cache.admit(slot, out.past_key_values, len(prompt))
+            moves.append(t.seconds())
+        for slot in slots_of:
             last[slot] = token
-    prefill_s = t.seconds()
     prefilled = sum(map(len, distinct))
+    alone = f"; a move alone {statistics.median(moves) * 1e3:.2f} ms (median)" if moves else ""
+    print(f"prefill: {len(distinct)} prompts, {prefilled} tokens in {prefill_s:.2f} s, each prefilled and moved "
+          f"into a slot ({prefilled / prefill_s:.0f} tokens/s){alone}", flush=True)
     tokens = torch.stack(last)
     rows = []
     for choice in fused:
         use_fused(model, choice)
-        cache.follow_model()  # the slots' RoPE and attention follow the choice too
+        cache.follow_model()  # the slots' RoPE, compressor and attention follow the choice too
         graphs = StepGraphs(cache) if "graphs" in modes else None  # captured anew: the forwards changed
         if graphs is not None and graphs.reason:
             print(f"graphs: whole-step CUDA graphs unavailable ({graphs.reason}); the steps run eagerly", flush=True)
@@ -480,8 +490,9 @@ def project_gate(row: dict, layers: int, total_layers: int, per_replica: int, gp
 
 def use_fused(model, choice: str) -> None:
     """The hyper-connections', RMSNorms' and (through the mark ``SlotCache.follow_model`` reads) the slot step's
-    RoPE and attention for the steps that follow: ``triton`` (``triton_layers``, ``triton_attention``, where they
-    can run) or ``torch`` (transformers' own, the gathered attention)."""
+    RoPE, compressor and attention for the steps that follow: ``triton`` (``triton_layers``, ``triton_compressor``,
+    ``triton_attention``, where they can run) or ``torch`` (transformers' own, PyTorch's compressor step, the
+    gathered attention)."""
     import types
 
     from evalgate.model_adapters import triton_layers
@@ -569,10 +580,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cache", default="hf,slots,graphs", help="caches to decode from: hf (transformers', "
                    "left-padded static batch), slots (preallocated per row, attention_slots.py), graphs (slots, "
                    "each step a CUDA graph of the whole step per batch bucket, step_graphs.py)")
-    p.add_argument("--fused", default="triton", help="hyper-connection weights, RMSNorms, RoPE and attention of "
-                   "the slots' steps, comma-separated: triton (one kernel each, triton_layers.py and "
-                   "triton_attention.py, what a GPU load binds), torch (transformers' forwards, the gathered "
-                   "attention); several: the slots and graphs rows once per choice, in this run")
+    p.add_argument("--fused", default="triton", help="hyper-connection weights, RMSNorms, RoPE, compressor and "
+                   "attention of the slots' steps, comma-separated: triton (one kernel each, triton_layers.py, "
+                   "triton_compressor.py and triton_attention.py, what a GPU load binds), torch (transformers' "
+                   "forwards, PyTorch's compressor step, the gathered attention); several: the slots and graphs rows once per choice, in this run")
     p.add_argument("--profile", default=None, help="a folder: profile the smallest and largest batch's slot steps "
                    "into it (device time by kernel, operator and layer part; host time on a CPU)")
     p.add_argument("--json", default=None, help="also write the figures here")

@@ -21,7 +21,8 @@ taken by the next prompt. So a row's tokens do not depend on its neighbours' tim
 
 The arithmetic follows the model's numerics. With PyTorch's (``native``) a window is pooled and a row
 attends with eager's operations (``attention._attend``), and RoPE is transformers' or, where
-``triton_layers.install`` bound its kernels, one Triton kernel each, and so is the attention
+``triton_layers.install`` bound its kernels, one Triton kernel each, and so are a compressor's step
+(``triton_compressor.compressor_step``, which pools only the rows that close a window) and the attention
 (``triton_attention.decode_attention``, reading the ring and the entries in place): a row computes what it
 would compute alone up to the floating-point order of its own sums, and PyTorch's matrix products can round
 differently at different batch sizes on a GPU. With canonical numerics (``invariant.install``) they are
@@ -95,6 +96,8 @@ class _Compressed:
         self.gate = torch.zeros(slots, self.rate, feed, dtype=gate_dtype, device=device)
         self.entries = torch.zeros(slots, capacity + 1, self.width, dtype=dtype, device=device)
         self.capacity = capacity
+        self.index = torch.arange(capacity + 1, device=device)  # entry indices, for the closed-entry mask
+        self.rope_table = None  # cos, sin of every entry's first position (triton_compressor.rope_table)
         if self.overlap:  # [slot, parity of the window whose Ca it is, ...]
             self.prev_kv = torch.zeros(slots, 2, self.rate, self.width, dtype=dtype, device=device)
             self.prev_gate = torch.full((slots, 2, self.rate, self.width), float("-inf"), dtype=gate_dtype,
@@ -119,6 +122,15 @@ class _Compressed:
             if prior is not None:
                 self.prev_kv[slot, (count + 1) % 2] = prior[0].to(self.prev_kv.dtype)
                 self.prev_gate[slot, (count + 1) % 2] = layer.overlap_gate[name][0].to(self.prev_gate.dtype)
+
+    def fused_step(self, module, rows, positions, kv, gate) -> torch.Tensor:
+        """``step`` with PyTorch's numerics as one Triton kernel (``triton_compressor``), which pools only the
+        rows that close a window."""
+        from evalgate.model_adapters import triton_compressor
+
+        if self.rope_table is None:
+            self.rope_table = triton_compressor.rope_table(module, self.entries, self.capacity)
+        return triton_compressor.compressor_step(self, module, rows, positions, kv, gate, *self.rope_table)
 
     def step(self, module, rows, positions, kv, gate, pool=native_pool, rope=transformers_rope) -> torch.Tensor:
         """Write one token per row (kv, gate [b, feed] at ``positions`` [b]); rows whose token closes a
@@ -211,12 +223,13 @@ class SlotCache:
         self.rows: torch.Tensor | None = None
 
     def follow_model(self) -> None:
-        """RoPE and attention as Triton kernels where ``triton_layers.install`` marked the model (PyTorch's
-        numerics on a GPU), else transformers' rotation and the gathered attention; again after the mark
-        changes (a benchmark comparing both)."""
+        """RoPE, the compressors' steps and attention as Triton kernels where ``triton_layers.install`` marked
+        the model (PyTorch's numerics on a GPU), else transformers' rotation, PyTorch's compressor step and the
+        gathered attention; again after the mark changes (a benchmark comparing both)."""
         fused = self.native and getattr(self.model, "_evalgate_triton_layers", False)
         self.rope = fused_rope if fused else transformers_rope
         self.fused_attention = fused  # triton_attention.decode_attention, where the head fits its tile
+        self.fused_compressor = fused  # triton_compressor.compressor_step, where the width fits
 
     def admit(self, slot: int, past, length: int) -> None:
         """A prompt of ``length`` tokens prefilled alone (batch 1, no padding) with transformers' cache
@@ -324,21 +337,38 @@ def _compressed_step(self, cache: SlotCache, state: _LayerSlots, rows, positions
     windows, for CSA only the indexer's top k of them."""
     compressor = self.compressor
     flat = hidden_states[:, 0]
-    count = state.compressor.step(compressor, rows, positions, compressor.kv_proj(flat), compressor.gate_proj(flat),
-                                  cache.pool, cache.rope)
-    index = torch.arange(state.compressor.entries.shape[1], device=count.device)
-    closed = index.unsqueeze(0) < count.unsqueeze(1)  # the spare last column is never closed
+    count = _window_step(cache, state.compressor, compressor, rows, positions, flat)
+    closed = state.compressor.index.unsqueeze(0) < count.unsqueeze(1)  # the spare last column is never closed
     if state.indexer is None:  # HCA, or a top k that takes every closed entry
         return closed
     indexer = compressor.indexer
-    state.indexer.step(indexer, rows, positions, indexer.kv_proj(flat), indexer.gate_proj(flat), cache.pool,
-                       cache.rope)
+    _window_step(cache, state.indexer, indexer, rows, positions, flat)
     keys = state.indexer.entries[rows]  # [b, capacity + 1, d]
     cos, sin = indexer.rotary_emb(hidden_states, position_ids=position_ids, layer_type=indexer.rope_layer_type)
     q = indexer.q_b_proj(q_residual).view(len(rows), 1, -1, indexer.head_dim).transpose(1, 2)
     q = cache.rope(q, cos, sin).transpose(1, 2)
     scores = indexer.scorer(q, keys, hidden_states)[:, 0]  # [b, capacity + 1]
     return top_entries(scores, closed, indexer.index_topk)
+
+
+_COMPRESSOR_FAILED: list[str] = []  # why the Triton compressor step could not run here, once it failed
+
+
+def _window_step(cache: SlotCache, state: _Compressed, module, rows, positions, flat) -> torch.Tensor:
+    """A compressor's (or indexer's) step from the rows' hidden states ``flat`` [b, hidden]: one Triton kernel
+    where the cache follows the Triton mark and the width fits it (else, and from a Triton failure on,
+    PyTorch's operations). Returns each row's entry count [b]."""
+    from evalgate.model_adapters import triton_compressor
+
+    kv, gate = module.kv_proj(flat), module.gate_proj(flat)
+
+    def torch_step():
+        return state.step(module, rows, positions, kv, gate, cache.pool, cache.rope)
+
+    if cache.fused_compressor and triton_compressor.supported(state):
+        return _triton_or(_COMPRESSOR_FAILED, "the compressor's step on PyTorch's operations",
+                          lambda: state.fused_step(module, rows, positions, kv, gate), torch_step)
+    return torch_step()
 
 
 def top_entries(scores: torch.Tensor, closed: torch.Tensor, k: int) -> torch.Tensor:

@@ -52,7 +52,7 @@ def decode_attention(query: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor
         from evalgate.model_adapters.triton_layers import _on_device
 
         with _on_device(q):
-            decode_attention_kernel[(b, -(-h // HEADS))](
+            decode_attention_kernel[(-(-h // HEADS), b)](
                 q, ring, rows, positions, entries, chosen, sinks.contiguous(), out, float(scaling), chosen.stride(0),
                 H=h, D=d, W=ring.shape[1], C=c, BH=HEADS, BT=KEYS, UPCAST=interpreted(),
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_stages=STAGES)

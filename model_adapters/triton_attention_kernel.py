@@ -31,9 +31,11 @@ def _block(q, keys, open_, m, den, acc, scaling, UPCAST: tl.constexpr, PRECISION
 def decode_attention_kernel(q_ptr, ring_ptr, rows_ptr, pos_ptr, entries_ptr, chosen_ptr, sinks_ptr, out_ptr, scaling,
                             n_chosen_stride, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr,
                             BH: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Row program_id(0), heads program_id(1) * BH ...: the attention of its one query."""
-    r = tl.program_id(0)
-    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    """Heads program_id(0) * BH ..., row program_id(1): the attention of its one query. A row's head blocks
+    are neighbours in the launch order, so they read its keys at about the same time: once from memory,
+    then from L2."""
+    r = tl.program_id(1)
+    heads = tl.program_id(0) * BH + tl.arange(0, BH)
     live = heads < H
     d = tl.arange(0, D)
     slot = tl.load(rows_ptr + r).to(tl.int64)
