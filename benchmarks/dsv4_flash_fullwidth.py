@@ -332,7 +332,8 @@ def profile_step(model, step, path: Path, label: str) -> None:
     try:
         step()
         sync()
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                     record_shapes=ranges is not None) as prof:
             step()
             sync()
     finally:
@@ -352,6 +353,10 @@ def profile_step(model, step, path: Path, label: str) -> None:
             for e in sorted(parts, key=lambda e: -(e.device_time_total if cuda else e.cpu_time_total)):
                 ms = (e.device_time_total if cuda else e.cpu_time_total) / 1e3
                 f.write(f"  {e.key[3:]:40s} {e.count:6d} calls {ms:9.2f} ms\n")
+            f.write("\nby operator and input shapes:\n")
+            f.write(prof.key_averages(group_by_input_shape=True).table(
+                sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=40, max_name_column_width=40,
+                max_shapes_column_width=80))
     print(f"profile {label}: {launched} kernels, {busy:.2f} ms kernel time -> {path}", flush=True)
 
 

@@ -11,9 +11,10 @@ gate runs; ``native``: PyTorch's own, cuBLAS and attention kernels choosing algo
 the canary onto the device with the kernel (emulated experts: the Triton path on CUDA), decodes the first
 ``--limit`` items of the canary GSM8K profile greedily, once with ``batch_size`` 1 (every item alone) and
 once with ``--batch`` (32: continuous batching as the gate does it; the batch-1 side can run in
-``--procs`` processes at once, each decoding its share one item at a time), and prints how many items' token ids
-differ, where the first difference is, and the time each side took (``--alone``: only these numerics run the
-batch-1 side; the others are timed at ``--batch``, what the invariant path costs against). ``--model`` takes
+``--procs`` processes at once, each decoding its share one item at a time; ``--alone-device cpu``: on the
+CPU), and prints how many items' token ids differ, where the first difference is, and the time each side
+took (``--alone``: only these numerics run the batch-1 side; the others are timed at ``--batch``, what the
+invariant path costs against). ``--model`` takes
 another local checkpoint in place of the canary (e.g. a tiny one with compressed attention, which decodes
 from per-row slots in either numerics: ``generation._decode_slots``).
 """
@@ -99,16 +100,20 @@ def measure(numerics: str, args) -> dict:
 
         shares = [list(range(len(reqs)))[j::args.procs] for j in range(args.procs)]
         with mp.get_context("spawn").Pool(args.procs) as pool:
-            jobs = [(numerics, args.kernel, args.device, args.limit, sh, args.model) for sh in shares]
+            jobs = [(numerics, args.kernel, args.alone_device, args.limit, sh, args.model) for sh in shares]
             parts = pool.map(_alone, jobs)
         one = [None] * len(reqs)
         for part in parts:
             for i, (ids, text) in part.items():
                 one[i] = _Gen(ids, text)
-    else:
+    elif args.alone_device == args.device:
         one, _ = decode_all(adapter.model, adapter.tokenizer, reqs, adapter.device, 1)
+    else:
+        part = _alone((numerics, args.kernel, args.alone_device, args.limit, list(range(len(reqs))), args.model))
+        one = [_Gen(*part[i]) for i in range(len(reqs))]
     secs_one = time.perf_counter() - t0
-    print(f"  {numerics:9s} batch   1: {len(reqs)} items in {secs_one:7.1f} s ({args.procs} processes)", flush=True)
+    print(f"  {numerics:9s} batch   1: {len(reqs)} items in {secs_one:7.1f} s ({args.procs} processes, "
+          f"{args.alone_device})", flush=True)
     differ = [i for i in range(len(reqs)) if list(one[i].token_ids) != list(many[i].token_ids)]
     texts = sum(one[i].text != many[i].text for i in range(len(reqs)))
     tokens = sum(len(g.token_ids) for g in one)
@@ -133,11 +138,15 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=None, help="first N canary GSM8K items (default: all 200)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--procs", type=int, default=1, help="decode the batch-1 side in this many processes")
+    p.add_argument("--alone-device", default=None, help="where the batch-1 side runs [default: --device]; with "
+                   "canonical numerics (the same bits on a CPU and a GPU) `cpu` holds the GPU's batch against the "
+                   "CPU's batch 1: batch and device at once")
     p.add_argument("--alone", default=None, help="the numerics whose batch-1 side runs (comma-separated) "
                    "[default: all of --numerics]; the others time their --batch side only")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     args.alone = {n.strip() for n in (args.alone or args.numerics).split(",") if n.strip()}
+    args.alone_device = args.alone_device or args.device
     import torch
 
     if args.model is None:
@@ -150,8 +159,7 @@ def main(argv=None) -> int:
         return 2
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     print(f"{args.model}: canary GSM8K profile, kernel {args.kernel}, {name}, torch {torch.__version__}, "
-          f"batch 1 vs {args.batch}",
-          flush=True)
+          f"batch 1 ({args.alone_device}) vs {args.batch} ({args.device})", flush=True)
     results = [measure(n.strip(), args) for n in args.numerics.split(",") if n.strip()]
     print(f"{'numerics':10s} {'(got)':14s} {'items':>5s} {'differ':>6s} {'A/A rate':>8s} {'texts':>5s} "
           f"{'b1 s':>7s} {'b' + str(args.batch) + ' s':>7s}  first differing positions")
