@@ -405,8 +405,8 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     CUDA graph of the whole step (``graphs``, ``step_graphs.StepGraphs``). A graphed row also holds the
     graph's logits against the eager step's of the same rows and tokens, bit for bit (``graph_bits_equal``),
     and how many steps ran again without the graph (``reruns``: the MoE's fast path left rows). ``profile``:
-    a folder; the smallest and the largest batch's steps, eager and graphed, are profiled into it
-    (``profile_step``)."""
+    a folder; one prompt's prefill and the smallest and the largest batch's steps, eager and graphed, are
+    profiled into it (``profile_step``)."""
     from evalgate.model_adapters.attention_slots import SlotCache
     from evalgate.model_adapters.step_graphs import StepGraphs
 
@@ -434,6 +434,12 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
         for slot in slots_of:
             last[slot] = token
     prefilled = sum(map(len, distinct))
+    if profile is not None:  # where a prefill's time goes: one prompt's forward, by kernel, operator and layer part
+        prompt = next(iter(distinct))
+        profile.mkdir(parents=True, exist_ok=True)
+        profile_step(model, lambda: model(input_ids=torch.tensor([prompt], device=first), use_cache=True,
+                                          logits_to_keep=1), profile / "prefill.txt",
+                     f"eager prefill of one prompt of {len(prompt)} tokens")
     alone = f"; a move alone {statistics.median(moves) * 1e3:.2f} ms (median)" if moves else ""
     print(f"prefill: {len(distinct)} prompts, {prefilled} tokens in {prefill_s:.2f} s, each prefilled and moved "
           f"into a slot ({prefilled / prefill_s:.0f} tokens/s){alone}", flush=True)
