@@ -420,6 +420,11 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     distinct = {}  # the prompts repeat past len(prompts): each is prefilled once and admitted into its slots
     for slot, prompt in enumerate(ids):
         distinct.setdefault(tuple(prompt), []).append(slot)
+    # the first prefill compiles the prefill's Triton kernels (tiles of a prompt's rows): a run pays that once,
+    # so it is timed apart (``warmup_s``, added once to a projected gate) and not in the prefill rate
+    t = _Timer(first)
+    model(input_ids=torch.tensor([next(iter(distinct))], device=first), use_cache=True, logits_to_keep=1)
+    warmup_s = t.seconds()
     prefill_s, moves = 0.0, []
     for prompt, slots_of in distinct.items():
         t = _Timer(first)  # what a gate pays per item: its prefill and one move into a slot
@@ -442,7 +447,8 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
                      f"eager prefill of one prompt of {len(prompt)} tokens")
     alone = f"; a move alone {statistics.median(moves) * 1e3:.2f} ms (median)" if moves else ""
     print(f"prefill: {len(distinct)} prompts, {prefilled} tokens in {prefill_s:.2f} s, each prefilled and moved "
-          f"into a slot ({prefilled / prefill_s:.0f} tokens/s){alone}", flush=True)
+          f"into a slot ({prefilled / prefill_s:.0f} tokens/s){alone}; before them one untimed prefill, "
+          f"compiling: {warmup_s:.2f} s", flush=True)
     tokens = torch.stack(last)
     rows = []
     for choice in fused:
@@ -467,6 +473,7 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
                     step_s = _median_step(graphed, steps, first, warmup=2)
                 row = _row(model, step, mode, batch, prefilled, prefill_s, step_s, devices, bandwidth)
                 row["cache"] += "" if choice == "triton" else f"/{choice}"
+                row["warmup_s"] = round(warmup_s, 2)
                 if mode == "graphs":  # the step is idempotent until the rows advance: graph and eager, same inputs
                     got = graphs.logits(tokens[:batch], listed)
                     row["graph_bits_equal"] = bool(torch.equal(got, cache.forward(tokens[:batch], slots)))
@@ -490,13 +497,14 @@ def project_gate(row: dict, layers: int, total_layers: int, per_replica: int, gp
     for ``layers`` layers: every item runs to its profile's token limit (an upper bound: real answers stop
     earlier), items in static batches of ``row['batch']``, each step of the whole model ``total_layers /
     layers`` of the measured one (its layers run one device after another), prefill at the measured rate
-    likewise, and ``gpus // per_replica`` copies of the model taking a share of the items each."""
+    likewise, ``gpus // per_replica`` copies of the model taking a share of the items each, and once the
+    first prefill's compilation (``warmup_s``, where measured; the copies compile side by side)."""
     replicas = max(1, gpus // per_replica)
     scale, batch = total_layers / layers, row["batch"]
     steps = math.ceil(GSM8K_ITEMS / batch) * GSM8K_TOKENS + math.ceil(HUMANEVAL_ITEMS / batch) * HUMANEVAL_TOKENS
     prefill_tokens = GSM8K_ITEMS * gsm8k_prompt + HUMANEVAL_ITEMS * HUMANEVAL_PROMPT_TOKENS
     seconds = steps * row["step_ms"] / 1e3 * scale + prefill_tokens / row["prefill_tokens_per_s"] * scale
-    return seconds / replicas
+    return seconds / replicas + row.get("warmup_s", 0.0)
 
 
 def use_fused(model, choice: str) -> None:

@@ -273,6 +273,9 @@ def test_gate_projection_arithmetic(monkeypatch):
     expected = (steps * 0.1 + prefill / 10_000) * 43 / 12
     assert script.project_gate(row, 12, 43, 2, 2, 900) == pytest.approx(expected)
     assert script.project_gate(row, 12, 43, 2, 4, 900) == pytest.approx(expected / 2)  # two copies of 2 GPUs
+    # the first prefill's compilation: once, whatever the layers and the copies
+    compiled = dict(row, warmup_s=12.0)
+    assert script.project_gate(compiled, 12, 43, 2, 4, 900) == pytest.approx(expected / 2 + 12.0)
 
 
 def test_floor_counts_the_experts_a_step_routes_to(monkeypatch):
