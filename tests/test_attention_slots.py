@@ -43,6 +43,38 @@ def _admit(model, cache, slot, prompt):
     cache.admit(slot, model(input_ids=prompt[None].to(model.device), use_cache=True).past_key_values, len(prompt))
 
 
+@torch.no_grad()
+def with_a_broken_kernel(monkeypatch, module, kernel: str, failed: str, switch: str, message: str):
+    """Two rows decoded two steps from slots with ``switch`` (a ``SlotCache`` flag) off, then on with
+    ``module.kernel`` raising ``message``: (the logits of each run, how often the kernel was called). The on
+    run must warn once with the message."""
+    from evalgate.model_adapters import attention_slots
+
+    monkeypatch.setattr(attention_slots, failed, [])
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(module, kernel, broken)
+    model = _model(index_topk=3)
+    logits = {}
+    for on in (False, True):
+        cache = SlotCache(model, slots=2, max_length=64)
+        setattr(cache, switch, on)
+        for slot, prompt in enumerate(_prompts()[:2]):
+            _admit(model, cache, slot, prompt)
+        rows, tokens = torch.tensor([0, 1]), torch.tensor([5, 6])
+        if on:
+            with pytest.warns(UserWarning, match=message):
+                first = cache.decode_step(tokens, rows)
+        else:
+            first = cache.decode_step(tokens, rows)
+        logits[on] = (first, cache.decode_step(first.argmax(-1), rows))
+    return logits, calls
+
+
 def _close(a, b):
     return (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
 

@@ -110,35 +110,13 @@ def test_a_model_decodes_from_slots_with_the_kernel_as_without():
     assert "ok" in out
 
 
-@torch.no_grad()
 def test_an_attention_kernel_that_fails_hands_the_step_back_to_the_gathered_form(monkeypatch):
     """A Triton failure in the slot step's attention: a warning once, the gathered form's logits then and
     after, and the kernel not tried again."""
-    from evalgate.model_adapters import attention_slots, triton_attention
-    from test_attention import _model
-    from test_attention_slots import _admit, _prompts
+    from evalgate.model_adapters import triton_attention
+    from test_attention_slots import with_a_broken_kernel
 
-    monkeypatch.setattr(attention_slots, "_ATTENTION_FAILED", [])
-    calls = []
-
-    def broken(*args):
-        calls.append(1)
-        raise RuntimeError("no attention kernel")
-
-    monkeypatch.setattr(triton_attention, "decode_attention", broken)
-    model = _model(index_topk=3)
-    logits = {}
-    for fused in (False, True):
-        cache = attention_slots.SlotCache(model, slots=2, max_length=64)
-        cache.fused_attention = fused
-        for slot, prompt in enumerate(_prompts()[:2]):
-            _admit(model, cache, slot, prompt)
-        rows, tokens = torch.tensor([0, 1]), torch.tensor([5, 6])
-        if fused:
-            with pytest.warns(UserWarning, match="no attention kernel"):
-                first = cache.decode_step(tokens, rows)
-        else:
-            first = cache.decode_step(tokens, rows)
-        logits[fused] = (first, cache.decode_step(first.argmax(-1), rows))
+    logits, calls = with_a_broken_kernel(monkeypatch, triton_attention, "decode_attention", "_ATTENTION_FAILED",
+                                         "fused_attention", "no attention kernel")
     assert calls == [1]
     assert all(torch.equal(a, b) for a, b in zip(logits[False], logits[True]))

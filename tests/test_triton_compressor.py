@@ -138,35 +138,13 @@ def test_a_model_decodes_from_slots_with_the_compressor_kernel_as_without():
     assert "ok" in out
 
 
-@torch.no_grad()
 def test_a_compressor_kernel_that_fails_hands_the_step_back_to_pytorch(monkeypatch):
     """A Triton failure in the compressor's step: a warning once, PyTorch's step's logits bit for bit then
     and after, and the kernel not tried again."""
-    from evalgate.model_adapters import attention_slots, triton_compressor
-    from test_attention import _model
-    from test_attention_slots import _admit, _prompts
+    from evalgate.model_adapters import triton_compressor
+    from test_attention_slots import with_a_broken_kernel
 
-    monkeypatch.setattr(attention_slots, "_COMPRESSOR_FAILED", [])
-    calls = []
-
-    def broken(*args):
-        calls.append(1)
-        raise RuntimeError("no compressor kernel")
-
-    monkeypatch.setattr(triton_compressor, "compressor_step", broken)
-    model = _model(index_topk=3)
-    logits = {}
-    for fused in (False, True):
-        cache = attention_slots.SlotCache(model, slots=2, max_length=64)
-        cache.fused_compressor = fused
-        for slot, prompt in enumerate(_prompts()[:2]):
-            _admit(model, cache, slot, prompt)
-        rows, tokens = torch.tensor([0, 1]), torch.tensor([5, 6])
-        if fused:
-            with pytest.warns(UserWarning, match="no compressor kernel"):
-                first = cache.decode_step(tokens, rows)
-        else:
-            first = cache.decode_step(tokens, rows)
-        logits[fused] = (first, cache.decode_step(first.argmax(-1), rows))
+    logits, calls = with_a_broken_kernel(monkeypatch, triton_compressor, "compressor_step", "_COMPRESSOR_FAILED",
+                                         "fused_compressor", "no compressor kernel")
     assert calls == [1]
     assert all(torch.equal(a, b) for a, b in zip(logits[False], logits[True]))
