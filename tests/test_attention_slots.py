@@ -44,6 +44,36 @@ def _admit(model, cache, slot, prompt):
 
 
 @torch.no_grad()
+def slot_logits_with_and_without(model, switch: str, steps: int = 12) -> dict:
+    """Four rows in scattered slots decoded greedily for ``steps`` steps, with the ``SlotCache`` flag ``switch``
+    off and on: {False: logits [steps, 4, V], True: ...}."""
+    logits = {}
+    for on in (False, True):
+        cache = SlotCache(model, slots=6, max_length=64)
+        setattr(cache, switch, on)
+        slots = [4, 0, 5, 2]
+        for slot, prompt in zip(slots, _prompts()):
+            _admit(model, cache, slot, prompt)
+        rows = torch.tensor(slots, device=model.device)
+        tokens = torch.tensor([5, 6, 7, 8], device=model.device)
+        out = []
+        for _ in range(steps):
+            step = cache.decode_step(tokens, rows)
+            out.append(step)
+            tokens = step.argmax(-1)
+        logits[on] = torch.stack(out)
+    return logits
+
+
+def agree_within_rounding(logits: dict) -> None:
+    """The on run's logits within float rounding of the off run's, and the same greedy tokens."""
+    a, b = logits[False], logits[True]
+    err = (a - b).abs().max().item()
+    assert err <= 1e-4 * max(1.0, a.abs().max().item()), err
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@torch.no_grad()
 def with_a_broken_kernel(monkeypatch, module, kernel: str, failed: str, switch: str, message: str):
     """Two rows decoded two steps from slots with ``switch`` (a ``SlotCache`` flag) off, then on with
     ``module.kernel`` raising ``message``: (the logits of each run, how often the kernel was called). The on

@@ -76,35 +76,16 @@ def test_a_model_decodes_from_slots_with_the_kernel_as_without():
     float rounding, and the greedy tokens are the same."""
     out = _run("""
         from test_attention import _model
-        from test_attention_slots import _admit, _prompts
+        from test_attention_slots import agree_within_rounding, slot_logits_with_and_without
 
         model = _model(index_topk=3, device=DEVICE)
-        prompts = _prompts()
         calls = []
         kernel = triton_attention.decode_attention
         triton_attention.decode_attention = lambda *a: calls.append(1) or kernel(*a)
-        logits = {}
-        for fused in (False, True):
-            cache = attention_slots.SlotCache(model, slots=6, max_length=64)
-            cache.fused_attention = fused
-            slots = [4, 0, 5, 2]
-            for slot, prompt in zip(slots, prompts):
-                _admit(model, cache, slot, prompt)
-            rows = torch.tensor(slots, device=DEVICE)
-            tokens = torch.tensor([5, 6, 7, 8], device=DEVICE)
-            steps = []
-            with torch.no_grad():
-                for i in range(12):
-                    step = cache.decode_step(tokens, rows)
-                    steps.append(step)
-                    tokens = step.argmax(-1)
-            logits[fused] = torch.stack(steps)
+        logits = slot_logits_with_and_without(model, "fused_attention")
         assert not attention_slots._ATTENTION_FAILED, attention_slots._ATTENTION_FAILED
         assert len(calls) == 12 * len(model.model.layers)  # every layer of every step, in the fused run
-        a, b = logits[False], logits[True]
-        err = (a - b).abs().max().item()
-        assert err <= 1e-4 * max(1.0, a.abs().max().item()), err
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        agree_within_rounding(logits)
         print("ok")
     """)
     assert "ok" in out

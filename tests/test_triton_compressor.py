@@ -105,34 +105,16 @@ def test_a_model_decodes_from_slots_with_the_compressor_kernel_as_without():
     rounding, the greedy tokens the same, and every compressor and indexer step went through the kernel."""
     out = _run("""
         from evalgate.model_adapters import triton_compressor
-        from test_attention_slots import _admit, _prompts
+        from test_attention_slots import agree_within_rounding, slot_logits_with_and_without
 
         model = _model(index_topk=3, device=DEVICE)
         calls = []
         kernel = triton_compressor.compressor_step
         triton_compressor.compressor_step = lambda *a: calls.append(1) or kernel(*a)
-        logits = {}
-        for fused in (False, True):
-            cache = attention_slots.SlotCache(model, slots=6, max_length=64)
-            cache.fused_compressor = fused
-            slots = [4, 0, 5, 2]
-            for slot, prompt in zip(slots, _prompts()):
-                _admit(model, cache, slot, prompt)
-            rows = torch.tensor(slots, device=DEVICE)
-            tokens = torch.tensor([5, 6, 7, 8], device=DEVICE)
-            steps = []
-            with torch.no_grad():
-                for i in range(12):
-                    step = cache.decode_step(tokens, rows)
-                    steps.append(step)
-                    tokens = step.argmax(-1)
-            logits[fused] = torch.stack(steps)
+        logits = slot_logits_with_and_without(model, "fused_compressor")
         assert not attention_slots._COMPRESSOR_FAILED, attention_slots._COMPRESSOR_FAILED
         assert len(calls) == 12 * 3  # CSA's compressor and indexer, HCA's compressor, every step
-        a, b = logits[False], logits[True]
-        err = (a - b).abs().max().item()
-        assert err <= 1e-4 * max(1.0, a.abs().max().item()), err
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        agree_within_rounding(logits)
         print("ok")
     """)
     assert "ok" in out
