@@ -11,12 +11,12 @@ whole model in memory); (4) load them streamed (``model_adapters/streamed.py``: 
 packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's few-shot prompts) for
 ``--max-new-tokens`` tokens at batch ``--batch-size`` (``--items 0``: skip); (6) print tokens/s, the projected
 time of a 1,319-item GSM8K run, and peak memory per device against the packed expert bytes; (7) for each
-batch of ``--batches``: prefill that many GSM8K prompts (each prompt's prefill and one move into a slot timed, as
-a gate pays them), time ``--steps`` decoding steps (median) from each
-cache of ``--cache`` (transformers'; per-row slots; slots with each step a CUDA graph of the whole step; the
-slots' steps once per ``--fused`` choice of hyper-connection, RMSNorm, RoPE, compressor and attention forwards), and
-hold each step against its weight-read floor (``step_floor``), with the copy bandwidth of the device measured
-in this run; then project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``).
+batch of ``--batches``: prefill that many GSM8K prompts (each prompt's prefill and one move into a slot timed,
+as a gate pays them), time ``--steps`` decoding steps (median) from each cache of ``--cache`` (transformers';
+per-row slots; slots with each step a CUDA graph of the whole step; the slots' steps once per ``--fused``
+choice of hyper-connection, RMSNorm, RoPE, compressor and attention forwards), and hold each step against
+its weight-read floor (``step_floor``), with the copy bandwidth of the device measured in this run; then
+project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``).
 
 The configuration is DeepSeek-V4-Flash's (``flash_config``); each value names its source.
 """
@@ -420,15 +420,21 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     distinct = {}  # the prompts repeat past len(prompts): each is prefilled once and admitted into its slots
     for slot, prompt in enumerate(ids):
         distinct.setdefault(tuple(prompt), []).append(slot)
+
+    def prefill(prompt):
+        return model(input_ids=torch.tensor([prompt], device=first), use_cache=True, logits_to_keep=1)
+
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
     # the first prefill compiles the prefill's Triton kernels (tiles of a prompt's rows): a run pays that once,
     # so it is timed apart (``warmup_s``, added once to a projected gate) and not in the prefill rate
     t = _Timer(first)
-    model(input_ids=torch.tensor([next(iter(distinct))], device=first), use_cache=True, logits_to_keep=1)
+    prefill(next(iter(distinct)))
     warmup_s = t.seconds()
     prefill_s, moves = 0.0, []
     for prompt, slots_of in distinct.items():
         t = _Timer(first)  # what a gate pays per item: its prefill and one move into a slot
-        out = model(input_ids=torch.tensor([prompt], device=first), use_cache=True, logits_to_keep=1)
+        out = prefill(prompt)
         token = out.logits[0, -1].argmax()
         cache.admit(slots_of[0], out.past_key_values, len(prompt))
         prefill_s += t.seconds()
@@ -441,9 +447,7 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     prefilled = sum(map(len, distinct))
     if profile is not None:  # where a prefill's time goes: one prompt's forward, by kernel, operator and layer part
         prompt = next(iter(distinct))
-        profile.mkdir(parents=True, exist_ok=True)
-        profile_step(model, lambda: model(input_ids=torch.tensor([prompt], device=first), use_cache=True,
-                                          logits_to_keep=1), profile / "prefill.txt",
+        profile_step(model, lambda: prefill(prompt), profile / "prefill.txt",
                      f"eager prefill of one prompt of {len(prompt)} tokens")
     alone = f"; a move alone {statistics.median(moves) * 1e3:.2f} ms (median)" if moves else ""
     print(f"prefill: {len(distinct)} prompts, {prefilled} tokens in {prefill_s:.2f} s, each prefilled and moved "
@@ -480,7 +484,6 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
                     row["reruns"] = graphs.stats["reruns"]
                     row["graphed"] = graphs.stats["replays"] > 0
                 if profile is not None and batch in (min(batches), max(batches)):
-                    profile.mkdir(parents=True, exist_ok=True)
                     profile_step(model, step if mode == "slots" else graphed, profile / f"{choice}.txt",
                                  f"{'eager' if mode == 'slots' else 'graphed'} step, batch {batch}, --fused {choice}")
                 rows.append(row)
@@ -602,9 +605,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fused", default="triton", help="hyper-connection weights, RMSNorms, RoPE, compressor and "
                    "attention of the slots' steps, comma-separated: triton (one kernel each, triton_layers.py, "
                    "triton_compressor.py and triton_attention.py, what a GPU load binds), torch (transformers' "
-                   "forwards, PyTorch's compressor step, the gathered attention); several: the slots and graphs rows once per choice, in this run")
-    p.add_argument("--profile", default=None, help="a folder: profile the smallest and largest batch's slot steps "
-                   "into it (device time by kernel, operator and layer part; host time on a CPU)")
+                   "forwards, PyTorch's compressor step, the gathered attention); several: the slots and graphs "
+                   "rows once per choice, in this run")
+    p.add_argument("--profile", default=None, help="a folder: profile one prompt's prefill and the smallest and "
+                   "largest batch's slot steps into it (device time by kernel, operator and layer part; host time "
+                   "on a CPU)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
     fused = tuple(f.strip() for f in args.fused.split(",") if f.strip())

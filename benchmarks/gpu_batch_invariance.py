@@ -14,9 +14,9 @@ once with ``--batch`` (32: continuous batching as the gate does it; the batch-1 
 ``--procs`` processes at once, each decoding its share one item at a time; ``--alone-device cpu``: on the
 CPU), and prints how many items' token ids differ, where the first difference is, and the time each side
 took (``--alone``: only these numerics run the batch-1 side; the others are timed at ``--batch``, what the
-invariant path costs against). ``--model`` takes
-another local checkpoint in place of the canary (e.g. a tiny one with compressed attention, which decodes
-from per-row slots in either numerics: ``generation._decode_slots``).
+invariant path costs against). ``--model`` takes another local checkpoint in place of the canary (e.g. a
+tiny one with compressed attention, which decodes from per-row slots in either numerics:
+``generation._decode_slots``).
 """
 
 from __future__ import annotations

@@ -287,11 +287,7 @@ def _step_attention(self, hidden_states, position_embeddings, position_ids, cach
     chosen = None
     if self.compressor is not None:
         chosen = _compressed_step(self, cache, state, rows, positions, hidden_states, q_residual, position_ids)
-    out = None
-    if cache.fused_attention:
-        out = fused_attend(self, q, state, rows, positions, chosen)
-    if out is None:
-        out = _attend_gathered(self, cache, q, state, rows, positions, chosen)
+    out = _attend_step(self, cache, q, state, rows, positions, chosen)
     out = cache.rope(out, cos, sin, -1.0)
     grouped = out.transpose(1, 2).reshape(b, 1, self.config.o_groups, -1)
     return self.o_b_proj(self.o_a_proj(grouped).flatten(2)), None
@@ -300,20 +296,23 @@ def _step_attention(self, hidden_states, position_embeddings, position_ids, cach
 _ATTENTION_FAILED: list[str] = []  # why the Triton attention could not run here, once it failed
 
 
-def fused_attend(self, q, state: _LayerSlots, rows, positions, chosen):
-    """The step's attention as one Triton kernel (``triton_attention.decode_attention``), reading the ring and
-    the entries in place: [b, H, 1, D], or None where the head does not fit its tile or Triton fails (then
-    and from then on, with a warning, the gathered form)."""
+def _attend_step(self, cache: SlotCache, q, state: _LayerSlots, rows, positions, chosen):
+    """The step's attention, [b, H, 1, D]: one Triton kernel (``triton_attention.decode_attention``, reading
+    the ring and the entries in place) where the cache follows the Triton mark and the head fits its tile
+    (else, and from a Triton failure on, with a warning, the gathered form)."""
     from evalgate.model_adapters import triton_attention
+
+    def gathered():
+        return _attend_gathered(self, cache, q, state, rows, positions, chosen)
 
     entries = None if chosen is None else state.compressor.entries
     dtypes = {q.dtype, state.keys.dtype} | ({entries.dtype} if entries is not None else set())
-    if not triton_attention.supported(self.head_dim) or len(dtypes) > 1:
-        return None
+    if not cache.fused_attention or not triton_attention.supported(self.head_dim) or len(dtypes) > 1:
+        return gathered()
     return _triton_or(_ATTENTION_FAILED, "slot attention on PyTorch's operations",
                       lambda: triton_attention.decode_attention(q, state.keys, rows, positions, entries, chosen,
                                                                 self.sinks, self.scaling),
-                      lambda: None)
+                      gathered)
 
 
 def _attend_gathered(self, cache: SlotCache, q, state: _LayerSlots, rows, positions, chosen):

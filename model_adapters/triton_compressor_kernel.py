@@ -25,9 +25,9 @@ def _round(x, KIND: tl.constexpr):
 def _round_as(x, PTR):
     """x rounded to the element type of PTR (FP32, BF16 or FP16), as an FP32 value."""
     if PTR.dtype.element_ty == tl.bfloat16:
-        y = bf16_rne(x)
+        y = _round(x, 1)
     elif PTR.dtype.element_ty == tl.float16:
-        y = x.to(tl.float16).to(tl.float32)
+        y = _round(x, 2)
     else:
         y = x
     return y

@@ -44,9 +44,12 @@ def _admit(model, cache, slot, prompt):
 
 
 @torch.no_grad()
-def slot_logits_with_and_without(model, switch: str, steps: int = 12) -> dict:
+def slot_logits_with_and_without(model, switch: str, module, kernel: str, steps: int = 12):
     """Four rows in scattered slots decoded greedily for ``steps`` steps, with the ``SlotCache`` flag ``switch``
-    off and on: {False: logits [steps, 4, V], True: ...}."""
+    off and on: ({False: logits [steps, 4, V], True: ...}, how often ``module.kernel`` was called)."""
+    calls = []
+    wrapped = getattr(module, kernel)
+    setattr(module, kernel, lambda *a: calls.append(1) or wrapped(*a))
     logits = {}
     for on in (False, True):
         cache = SlotCache(model, slots=6, max_length=64)
@@ -62,7 +65,8 @@ def slot_logits_with_and_without(model, switch: str, steps: int = 12) -> dict:
             out.append(step)
             tokens = step.argmax(-1)
         logits[on] = torch.stack(out)
-    return logits
+    setattr(module, kernel, wrapped)
+    return logits, calls
 
 
 def agree_within_rounding(logits: dict) -> None:

@@ -79,10 +79,7 @@ def test_a_model_decodes_from_slots_with_the_kernel_as_without():
         from test_attention_slots import agree_within_rounding, slot_logits_with_and_without
 
         model = _model(index_topk=3, device=DEVICE)
-        calls = []
-        kernel = triton_attention.decode_attention
-        triton_attention.decode_attention = lambda *a: calls.append(1) or kernel(*a)
-        logits = slot_logits_with_and_without(model, "fused_attention")
+        logits, calls = slot_logits_with_and_without(model, "fused_attention", triton_attention, "decode_attention")
         assert not attention_slots._ATTENTION_FAILED, attention_slots._ATTENTION_FAILED
         assert len(calls) == 12 * len(model.model.layers)  # every layer of every step, in the fused run
         agree_within_rounding(logits)

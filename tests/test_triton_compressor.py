@@ -108,10 +108,7 @@ def test_a_model_decodes_from_slots_with_the_compressor_kernel_as_without():
         from test_attention_slots import agree_within_rounding, slot_logits_with_and_without
 
         model = _model(index_topk=3, device=DEVICE)
-        calls = []
-        kernel = triton_compressor.compressor_step
-        triton_compressor.compressor_step = lambda *a: calls.append(1) or kernel(*a)
-        logits = slot_logits_with_and_without(model, "fused_compressor")
+        logits, calls = slot_logits_with_and_without(model, "fused_compressor", triton_compressor, "compressor_step")
         assert not attention_slots._COMPRESSOR_FAILED, attention_slots._COMPRESSOR_FAILED
         assert len(calls) == 12 * 3  # CSA's compressor and indexer, HCA's compressor, every step
         agree_within_rounding(logits)
