@@ -12,7 +12,8 @@ packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's 
 ``--max-new-tokens`` tokens at batch ``--batch-size`` (``--items 0``: skip); (6) print tokens/s, the projected
 time of a 1,319-item GSM8K run, and peak memory per device against the packed expert bytes; (7) for each
 batch of ``--batches``: prefill that many GSM8K prompts (each prompt's prefill and one move into a slot timed,
-as a gate pays them), time ``--steps`` decoding steps (median) from each cache of ``--cache`` (transformers';
+as a gate pays them: ``prefill.prefill_alone``; a few of them again with the MoE's host sync in every layer, for
+comparison), time ``--steps`` decoding steps (median) from each cache of ``--cache`` (transformers';
 per-row slots; slots with each step a CUDA graph of the whole step; the slots' steps once per ``--fused``
 choice of hyper-connection, RMSNorm, RoPE, compressor and attention forwards), and hold each step against
 its weight-read floor (``step_floor``), with the copy bandwidth of the device measured in this run; then
@@ -408,6 +409,7 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     a folder; one prompt's prefill and the smallest and the largest batch's steps, eager and graphed, are
     profiled into it (``profile_step``)."""
     from evalgate.model_adapters.attention_slots import SlotCache
+    from evalgate.model_adapters.prefill import STATS as prefill_stats, prefill_alone
     from evalgate.model_adapters.step_graphs import StepGraphs
 
     first = devices[0]
@@ -421,8 +423,8 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     for slot, prompt in enumerate(ids):
         distinct.setdefault(tuple(prompt), []).append(slot)
 
-    def prefill(prompt):
-        return model(input_ids=torch.tensor([prompt], device=first), use_cache=True, logits_to_keep=1)
+    def prefill(prompt, defer=None):  # as a gate's decoding loop prefills a prompt (defer: prefill_alone's)
+        return prefill_alone(model, prompt, first, defer=defer)
 
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
@@ -445,6 +447,12 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
         for slot in slots_of:
             last[slot] = token
     prefilled = sum(map(len, distinct))
+    # the same forwards with the MoE's host sync in every layer (no admit): what deferring it saves, same run
+    some = list(distinct)[:COMPARED_PREFILLS]
+    t = _Timer(first)
+    for prompt in some:
+        prefill(prompt, defer=False)
+    synced = sum(map(len, some)) / t.seconds()
     if profile is not None:  # where a prefill's time goes: one prompt's forward, by kernel, operator and layer part
         prompt = next(iter(distinct))
         profile_step(model, lambda: prefill(prompt), profile / "prefill.txt",
@@ -452,7 +460,9 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     alone = f"; a move alone {statistics.median(moves) * 1e3:.2f} ms (median)" if moves else ""
     print(f"prefill: {len(distinct)} prompts, {prefilled} tokens in {prefill_s:.2f} s, each prefilled and moved "
           f"into a slot ({prefilled / prefill_s:.0f} tokens/s){alone}; before them one untimed prefill, "
-          f"compiling: {warmup_s:.2f} s", flush=True)
+          f"compiling: {warmup_s:.2f} s; the first {len(some)} again with the MoE's host sync in every layer: "
+          f"{synced:.0f} tokens/s (prefill_alone deferred it: {prefill_stats['deferred']} prefills, "
+          f"{prefill_stats['again']} run again)", flush=True)
     tokens = torch.stack(last)
     rows = []
     for choice in fused:
@@ -478,6 +488,7 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
                 row = _row(model, step, mode, batch, prefilled, prefill_s, step_s, devices, bandwidth)
                 row["cache"] += "" if choice == "triton" else f"/{choice}"
                 row["warmup_s"] = round(warmup_s, 2)
+                row["prefill_synced_tokens_per_s"] = round(synced, 1)
                 if mode == "graphs":  # the step is idempotent until the rows advance: graph and eager, same inputs
                     got = graphs.logits(tokens[:batch], listed)
                     row["graph_bits_equal"] = bool(torch.equal(got, cache.forward(tokens[:batch], slots)))
@@ -491,6 +502,7 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     return rows
 
 
+COMPARED_PREFILLS = 8  # prompts prefilled again with the MoE's host sync in every layer, for comparison
 HUMANEVAL_ITEMS, HUMANEVAL_TOKENS = 164, 1024  # the default humaneval profile (humaneval-completion-codex)
 GSM8K_TOKENS, HUMANEVAL_PROMPT_TOKENS = 256, 150  # the default gsm8k profile's limit; a HumanEval prompt, about
 

@@ -10,7 +10,8 @@ beside it. ``install(model)`` replaces both with tiled forms that compute the sa
   window around it plus the compressed entries of a CSA / HCA layer, gathered by index). Keys every row of
   the block masks add an exact zero to the softmax, so leaving them out changes nothing but the work; the
   block holds at most ``budget`` bytes of scores. All three attention kinds go through it, for prefill and
-  decode (one query per row: a single block, no gather).
+  decode (one query per row: a single block, no gather). On a GPU a block takes every key, masked, where that
+  fits the budget: choosing the open columns waits for the device (``_blocks_over_every_key``).
 - ``tiled_indexer_scores`` (bound to each CSA indexer's scorer): the lightning indexer's ReLU scores summed
   over its heads, a block of queries at a time.
 
@@ -55,18 +56,24 @@ def _attend(module, query, key, mask, scaling):
 
 
 def tiled_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, budget: int | None = None,
-                    **kwargs):
+                    gather: bool | None = None, **kwargs):
     """The attention interface's call: query [B, H, S, D]; key and value the same [B, 1, T, D] tensor (V4's
-    K = V); attention_mask [B, 1, S, T] additive or None. Returns ([B, S, H, D], None), as eager does."""
+    K = V); attention_mask [B, 1, S, T] additive or None. Returns ([B, S, H, D], None), as eager does.
+    ``gather``: whether a block attends to the keys its mask opens only (None: on the CPU; see
+    ``_blocks_over_every_key``)."""
     if value is not key:
         raise NotImplementedError("tiled attention serves DeepSeek-V4's shared key-value heads only")
     if key.shape[1] != 1:
         raise NotImplementedError("tiled attention serves one key-value head (DeepSeek-V4's MQA)")
     budget = budget or getattr(module, "_evalgate_attention_budget", DEFAULT_BUDGET)
+    gather = getattr(module, "_evalgate_attention_gather", None) if gather is None else gather
     b, h, s, d = query.shape
     t = key.shape[2]
     if s == 1 or attention_mask is None or b * h * s * t * BYTES_PER_SCORE <= budget:
         return _attend(module, query, key, attention_mask, scaling).transpose(1, 2).contiguous(), None
+    block = budget // (b * h * t * BYTES_PER_SCORE)  # queries whose scores over every key fit the budget
+    if not (query.device.type == "cpu" if gather is None else gather) and block >= 1:
+        return _blocks_over_every_key(module, query, key, attention_mask, scaling, block), None
     out = query.new_empty(b, s, h, d)
     opened = _open_columns(attention_mask)  # [S, T]
     per_query_key = h * BYTES_PER_SCORE
@@ -91,6 +98,19 @@ def tiled_attention(module, query, key, value, attention_mask, scaling, dropout=
                 out[r0:r1, s0:s0 + block] = part.transpose(1, 2)
         s0 += block
     return out, None
+
+
+def _blocks_over_every_key(module, query, key, mask, scaling, block: int) -> torch.Tensor:
+    """``tiled_attention`` a block of ``block`` queries at a time over every key, masked: no block's columns
+    are chosen. Choosing them (``nonzero``) makes the host wait for the device in every block, and on a GPU
+    a prefill's host launches its kernels slower than the device runs them: the wait costs more than the
+    shut keys' scores (exact zeros in the softmax, as in the gathered form)."""
+    b, h, s, d = query.shape
+    out = query.new_empty(b, s, h, d)
+    for s0 in range(0, s, block):
+        s1 = min(s, s0 + block)
+        out[:, s0:s1] = _attend(module, query[:, :, s0:s1], key, mask[:, :, s0:s1], scaling).transpose(1, 2)
+    return out
 
 
 def tiled_indexer_scores(self, q, compressed_kv, hidden_states, budget: int | None = None):
@@ -120,9 +140,10 @@ def register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, eager_mask)
 
 
-def install(model, budget: int | None = None) -> bool:
-    """Route a DeepSeek-V4 model with PyTorch's numerics through tiled attention and indexer scores. Returns
-    False (and changes nothing) for a model with canonical numerics or of another architecture."""
+def install(model, budget: int | None = None, gather: bool | None = None) -> bool:
+    """Route a DeepSeek-V4 model with PyTorch's numerics through tiled attention and indexer scores (``budget``
+    and ``gather``: ``tiled_attention``'s, for every layer). Returns False (and changes nothing) for a model
+    with canonical numerics or of another architecture."""
     from evalgate.model_adapters.invariant import numerics
 
     if numerics(model) != "native" or getattr(model.config, "model_type", None) != "deepseek_v4":
@@ -130,8 +151,9 @@ def install(model, budget: int | None = None) -> bool:
     register()
     for module in model.modules():
         kind = type(module).__name__
-        if kind == "DeepseekV4Attention" and budget is not None:
+        if kind == "DeepseekV4Attention":
             module._evalgate_attention_budget = budget
+            module._evalgate_attention_gather = gather
         if kind == "DeepseekV4IndexerScorer":
             module.forward = types.MethodType(
                 lambda self, q, kv, hs: tiled_indexer_scores(self, q, kv, hs, budget), module)

@@ -82,17 +82,20 @@ def _watch_blocks(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
-def test_tiled_attention_matches_eager_for_all_three_kinds(monkeypatch, device):
+@pytest.mark.parametrize("gather", [True, False])
+def test_tiled_attention_matches_eager_for_all_three_kinds(monkeypatch, device, gather):
     """Prefill of a left-padded batch and 10 decoding steps: every logit within float rounding of eager,
     the same greedy tokens; with a small budget no block of scores exceeds it (or is a single query of a
-    single row), so the [B, H, S, T] tensor is never built."""
+    single row), so the [B, H, S, T] tensor is never built. ``gather``: a block attends to the keys its mask
+    opens (the CPU's default), or to every key, masked, where that fits (the GPU's: no host sync)."""
     model = _model(device=device)
     ids, mask = _batch()
     ref, ref_tokens = _logits(model, ids, mask)
     seen = _watch_blocks(monkeypatch)
     heads, width = model.config.num_attention_heads, ids.shape[1]
+    keys = width + width // 4  # the sequence and the CSA layer's entries: more than any layer has
     for budget in (1 << 30, 20_000, 800):  # one block; query blocks; single queries of single rows
-        assert attention.install(model, budget=budget)
+        assert attention.install(model, budget=budget, gather=gather)
         assert model.config._attn_implementation == attention.ATTENTION
         seen.clear()
         prefill = []
@@ -105,7 +108,10 @@ def test_tiled_attention_matches_eager_for_all_three_kinds(monkeypatch, device):
             assert len(ids) * heads * width * width * attention.BYTES_PER_SCORE > budget  # eager's would not fit
             for b, h, s, t in prefill:
                 assert b * h * s * t * attention.BYTES_PER_SCORE <= budget or (b == 1 and s == 1), budget
-            assert all(t < width + width // 4 for _, _, _, t in prefill)  # a block sees only the keys it may
+            if gather:  # a block sees only the keys it may
+                assert all(t < keys for _, _, _, t in prefill)
+            elif budget == 20_000:  # blocks of queries over every key of their layer: the sequence, the entries
+                assert {t for _, _, _, t in prefill} == {width, width + width // 8, width + width // 4}
 
 
 @pytest.mark.slow
