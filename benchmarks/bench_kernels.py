@@ -4,6 +4,8 @@
     python benchmarks/bench_kernels.py --device cuda --shape dsv4-flash --tokens 16,512
     python benchmarks/bench_kernels.py --device cuda --shape dsv4-flash --tokens 16,512,4096 --backend triton
     python benchmarks/bench_kernels.py --device cuda --identity --shape dsv4-flash --tokens 64
+    python benchmarks/bench_kernels.py --device cuda --shape dsv4-flash --tokens 1,16,256 --kernels w4a4_packed \
+        --backend triton --sweep --sweep-keys split_k                   # split K at decoding sizes
 
 Prints numbers; not a test. --backend picks the emulated kernels' implementation (EVALGATE_KERNEL_BACKEND:
 auto = Triton on CUDA). On CUDA each row also gives the peak memory the call allocates beyond what was
@@ -120,20 +122,33 @@ TILINGS = [{"bk": 128, "warps": 4, "stages": 3}, {"bk": 128, "warps": 4, "stages
            {"bk": 64, "warps": 4, "stages": 4}, {"bk": 128, "warps": 8, "stages": 3}, {"bk": 256, "warps": 8, "stages": 3},
            {"bk": 128, "bk2": 256, "warps": 4, "stages": 3}, {"bm_max": 64, "bk": 128, "warps": 4, "stages": 3},
            {"bn": 64, "bn2": 64}, {"bn": 64, "bn2": 64, "stages": 4}, {"bn": 64, "bn2": 32, "stages": 4},
-           {"bn": 256, "bn2": 128}, {"bn": 256, "bn2": 256, "warps": 8}, {"bn": 64, "bn2": 64, "bk": 256, "stages": 2}]
+           {"bn": 256, "bn2": 128}, {"bn": 256, "bn2": 256, "warps": 8}, {"bn": 64, "bn2": 64, "bk": 256, "stages": 2},
+           # split K (programs per SM; 0: never): decoding's small grids (--tokens 1,16,256)
+           {"split_k": 0}, {"split_k": 2}, {"split_k": 4}, {"split_k": 8}, {"split_k": 16}, {"split_k": 32},
+           {"split_k": 8, "bn": 64, "bn2": 64}, {"split_k": 16, "bk": 64, "stages": 4}]
 
 
-def sweep(module, name, x, idx, w, repeat, base) -> None:
-    """ms per call of `name` under each tiling of the Triton fast path (fast.FAST; bm 0 = by rows/expert)."""
+def sweep(module, name, x, idx, w, repeat, base, keys=()) -> None:
+    """ms per call of `name` under each tiling of the Triton fast path (fast.FAST; bm 0 = by rows/expert), and
+    whether every call gave the bits of the settings in force (same bits); keys: only the tilings that set
+    one of these FAST keys."""
     from evalgate.kernels.triton import fast
 
     keep = dict(fast.FAST)
+    module.config._experts_implementation = name
+    with torch.no_grad():
+        reference = module(x, idx, w).view(torch.int16)
     for tiling in TILINGS:
+        if keys and not set(keys) & set(tiling):
+            continue
         fast.FAST.update(keep)
         fast.FAST.update(tiling)
         try:
-            _, per_call, _, _ = time_kernel(module, name, x, idx, w, repeat, "cuda")
-            print(f"  tiling {tiling}: {per_call * 1e3:8.2f} ms  x bf16 {per_call / base:5.2f}", flush=True)
+            _, per_call, _, same = time_kernel(module, name, x, idx, w, repeat, "cuda")
+            with torch.no_grad():
+                same &= torch.equal(module(x, idx, w).view(torch.int16), reference)
+            ratio = f"  x bf16 {per_call / base:5.2f}" if base else ""  # (no bf16 row without --kernels bf16,...)
+            print(f"  tiling {tiling}: {per_call * 1e3:8.2f} ms{ratio}  same bits {same}", flush=True)
         except Exception as exc:  # noqa: BLE001  (a tiling this Triton cannot compile)
             print(f"  tiling {tiling}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
     fast.FAST.clear()
@@ -194,8 +209,10 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-profile", action="store_true", help="also print where the host (Python) time of 10 calls goes")
     p.add_argument("--sweep", action="store_true", help="CUDA, Triton: time each emulated kernel under several GEMM tilings")
     p.add_argument("--fast", default="", help="Triton fast-path settings, KEY=VALUE,... (fast.FAST: bm, bn, bk, "
-                   "warps, stages, decode, half2)")
+                   "warps, stages, decode, half2, split_k)")
     p.add_argument("--sweep-tokens", default="", help="--sweep only at these token counts (default: all)")
+    p.add_argument("--sweep-keys", default="", help="--sweep only the tilings that set one of these FAST keys, "
+                   "KEY,... (e.g. split_k)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -257,7 +274,8 @@ def main(argv=None) -> int:
                 cpu_profile(module, x, idx, w, args.device)
             sweep_here = not args.sweep_tokens or str(t) in args.sweep_tokens.split(",")
             if args.sweep and sweep_here and args.device == "cuda" and name != "bf16":
-                sweep(module, name, x, idx, w, args.repeat, base)
+                sweep(module, name, x, idx, w, args.repeat, base,
+                      [k.strip() for k in args.sweep_keys.split(",") if k.strip()])
     if args.device == "cuda":
         print(f"peak CUDA memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     return 0

@@ -163,6 +163,67 @@ def test_every_weight_decode_gives_the_same_bits(tiny_case, monkeypatch, decode)
         _same_bits(tiny_case, name)
 
 
+def _spy_splits(monkeypatch):
+    """Record the SPLIT each GEMM launch chose (fast._split_k)."""
+    splits = []
+
+    def spy(*args, choose=fast._split_k):
+        splits.append(choose(*args))
+        return splits[-1]
+
+    monkeypatch.setattr(fast, "_split_k", spy)
+    return splits
+
+
+@here
+@pytest.mark.parametrize("decode", sorted(fast.DECODES))
+def test_split_k_gives_the_same_bits(tiny_case, monkeypatch, decode):
+    """Split K (forced: FAST["split_k"] above any grid): L1 over 4 programs per tile and column block, L2
+    over 2, their int32 partials added atomically and the epilogue in its own kernel, with every weight
+    decode; the same bits as the emulator (and so as the unsplit path, which the tests above hold to it)."""
+    monkeypatch.setitem(fast.FAST, "decode", decode)
+    monkeypatch.setitem(fast.FAST, "split_k", 1 << 20)
+    splits = _spy_splits(monkeypatch)
+    for name in ("w4a4_packed", "w4a8", "faulty/w4a4_packed-scale-exp"):
+        _same_bits(tiny_case, name)
+    assert [s for s, _ in splits] == [4, 2] * 3  # (L1 K = 256, L2 K = 128, K steps of 64)
+
+
+@here
+def test_split_k_with_every_limb_count_and_slow_rows_gives_the_same_bits(tiny_case, monkeypatch):
+    """Split K on rows needing 1, 2 and 3 limbs (one split launch per limb count into the same partials,
+    one epilogue for all) beside an expert the fast path refuses; and under ``defer_finish``."""
+    monkeypatch.setitem(fast.FAST, "split_k", 1 << 20)
+    splits = _spy_splits(monkeypatch)
+    limbs = dict(fast.LIMB_LAUNCHES)
+    _same_bits(_wide_case(tiny_case), "w4a4_packed")
+    assert fast.LIMB_LAUNCHES[3] > limbs[3] and fast.LIMB_LAUNCHES[2] > limbs[2]
+    assert all(s > 1 for s, _ in splits)
+    recipe = K.get_kernel("faulty/w4a4_packed-drop-slot").experts_forward.recipe
+    with moe.defer_finish() as layers:
+        deferred = _triton(tiny_case, recipe)
+        assert int(layers.slow_rows(DEVICE)) == 0
+    assert torch.equal(_bits(deferred), _bits(_emulate(tiny_case, recipe)))
+
+
+def test_split_k_is_chosen_from_static_shapes(monkeypatch):
+    """SPLIT on a GPU of 132 SMs at DSV4-Flash's decoding shapes (K step 128): the largest power of two
+    keeping programs within FAST["split_k"] per SM and K / SPLIT a multiple of the K step."""
+    monkeypatch.setattr(fast, "interpreted", lambda: False)
+    monkeypatch.setattr(fast, "sm_count", lambda device: 132)
+    monkeypatch.setitem(fast.FAST, "split_k", 8)
+    # 1 token x top-6: 7 tiles (the schedule's static bound) x 32 column blocks (L1: 64 gate + 64 up columns
+    # over K 4096; L2: 128 columns over K 2048)
+    assert fast._split_k(7 * 32, 4096, 128, "cuda") == (4, 128)
+    assert fast._split_k(7 * 32, 2048, 128, "cuda") == (4, 128)
+    assert fast._split_k(102 * 32, 4096, 128, "cuda") == (1, 128)  # 16 tokens: 102 tiles
+    assert fast._split_k(1, 256, 128, "cuda") == (2, 128)  # no K range shorter than one step
+    monkeypatch.setitem(fast.FAST, "split_k", 2)
+    assert fast._split_k(7 * 32, 4096, 128, "cuda") == (1, 128)
+    monkeypatch.setitem(fast.FAST, "split_k", 0)
+    assert fast._split_k(7 * 32, 4096, 128, "cuda") == (1, 128)
+
+
 @here
 @pytest.mark.parametrize("widest_first", [True, False])
 def test_l2_upper_limbs_on_half_tiles_give_the_same_bits(monkeypatch, widest_first):

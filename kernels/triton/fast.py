@@ -26,7 +26,16 @@ rows take the limbs its widest row needs: each GEMM is launched once per limb co
 launch that matches (`plan_rows` sets the rows' needs on the device; no host sync). L1 decodes gate and up
 columns as one tile of 2 BN columns.
 
-Epilogues (no FP32 accumulator is ever written to memory):
+Split K (FAST["split_k"], `_split_k`): where the grid of (tile, column block) programs is small (few rows per
+expert: decoding), each GEMM's K loop is split over SPLIT programs (a third grid axis; SPLIT from static
+shapes only, so a CUDA graph replays the same launches). Each adds its int32 sums per limb into a zeroed
+int32 buffer [limbs, S, N] with atomics (`_add_partials`): integers, so the totals are the same in any order;
+after every limb count's launch one small kernel per GEMM (`_l1_split_epilogue`, `_l2_split_epilogue`) runs
+the same epilogue (`_l1_epilogue`, `_l2_store`) once per tile and column block from the totals (limbs above
+the tile's are 0 there: the same integer, rounded once to FP32 as before). Not with `halves` (L2 tiles of
+FAST["half2"] rows, never a small grid).
+
+Epilogues (no FP32 accumulator is ever written to memory; under split K only int32 partial sums are):
 
 - L1 (`l1_gemm`): a program holds matching gate and up columns; BF16 rounding, the upper-only gate clamp,
   silu from a table of the emulator's own FP32 silu of every BF16 value (`silu_table`), times up, times the
@@ -58,7 +67,12 @@ from .quantize import group_codes, pow2_f32
 # 4 warps and a K step of 128 for every tile size: one DSV4-Flash layer at 4096 tokens (tiles of 128 rows)
 # took 5.6-5.7 ms on the H200 where 8 warps and a K step of 256 took 7.4-7.7 ms (both replaying a CUDA graph)
 FAST = {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 128, "bk2": 0, "warps": 4, "stages": 3,
-        "decode": "words", "half2": 128}
+        "decode": "words", "half2": 128, "split_k": 8}
+# split_k: a GEMM whose grid of (tile, column block) programs is small splits each program's K loop over SPLIT
+# programs (a power of two), keeping the grid within split_k programs per SM (0: never split; `_split_k`):
+# few rows per expert (decoding) leave a few dozen tiles x N / BN programs, each a long serial K loop; the
+# int32 partial sums add into a zeroed buffer (atomics: exact in any order) and a small kernel runs the
+# epilogue (`_l1_split_epilogue`, `_l2_split_epilogue`)
 # half2: L2 tiles of at least this many rows (0: none) take each expert's rows widest first, and a tile
 # whose second half needs one limb runs the upper limbs on its first half only (`halves`)
 # weight decodes: "joined" (one tile in K order, a 4 x 256 table), "split" (even / odd K tiles, a 4 x 16
@@ -270,14 +284,16 @@ def _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM: tl.constexpr):
 
 @triton.jit
 def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE_EXPERT, TILE_BEGIN, TILE_END,
-               Q, QSTRIDE, QB, HI, LO,
+               Q, QSTRIDE, QB, HI, LO, ACC, ACC_STRIDE,
                I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                LIMBS: tl.constexpr, SCALE_FAULT: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
                SILU_LIMIT: tl.constexpr, E4M3: tl.constexpr, DIV: tl.constexpr, F: tl.constexpr, INV_F: tl.constexpr,
                CLAMP_LO: tl.constexpr, CLAMP_HI: tl.constexpr, FLOOR: tl.constexpr, DECODE: tl.constexpr,
-               ASM: tl.constexpr):
+               ASM: tl.constexpr, SPLIT: tl.constexpr):
     """One tile of BM rows of one expert x BN gate (and the matching up) columns, if its widest fast row
-    needs LIMBS limbs (one launch per limb count: the tiles choose, no host sync)."""
+    needs LIMBS limbs (one launch per limb count: the tiles choose, no host sync). SPLIT > 1: this program
+    takes the K / SPLIT positions of share program_id(2) and adds its int32 sums into ACC (`_add_partials`:
+    [limbs, S, 2 I], zeroed), for `_l1_split_epilogue`; SPLIT 1: all of K, and the epilogue here."""
     e, rows, keep, limbs, _ = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
     if e < 0:
         return
@@ -285,8 +301,12 @@ def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE
         return
     arow = tl.load(A_ROW + rows, mask=keep, other=0).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)  # gate columns; up = cols + I
-    p = tl.load(P + rows, mask=keep, other=0)
     BH: tl.constexpr = BK // 2
+    KS: tl.constexpr = K // SPLIT  # K positions per program
+    if SPLIT == 1:
+        k0s = 0
+    else:
+        k0s = tl.program_id(2) * KS
     if DECODE == 2:  # gate and up columns in one tile of 2 BN: one dot per limb and half
         r = tl.arange(0, 2 * BN)
         both = tl.program_id(1) * BN + r % BN + (r // BN) * I
@@ -294,13 +314,18 @@ def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE
         a1 = tl.zeros([BM, 2 * BN], dtype=tl.int32)
         a2 = tl.zeros([BM, 2 * BN], dtype=tl.int32)
         hh0 = tl.arange(0, BH)
-        for h0 in range(0, K // 2, BH):
+        for i in range(0, KS // 2, BH):
+            h0 = k0s // 2 + i
             we, wo = _decode_words(W, SW, WLO, LUT, e, both, h0, 2 * I, K, 2 * BN, BH, SCALE_FAULT, ASM)
             a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(we), tl.trans(wo), a0, a1, a2, K, LSTRIDE,
                                    LIMBS)
-        wlo = tl.load(WLO + e * 2 * I + both).to(tl.int32)
-        gu = bf16_rne(_to_f32(a0, a1, a2, p[:, None] + wlo[None, :], LIMBS))  # step 4
-        g, u = tl.split(gu.reshape(BM, 2, BN).permute(0, 2, 1))
+        if SPLIT > 1:
+            _add_partials(ACC, ACC_STRIDE, rows, keep, both, 2 * I, a0, a1, a2, LIMBS)
+        else:
+            p = tl.load(P + rows, mask=keep, other=0)
+            wlo = tl.load(WLO + e * 2 * I + both).to(tl.int32)
+            gu = bf16_rne(_to_f32(a0, a1, a2, p[:, None] + wlo[None, :], LIMBS))  # step 4
+            g, u = tl.split(gu.reshape(BM, 2, BN).permute(0, 2, 1))
     else:
         g0 = tl.zeros([BM, BN], dtype=tl.int32)
         g1 = tl.zeros([BM, BN], dtype=tl.int32)
@@ -310,7 +335,8 @@ def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE
         u2 = tl.zeros([BM, BN], dtype=tl.int32)
         if DECODE == 1:
             hh0 = tl.arange(0, BH)
-            for h0 in range(0, K // 2, BH):
+            for i in range(0, KS // 2, BH):
+                h0 = k0s // 2 + i
                 ge, go = _decode_shifted(W, SW, WLO, LUT, e, cols, h0, 2 * I, K, BN, BH, SCALE_FAULT)
                 g0, g1, g2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(ge), tl.trans(go), g0, g1, g2, K,
                                        LSTRIDE, LIMBS)
@@ -319,15 +345,34 @@ def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE
                                        LSTRIDE, LIMBS)
         else:
             kk0 = tl.arange(0, BK)
-            for k0 in range(0, K, BK):
+            for i in range(0, KS, BK):
+                k0 = k0s + i
                 wg = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols, k0, 2 * I, K, BN, BK, SCALE_FAULT))
                 wu = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols + I, k0, 2 * I, K, BN, BK, SCALE_FAULT))
                 g0, g1, g2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wg, g0, g1, g2, K, LSTRIDE, LIMBS)
                 u0, u1, u2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wu, u0, u1, u2, K, LSTRIDE, LIMBS)
-        wlo_g = tl.load(WLO + e * 2 * I + cols).to(tl.int32)
-        wlo_u = tl.load(WLO + e * 2 * I + I + cols).to(tl.int32)
-        g = bf16_rne(_to_f32(g0, g1, g2, p[:, None] + wlo_g[None, :], LIMBS))  # step 4
-        u = bf16_rne(_to_f32(u0, u1, u2, p[:, None] + wlo_u[None, :], LIMBS))
+        if SPLIT > 1:
+            _add_partials(ACC, ACC_STRIDE, rows, keep, cols, 2 * I, g0, g1, g2, LIMBS)
+            _add_partials(ACC, ACC_STRIDE, rows, keep, cols + I, 2 * I, u0, u1, u2, LIMBS)
+        else:
+            p = tl.load(P + rows, mask=keep, other=0)
+            wlo_g = tl.load(WLO + e * 2 * I + cols).to(tl.int32)
+            wlo_u = tl.load(WLO + e * 2 * I + I + cols).to(tl.int32)
+            g = bf16_rne(_to_f32(g0, g1, g2, p[:, None] + wlo_g[None, :], LIMBS))  # step 4
+            u = bf16_rne(_to_f32(u0, u1, u2, p[:, None] + wlo_u[None, :], LIMBS))
+    if SPLIT == 1:
+        _l1_epilogue(g, u, rows, keep, RW, SILU, Q, QSTRIDE, QB, HI, LO, I, BM, BN, HAS_LIMIT, LIMIT, SILU_LIMIT,
+                     E4M3, DIV, F, INV_F, CLAMP_LO, CLAMP_HI, FLOOR)
+
+
+@triton.jit
+def _l1_epilogue(g, u, rows, keep, RW, SILU, Q, QSTRIDE, QB, HI, LO, I: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr, SILU_LIMIT: tl.constexpr,
+                 E4M3: tl.constexpr, DIV: tl.constexpr, F: tl.constexpr, INV_F: tl.constexpr, CLAMP_LO: tl.constexpr,
+                 CLAMP_HI: tl.constexpr, FLOOR: tl.constexpr):
+    """Steps 5-6 of the tile's rows (`keep`) x gate columns program_id(1) * BN + [0, BN), from g and u (FP32
+    [BM, BN], BF16-rounded): clamp, silu, x up, x router weight, re-quantization; codes, bytes and the rows'
+    byte ranges written."""
     silu = tl.load(SILU + ((g.to(tl.int32, bitcast=True) >> 16) & 0xFFFF))  # step 5: the emulator's silu(g)
     if HAS_LIMIT:
         silu = tl.where(g > LIMIT, SILU_LIMIT, silu)
@@ -356,18 +401,72 @@ def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE
     tl.atomic_min(LO + rows, lo, mask=keep)
 
 
+@triton.jit
+def _l1_split_epilogue(ACC, ACC_STRIDE, P, NEED, RW, WLO, SILU, TILE_EXPERT, TILE_BEGIN, TILE_END, Q, QSTRIDE, QB,
+                       HI, LO, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                       LIMIT: tl.constexpr, SILU_LIMIT: tl.constexpr, E4M3: tl.constexpr, DIV: tl.constexpr,
+                       F: tl.constexpr, INV_F: tl.constexpr, CLAMP_LO: tl.constexpr, CLAMP_HI: tl.constexpr,
+                       FLOOR: tl.constexpr):
+    """After the split launches of `_l1_kernel` (every limb count): per tile with fast rows x BN gate
+    columns, steps 4-6 from the summed int32 limbs in ACC, as `_l1_kernel` does from its registers."""
+    e, rows, keep, limbs, _ = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
+    if e < 0:
+        return
+    if limbs == 0:
+        return
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    p = tl.load(P + rows, mask=keep, other=0)
+    g0, g1, g2 = _load_partials(ACC, ACC_STRIDE, rows, keep, cols, 2 * I, limbs)
+    u0, u1, u2 = _load_partials(ACC, ACC_STRIDE, rows, keep, cols + I, 2 * I, limbs)
+    wlo_g = tl.load(WLO + e * 2 * I + cols).to(tl.int32)
+    wlo_u = tl.load(WLO + e * 2 * I + I + cols).to(tl.int32)
+    g = bf16_rne(_to_f32(g0, g1, g2, p[:, None] + wlo_g[None, :], 3))  # step 4 (limbs above the tile's: 0)
+    u = bf16_rne(_to_f32(u0, u1, u2, p[:, None] + wlo_u[None, :], 3))
+    _l1_epilogue(g, u, rows, keep, RW, SILU, Q, QSTRIDE, QB, HI, LO, I, BM, BN, HAS_LIMIT, LIMIT, SILU_LIMIT,
+                 E4M3, DIV, F, INV_F, CLAMP_LO, CLAMP_HI, FLOOR)
+
+
+# --- split K: int32 partial sums -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _add_partials(ACC, ACC_STRIDE, rows, keep, cols, NC: tl.constexpr, a0, a1, a2, LIMBS: tl.constexpr):
+    """ACC[l, row, col] += a_l for the tile's fast rows (ACC: int32 [limbs, S, NC], zeroed before the split
+    launches): integer atomics, so the sums are the same integers in any order."""
+    ptr = ACC + rows[:, None].to(tl.int64) * NC + cols[None, :]
+    m = keep[:, None]
+    tl.atomic_add(ptr, a0, mask=m, sem="relaxed")
+    if LIMBS >= 2:
+        tl.atomic_add(ptr + ACC_STRIDE, a1, mask=m, sem="relaxed")
+    if LIMBS >= 3:
+        tl.atomic_add(ptr + 2 * ACC_STRIDE, a2, mask=m, sem="relaxed")
+
+
+@triton.jit
+def _load_partials(ACC, ACC_STRIDE, rows, keep, cols, NC: tl.constexpr, limbs):
+    """The summed limbs of the tile's fast rows from ACC; those above the tile's `limbs` (never added) as 0."""
+    ptr = ACC + rows[:, None].to(tl.int64) * NC + cols[None, :]
+    m = keep[:, None]
+    a0 = tl.load(ptr, mask=m, other=0)
+    a1 = tl.load(ptr + ACC_STRIDE, mask=m & (limbs >= 2), other=0)
+    a2 = tl.load(ptr + 2 * ACC_STRIDE, mask=m & (limbs >= 3), other=0)
+    return a0, a1, a2
+
+
 # --- L2: down GEMM with the BF16 store ---------------------------------------------------------------------------
 
 
 @triton.jit
 def _l2_kernel(A, LSTRIDE, P, NEED, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TILE_BEGIN, TILE_END, OUT, A_ROW,
-               N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               LIMBS: tl.constexpr, SCALE_FAULT: tl.constexpr, DECODE: tl.constexpr, ASM: tl.constexpr,
-               GATHER: tl.constexpr, HALF: tl.constexpr):
+               ACC, ACC_STRIDE, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, LIMBS: tl.constexpr, SCALE_FAULT: tl.constexpr, DECODE: tl.constexpr,
+               ASM: tl.constexpr, GATHER: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr):
     """One tile of BM rows of one expert x BN columns, if its widest fast row needs LIMBS limbs. GATHER:
     sorted row s reads row A_ROW[s] of A (else row s). HALF (DECODE 2, rows sorted widest first within each
     expert, `sort_by_need`): 1 - this launch takes the tiles whose second half of rows needs at most one
-    limb, and runs the upper limbs on the first half only; 2 - it takes the others; 0 - every tile."""
+    limb, and runs the upper limbs on the first half only; 2 - it takes the others; 0 - every tile.
+    SPLIT > 1 (HALF 0): this program takes the K / SPLIT positions of share program_id(2) and adds its int32
+    sums into ACC ([limbs, S, N], zeroed), for `_l2_split_epilogue`; SPLIT 1: all of K, and the store here."""
     e, rows, keep, limbs, low = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
     if e < 0:
         return
@@ -423,28 +522,63 @@ def _l2_kernel(A, LSTRIDE, P, NEED, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TI
     a0 = tl.zeros([BM, BN], dtype=tl.int32)
     a1 = tl.zeros([BM, BN], dtype=tl.int32)
     a2 = tl.zeros([BM, BN], dtype=tl.int32)
+    KS: tl.constexpr = K // SPLIT  # K positions per program
+    if SPLIT == 1:
+        k0s = 0
+    else:
+        k0s = tl.program_id(2) * KS
     if DECODE == 2:
         hh0 = tl.arange(0, BH)
-        for h0 in range(0, K // 2, BH):
+        for i in range(0, KS // 2, BH):
+            h0 = k0s // 2 + i
             we, wo = _decode_words(W, SW, WLO, LUT, e, cols, h0, N, K, BN, BH, SCALE_FAULT, ASM)
             a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(we), tl.trans(wo), a0, a1, a2, K, LSTRIDE,
                                    LIMBS)
     elif DECODE == 1:
         hh0 = tl.arange(0, BH)
-        for h0 in range(0, K // 2, BH):
+        for i in range(0, KS // 2, BH):
+            h0 = k0s // 2 + i
             we, wo = _decode_shifted(W, SW, WLO, LUT, e, cols, h0, N, K, BN, BH, SCALE_FAULT)
             a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(we), tl.trans(wo), a0, a1, a2, K, LSTRIDE,
                                    LIMBS)
     else:
         kk0 = tl.arange(0, BK)
-        for k0 in range(0, K, BK):
+        for i in range(0, KS, BK):
+            k0 = k0s + i
             wt = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols, k0, N, K, BN, BK, SCALE_FAULT))
             a0, a1, a2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wt, a0, a1, a2, K, LSTRIDE, LIMBS)
-    p = tl.load(P + rows, mask=keep, other=0)
-    out = bf16_rne(_to_f32(a0, a1, a2, p[:, None] + wlo[None, :], LIMBS))  # step 7
+    if SPLIT > 1:
+        _add_partials(ACC, ACC_STRIDE, rows, keep, cols, N, a0, a1, a2, LIMBS)
+    else:
+        p = tl.load(P + rows, mask=keep, other=0)
+        out = bf16_rne(_to_f32(a0, a1, a2, p[:, None] + wlo[None, :], LIMBS))  # step 7
+        _l2_store(out, rows, keep, cols, SLOT, OUT, N)
+
+
+@triton.jit
+def _l2_store(out, rows, keep, cols, SLOT, OUT, N: tl.constexpr):
+    """The BF16 bits of out (FP32 [BM, BN], BF16-rounded) at each fast row's (token, slot) row of OUT."""
     slot = tl.load(SLOT + rows, mask=keep, other=0).to(tl.int64)
     bits = (out.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
     tl.store(OUT + slot[:, None] * N + cols[None, :], bits, mask=keep[:, None])
+
+
+@triton.jit
+def _l2_split_epilogue(ACC, ACC_STRIDE, P, NEED, SLOT, WLO, TILE_EXPERT, TILE_BEGIN, TILE_END, OUT,
+                       N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """After the split launches of `_l2_kernel` (every limb count): per tile with fast rows x BN columns,
+    step 7 from the summed int32 limbs in ACC, as `_l2_kernel` does from its registers."""
+    e, rows, keep, limbs, _ = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
+    if e < 0:
+        return
+    if limbs == 0:
+        return
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    a0, a1, a2 = _load_partials(ACC, ACC_STRIDE, rows, keep, cols, N, limbs)
+    p = tl.load(P + rows, mask=keep, other=0)
+    wlo = tl.load(WLO + e * N + cols).to(tl.int32)
+    out = bf16_rne(_to_f32(a0, a1, a2, p[:, None] + wlo[None, :], 3))  # step 7 (limbs above the tile's: 0)
+    _l2_store(out, rows, keep, cols, SLOT, OUT, N)
 
 
 # --- activations: shifted limbs -------------------------------------------------------------------------------
@@ -653,6 +787,38 @@ def _bm(rows: int, experts: int) -> int:
     return bm
 
 
+INTERPRETED_SMS = 1  # the SMs `_split_k` counts under the interpreter (tests force a split with FAST["split_k"])
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """The device's SMs (INTERPRETED_SMS under the interpreter or off CUDA)."""
+    device = torch.device(device)
+    if interpreted() or device.type != "cuda":
+        return INTERPRETED_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _split_k(programs: int, k: int, bk: int, device) -> tuple[int, int]:
+    """(SPLIT, BK) for a GEMM of `programs` (tile, column block) programs (a static bound: the tile
+    schedule's padded length) over K of k: the largest power of two SPLIT with programs x SPLIT at most
+    FAST["split_k"] x the SMs and K / SPLIT a multiple of the K step bk (1: no split). From static shapes
+    only: no host sync, the same launches in every replay of a CUDA graph. The interpreter (no pipeline
+    to keep full) lets the K step shrink to 64 for a split."""
+    target = FAST.get("split_k", 0) * sm_count(device)
+    step = 64 if interpreted() else bk
+    split = 1
+    while programs * split * 2 <= target and k % (2 * split * step) == 0:
+        split *= 2
+    while (k // split) % bk:
+        bk //= 2
+    return split, bk
+
+
 def limb_counts(fmt: str):
     """The limb counts a fast row of format fmt can need (E4M3 codes, below 2^18, always take 3)."""
     return [n for n in range(1, MAX_LIMBS + 1) if max_shift(fmt, n) >= 0]
@@ -678,18 +844,24 @@ def l1_gemm(a_limbs, a_row, p, need, router_w, fp4, bases: ColumnBases, tiles, b
     fmax = format_max(fmt_out)
     clamp = EPILOGUE.byte_clamp or (0, 255)
     dev = q.device
+    epilogue = dict(I=i, BM=bm, BN=bn, HAS_LIMIT=has_limit, LIMIT=lim, SILU_LIMIT=silu_of(lim) if has_limit else 0.0,
+                    E4M3=fmt_out == "e4m3", DIV=EPILOGUE.q_via == "div", FLOOR=float(EPILOGUE.amax_floor), F=fmax,
+                    INV_F=float(np.float32(1.0 / fmax)), CLAMP_LO=max(clamp[0], 0), CLAMP_HI=min(clamp[1], 255))
+    split, bk = _split_k(tiles[0].numel() * (i // bn), k, bk, dev)
+    acc = torch.zeros(MAX_LIMBS, s, 2 * i, dtype=torch.int32, device=dev) if split > 1 else p  # (p: unused)
     bk0 = bk
     for limbs in limb_counts(fmt_in):
         if not interpreted():
             stages, bk = _stages(FAST["stages"], limbs, bm, 2 * bn, bk0)
-        _l1_kernel[(tiles[0].numel(), i // bn)](
+        _l1_kernel[(tiles[0].numel(), i // bn, split)](
             a_limbs, a_row, t * k, p, need, router_w, fp4.w1, fp4.w1_scale, bases.lo, shifted_twice_table(dev),
-            shifted_pair_table(dev), silu_table(dev), *tiles, q, s * i, q_bytes, hi, lo,
-            I=i, K=k, BM=bm, BN=bn, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, HAS_LIMIT=has_limit, LIMIT=lim,
-            SILU_LIMIT=silu_of(lim) if has_limit else 0.0, E4M3=fmt_out == "e4m3", DIV=EPILOGUE.q_via == "div",
-            FLOOR=float(EPILOGUE.amax_floor), F=fmax,
-            INV_F=float(np.float32(1.0 / fmax)), CLAMP_LO=max(clamp[0], 0), CLAMP_HI=min(clamp[1], 255),
-            DECODE=decode(), ASM=_asm(), num_warps=warps, num_stages=stages)
+            shifted_pair_table(dev), silu_table(dev), *tiles, q, s * i, q_bytes, hi, lo, acc, s * 2 * i,
+            K=k, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, DECODE=decode(), ASM=_asm(), SPLIT=split, **epilogue,
+            num_warps=warps, num_stages=stages)
+    if split > 1:
+        _l1_split_epilogue[(tiles[0].numel(), i // bn)](
+            acc, s * 2 * i, p, need, router_w, bases.lo, silu_table(dev), *tiles, q, s * i, q_bytes, hi, lo,
+            **epilogue, num_warps=4)
 
 
 def l2_gemm(a_limbs, p, need, slot, fp4, bases: ColumnBases, tiles, bm: int, scale_fault, fmt_in: str, out_bits,
@@ -706,16 +878,23 @@ def l2_gemm(a_limbs, p, need, slot, fp4, bases: ColumnBases, tiles, bm: int, sca
     if not interpreted() and FAST.get("bk2"):
         bk = min(FAST["bk2"], k)
     dev = out_bits.device
+    split = 1
+    if not halves:
+        split, bk = _split_k(tiles[0].numel() * (n // bn), k, bk, dev)
+    acc = torch.zeros(MAX_LIMBS, s, n, dtype=torch.int32, device=dev) if split > 1 else p  # (p: unused)
     bk0 = bk
     for limbs in limb_counts(fmt_in):
         if not interpreted():
             stages, bk = _stages(FAST["stages"], limbs, bm, bn, bk0)
         for half in (1, 2) if halves and limbs > 1 else (0,):
-            _l2_kernel[(tiles[0].numel(), n // bn)](
+            _l2_kernel[(tiles[0].numel(), n // bn, split)](
                 a_limbs, s * k, p, need, slot, fp4.w2, fp4.w2_scale, bases.lo, shifted_twice_table(dev),
-                shifted_pair_table(dev), *tiles, out_bits, slot if a_row is None else a_row, N=n, K=k, BM=bm, BN=bn,
-                BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, DECODE=decode(), ASM=_asm(), GATHER=a_row is not None,
-                HALF=half, num_warps=warps, num_stages=stages)
+                shifted_pair_table(dev), *tiles, out_bits, slot if a_row is None else a_row, acc, s * n, N=n, K=k,
+                BM=bm, BN=bn, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, DECODE=decode(), ASM=_asm(),
+                GATHER=a_row is not None, HALF=half, SPLIT=split, num_warps=warps, num_stages=stages)
+    if split > 1:
+        _l2_split_epilogue[(tiles[0].numel(), n // bn)](acc, s * n, p, need, slot, bases.lo, *tiles, out_bits, N=n,
+                                                        BM=bm, BN=bn, num_warps=4)
 
 
 def halves(fmt: str, bm: int) -> bool:

@@ -6,6 +6,7 @@
 | 2 input quantization | Triton (`quantize`); fault (b)'s misread FP8 bytes: torch |
 | 3-6 L1 GEMM, BF16 round, clamp, SwiGLU, router weight, re-quantization | fast rows: one Triton kernel (`fast.l1_gemm`: int8 GEMM + epilogue, silu from a table of the emulator's own values); other rows: `gemm.int_gemm` per 32-block, the emulator's torch functions, `quantize` (uncertified rows on the host, `certify`) |
 | 7 L2 GEMM, BF16 round | fast rows: `fast.l2_gemm` writes BF16 per (token, slot); other rows: `gemm.int_gemm` + torch |
+| (both GEMMs) | on a small grid (decoding: few rows per expert) the fast kernels split K (`fast.FAST["split_k"]`): int32 partials added atomically, the same epilogue in a second kernel |
 | 8 combine | `fast.combine` (Triton; `combine_bf16` under fault (c)): the emulator's FP32 sum in slot order over the BF16-stored slot outputs |
 
 Fault (c) (w * quantize(h): FP32 L2 input) runs every row on the per-block path (`gemm.f64_gemm` for L2).
