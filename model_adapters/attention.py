@@ -65,7 +65,7 @@ def tiled_attention(module, query, key, value, attention_mask, scaling, dropout=
         raise NotImplementedError("tiled attention serves DeepSeek-V4's shared key-value heads only")
     if key.shape[1] != 1:
         raise NotImplementedError("tiled attention serves one key-value head (DeepSeek-V4's MQA)")
-    budget = budget or getattr(module, "_evalgate_attention_budget", DEFAULT_BUDGET)
+    budget = budget or getattr(module, "_evalgate_attention_budget", None) or DEFAULT_BUDGET
     gather = getattr(module, "_evalgate_attention_gather", None) if gather is None else gather
     b, h, s, d = query.shape
     t = key.shape[2]

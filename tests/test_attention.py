@@ -114,6 +114,20 @@ def test_tiled_attention_matches_eager_for_all_three_kinds(monkeypatch, device, 
                 assert {t for _, _, _, t in prefill} == {width, width + width // 8, width + width // 4}
 
 
+def test_installed_without_a_budget_the_default_holds(monkeypatch):
+    """``install(model)`` as a GPU load calls it: every layer's blocks within ``DEFAULT_BUDGET``."""
+    model = _model()
+    ids, mask = _batch()
+    ref, ref_tokens = _logits(model, ids, mask, steps=2)
+    seen = _watch_blocks(monkeypatch)
+    monkeypatch.setattr(attention, "DEFAULT_BUDGET", 20_000)
+    for gather in (True, False):
+        assert attention.install(model, gather=gather)
+        _, tokens = _logits(model, ids, mask, steps=2)
+        assert torch.equal(tokens, ref_tokens)
+    assert seen and all(b * h * s * t * attention.BYTES_PER_SCORE <= 20_000 or s == 1 for b, h, s, t in seen)
+
+
 @pytest.mark.slow
 def test_tiled_attention_bf16_keeps_tokens_close():
     """In BF16 (the GPU's dtype) the tiled and eager logits agree to BF16 rounding."""
