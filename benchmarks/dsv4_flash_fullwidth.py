@@ -12,8 +12,8 @@ packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's 
 ``--max-new-tokens`` tokens at batch ``--batch-size`` (``--items 0``: skip); (6) print tokens/s, the projected
 time of a 1,319-item GSM8K run, and peak memory per device against the packed expert bytes; (7) for each
 batch of ``--batches``: prefill that many GSM8K prompts (each prompt's prefill and one move into a slot timed,
-as a gate pays them: ``prefill.prefill_alone``; a few of them again with the MoE's host sync in every layer, for
-comparison), time ``--steps`` decoding steps (median) from each cache of ``--cache`` (transformers';
+as a gate pays them: ``prefill.prefill_alone``; a few of them again, deferred and with the MoE's host sync in
+every layer, for comparison), time ``--steps`` decoding steps (median) from each cache of ``--cache`` (transformers';
 per-row slots; slots with each step a CUDA graph of the whole step; the slots' steps once per ``--fused``
 choice of hyper-connection, RMSNorm, RoPE, compressor and attention forwards), and hold each step against
 its weight-read floor (``step_floor``), with the copy bandwidth of the device measured in this run; then
@@ -261,6 +261,11 @@ class RoutedExperts:
         return sum(n * per_expert[i % len(per_expert)] for i, n in enumerate(self.distinct))
 
 
+def _device_allocations(device: str) -> int:
+    """How many times PyTorch's caching allocator has asked the device for memory (0 on a CPU)."""
+    return torch.cuda.memory_stats(device).get("num_device_alloc", 0) if device.startswith("cuda") else 0
+
+
 def _reset_peaks(devices: list[str]) -> None:
     for d in devices:
         if d.startswith("cuda"):
@@ -433,36 +438,48 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     t = _Timer(first)
     prefill(next(iter(distinct)))
     warmup_s = t.seconds()
-    prefill_s, moves = 0.0, []
+    prefill_s, moves, firsts = 0.0, [], []
+    allocs = _device_allocations(first)
     for prompt, slots_of in distinct.items():
         t = _Timer(first)  # what a gate pays per item: its prefill and one move into a slot
         out = prefill(prompt)
         token = out.logits[0, -1].argmax()
         cache.admit(slots_of[0], out.past_key_values, len(prompt))
-        prefill_s += t.seconds()
+        firsts.append(t.seconds())
         for slot in slots_of[1:]:  # the same prompt's further slots fill the batch: copies a gate never makes
             t = _Timer(first)
             cache.admit(slot, out.past_key_values, len(prompt))
             moves.append(t.seconds())
         for slot in slots_of:
             last[slot] = token
+    prefill_s, allocs = sum(firsts), _device_allocations(first) - allocs
     prefilled = sum(map(len, distinct))
-    # the same forwards with the MoE's host sync in every layer (no admit): what deferring it saves, same run
+    # the first few prompts again, each timed alone as above (no move): with the MoE's host sync deferred, and
+    # in every layer (what deferring it saves); against their first prefills, what a prompt's first costs more
     some = list(distinct)[:COMPARED_PREFILLS]
-    t = _Timer(first)
-    for prompt in some:
-        prefill(prompt, defer=False)
-    synced = sum(map(len, some)) / t.seconds()
+
+    def again(defer):
+        times = []
+        for prompt in some:
+            t = _Timer(first)
+            prefill(prompt, defer=defer)
+            times.append(t.seconds())
+        return statistics.median(times) * 1e3
+
+    deferred_ms, synced_ms = again(None), again(False)
     if profile is not None:  # where a prefill's time goes: one prompt's forward, by kernel, operator and layer part
         prompt = next(iter(distinct))
         profile_step(model, lambda: prefill(prompt), profile / "prefill.txt",
                      f"eager prefill of one prompt of {len(prompt)} tokens")
     alone = f"; a move alone {statistics.median(moves) * 1e3:.2f} ms (median)" if moves else ""
     print(f"prefill: {len(distinct)} prompts, {prefilled} tokens in {prefill_s:.2f} s, each prefilled and moved "
-          f"into a slot ({prefilled / prefill_s:.0f} tokens/s){alone}; before them one untimed prefill, "
-          f"compiling: {warmup_s:.2f} s; the first {len(some)} again with the MoE's host sync in every layer: "
-          f"{synced:.0f} tokens/s (prefill_alone deferred it: {prefill_stats['deferred']} prefills, "
-          f"{prefill_stats['again']} run again)", flush=True)
+          f"into a slot ({prefilled / prefill_s:.0f} tokens/s; median {statistics.median(firsts) * 1e3:.0f} ms a "
+          f"prompt, {allocs} device allocations){alone}; before them one untimed prefill, compiling: "
+          f"{warmup_s:.2f} s; the first {len(some)} prompts again: {deferred_ms:.0f} ms a prompt (median), with "
+          f"the MoE's host sync in every layer {synced_ms:.0f} ms (prefill_alone deferred it in "
+          f"{prefill_stats['deferred']} prefills, {prefill_stats['again']} run again)", flush=True)
+    figures = {"prefill_first_ms": round(statistics.median(firsts) * 1e3, 1), "prefill_device_allocations": allocs,
+               "prefill_again_ms": round(deferred_ms, 1), "prefill_again_synced_ms": round(synced_ms, 1)}
     tokens = torch.stack(last)
     rows = []
     for choice in fused:
@@ -488,7 +505,7 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
                 row = _row(model, step, mode, batch, prefilled, prefill_s, step_s, devices, bandwidth)
                 row["cache"] += "" if choice == "triton" else f"/{choice}"
                 row["warmup_s"] = round(warmup_s, 2)
-                row["prefill_synced_tokens_per_s"] = round(synced, 1)
+                row.update(figures)
                 if mode == "graphs":  # the step is idempotent until the rows advance: graph and eager, same inputs
                     got = graphs.logits(tokens[:batch], listed)
                     row["graph_bits_equal"] = bool(torch.equal(got, cache.forward(tokens[:batch], slots)))

@@ -183,6 +183,7 @@ def test_split_k_gives_the_same_bits(tiny_case, monkeypatch, decode):
     decode; the same bits as the emulator (and so as the unsplit path, which the tests above hold to it)."""
     monkeypatch.setitem(fast.FAST, "decode", decode)
     monkeypatch.setitem(fast.FAST, "split_k", 1 << 20)
+    monkeypatch.setitem(fast.FAST, "bk", 64)  # a GPU's K step too (the interpreter's shrinks to 64 by itself)
     splits = _spy_splits(monkeypatch)
     for name in ("w4a4_packed", "w4a8", "faulty/w4a4_packed-scale-exp"):
         _same_bits(tiny_case, name)
@@ -194,6 +195,7 @@ def test_split_k_with_every_limb_count_and_slow_rows_gives_the_same_bits(tiny_ca
     """Split K on rows needing 1, 2 and 3 limbs (one split launch per limb count into the same partials,
     one epilogue for all) beside an expert the fast path refuses; and under ``defer_finish``."""
     monkeypatch.setitem(fast.FAST, "split_k", 1 << 20)
+    monkeypatch.setitem(fast.FAST, "bk", 64)  # a GPU's K step too (the interpreter's shrinks to 64 by itself)
     splits = _spy_splits(monkeypatch)
     limbs = dict(fast.LIMB_LAUNCHES)
     _same_bits(_wide_case(tiny_case), "w4a4_packed")
