@@ -454,19 +454,22 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
             last[slot] = token
     prefill_s, allocs = sum(firsts), _device_allocations(first) - allocs
     prefilled = sum(map(len, distinct))
-    # the first few prompts again, each timed alone as above (no move): with the MoE's host sync deferred, and
-    # in every layer (what deferring it saves); against their first prefills, what a prompt's first costs more
+    # every prompt again, each timed alone as above (no move): a prompt's first prefill in a process can pay
+    # one-time costs (a Triton kernel compiled for a new class of shapes, the allocator growing) that a run
+    # pays once, not once per prompt; and the first few with the MoE's host sync in every layer
     some = list(distinct)[:COMPARED_PREFILLS]
 
-    def again(defer):
+    def again(prompts, defer):
         times = []
-        for prompt in some:
+        for prompt in prompts:
             t = _Timer(first)
             prefill(prompt, defer=defer)
             times.append(t.seconds())
-        return statistics.median(times) * 1e3
+        return times
 
-    deferred_ms, synced_ms = again(None), again(False)
+    seconds = again(distinct, None)
+    again_s, synced_ms = sum(seconds), statistics.median(again(some, False)) * 1e3
+    slow = sum(a > SLOW_FIRST * b for a, b in zip(firsts, seconds))
     if profile is not None:  # where a prefill's time goes: one prompt's forward, by kernel, operator and layer part
         prompt = next(iter(distinct))
         profile_step(model, lambda: prefill(prompt), profile / "prefill.txt",
@@ -475,11 +478,15 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     print(f"prefill: {len(distinct)} prompts, {prefilled} tokens in {prefill_s:.2f} s, each prefilled and moved "
           f"into a slot ({prefilled / prefill_s:.0f} tokens/s; median {statistics.median(firsts) * 1e3:.0f} ms a "
           f"prompt, {allocs} device allocations){alone}; before them one untimed prefill, compiling: "
-          f"{warmup_s:.2f} s; the first {len(some)} prompts again: {deferred_ms:.0f} ms a prompt (median), with "
-          f"the MoE's host sync in every layer {synced_ms:.0f} ms (prefill_alone deferred it in "
-          f"{prefill_stats['deferred']} prefills, {prefill_stats['again']} run again)", flush=True)
+          f"{warmup_s:.2f} s; every prompt again, no move: {again_s:.2f} s ({prefilled / again_s:.0f} tokens/s; "
+          f"{slow} first prefills took over {SLOW_FIRST}x their second, {prefill_s - again_s:.2f} s more in all); "
+          f"the first {len(some)} with the MoE's host sync in every layer: {synced_ms:.0f} ms a prompt (median; "
+          f"deferred {statistics.median(seconds[:len(some)]) * 1e3:.0f} ms)", flush=True)
     figures = {"prefill_first_ms": round(statistics.median(firsts) * 1e3, 1), "prefill_device_allocations": allocs,
-               "prefill_again_ms": round(deferred_ms, 1), "prefill_again_synced_ms": round(synced_ms, 1)}
+               "prefill_again_tokens_per_s": round(prefilled / again_s, 1), "prefill_slow_firsts": slow,
+               "prefill_once_s": round(max(0.0, prefill_s - again_s), 2),
+               "prefill_again_ms": round(statistics.median(seconds) * 1e3, 1),
+               "prefill_again_synced_ms": round(synced_ms, 1)}
     tokens = torch.stack(last)
     rows = []
     for choice in fused:
@@ -520,6 +527,7 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
 
 
 COMPARED_PREFILLS = 8  # prompts prefilled again with the MoE's host sync in every layer, for comparison
+SLOW_FIRST = 3  # a first prefill over this many times its second paid a one-time cost (printed as a count)
 HUMANEVAL_ITEMS, HUMANEVAL_TOKENS = 164, 1024  # the default humaneval profile (humaneval-completion-codex)
 GSM8K_TOKENS, HUMANEVAL_PROMPT_TOKENS = 256, 150  # the default gsm8k profile's limit; a HumanEval prompt, about
 
@@ -530,13 +538,17 @@ def project_gate(row: dict, layers: int, total_layers: int, per_replica: int, gp
     earlier), items in static batches of ``row['batch']``, each step of the whole model ``total_layers /
     layers`` of the measured one (its layers run one device after another), prefill at the measured rate
     likewise, ``gpus // per_replica`` copies of the model taking a share of the items each, and once the
-    first prefill's compilation (``warmup_s``, where measured; the copies compile side by side)."""
+    first prefill's compilation (``warmup_s``, where measured; the copies compile side by side). Where the
+    prompts were prefilled a second time (``prefill_again_tokens_per_s``), prefill runs at that rate and what
+    their first prefills cost more (``prefill_once_s``: kernels compiled for new shapes, the allocator
+    growing) is paid once, scaled to the whole model."""
     replicas = max(1, gpus // per_replica)
     scale, batch = total_layers / layers, row["batch"]
     steps = math.ceil(GSM8K_ITEMS / batch) * GSM8K_TOKENS + math.ceil(HUMANEVAL_ITEMS / batch) * HUMANEVAL_TOKENS
     prefill_tokens = GSM8K_ITEMS * gsm8k_prompt + HUMANEVAL_ITEMS * HUMANEVAL_PROMPT_TOKENS
-    seconds = steps * row["step_ms"] / 1e3 * scale + prefill_tokens / row["prefill_tokens_per_s"] * scale
-    return seconds / replicas + row.get("warmup_s", 0.0)
+    rate = row.get("prefill_again_tokens_per_s", row["prefill_tokens_per_s"])
+    seconds = steps * row["step_ms"] / 1e3 * scale + prefill_tokens / rate * scale
+    return seconds / replicas + row.get("warmup_s", 0.0) + row.get("prefill_once_s", 0.0) * scale
 
 
 def use_fused(model, choice: str) -> None:

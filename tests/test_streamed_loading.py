@@ -227,6 +227,7 @@ def test_fullwidth_script_tiny(tmp_path, monkeypatch):
     # and the first prompts prefilled again, deferred and synced (the same on a CPU: nothing to defer)
     assert all(by[c, 3][k] > 0 for c in ("slots", "graphs") for k in ("prefill_again_ms", "prefill_again_synced_ms"))
     assert by["slots", 3]["prefill_first_ms"] > 0 and by["slots", 3]["prefill_device_allocations"] == 0
+    assert by["slots", 3]["prefill_again_tokens_per_s"] > 0 and by["slots", 3]["prefill_once_s"] >= 0
     for one, three in ((by[c, 1], by[c, 3]) for c in ("hf", "slots", "graphs")):
         assert three["prompt_tokens"] > 3 * 100  # few-shot prompts, prefilled
         # a step of 3 rows reads at least the experts of 1 row: its floor is at least batch 1's
@@ -281,6 +282,10 @@ def test_gate_projection_arithmetic(monkeypatch):
     # the first prefill's compilation: once, whatever the layers and the copies
     compiled = dict(row, warmup_s=12.0)
     assert script.project_gate(compiled, 12, 43, 2, 4, 900) == pytest.approx(expected / 2 + 12.0)
+    # prompts prefilled twice: prefill at the second pass's rate, the first pass's extra once (43 / 12 layers)
+    twice = dict(compiled, prefill_again_tokens_per_s=20_000.0, prefill_once_s=3.0)
+    again = (steps * 0.1 + prefill / 20_000) * 43 / 12
+    assert script.project_gate(twice, 12, 43, 2, 4, 900) == pytest.approx(again / 2 + 12.0 + 3.0 * 43 / 12)
 
 
 def test_floor_counts_the_experts_a_step_routes_to(monkeypatch):
