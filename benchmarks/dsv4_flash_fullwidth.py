@@ -12,8 +12,7 @@ packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's 
 ``--max-new-tokens`` tokens at batch ``--batch-size`` (``--items 0``: skip); (6) print tokens/s, the projected
 time of a 1,319-item GSM8K run, and peak memory per device against the packed expert bytes; (7) for each
 batch of ``--batches``: prefill that many GSM8K prompts (each prompt's prefill and one move into a slot timed,
-as a gate pays them: ``prefill.prefill_alone``; a few of them again, deferred and with the MoE's host sync in
-every layer, for comparison), time ``--steps`` decoding steps (median) from each cache of ``--cache`` (transformers';
+as a gate pays them; then every prompt again, to tell one-time costs from a prompt's own), time ``--steps`` decoding steps (median) from each cache of ``--cache`` (transformers';
 per-row slots; slots with each step a CUDA graph of the whole step; the slots' steps once per ``--fused``
 choice of hyper-connection, RMSNorm, RoPE, compressor and attention forwards), and hold each step against
 its weight-read floor (``step_floor``), with the copy bandwidth of the device measured in this run; then
@@ -414,7 +413,6 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     a folder; one prompt's prefill and the smallest and the largest batch's steps, eager and graphed, are
     profiled into it (``profile_step``)."""
     from evalgate.model_adapters.attention_slots import SlotCache
-    from evalgate.model_adapters.prefill import STATS as prefill_stats, prefill_alone
     from evalgate.model_adapters.step_graphs import StepGraphs
 
     first = devices[0]
@@ -428,8 +426,8 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     for slot, prompt in enumerate(ids):
         distinct.setdefault(tuple(prompt), []).append(slot)
 
-    def prefill(prompt, defer=None):  # as a gate's decoding loop prefills a prompt (defer: prefill_alone's)
-        return prefill_alone(model, prompt, first, defer=defer)
+    def prefill(prompt):  # as a gate's decoding loop prefills a prompt
+        return model(input_ids=torch.tensor([prompt], device=first), use_cache=True, logits_to_keep=1)
 
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
@@ -454,21 +452,15 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
             last[slot] = token
     prefill_s, allocs = sum(firsts), _device_allocations(first) - allocs
     prefilled = sum(map(len, distinct))
-    # every prompt again, each timed alone as above (no move): a prompt's first prefill in a process can pay
-    # one-time costs (a Triton kernel compiled for a new class of shapes, the allocator growing) that a run
-    # pays once, not once per prompt; and the first few with the MoE's host sync in every layer
-    some = list(distinct)[:COMPARED_PREFILLS]
-
-    def again(prompts, defer):
-        times = []
-        for prompt in prompts:
-            t = _Timer(first)
-            prefill(prompt, defer=defer)
-            times.append(t.seconds())
-        return times
-
-    seconds = again(distinct, None)
-    again_s, synced_ms = sum(seconds), statistics.median(again(some, False)) * 1e3
+    # every prompt again, timed as above (into the same slot: the same state after): a prompt's first prefill in
+    # a process can pay one-time costs (a Triton kernel compiled for a new class of shapes, the allocator
+    # growing) that a run pays once, not once per prompt
+    seconds = []
+    for prompt, slots_of in distinct.items():
+        t = _Timer(first)
+        cache.admit(slots_of[0], prefill(prompt).past_key_values, len(prompt))
+        seconds.append(t.seconds())
+    again_s = sum(seconds)
     slow = sum(a > SLOW_FIRST * b for a, b in zip(firsts, seconds))
     if profile is not None:  # where a prefill's time goes: one prompt's forward, by kernel, operator and layer part
         prompt = next(iter(distinct))
@@ -478,15 +470,13 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     print(f"prefill: {len(distinct)} prompts, {prefilled} tokens in {prefill_s:.2f} s, each prefilled and moved "
           f"into a slot ({prefilled / prefill_s:.0f} tokens/s; median {statistics.median(firsts) * 1e3:.0f} ms a "
           f"prompt, {allocs} device allocations){alone}; before them one untimed prefill, compiling: "
-          f"{warmup_s:.2f} s; every prompt again, no move: {again_s:.2f} s ({prefilled / again_s:.0f} tokens/s; "
-          f"{slow} first prefills took over {SLOW_FIRST}x their second, {prefill_s - again_s:.2f} s more in all); "
-          f"the first {len(some)} with the MoE's host sync in every layer: {synced_ms:.0f} ms a prompt (median; "
-          f"deferred {statistics.median(seconds[:len(some)]) * 1e3:.0f} ms)", flush=True)
+          f"{warmup_s:.2f} s; every prompt again: {again_s:.2f} s ({prefilled / again_s:.0f} tokens/s; "
+          f"median {statistics.median(seconds) * 1e3:.0f} ms a prompt; {slow} first prefills took over "
+          f"{SLOW_FIRST}x their second, {prefill_s - again_s:.2f} s more in all)", flush=True)
     figures = {"prefill_first_ms": round(statistics.median(firsts) * 1e3, 1), "prefill_device_allocations": allocs,
                "prefill_again_tokens_per_s": round(prefilled / again_s, 1), "prefill_slow_firsts": slow,
                "prefill_once_s": round(max(0.0, prefill_s - again_s), 2),
-               "prefill_again_ms": round(statistics.median(seconds) * 1e3, 1),
-               "prefill_again_synced_ms": round(synced_ms, 1)}
+               "prefill_again_ms": round(statistics.median(seconds) * 1e3, 1)}
     tokens = torch.stack(last)
     rows = []
     for choice in fused:
@@ -526,7 +516,6 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     return rows
 
 
-COMPARED_PREFILLS = 8  # prompts prefilled again with the MoE's host sync in every layer, for comparison
 SLOW_FIRST = 3  # a first prefill over this many times its second paid a one-time cost (printed as a count)
 HUMANEVAL_ITEMS, HUMANEVAL_TOKENS = 164, 1024  # the default humaneval profile (humaneval-completion-codex)
 GSM8K_TOKENS, HUMANEVAL_PROMPT_TOKENS = 256, 150  # the default gsm8k profile's limit; a HumanEval prompt, about

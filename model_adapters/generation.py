@@ -229,10 +229,8 @@ def _decode_slots(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
     """``_decode_queue`` over a ``SlotCache`` of ``batch_size`` slots: a prompt is prefilled alone (no
     padding) into a free slot, every step decodes one token for each slot in use, a finished row's slot takes
     the next prompt once ``refill`` slots are free. On one GPU a step runs as a CUDA graph of the whole step
-    for its batch bucket (``step_graphs.StepGraphs``) and a prefill defers the MoE's host sync to its end
-    (``prefill.prefill_alone``)."""
+    for its batch bucket (``step_graphs.StepGraphs``)."""
     from evalgate.model_adapters.attention_slots import SlotCache
-    from evalgate.model_adapters.prefill import prefill_alone
     from evalgate.model_adapters.step_graphs import StepGraphs
 
     n = len(enc)
@@ -251,7 +249,7 @@ def _decode_slots(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
             for i in queue.take(len(free), [(r.index, len(r.generated)) for r in live.values()]):
                 slot, row = free.pop(), _Row(i, [], time.perf_counter())
                 t0 = time.thread_time()
-                out = prefill_alone(model, enc[i], device)
+                out = model(input_ids=torch.tensor([enc[i]], device=device), use_cache=True, logits_to_keep=1)
                 cache.admit(slot, out.past_key_values, len(enc[i]))
                 spent.prefill_cpu_s += time.thread_time() - t0
                 spent.prefill_calls += 1

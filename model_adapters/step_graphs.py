@@ -48,15 +48,9 @@ def why_not(cache: SlotCache) -> str | None:
         return "the cache has no spare slot for padding rows"
     if len({p.device for p in cache.model.parameters()}) > 1:
         return "the model spans several devices"
-    return why_not_deferred(cache.model, device)
-
-
-def why_not_deferred(model, device) -> str | None:
-    """Why ``model``'s routed experts cannot defer their host sync (``moe.defer_finish``) on ``device``;
-    None if they can."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    fn = ALL_EXPERTS_FUNCTIONS.get(getattr(model.config, "_experts_implementation", None))
+    fn = ALL_EXPERTS_FUNCTIONS.get(getattr(cache.model.config, "_experts_implementation", None))
     recipe = getattr(fn, "recipe", None)
     if recipe is None:
         return "the experts do not run an emulated kernel's Triton path"
