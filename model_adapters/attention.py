@@ -102,9 +102,10 @@ def tiled_attention(module, query, key, value, attention_mask, scaling, dropout=
 
 def _blocks_over_every_key(module, query, key, mask, scaling, block: int) -> torch.Tensor:
     """``tiled_attention`` a block of ``block`` queries at a time over every key, masked: no block's columns
-    are chosen. Choosing them (``nonzero``) makes the host wait for the device in every block, and on a GPU
-    a prefill's host launches its kernels slower than the device runs them: the wait costs more than the
-    shut keys' scores (exact zeros in the softmax, as in the gathered form)."""
+    are chosen. Choosing them (``nonzero``) makes the host wait for the device in every block, while a GPU
+    prefill's host already launches its kernels slower than the device runs them (measured at 12 full-width
+    DeepSeek-V4-Flash layers: 172 ms of host time, 108 ms of device time a prompt); the shut keys' scores
+    are computed instead (exact zeros in the softmax, as in the gathered form), in fewer launches."""
     b, h, s, d = query.shape
     out = query.new_empty(b, s, h, d)
     for s0 in range(0, s, block):
