@@ -185,9 +185,10 @@ def test_split_k_gives_the_same_bits(tiny_case, monkeypatch, decode):
     monkeypatch.setitem(fast.FAST, "split_k", 1 << 20)
     monkeypatch.setitem(fast.FAST, "bk", 64)  # a GPU's K step too (the interpreter's shrinks to 64 by itself)
     splits = _spy_splits(monkeypatch)
-    for name in ("w4a4_packed", "w4a8", "faulty/w4a4_packed-scale-exp"):
+    names = ("w4a4_packed", "w4a8", "faulty/w4a4_packed-scale-exp") if decode == "words" else ("w4a4_packed",)
+    for name in names:  # the other recipes with the GPU's decode only: the interpreter's time is CI's
         _same_bits(tiny_case, name)
-    assert [s for s, _ in splits] == [4, 2] * 3  # (L1 K = 256, L2 K = 128, K steps of 64)
+    assert [s for s, _ in splits] == [4, 2] * len(names)  # (L1 K = 256, L2 K = 128, K steps of 64)
 
 
 @here
