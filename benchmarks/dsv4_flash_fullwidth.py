@@ -12,10 +12,10 @@ packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's 
 ``--max-new-tokens`` tokens at batch ``--batch-size`` (``--items 0``: skip); (6) print tokens/s, the projected
 time of a 1,319-item GSM8K run, and peak memory per device against the packed expert bytes; (7) for each
 batch of ``--batches``: prefill that many GSM8K prompts (each prompt's prefill and one move into a slot timed,
-as a gate pays them; then every prompt again, to tell one-time costs from a prompt's own), time ``--steps`` decoding steps (median) from each cache of ``--cache`` (transformers';
-per-row slots; slots with each step a CUDA graph of the whole step; the slots' steps once per ``--fused``
-choice of hyper-connection, RMSNorm, RoPE, compressor and attention forwards), and hold each step against
-its weight-read floor (``step_floor``), with the copy bandwidth of the device measured in this run; then
+as a gate pays them; then every prompt again, to tell one-time costs from a prompt's own), time ``--steps``
+decoding steps (median) from each cache of ``--cache`` (transformers'; per-row slots; slots with each step a
+CUDA graph of the whole step; the slots' steps once per ``--fused`` choice of hyper-connection, RMSNorm, RoPE,
+compressor and attention forwards), and hold each step against its weight-read floor (``step_floor``), with the copy bandwidth of the device measured in this run; then
 project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``).
 
 The configuration is DeepSeek-V4-Flash's (``flash_config``); each value names its source.
@@ -436,7 +436,7 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     t = _Timer(first)
     prefill(next(iter(distinct)))
     warmup_s = t.seconds()
-    prefill_s, moves, firsts = 0.0, [], []
+    moves, firsts = [], []
     allocs = _device_allocations(first)
     for prompt, slots_of in distinct.items():
         t = _Timer(first)  # what a gate pays per item: its prefill and one move into a slot

@@ -67,12 +67,13 @@ def tiled_attention(module, query, key, value, attention_mask, scaling, dropout=
         raise NotImplementedError("tiled attention serves one key-value head (DeepSeek-V4's MQA)")
     budget = budget or getattr(module, "_evalgate_attention_budget", None) or DEFAULT_BUDGET
     gather = getattr(module, "_evalgate_attention_gather", None) if gather is None else gather
+    gather = query.device.type == "cpu" if gather is None else gather
     b, h, s, d = query.shape
     t = key.shape[2]
     if s == 1 or attention_mask is None or b * h * s * t * BYTES_PER_SCORE <= budget:
         return _attend(module, query, key, attention_mask, scaling).transpose(1, 2).contiguous(), None
     block = budget // (b * h * t * BYTES_PER_SCORE)  # queries whose scores over every key fit the budget
-    if not (query.device.type == "cpu" if gather is None else gather) and block >= 1:
+    if not gather and block >= 1:
         return _blocks_over_every_key(module, query, key, attention_mask, scaling, block), None
     out = query.new_empty(b, s, h, d)
     opened = _open_columns(attention_mask)  # [S, T]
