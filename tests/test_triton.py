@@ -97,6 +97,54 @@ def test_every_emulated_kernel_is_bit_identical_on_a_tiny_layer(tiny_case):
         assert r["gemm_rows"] == 2 * 24 * 4  # both GEMMs, every (token, slot) row
 
 
+# --- the routing plan: one kernel against its torch definition -------------------------------------------
+
+
+def _routing_case(t, k, experts, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, experts, (t, k), generator=g)
+    idx[torch.rand(t, k, generator=g) < 0.1] = -1  # empty slots, and experts out of range
+    idx[torch.rand(t, k, generator=g) < 0.05] = experts
+    w = torch.rand(t, k, generator=g).to(torch.bfloat16)
+    return idx.to(DEVICE), w.to(DEVICE)
+
+
+@here
+@pytest.mark.parametrize("t,k,experts,bm", [(1, 6, 256, 16), (3, 2, 5, 16), (40, 6, 8, 32), (600, 6, 256, 16),
+                                            (2, 8, 3, 16)])
+def test_the_routing_kernel_gives_the_torch_definitions_integers(t, k, experts, bm):
+    """One program (`routing._route`) against SortedRows.torch + gemm.tile_schedule: every field, the
+    padding tiles included (600 x 6 rows: more tiles than one pass of TILE_BLOCK, a 4096-lane sort)."""
+    from evalgate.kernels.triton import routing
+    from evalgate.kernels.triton.gemm import tile_schedule
+
+    idx, w = _routing_case(t, k, experts, seed=t * k + experts)
+    s = t * k
+    assert routing.fits_one_program(s, experts)
+    count = torch.full((6,), 7, dtype=torch.int32, device=DEVICE)  # garbage: the kernel sets them
+    hi = torch.full((s,), 3, dtype=torch.int32, device=DEVICE)
+    lo = torch.full((s,), 3, dtype=torch.int32, device=DEVICE)
+    rows, tiles = routing.route(idx, w, experts, bm, count, hi, lo)
+    want = routing.SortedRows.torch(idx, w, experts)
+    for field in ("rows", "expert", "token", "counts", "w"):
+        got, ref = getattr(rows, field), getattr(want, field)
+        assert got.dtype == ref.dtype and torch.equal(got, ref), field
+    for got, ref in zip(tiles, tile_schedule(want.counts, s, bm)):
+        assert torch.equal(got, ref)
+    assert count.eq(0).all() and hi.eq(-1).all() and lo.eq(512).all()
+
+
+@here
+def test_the_forward_gives_the_same_bits_with_the_torch_routing(tiny_case, monkeypatch):
+    """Calls too large for one program take the torch definition: same output bits."""
+    from evalgate.kernels.triton import routing
+
+    recipe = K.get_kernel("w4a4_packed").experts_forward.recipe
+    one_program = _triton(tiny_case, recipe)
+    monkeypatch.setattr(routing, "ROUTE_MAX_ROWS", 0)
+    assert torch.equal(_bits(_triton(tiny_case, recipe)), _bits(one_program))
+
+
 @here
 def test_the_faults_change_the_output(tiny_case):
     """Bit-identity is not vacuous: each faulty twin differs from w4a4_packed, on the Triton path too."""

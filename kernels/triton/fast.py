@@ -23,8 +23,9 @@ Decoding the weights (FAST["decode"], default "words"): each 32-bit word of pack
 words of int8 weights, its first 4 K and its last 4 K, with two byte permutes per half (`_WORDS_ASM`);
 the activations are folded in the same K order (`fold_rows`), so the sums are the same integers. A tile's
 rows take the limbs its widest row needs: each GEMM is launched once per limb count and a tile runs in the
-launch that matches (`plan_rows` sets the rows' needs on the device; no host sync). L1 decodes gate and up
-columns as one tile of 2 BN columns.
+launch that matches (`plan_rows` sets the rows' needs on the device; no host sync); under split K, one
+launch of the most limbs in which each tile runs the limbs it needs (`DYN`, `_launch_limbs`). L1 decodes
+gate and up columns as one tile of 2 BN columns.
 
 Split K (FAST["split_k"], `_split_k`): where the grid of (tile, column block) programs is small (few rows per
 expert: decoding), each GEMM's K loop is split over SPLIT programs (a third grid axis; SPLIT from static
@@ -206,14 +207,23 @@ def _decode_words(W, SW, WLO, LUT, e, wcols, h0, NW: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def _limb_dot_joined(A, arow, live, kk, wt, acc0, acc1, acc2, K: tl.constexpr, LSTRIDE, LIMBS: tl.constexpr):
+def _limb_dot_joined(A, arow, live, kk, wt, acc0, acc1, acc2, K: tl.constexpr, LSTRIDE, LIMBS: tl.constexpr,
+                     DYN: tl.constexpr, run):
     p = A + arow[:, None] * K + kk[None, :]
     m = live[:, None]
     acc0 = tl.dot(tl.load(p, mask=m, other=0), wt, acc0, out_dtype=tl.int32)
     if LIMBS >= 2:
-        acc1 = tl.dot(tl.load(p + LSTRIDE, mask=m, other=0), wt, acc1, out_dtype=tl.int32)
+        if DYN:
+            if run >= 2:
+                acc1 = tl.dot(tl.load(p + LSTRIDE, mask=m, other=0), wt, acc1, out_dtype=tl.int32)
+        else:
+            acc1 = tl.dot(tl.load(p + LSTRIDE, mask=m, other=0), wt, acc1, out_dtype=tl.int32)
     if LIMBS >= 3:
-        acc2 = tl.dot(tl.load(p + 2 * LSTRIDE, mask=m, other=0), wt, acc2, out_dtype=tl.int32)
+        if DYN:
+            if run >= 3:
+                acc2 = tl.dot(tl.load(p + 2 * LSTRIDE, mask=m, other=0), wt, acc2, out_dtype=tl.int32)
+        else:
+            acc2 = tl.dot(tl.load(p + 2 * LSTRIDE, mask=m, other=0), wt, acc2, out_dtype=tl.int32)
     return acc0, acc1, acc2
 
 
@@ -226,28 +236,38 @@ def _pair_dot(pe, po, m, w_even, w_odd, acc):
 
 @triton.jit
 def _limb_dot(A, arow, live, hh, w_even, w_odd, acc0, acc1, acc2, K: tl.constexpr, LSTRIDE,
-              LIMBS: tl.constexpr):
+              LIMBS: tl.constexpr, DYN: tl.constexpr, run):
     """acc_l += A'_l . w over the K positions of bytes hh: A' rows hold the even K in their first half and
-    the odd K in their second (`fold_rows`), so each half pairs with one nibble tile."""
+    the odd K in their second (`fold_rows`), so each half pairs with one nibble tile. Limbs 0 .. LIMBS-1;
+    DYN: only those below `run` (the tile's own count, known at run time)."""
     pe = A + arow[:, None] * K + hh[None, :]
     po = pe + K // 2
     m = live[:, None]
     acc0 = _pair_dot(pe, po, m, w_even, w_odd, acc0)
-    acc1, acc2 = _upper_limb_dot(A, arow, live, hh, w_even, w_odd, acc1, acc2, K, LSTRIDE, LIMBS)
+    acc1, acc2 = _upper_limb_dot(A, arow, live, hh, w_even, w_odd, acc1, acc2, K, LSTRIDE, LIMBS, DYN, run)
     return acc0, acc1, acc2
 
 
 @triton.jit
-def _upper_limb_dot(A, arow, live, hh, w_even, w_odd, acc1, acc2, K: tl.constexpr, LSTRIDE, LIMBS: tl.constexpr):
+def _upper_limb_dot(A, arow, live, hh, w_even, w_odd, acc1, acc2, K: tl.constexpr, LSTRIDE, LIMBS: tl.constexpr,
+                    DYN: tl.constexpr, run):
     """As `_limb_dot`, limbs 1 .. LIMBS-1 only (also alone: the rows of the first half of a tile, `_l2_kernel`
     HALF 1)."""
     pe = A + LSTRIDE + arow[:, None] * K + hh[None, :]
     po = pe + K // 2
     m = live[:, None]
     if LIMBS >= 2:
-        acc1 = _pair_dot(pe, po, m, w_even, w_odd, acc1)
+        if DYN:
+            if run >= 2:
+                acc1 = _pair_dot(pe, po, m, w_even, w_odd, acc1)
+        else:
+            acc1 = _pair_dot(pe, po, m, w_even, w_odd, acc1)
     if LIMBS >= 3:
-        acc2 = _pair_dot(pe + LSTRIDE, po + LSTRIDE, m, w_even, w_odd, acc2)
+        if DYN:
+            if run >= 3:
+                acc2 = _pair_dot(pe + LSTRIDE, po + LSTRIDE, m, w_even, w_odd, acc2)
+        else:
+            acc2 = _pair_dot(pe + LSTRIDE, po + LSTRIDE, m, w_even, w_odd, acc2)
     return acc1, acc2
 
 
@@ -289,16 +309,21 @@ def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE
                LIMBS: tl.constexpr, SCALE_FAULT: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
                SILU_LIMIT: tl.constexpr, E4M3: tl.constexpr, DIV: tl.constexpr, F: tl.constexpr, INV_F: tl.constexpr,
                CLAMP_LO: tl.constexpr, CLAMP_HI: tl.constexpr, FLOOR: tl.constexpr, DECODE: tl.constexpr,
-               ASM: tl.constexpr, SPLIT: tl.constexpr):
+               ASM: tl.constexpr, SPLIT: tl.constexpr, DYN: tl.constexpr):
     """One tile of BM rows of one expert x BN gate (and the matching up) columns, if its widest fast row
-    needs LIMBS limbs (one launch per limb count: the tiles choose, no host sync). SPLIT > 1: this program
+    needs LIMBS limbs (one launch per limb count: the tiles choose, no host sync); DYN (split launches):
+    every tile with fast rows, each with the limbs it needs (LIMBS: the most). SPLIT > 1: this program
     takes the K / SPLIT positions of share program_id(2) and adds its int32 sums into ACC (`_add_partials`:
     [limbs, S, 2 I], zeroed), for `_l1_split_epilogue`; SPLIT 1: all of K, and the epilogue here."""
     e, rows, keep, limbs, _ = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
     if e < 0:
         return
-    if limbs != LIMBS:
-        return
+    if DYN:
+        if limbs == 0:
+            return
+    else:
+        if limbs != LIMBS:
+            return
     arow = tl.load(A_ROW + rows, mask=keep, other=0).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)  # gate columns; up = cols + I
     BH: tl.constexpr = BK // 2
@@ -318,9 +343,9 @@ def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE
             h0 = k0s // 2 + i
             we, wo = _decode_words(W, SW, WLO, LUT, e, both, h0, 2 * I, K, 2 * BN, BH, SCALE_FAULT, ASM)
             a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(we), tl.trans(wo), a0, a1, a2, K, LSTRIDE,
-                                   LIMBS)
+                                   LIMBS, DYN, limbs)
         if SPLIT > 1:
-            _add_partials(ACC, ACC_STRIDE, rows, keep, both, 2 * I, a0, a1, a2, LIMBS)
+            _add_partials(ACC, ACC_STRIDE, rows, keep, both, 2 * I, a0, a1, a2, LIMBS, DYN, limbs)
         else:
             p = tl.load(P + rows, mask=keep, other=0)
             wlo = tl.load(WLO + e * 2 * I + both).to(tl.int32)
@@ -339,21 +364,23 @@ def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE
                 h0 = k0s // 2 + i
                 ge, go = _decode_shifted(W, SW, WLO, LUT, e, cols, h0, 2 * I, K, BN, BH, SCALE_FAULT)
                 g0, g1, g2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(ge), tl.trans(go), g0, g1, g2, K,
-                                       LSTRIDE, LIMBS)
+                                       LSTRIDE, LIMBS, DYN, limbs)
                 ue, uo = _decode_shifted(W, SW, WLO, LUT, e, cols + I, h0, 2 * I, K, BN, BH, SCALE_FAULT)
                 u0, u1, u2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(ue), tl.trans(uo), u0, u1, u2, K,
-                                       LSTRIDE, LIMBS)
+                                       LSTRIDE, LIMBS, DYN, limbs)
         else:
             kk0 = tl.arange(0, BK)
             for i in range(0, KS, BK):
                 k0 = k0s + i
                 wg = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols, k0, 2 * I, K, BN, BK, SCALE_FAULT))
                 wu = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols + I, k0, 2 * I, K, BN, BK, SCALE_FAULT))
-                g0, g1, g2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wg, g0, g1, g2, K, LSTRIDE, LIMBS)
-                u0, u1, u2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wu, u0, u1, u2, K, LSTRIDE, LIMBS)
+                g0, g1, g2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wg, g0, g1, g2, K, LSTRIDE, LIMBS, DYN,
+                                              limbs)
+                u0, u1, u2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wu, u0, u1, u2, K, LSTRIDE, LIMBS, DYN,
+                                              limbs)
         if SPLIT > 1:
-            _add_partials(ACC, ACC_STRIDE, rows, keep, cols, 2 * I, g0, g1, g2, LIMBS)
-            _add_partials(ACC, ACC_STRIDE, rows, keep, cols + I, 2 * I, u0, u1, u2, LIMBS)
+            _add_partials(ACC, ACC_STRIDE, rows, keep, cols, 2 * I, g0, g1, g2, LIMBS, DYN, limbs)
+            _add_partials(ACC, ACC_STRIDE, rows, keep, cols + I, 2 * I, u0, u1, u2, LIMBS, DYN, limbs)
         else:
             p = tl.load(P + rows, mask=keep, other=0)
             wlo_g = tl.load(WLO + e * 2 * I + cols).to(tl.int32)
@@ -430,16 +457,23 @@ def _l1_split_epilogue(ACC, ACC_STRIDE, P, NEED, RW, WLO, SILU, TILE_EXPERT, TIL
 
 
 @triton.jit
-def _add_partials(ACC, ACC_STRIDE, rows, keep, cols, NC: tl.constexpr, a0, a1, a2, LIMBS: tl.constexpr):
+def _add_partials(ACC, ACC_STRIDE, rows, keep, cols, NC: tl.constexpr, a0, a1, a2, LIMBS: tl.constexpr,
+                  DYN: tl.constexpr, run):
     """ACC[l, row, col] += a_l for the tile's fast rows (ACC: int32 [limbs, S, NC], zeroed before the split
-    launches): integer atomics, so the sums are the same integers in any order."""
+    launches): integer atomics, so the sums are the same integers in any order. DYN: limbs below `run`."""
     ptr = ACC + rows[:, None].to(tl.int64) * NC + cols[None, :]
     m = keep[:, None]
     tl.atomic_add(ptr, a0, mask=m, sem="relaxed")
+    if DYN:
+        m_up = m & (run >= 2)
+        m_top = m & (run >= 3)
+    else:
+        m_up = m
+        m_top = m
     if LIMBS >= 2:
-        tl.atomic_add(ptr + ACC_STRIDE, a1, mask=m, sem="relaxed")
+        tl.atomic_add(ptr + ACC_STRIDE, a1, mask=m_up, sem="relaxed")
     if LIMBS >= 3:
-        tl.atomic_add(ptr + 2 * ACC_STRIDE, a2, mask=m, sem="relaxed")
+        tl.atomic_add(ptr + 2 * ACC_STRIDE, a2, mask=m_top, sem="relaxed")
 
 
 @triton.jit
@@ -460,8 +494,10 @@ def _load_partials(ACC, ACC_STRIDE, rows, keep, cols, NC: tl.constexpr, limbs):
 def _l2_kernel(A, LSTRIDE, P, NEED, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TILE_BEGIN, TILE_END, OUT, A_ROW,
                ACC, ACC_STRIDE, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr, LIMBS: tl.constexpr, SCALE_FAULT: tl.constexpr, DECODE: tl.constexpr,
-               ASM: tl.constexpr, GATHER: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr):
-    """One tile of BM rows of one expert x BN columns, if its widest fast row needs LIMBS limbs. GATHER:
+               ASM: tl.constexpr, GATHER: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
+               DYN: tl.constexpr):
+    """One tile of BM rows of one expert x BN columns, if its widest fast row needs LIMBS limbs (DYN: any
+    limbs, as `_l1_kernel`). GATHER:
     sorted row s reads row A_ROW[s] of A (else row s). HALF (DECODE 2, rows sorted widest first within each
     expert, `sort_by_need`): 1 - this launch takes the tiles whose second half of rows needs at most one
     limb, and runs the upper limbs on the first half only; 2 - it takes the others; 0 - every tile.
@@ -470,8 +506,12 @@ def _l2_kernel(A, LSTRIDE, P, NEED, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TI
     e, rows, keep, limbs, low = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
     if e < 0:
         return
-    if limbs != LIMBS:
-        return
+    if DYN:
+        if limbs == 0:
+            return
+    else:
+        if limbs != LIMBS:
+            return
     if HALF == 1:
         if low > 1:
             return
@@ -505,8 +545,8 @@ def _l2_kernel(A, LSTRIDE, P, NEED, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TI
             we, wo = _decode_words(W, SW, WLO, LUT, e, cols, h0, N, K, BN, BH, SCALE_FAULT, ASM)
             we = tl.trans(we)
             wo = tl.trans(wo)
-            a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, we, wo, a0, a1, a2, K, LSTRIDE, 1)
-            a1, a2 = _upper_limb_dot(A, arow_t, keep_t, h0 + hh0, we, wo, a1, a2, K, LSTRIDE, LIMBS)
+            a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, we, wo, a0, a1, a2, K, LSTRIDE, 1, False, limbs)
+            a1, a2 = _upper_limb_dot(A, arow_t, keep_t, h0 + hh0, we, wo, a1, a2, K, LSTRIDE, LIMBS, False, limbs)
         top, bot = tl.split(a0.reshape(2, BT, BN).permute(1, 2, 0))
         p_t = tl.load(P + rows_t, mask=keep_t, other=0)
         p_b = tl.load(P + rows_b, mask=keep_b, other=0)
@@ -533,22 +573,22 @@ def _l2_kernel(A, LSTRIDE, P, NEED, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TI
             h0 = k0s // 2 + i
             we, wo = _decode_words(W, SW, WLO, LUT, e, cols, h0, N, K, BN, BH, SCALE_FAULT, ASM)
             a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(we), tl.trans(wo), a0, a1, a2, K, LSTRIDE,
-                                   LIMBS)
+                                   LIMBS, DYN, limbs)
     elif DECODE == 1:
         hh0 = tl.arange(0, BH)
         for i in range(0, KS // 2, BH):
             h0 = k0s // 2 + i
             we, wo = _decode_shifted(W, SW, WLO, LUT, e, cols, h0, N, K, BN, BH, SCALE_FAULT)
             a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(we), tl.trans(wo), a0, a1, a2, K, LSTRIDE,
-                                   LIMBS)
+                                   LIMBS, DYN, limbs)
     else:
         kk0 = tl.arange(0, BK)
         for i in range(0, KS, BK):
             k0 = k0s + i
             wt = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols, k0, N, K, BN, BK, SCALE_FAULT))
-            a0, a1, a2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wt, a0, a1, a2, K, LSTRIDE, LIMBS)
+            a0, a1, a2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wt, a0, a1, a2, K, LSTRIDE, LIMBS, DYN, limbs)
     if SPLIT > 1:
-        _add_partials(ACC, ACC_STRIDE, rows, keep, cols, N, a0, a1, a2, LIMBS)
+        _add_partials(ACC, ACC_STRIDE, rows, keep, cols, N, a0, a1, a2, LIMBS, DYN, limbs)
     else:
         p = tl.load(P + rows, mask=keep, other=0)
         out = bf16_rne(_to_f32(a0, a1, a2, p[:, None] + wlo[None, :], LIMBS))  # step 7
@@ -824,6 +864,14 @@ def limb_counts(fmt: str):
     return [n for n in range(1, MAX_LIMBS + 1) if max_shift(fmt, n) >= 0]
 
 
+def _launch_limbs(fmt: str, split: int) -> list[int]:
+    """The LIMBS of each launch of a GEMM: one per limb count a row can need, each tile running in the one
+    its widest row needs; split K (small grids: decoding) one launch of the most, each tile running its own
+    limbs (DYN): the launches of the other counts would be whole grids of programs that only exit."""
+    counts = limb_counts(fmt)
+    return counts[-1:] if split > 1 else counts
+
+
 def _asm() -> bool:
     return not interpreted()
 
@@ -850,14 +898,14 @@ def l1_gemm(a_limbs, a_row, p, need, router_w, fp4, bases: ColumnBases, tiles, b
     split, bk = _split_k(tiles[0].numel() * (i // bn), k, bk, dev)
     acc = torch.zeros(MAX_LIMBS, s, 2 * i, dtype=torch.int32, device=dev) if split > 1 else p  # (p: unused)
     bk0 = bk
-    for limbs in limb_counts(fmt_in):
+    for limbs in _launch_limbs(fmt_in, split):
         if not interpreted():
             stages, bk = _stages(FAST["stages"], limbs, bm, 2 * bn, bk0)
         _l1_kernel[(tiles[0].numel(), i // bn, split)](
             a_limbs, a_row, t * k, p, need, router_w, fp4.w1, fp4.w1_scale, bases.lo, shifted_twice_table(dev),
             shifted_pair_table(dev), silu_table(dev), *tiles, q, s * i, q_bytes, hi, lo, acc, s * 2 * i,
             K=k, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, DECODE=decode(), ASM=_asm(), SPLIT=split, **epilogue,
-            num_warps=warps, num_stages=stages)
+            DYN=split > 1, num_warps=warps, num_stages=stages)
     if split > 1:
         _l1_split_epilogue[(tiles[0].numel(), i // bn)](
             acc, s * 2 * i, p, need, router_w, bases.lo, silu_table(dev), *tiles, q, s * i, q_bytes, hi, lo,
@@ -883,7 +931,7 @@ def l2_gemm(a_limbs, p, need, slot, fp4, bases: ColumnBases, tiles, bm: int, sca
         split, bk = _split_k(tiles[0].numel() * (n // bn), k, bk, dev)
     acc = torch.zeros(MAX_LIMBS, s, n, dtype=torch.int32, device=dev) if split > 1 else p  # (p: unused)
     bk0 = bk
-    for limbs in limb_counts(fmt_in):
+    for limbs in _launch_limbs(fmt_in, split):
         if not interpreted():
             stages, bk = _stages(FAST["stages"], limbs, bm, bn, bk0)
         for half in (1, 2) if halves and limbs > 1 else (0,):
@@ -891,7 +939,8 @@ def l2_gemm(a_limbs, p, need, slot, fp4, bases: ColumnBases, tiles, bm: int, sca
                 a_limbs, s * k, p, need, slot, fp4.w2, fp4.w2_scale, bases.lo, shifted_twice_table(dev),
                 shifted_pair_table(dev), *tiles, out_bits, slot if a_row is None else a_row, acc, s * n, N=n, K=k,
                 BM=bm, BN=bn, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, DECODE=decode(), ASM=_asm(),
-                GATHER=a_row is not None, HALF=half, SPLIT=split, num_warps=warps, num_stages=stages)
+                GATHER=a_row is not None, HALF=half, SPLIT=split, DYN=split > 1, num_warps=warps,
+                num_stages=stages)
     if split > 1:
         _l2_split_epilogue[(tiles[0].numel(), n // bn)](acc, s * n, p, need, slot, bases.lo, *tiles, out_bits, N=n,
                                                         BM=bm, BN=bn, num_warps=4)

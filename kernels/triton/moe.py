@@ -2,6 +2,7 @@
 
 | step | where |
 |---|---|
+| 0 routing | the (token, slot) rows sorted by expert and the GEMMs' tile schedule: one Triton kernel where the rows fit one program (`routing.route`: decoding), torch above |
 | 1 weights | packed codes + UE8M0 bytes read inside the GEMM kernels (no dequantized copy) |
 | 2 input quantization | Triton (`quantize`); fault (b)'s misread FP8 bytes: torch |
 | 3-6 L1 GEMM, BF16 round, clamp, SwiGLU, router weight, re-quantization | fast rows: one Triton kernel (`fast.l1_gemm`: int8 GEMM + epilogue, silu from a table of the emulator's own values); other rows: `gemm.int_gemm` per 32-block, the emulator's torch functions, `quantize` (uncertified rows on the host, `certify`) |
@@ -35,8 +36,8 @@ from ..exact import SIG_BITS
 from ..formats import EPILOGUE, SCALE_RULES, bf16_round
 from ..recipe import Recipe
 from ..weights import Fp4ExpertWeights, check_shapes, fp4_weights
-from . import certify, fast
-from .gemm import f64_gemm, int_gemm, tile_schedule
+from . import certify, fast, routing
+from .gemm import f64_gemm, int_gemm
 from .quantize import LIMBS as CODE_LIMBS, UNIT_EXP, quantize_rows, twice_from_codes, values_from_codes
 
 STATS = {"rows": 0, "host_rows": 0, "slow_rows": 0}  # rows through the GEMMs, those the per-block path and the host computed
@@ -127,46 +128,30 @@ def _per_block_layer(op, rows: ExpertRows, token, w, fp4, recipe, limit, slot) -
     STATS["rows"] += 2 * rows.rows.numel()
 
 
-class SortedRows:
-    """The (token, slot) rows of one call sorted by expert, as `ExpertRows`, without a host sync: all T * K
-    rows, the empty slots (expert outside 0..E-1) last with expert E, which no tile covers."""
-
-    def __init__(self, top_k_index, top_k_weights, num_experts):
-        t, k = top_k_index.shape
-        flat = top_k_index.reshape(-1)
-        key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts).to(torch.int32)
-        order = torch.sort(key, stable=True)
-        self.rows = order.indices  # flat (token, slot), by expert
-        self.expert = order.values  # int32; num_experts for an empty slot
-        self.token = (self.rows // k).to(torch.int32)
-        ones = torch.ones_like(key)
-        self.counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=key.device).index_add_(0, key, ones)[:-1]
-        self.w = top_k_weights.reshape(-1)[self.rows].to(torch.float32)
-        self.num_experts = num_experts
-
-
 class _Layer:
     """One call's fused layer: the device work (`launch`: no host sync, so it can be captured in a CUDA
     graph) and the rest (`finish`: the one sync, and the per-block path for the rows the fast path left)."""
 
-    def launch(self, op, rows: SortedRows, w, fp4, recipe, limit, slot) -> None:
-        s, i = rows.rows.numel(), fp4.intermediate
+    def launch(self, op, top_k_index, top_k_weights, routed_scaling, fp4, recipe, limit, slot) -> None:
+        s, i = top_k_index.numel(), fp4.intermediate
+        dev = slot.device
+        self.bm = fast._bm(s, fp4.num_experts)
+        self.count = torch.empty(6, dtype=torch.int32, device=dev)  # per GEMM: rows not fast, most limbs, rows
+        self.hi2 = torch.empty(s, dtype=torch.int32, device=dev)  # the intermediate's row byte ranges
+        self.lo2 = torch.empty(s, dtype=torch.int32, device=dev)
+        rows, self.tiles = routing.route(top_k_index, top_k_weights, fp4.num_experts, self.bm, self.count, self.hi2,
+                                         self.lo2)
+        w = rows.w / float(routed_scaling) if recipe.routed_scaling == "unfused" else rows.w
         self.op, self.rows, self.w, self.fp4, self.recipe, self.limit, self.slot = op, rows, w, fp4, recipe, limit, slot
         self.scale_fault = recipe.fault == "weight_scale_exponent_plus_one"
         self.force = fast.FORCE_SLOW_ROWS or certify.FORCE_HOST_ROWS
         b1, self.b2 = fast.column_bases(fp4)
         fmt2 = self.fmt2 = recipe.intermediate
-        dev = slot.device
-        self.bm = fast._bm(s, fp4.num_experts)
-        self.tiles = tile_schedule(rows.counts, s, self.bm)
-        self.count = torch.zeros(6, dtype=torch.int32, device=dev)  # per GEMM: rows not fast, most limbs, rows
         # L1 (steps 3-6) -> intermediate codes q2, bytes qb2, row byte ranges hi2 / lo2
         self.need1, p1 = fast.plan_rows(op.hi, op.lo, rows.token, op.fmt, b1, rows.expert, self.scale_fault,
                                         fp4.hidden, self.count[0:3], self.force)
         self.q2 = torch.empty(CODE_LIMBS[fmt2], s, i, dtype=torch.int8, device=dev)
         self.qb2 = torch.empty(s, i // formats.GROUP, dtype=torch.uint8, device=dev)
-        self.hi2 = torch.full((s,), -1, dtype=torch.int32, device=dev)
-        self.lo2 = torch.full((s,), 512, dtype=torch.int32, device=dev)
         a = fast.fold_rows(op.q, op.q_bytes, op.lo, op.fmt)
         fast.l1_gemm(a, rows.token, p1, self.need1, w, fp4, b1, self.tiles, self.bm, self.scale_fault, op.fmt, fmt2,
                      limit, self.q2, self.qb2, self.hi2, self.lo2)
@@ -218,11 +203,10 @@ class _Layer:
 def _fused_forward(x, top_k_index, top_k_weights, fp4, recipe, limit, routed_scaling):
     """The device part of `moe_forward` on the fused path: (BF16-valued FP32 output, the layer to finish)."""
     t, k = top_k_index.shape
-    rows = SortedRows(top_k_index, top_k_weights, fp4.num_experts)
-    w = rows.w / float(routed_scaling) if recipe.routed_scaling == "unfused" else rows.w
     slot = torch.empty(t * k, x.shape[-1], dtype=torch.bfloat16, device=x.device)  # step 7's BF16 per (token, slot)
     layer = _Layer()
-    layer.launch(input_operand(x.to(torch.bfloat16), recipe), rows, w.contiguous(), fp4, recipe, limit, slot)
+    layer.launch(input_operand(x.to(torch.bfloat16), recipe), top_k_index, top_k_weights, routed_scaling, fp4,
+                 recipe, limit, slot)
     y = fast.combine(slot, top_k_index, fp4.num_experts, skip_last_slot=recipe.fault == "drop_last_slot")
     return y, layer
 
