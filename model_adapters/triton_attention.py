@@ -1,4 +1,5 @@
-"""One decoding step's DeepSeek-V4 attention as one Triton kernel, for PyTorch's numerics on a GPU.
+"""One decoding step's DeepSeek-V4 attention as one Triton kernel (two at small batches), for PyTorch's
+numerics on a GPU.
 
 A step from slots (``attention_slots``) attends each row's one query (64 heads of 512 in DeepSeek-V4-Flash,
 one shared key-value head) to the row's sliding-window ring and, in a CSA / HCA layer, to the compressed
@@ -6,26 +7,73 @@ entries it selects. Done with PyTorch's operations that is about twenty kernels 
 entries gathered by row and joined, a mask built, the scores, the sink joined, max, softmax, the weighted
 sum; and at batch 256 the [batch, heads, keys] scores make a round trip through memory in between.
 ``decode_attention`` reads each row's keys once, in place, and keeps the scores in registers (a flash-style
-online softmax; the sink enters the denominator only, as in eager).
+online softmax; the sink enters the denominator only, as in eager). Where its grid of (head blocks, rows)
+programs is small next to the GPU (batch 1: 4 programs on an H200's 132 SMs, each looping over every key
+block), the keys are split over SPLIT programs a row (``key_splits``) whose partial softmaxes a second, small
+kernel merges (flash-decoding); SPLIT comes from static shapes alone, so a CUDA graph replays the same
+launches, and at SPLIT 1 (batch 256) the one kernel runs as before.
 
 Same function as ``attention._attend``; the scores stay FP32 (eager rounds them to the model's dtype) and
 the order of the sums is the kernel's, so results agree with eager within float rounding, not bit for bit
-(``tests/test_triton_attention.py``, under Triton's interpreter on a CPU). Canonical numerics keep their
-own attention (``invariant_compressed.attend``).
+(``tests/test_triton_attention.py``, under Triton's interpreter on a CPU). That order follows SPLIT, so a
+row's bits depend on the batch it runs in (as cuBLAS's products do). Canonical numerics keep their own
+attention (``invariant_compressed.attend``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 HEADS = 16  # heads per program (tl.dot needs 16 rows); a program reads its row's keys once per 16 heads
 KEYS = 32  # keys per block of the online softmax (a [32, 512] BF16 tile: 32 KiB of shared memory)
 STAGES = 2  # pipelined tiles: with 64 keys and 3 stages a 512-wide head asked 400 KiB, over an H200's 227
+# Splitting the keys (``key_splits``): the largest power of two SPLIT with programs x SPLIT at most
+# programs_per_sm x the SMs and a key block for every split; programs_per_sm 0 never splits; force > 0 takes
+# that SPLIT whatever the shapes (tests, benchmarks/bench_step_kernels.py)
+SPLIT = {"programs_per_sm": 2, "force": 0}
+INTERPRETED_SMS = 1  # the SMs counted under Triton's interpreter or off CUDA (a test can raise it)
 
 
 def supported(head_dim: int) -> bool:
     """The kernel holds a head in one tile: a power of two, at least 16 (tl.dot)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """The device's SMs (INTERPRETED_SMS under the interpreter or off CUDA)."""
+    from evalgate.kernels.triton.availability import interpreted
+
+    device = torch.device(device)
+    if interpreted() or device.type != "cuda":
+        return INTERPRETED_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def key_blocks(window: int, entries: int) -> int:
+    """KEYS-key blocks a row's keys make: the ring's, then the entries'."""
+    return -(-window // KEYS) + -(-entries // KEYS)
+
+
+def key_splits(batch: int, heads: int, window: int, entries: int, sms: int) -> int:
+    """SPLIT for a step of ``batch`` rows of ``heads`` heads over a ring of ``window`` keys and ``entries``
+    compressed entries (0 in a sliding-window layer) on ``sms`` SMs: see ``SPLIT``. Static shapes only (no
+    positions, no chosen entries): the same launches in every replay of a CUDA graph."""
+    if SPLIT["force"]:
+        return SPLIT["force"]
+    programs = -(-heads // HEADS) * batch
+    target = SPLIT["programs_per_sm"] * sms
+    blocks = key_blocks(window, entries)
+    split = 1
+    while programs * split * 2 <= target and split * 2 <= blocks:  # split s takes blocks s, s + SPLIT, ...
+        split *= 2
+    return split
 
 
 def decode_attention(query: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
@@ -51,9 +99,30 @@ def decode_attention(query: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor
         from evalgate.model_adapters.triton_attention_kernel import decode_attention_kernel
         from evalgate.model_adapters.triton_layers import _on_device
 
+        w = ring.shape[1]
+        split = key_splits(b, h, w, c, sm_count(q.device))
+        common = dict(H=h, D=d, W=w, C=c, BH=HEADS, BT=KEYS, UPCAST=interpreted(),
+                      PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_stages=STAGES)
         with _on_device(q):
-            decode_attention_kernel[(-(-h // HEADS), b)](
-                q, ring, rows, positions, entries, chosen, sinks.contiguous(), out, float(scaling), chosen.stride(0),
-                H=h, D=d, W=ring.shape[1], C=c, BH=HEADS, BT=KEYS, UPCAST=interpreted(),
-                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_stages=STAGES)
+            if split == 1:
+                decode_attention_kernel[(-(-h // HEADS), b)](
+                    q, ring, rows, positions, entries, chosen, sinks.contiguous(), out, float(scaling),
+                    chosen.stride(0), **common)
+            else:
+                _split_attention(q, ring, rows, positions, entries, chosen, sinks.contiguous(), out, float(scaling),
+                                 split, common)
     return out
+
+
+def _split_attention(q, ring, rows, positions, entries, chosen, sinks, out, scaling: float, split: int, common: dict):
+    """The keys over ``split`` programs a row, into FP32 partials in one scratch buffer, then merged."""
+    from evalgate.model_adapters.triton_attention_kernel import decode_attention_split_kernel, merge_splits_kernel
+
+    b, h, d = q.shape
+    parts = b * h * split
+    scratch = torch.empty(parts * (d + 2), dtype=torch.float32, device=q.device)
+    acc, m, den = scratch[:parts * d], scratch[parts * d:parts * (d + 1)], scratch[parts * (d + 1):]
+    decode_attention_split_kernel[(-(-h // HEADS), b, split)](
+        q, ring, rows, positions, entries, chosen, acc, m, den, scaling, chosen.stride(0), SPLIT=split, **common)
+    merge_splits_kernel[(h, b)](acc, m, den, sinks, out, H=h, D=d, SPLIT=split,
+                                SPLIT_P2=1 << max(0, split - 1).bit_length())

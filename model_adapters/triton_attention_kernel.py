@@ -1,4 +1,14 @@
-"""The Triton kernel of ``triton_attention`` (imported where Triton is installed; the host side is there)."""
+"""The Triton kernels of ``triton_attention`` (imported where Triton is installed; the host side is there).
+
+One step's attention in one of two forms, by the SPLIT the host picks from static shapes:
+
+- SPLIT 1: ``decode_attention_kernel``, grid (ceil(H / BH), rows): each program runs its heads' online
+  softmax over all of its row's key blocks and writes the output.
+- SPLIT > 1 (flash-decoding, for grids too small to fill the GPU: 64 heads at batch 1 are 4 programs):
+  ``decode_attention_split_kernel``, grid (ceil(H / BH), rows, SPLIT), each program over a share of the key
+  blocks into FP32 partials (running max, denominator, unnormalised weighted sum), then
+  ``merge_splits_kernel``, grid (H, rows), which joins a head's partials and the sink into the output.
+"""
 
 from __future__ import annotations
 
@@ -60,3 +70,70 @@ def decode_attention_kernel(q_ptr, ring_ptr, rows_ptr, pos_ptr, entries_ptr, cho
     out = acc / den[:, None]
     tl.store(out_ptr + (r.to(tl.int64) * H + heads)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=live[:, None])
+
+
+@triton.jit
+def decode_attention_split_kernel(q_ptr, ring_ptr, rows_ptr, pos_ptr, entries_ptr, chosen_ptr, acc_ptr, m_ptr, den_ptr,
+                                  scaling, n_chosen_stride, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                                  C: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr,
+                                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Heads program_id(0) * BH ..., row program_id(1), split program_id(2) of SPLIT: the online softmax over
+    the split's share of the row's key blocks, without the sink, into partials for ``merge_splits_kernel``:
+    acc [rows, H, SPLIT, D] (the unnormalised weighted sum), m and den [rows, H, SPLIT], FP32. The ring's
+    blocks then the entries' make one sequence; split s takes blocks s, s + SPLIT, ... (a block past the
+    last, or with no open key, leaves m = -inf, den = 0, acc = 0)."""
+    r = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = tl.program_id(0) * BH + tl.arange(0, BH)
+    live = heads < H
+    d = tl.arange(0, D)
+    slot = tl.load(rows_ptr + r).to(tl.int64)
+    pos = tl.load(pos_ptr + r)
+    q = tl.load(q_ptr + (r.to(tl.int64) * H + heads)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    m = tl.full([BH], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, D], dtype=tl.float32)
+    RING_BLOCKS: tl.constexpr = (W + BT - 1) // BT
+    BLOCKS: tl.constexpr = RING_BLOCKS + (C + BT - 1) // BT
+    PER_SPLIT: tl.constexpr = (BLOCKS + SPLIT - 1) // SPLIT
+    for i in range(0, PER_SPLIT):  # a constexpr trip count, the same in every split (no runtime-bounded loop)
+        block = split + i * SPLIT
+        in_ring = block < RING_BLOCKS
+        t = block * BT + tl.arange(0, BT)  # ring index, in a ring block
+        c = (block - RING_BLOCKS) * BT + tl.arange(0, BT)  # entry index, in an entry block
+        ring_open = in_ring & (t < W) & (t <= pos)
+        entry_here = (block >= RING_BLOCKS) & (c < C)  # false past the last block (c >= C) and in ring blocks
+        entry_open = tl.load(chosen_ptr + r.to(tl.int64) * n_chosen_stride + c, mask=entry_here, other=0) != 0
+        open_ = ring_open | entry_open
+        # one load a block, from the ring or the entries: the base and the index picked by the block's kind
+        base = tl.where(in_ring, ring_ptr + slot * W * D, entries_ptr + slot * C * D)
+        index = tl.where(in_ring, t, c)
+        keys = tl.load(base + index[:, None] * D + d[None, :], mask=open_[:, None], other=0.0)
+        m, den, acc = _block(q, keys, open_, m, den, acc, scaling, UPCAST, PRECISION)
+    part = (r.to(tl.int64) * H + heads) * SPLIT + split  # [BH]: this split's partial of each head
+    tl.store(m_ptr + part, m, mask=live)
+    tl.store(den_ptr + part, den, mask=live)
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=live[:, None])
+
+
+@triton.jit
+def merge_splits_kernel(acc_ptr, m_ptr, den_ptr, sinks_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr,
+                        SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr):
+    """Head program_id(0), row program_id(1): its SPLIT partials and the sink into the output, as the one-kernel
+    form does it (the sink in the max and the denominator only; a split with no open key weighs 0)."""
+    h = tl.program_id(0)
+    r = tl.program_id(1)
+    row_head = r.to(tl.int64) * H + h
+    s = tl.arange(0, SPLIT_P2)
+    here = s < SPLIT
+    m = tl.load(m_ptr + row_head * SPLIT + s, mask=here, other=float("-inf"))
+    den = tl.load(den_ptr + row_head * SPLIT + s, mask=here, other=0.0)
+    sink = tl.load(sinks_ptr + h).to(tl.float32)
+    top = tl.maximum(sink, tl.max(m, axis=0))
+    top_use = tl.where(top > float("-inf"), top, 0.0)  # nothing open, no sink: no NaN from -inf - -inf here
+    weight = tl.exp(m - top_use)  # [SPLIT_P2]; 0 for an empty split (m = -inf)
+    total = tl.where(sink > float("-inf"), tl.exp(sink - top_use), 0.0) + tl.sum(den * weight, axis=0)
+    d = tl.arange(0, D)
+    acc = tl.load(acc_ptr + (row_head * SPLIT + s)[:, None] * D + d[None, :], mask=here[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / total
+    tl.store(out_ptr + row_head * D + d, out.to(out_ptr.dtype.element_ty))

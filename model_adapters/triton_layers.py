@@ -27,7 +27,9 @@ import types
 import torch
 
 ENABLED = True  # a switch for comparisons (benchmarks/dsv4_flash_fullwidth.py measures both)
-BLOCK = 32  # tokens per program (hyper-connection weights)
+# hyper-connection weights: tokens per program and warps per program (a latency chain of 4 x 4 reductions at
+# any batch; benchmarks/bench_step_kernels.py sweeps both, fewer warps keeping a token's reductions in a warp)
+HYPER = {"block": 32, "warps": 4}
 NORM_BLOCK = 4096  # elements of a row per pass (RMSNorm)
 
 
@@ -214,8 +216,9 @@ def hyper_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, 
     comb = flat.new_empty(n, hc, hc)
     if n:
         with _on_device(flat):
-            _KERNEL[0][(-(-n // BLOCK),)](flat, base.float().contiguous(), scale.float().contiguous(), pre, post,
-                                          comb, n, eps, HC=hc, ITERS=iters, BLOCK=BLOCK)
+            block = HYPER["block"]
+            _KERNEL[0][(-(-n // block),)](flat, base.float().contiguous(), scale.float().contiguous(), pre, post,
+                                          comb, n, eps, HC=hc, ITERS=iters, BLOCK=block, num_warps=HYPER["warps"])
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 

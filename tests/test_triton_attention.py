@@ -1,7 +1,8 @@
-"""A decoding step's attention as one Triton kernel (``model_adapters/triton_attention.py``) against the
-gathered form it replaces (``attention_slots._attend_gathered``: eager's ``_attend`` over the rows' ring keys
-and entries, joined, with an additive mask), under Triton's interpreter on a CPU (on a GPU where there is
-one). Each check runs in a fresh process (``triton_process``)."""
+"""A decoding step's attention as one Triton kernel, or with its keys split over several programs and merged
+(``model_adapters/triton_attention.py``), against the gathered form it replaces
+(``attention_slots._attend_gathered``: eager's ``_attend`` over the rows' ring keys and entries, joined, with
+an additive mask), under Triton's interpreter on a CPU (on a GPU where there is one). Each check runs in a
+fresh process (``triton_process``)."""
 
 from __future__ import annotations
 
@@ -70,11 +71,93 @@ def test_the_kernel_attends_as_the_gathered_form(dtype):
     assert "ok" in out
 
 
-def test_a_model_decodes_from_slots_with_the_kernel_as_without():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_keys_split_over_programs_attend_as_the_gathered_form(dtype):
+    """The keys split over 2, 3, 4 and 8 programs a row (forced; 1 is the one kernel), with entries (7 key
+    blocks of 16) and without (4: 8 splits leave some with no block at all), three rows at different
+    positions (one whose keys all lie in the first block, so every other split has no open key), a -inf
+    sink in each head program: within float rounding of the gathered form, no NaN, and the split path ran
+    with the SPLIT asked. Left to choose, it splits on 132 SMs and not on one."""
+    out = _run(f"""
+        torch.manual_seed(0)
+        dt = torch.{dtype}
+        triton_attention.KEYS = 16  # small blocks: several a row at shapes the interpreter runs in seconds
+        slots, w, c, h, d = 5, 64, 40, 20, 32
+        ring = torch.randn(slots, w, d, device=DEVICE).to(dt)
+        entries = torch.randn(slots, c, d, device=DEVICE).to(dt)
+        rows = torch.tensor([3, 0, 4], device=DEVICE)
+        positions = torch.tensor([5, 70, 40], device=DEVICE)
+        chosen = torch.rand(3, c, device=DEVICE) < 0.5
+        chosen[0] = False
+        sinks = torch.randn(h, device=DEVICE) * 2
+        sinks[[1, 17]] = float("-inf")
+        q = (torch.randn(3, h, 1, d, device=DEVICE) * 0.5).to(dt)
+        scaling = d ** -0.5
+        tol = 1e-5 if dt == torch.float32 else 2e-2
+        splits = []  # the SPLIT of each launch of the split path
+        split_attention = triton_attention._split_attention
+
+        def counted(*args):
+            splits.append(args[-2])
+            return split_attention(*args)
+
+        triton_attention._split_attention = counted
+        for e, ch in ((entries, chosen), (None, None)):
+            ref = gathered(q, ring, rows, positions, e, ch, sinks, scaling)
+            for split in (1, 2, 3, 4, 8):
+                triton_attention.SPLIT["force"] = split
+                splits.clear()
+                got = triton_attention.decode_attention(q, ring, rows, positions, e, ch, sinks, scaling)
+                assert splits == ([] if split == 1 else [split]), (split, splits)
+                assert got.shape == ref.shape == (3, h, 1, d) and got.dtype == dt
+                assert not got.isnan().any(), split
+                err = (got.float() - ref.float()).abs().max().item()
+                assert err <= tol, (split, e is None, err)
+        triton_attention.SPLIT["force"] = 0
+        ref = gathered(q, ring, rows, positions, entries, chosen, sinks, scaling)
+        for sms, split in ((132, 4), (1, None)):  # 6 programs; 7 blocks: 4 splits on 132 SMs
+            triton_attention.INTERPRETED_SMS = sms  # the interpreter's SMs
+            triton_attention._cuda_sms = lambda index: sms  # a GPU's
+            splits.clear()
+            got = triton_attention.decode_attention(q, ring, rows, positions, entries, chosen, sinks, scaling)
+            assert splits == ([split] if split else []), (sms, splits)
+            assert (got.float() - ref.float()).abs().max().item() <= tol
+        print("ok")
+    """)
+    assert "ok" in out
+
+
+def test_the_split_follows_the_batch_and_the_sms():
+    """``key_splits`` from static shapes: DeepSeek-V4-Flash's attention (64 heads, a 128-key ring, 512
+    entries) on 132 SMs splits batch 1 sixteen ways (four in a sliding-window layer: one split a ring block),
+    batch 16 four ways, and batch 64 and 256 not at all; programs_per_sm 0 never splits; force wins; off
+    CUDA the SMs are INTERPRETED_SMS."""
+    from evalgate.model_adapters import triton_attention as ta
+
+    assert [ta.key_splits(b, 64, 128, 512, 132) for b in (1, 2, 16, 64, 256)] == [16, 16, 4, 1, 1]
+    assert ta.key_splits(1, 64, 128, 0, 132) == 4
+    assert ta.key_splits(1, 64, 128, 512, 1) == 1  # 4 programs already past 2 x 1 SM
+    saved, sms = dict(ta.SPLIT), ta.INTERPRETED_SMS
+    try:
+        ta.SPLIT["programs_per_sm"] = 0
+        assert ta.key_splits(1, 64, 128, 512, 132) == 1
+        ta.SPLIT["force"] = 3
+        assert ta.key_splits(256, 64, 128, 512, 132) == 3
+        ta.INTERPRETED_SMS = 77
+        assert ta.sm_count("cpu") == 77
+    finally:
+        ta.SPLIT.clear()
+        ta.SPLIT.update(saved)
+        ta.INTERPRETED_SMS = sms
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_a_model_decodes_from_slots_with_the_kernel_as_without(split):
     """The tiny three-kind model (sliding, CSA, HCA) decoding four rows from slots for 12 steps: with the
-    kernel bound (what a GPU with PyTorch's numerics runs) the logits are those of the gathered form within
-    float rounding, and the greedy tokens are the same."""
-    out = _run("""
+    kernel bound (what a GPU with PyTorch's numerics runs), its keys in one program a row or split over two,
+    the logits are those of the gathered form within float rounding, and the greedy tokens are the same."""
+    out = _run(f"""
+        triton_attention.SPLIT["force"] = {split}
         from test_attention import _model
         from test_attention_slots import agree_within_rounding, slot_logits_with_and_without
 

@@ -26,12 +26,13 @@ def _run(body: str) -> str:
     return run(SETUP, body)
 
 
-@pytest.mark.parametrize("hc", [2, 4])
-def test_the_kernel_computes_transformers_weights(hc):
-    """pre, post and comb of 70 tokens (three programs, the last one partial) for hc streams, from mixes
-    with a large spread, against transformers' module on the same inputs: within float rounding, and comb
-    doubly stochastic."""
+@pytest.mark.parametrize("hc, block, warps", [(2, 32, 4), (4, 32, 4), (4, 8, 1)])
+def test_the_kernel_computes_transformers_weights(hc, block, warps):
+    """pre, post and comb of 70 tokens (three programs of the default 32 tokens, the last one partial; nine
+    of 8) for hc streams, from mixes with a large spread, against transformers' module on the same inputs:
+    within float rounding, and comb doubly stochastic."""
     out = _run(f"""
+        triton_layers.HYPER.update(block={block}, warps={warps})
         torch.manual_seed(0)
         cfg = tiny_config(64, hc_mult={hc})
         module = DeepseekV4HyperConnection(cfg).to(DEVICE)

@@ -1,0 +1,187 @@
+"""Time two of a decoding step's small Triton kernels at decoding batches: the attention with its keys in one
+program a row against split over several (flash-decoding), and the hyper-connection weights' tilings.
+
+    python benchmarks/bench_step_kernels.py --device cuda                        # H200, DeepSeek-V4-Flash shapes
+    python benchmarks/bench_step_kernels.py --device cuda --splits 2,4,8,16 --reps 200
+    python benchmarks/bench_step_kernels.py --device cpu --reps 2                # Triton's interpreter, tiny shapes
+
+Prints numbers; not a test. (a) ``triton_attention.decode_attention`` at each of ``--batches`` with
+``--shape`` (dsv4-flash: 64 heads of 512, one shared key-value head, a 128-key ring, 512 compressed entries of
+which about half chosen, BF16; a sliding-window layer too, no entries) with SPLIT forced to 1 (the one
+kernel), the automatic choice (``key_splits``) and each of ``--splits``: µs per call and the largest
+difference from SPLIT 1's output. (b) ``triton_layers.hyper_weights`` (hc 4, 20 Sinkhorn steps) at 1 and
+256 tokens for every ``HYPER`` warps x block: µs per call and whether its outputs have the default
+setting's bits. On CUDA a call is timed by CUDA events over ``--reps`` replays of a CUDA graph of
+``--graph-calls`` calls on the same inputs (after a warm-up that compiles), so the keys come from L2 as they
+may not in a real step; on a CPU (Triton's interpreter) by the wall clock over ``--reps`` calls, which proves
+the script runs and says nothing of speed. Off CUDA the automatic SPLIT counts ``--sms`` SMs (default an
+H200's 132).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+SHAPES = {
+    "dsv4-flash": dict(heads=64, head_dim=512, window=128, entries=512),
+    "tiny": dict(heads=32, head_dim=64, window=32, entries=64),
+}
+
+
+def time_call(fn, device: str, reps: int, graph_calls: int) -> float:
+    """µs per call of ``fn`` (see the module's docstring)."""
+    import torch
+
+    fn()  # compiles
+    if device != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps * 1e6
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # a warm-up off the default stream, as graph capture asks
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(graph_calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * graph_calls)
+
+
+def attention_inputs(shape: dict, batch: int, with_entries: bool, device: str, seed: int = 0):
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    h, d, w, c = shape["heads"], shape["head_dim"], shape["window"], shape["entries"]
+    ring = torch.randn(batch, w, d, generator=g).bfloat16().to(device)
+    rows = torch.randperm(batch, generator=g).to(device)
+    positions = torch.randint(w, 8192, (batch,), generator=g).to(device)  # past the first window: all W keys open
+    q = (torch.randn(batch, h, 1, d, generator=g) * 0.5).bfloat16().to(device)
+    sinks = torch.randn(h, generator=g).to(device)
+    entries = chosen = None
+    if with_entries:
+        entries = torch.randn(batch, c, d, generator=g).bfloat16().to(device)
+        chosen = (torch.rand(batch, c, generator=g) < 0.5).to(device)
+    return q, ring, rows, positions, entries, chosen, sinks, d ** -0.5
+
+
+def bench_attention(args, shape: dict) -> list[tuple]:
+    import torch
+
+    from evalgate.model_adapters import triton_attention as ta
+
+    rows = []
+    sms = ta.sm_count(args.device)
+    forced = [int(s) for s in args.splits.split(",") if s]
+    for layer, with_entries in (("csa", True), ("sliding", False)):
+        for batch in (int(b) for b in args.batches.split(",")):
+            inputs = attention_inputs(shape, batch, with_entries, args.device)
+            c = shape["entries"] if with_entries else 0
+            auto = ta.key_splits(batch, shape["heads"], shape["window"], c, sms)
+
+            def run(split: int):
+                saved = ta.SPLIT["force"]
+                ta.SPLIT["force"] = split  # 0: the automatic choice
+                try:
+                    out = ta.decode_attention(*inputs)
+                    us = time_call(lambda: ta.decode_attention(*inputs), args.device, args.reps, args.graph_calls)
+                finally:
+                    ta.SPLIT["force"] = saved
+                return out, us
+
+            one, us_one = run(1)
+            rows.append((layer, batch, "1", us_one, 0.0))
+            for label, split in [(f"auto={auto}", 0)] + [(str(s), s) for s in forced if s not in (1, auto)]:
+                out, us = run(split)
+                rows.append((layer, batch, label, us, (out.float() - one.float()).abs().max().item()))
+            del inputs, one
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def bench_hyper(args) -> list[tuple]:
+    import torch
+
+    from evalgate.model_adapters import triton_layers as layers
+
+    hc, iters, eps = 4, 20, 1e-6
+    g = torch.Generator(device="cpu").manual_seed(0)
+    base = torch.randn((2 + hc) * hc, generator=g).to(args.device)
+    scale = torch.tensor([1.0, 0.5, 4.0]).to(args.device)
+    default = dict(layers.HYPER)
+    rows = []
+    for tokens in (1, 256):
+        mixes = (torch.randn(tokens, (2 + hc) * hc, generator=g) * 2).to(args.device)
+        reference = layers.hyper_weights(mixes, base, scale, hc, iters, eps)
+        for warps in (1, 2, 4):
+            for block in (8, 16, 32):
+                layers.HYPER.update(warps=warps, block=block)
+                try:
+                    out = layers.hyper_weights(mixes, base, scale, hc, iters, eps)
+                    us = time_call(lambda: layers.hyper_weights(mixes, base, scale, hc, iters, eps), args.device,
+                                   args.reps, args.graph_calls)
+                finally:
+                    layers.HYPER.update(default)
+                same = all(torch.equal(a, b) for a, b in zip(out, reference))
+                rows.append((tokens, warps, block, us, same))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="[default: dsv4-flash on cuda, tiny on cpu]")
+    p.add_argument("--batches", default=None, help="attention batches [default: 1,16,64,256 on cuda, 1,4 on cpu]")
+    p.add_argument("--splits", default="", help="SPLITs to force besides 1 and the automatic one, e.g. 2,4,8,16")
+    p.add_argument("--reps", type=int, default=100, help="timed graph replays (CUDA) or calls (CPU)")
+    p.add_argument("--graph-calls", type=int, default=10, help="calls captured in one CUDA graph")
+    p.add_argument("--sms", type=int, default=132, help="SMs the automatic SPLIT counts off CUDA")
+    p.add_argument("--skip", default="", help="comma-separated parts to leave out: attention, hyper")
+    args = p.parse_args(argv)
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # read when Triton is first imported: before any kernel module
+    shape = SHAPES[args.shape or ("dsv4-flash" if args.device == "cuda" else "tiny")]
+    args.batches = args.batches or ("1,16,64,256" if args.device == "cuda" else "1,4")
+
+    import torch
+
+    from evalgate.model_adapters import triton_attention as ta
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("no CUDA device: --device cpu runs under Triton's interpreter")
+        where = f"{torch.cuda.get_device_name()}, {ta.sm_count('cuda')} SMs"
+    else:
+        ta.INTERPRETED_SMS = args.sms
+        where = f"CPU under Triton's interpreter, counting {args.sms} SMs"
+    print(f"{where}; SPLIT {ta.SPLIT}, HEADS {ta.HEADS}, KEYS {ta.KEYS}")
+    skip = set(args.skip.split(","))
+    if "attention" not in skip:
+        print(f"\ndecode_attention, BF16: {shape['heads']} heads of {shape['head_dim']}, a {shape['window']}-key ring, "
+              f"and {shape['entries']} entries about half chosen (csa) or none (sliding)")
+        print(f"{'layer':8} {'batch':>5} {'split':>8} {'us/call':>9} {'max|diff| vs split 1':>21}")
+        for layer, batch, split, us, diff in bench_attention(args, shape):
+            print(f"{layer:8} {batch:5d} {split:>8} {us:9.2f} {diff:21.3g}")
+    if "hyper" not in skip:
+        print("\nhyper_weights, hc 4, 20 Sinkhorn steps, FP32 (default HYPER: block 32, 4 warps)")
+        print(f"{'tokens':>6} {'warps':>5} {'block':>5} {'us/call':>9}  bits of the default")
+        for tokens, warps, block, us, same in bench_hyper(args):
+            print(f"{tokens:6d} {warps:5d} {block:5d} {us:9.2f}  {'same' if same else 'DIFFERENT'}")
+
+
+if __name__ == "__main__":
+    main()
