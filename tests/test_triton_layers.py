@@ -82,7 +82,79 @@ def test_a_model_with_the_kernel_gives_transformers_logits():
                  if type(m).__name__ in triton_layers.FORWARDS]
         assert {name for name, _ in bound} == set(triton_layers.FORWARDS)
         assert all(f is triton_layers.FORWARDS[name] for name, f in bound)  # every kernel ran, no fallback
+        assert not triton_layers._MIX_FAILED
         assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item(), (got - ref).abs().max()
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("hc,width", [(4, 3000), (2, 200)])
+def test_the_mixing_kernels_compute_transformers_streams(dtype, hc, width):
+    """``hyper_collapse`` and ``hyper_mix`` against transformers' expressions (the decoder layer's), streams
+    with a large spread: the same roundings, so apart by at most a rounding step of the terms where the sums'
+    order differs, and in BF16 nearly every element bit-identical. 3000 wide: three programs a token, the last
+    partial."""
+    out = _run(f"""
+        torch.manual_seed(2)
+        dtype = torch.{dtype}
+        streams = (torch.randn(3, 5, {hc}, {width}, device=DEVICE) * torch.rand(3, 5, {hc}, 1, device=DEVICE) * 8
+                   ).to(dtype)
+        output = torch.randn(3, 5, {width}, device=DEVICE).to(dtype)
+        pre = torch.rand(3, 5, {hc}, device=DEVICE) + 0.1
+        post = torch.rand(3, 5, {hc}, device=DEVICE) * 2
+        comb = torch.rand(3, 5, {hc}, {hc}, device=DEVICE)
+        comb = comb / comb.sum(-1, keepdim=True)
+        with torch.no_grad():
+            got = [triton_layers.hyper_collapse(pre, streams), triton_layers.hyper_mix(post, comb, output, streams)]
+        assert not triton_layers._MIX_FAILED, triton_layers._MIX_FAILED
+        ref = [(pre.unsqueeze(-1) * streams).sum(dim=2).to(dtype),
+               post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
+                                                                                   streams)]
+        # the terms' size: a rounding step of it bounds a different order of the sums (and cancellation)
+        h = streams.float().abs()
+        size = [(pre.unsqueeze(-1) * h).sum(dim=2),
+                post.unsqueeze(-1) * output.float().abs().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), h)]
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22
+        for name, a, b, scale in zip(("collapse", "mix"), got, ref, size):
+            assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype)
+            a, b = a.float(), b.float()
+            step = 2 * ulp * scale + 1e-30
+            assert ((a - b).abs() <= step).all(), (name, ((a - b).abs() / step).max())
+            same = (a == b).float().mean().item()
+            if dtype == torch.bfloat16:  # BF16 products are exact in FP32: only a sum's order can differ
+                assert same >= 0.98, (name, same)
+            print(name, "bit-identical", same)
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
+def test_a_mixing_kernel_that_fails_leaves_transformers_expression():
+    """A mixing kernel that cannot build or launch: a warning and transformers' expression for that call and
+    every later one (the decoder layer is not run again: its attention has written the cache)."""
+    out = _run("""
+        import warnings
+        from evalgate.model_adapters import triton_hyper_kernel
+
+        class Broken:
+            def __getitem__(self, grid):
+                raise RuntimeError("no kernel for you")
+
+        triton_hyper_kernel.hyper_mix_kernel = Broken()
+        streams = torch.randn(2, 1, 4, 64, device=DEVICE).to(torch.bfloat16)
+        output = torch.randn(2, 1, 64, device=DEVICE).to(torch.bfloat16)
+        post, comb = torch.rand(2, 1, 4, device=DEVICE), torch.rand(2, 1, 4, 4, device=DEVICE)
+        ref = post.to(streams.dtype).unsqueeze(-1) * output.unsqueeze(-2) + torch.matmul(
+            comb.to(streams.dtype).transpose(-1, -2), streams)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = triton_layers.hyper_mix(post, comb, output, streams)
+            again = triton_layers.hyper_mix(post, comb, output, streams)
+        assert torch.equal(got, ref) and torch.equal(again, ref)
+        assert [str(w.message) for w in caught if "no kernel for you" in str(w.message)], caught
+        assert len(triton_layers._MIX_FAILED) == 1
         print("ok")
     """)
     assert out.strip().endswith("ok")
