@@ -20,8 +20,8 @@ H200's 132).
 Measured on an H200 (2026-12-03, the first command above with --splits 2,4,8,16, one run): the CSA
 layer's attention 44.0 -> 9.6 µs at batch 1 (auto SPLIT 16) and 44.7 -> 23.7 at batch 16 (4), the sliding
 layer's 10.7 -> 7.2 at batch 1 (4) and 11.1 -> 11.4 at batch 16 (4: a wash); batch 64 and 256 keep SPLIT 1
-(forced splits there cost 1.4 to 3x). hyper_weights 9.1 µs at the default (block 32, 4 warps), 3.4 to 3.5
-at 1 warp with block 8 or 16, with the default's bits, at 1 and 256 tokens alike.
+(forced splits there cost 1.4 to 3x). hyper_weights 9.1 µs with 4 warps of 32 tokens, 3.4 to 3.5 with one
+warp of 8 or 16 (the default: 8), with the same bits, at 1 and 256 tokens alike.
 """
 
 from __future__ import annotations
@@ -183,7 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         for layer, batch, split, us, diff in bench_attention(args, shape):
             print(f"{layer:8} {batch:5d} {split:>8} {us:9.2f} {diff:21.3g}")
     if "hyper" not in skip:
-        print("\nhyper_weights, hc 4, 20 Sinkhorn steps, FP32 (default HYPER: block 32, 4 warps)")
+        from evalgate.model_adapters.triton_layers import HYPER
+
+        print(f"\nhyper_weights, hc 4, 20 Sinkhorn steps, FP32 (default HYPER: block {HYPER['block']}, "
+              f"{HYPER['warps']} warps)")
         print(f"{'tokens':>6} {'warps':>5} {'block':>5} {'us/call':>9}  bits of the default")
         for tokens, warps, block, us, same in bench_hyper(args):
             print(f"{tokens:6d} {warps:5d} {block:5d} {us:9.2f}  {'same' if same else 'DIFFERENT'}")

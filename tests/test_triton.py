@@ -110,17 +110,19 @@ def _routing_case(t, k, experts, seed):
 
 
 @here
-@pytest.mark.parametrize("t,k,experts,bm", [(1, 6, 256, 16), (3, 2, 5, 16), (40, 6, 8, 32), (600, 6, 256, 16),
-                                            (2, 8, 3, 16)])
-def test_the_routing_kernel_gives_the_torch_definitions_integers(t, k, experts, bm):
-    """One program (`routing._route`) against SortedRows.torch + gemm.tile_schedule: every field, the
-    padding tiles included (600 x 6 rows: more tiles than one pass of TILE_BLOCK, a 4096-lane sort)."""
+@pytest.mark.parametrize("t,k,experts,bm,one_program", [
+    (1, 6, 256, 16, True), (3, 2, 5, 16, True), (2, 8, 3, 16, True), (21, 6, 8, 16, True),
+    (40, 6, 8, 32, False), (64, 6, 256, 16, False), (600, 6, 256, 16, False), (682, 6, 7, 16, False)])
+def test_the_routing_kernels_give_the_torch_definitions_integers(t, k, experts, bm, one_program):
+    """`routing.route` on its kernels (one program up to ONE_PROGRAM_ROWS, else a counting sort over chunks)
+    against SortedRows.torch + gemm.tile_schedule: every field, the padding tiles included (600 x 6 rows:
+    more tiles than one pass of TILE_BLOCK and 29 chunks; 682 x 6: the last of 32 chunks partial)."""
     from evalgate.kernels.triton import routing
     from evalgate.kernels.triton.gemm import tile_schedule
 
     idx, w = _routing_case(t, k, experts, seed=t * k + experts)
     s = t * k
-    assert routing.fits_one_program(s, experts)
+    assert routing.fits(s, experts) and (s <= routing.ONE_PROGRAM_ROWS) == one_program
     count = torch.full((6,), 7, dtype=torch.int32, device=DEVICE)  # garbage: the kernel sets them
     hi = torch.full((s,), 3, dtype=torch.int32, device=DEVICE)
     lo = torch.full((s,), 3, dtype=torch.int32, device=DEVICE)
