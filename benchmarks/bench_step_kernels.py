@@ -87,10 +87,11 @@ def attention_inputs(shape: dict, batch: int, with_entries: bool, device: str, s
 def bench_attention(args, shape: dict) -> list[tuple]:
     import torch
 
+    from evalgate.kernels.triton import availability
     from evalgate.model_adapters import triton_attention as ta
 
     rows = []
-    sms = ta.sm_count(args.device)
+    sms = availability.sm_count(args.device)
     forced = [int(s) for s in args.splits.split(",") if s]
     for layer, with_entries in (("csa", True), ("sliding", False)):
         for batch in (int(b) for b in args.batches.split(",")):
@@ -165,14 +166,15 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    from evalgate.kernels.triton import availability
     from evalgate.model_adapters import triton_attention as ta
 
     if args.device == "cuda":
         if not torch.cuda.is_available():
             sys.exit("no CUDA device: --device cpu runs under Triton's interpreter")
-        where = f"{torch.cuda.get_device_name()}, {ta.sm_count('cuda')} SMs"
+        where = f"{torch.cuda.get_device_name()}, {availability.sm_count('cuda')} SMs"
     else:
-        ta.INTERPRETED_SMS = args.sms
+        availability.INTERPRETED_SMS = args.sms
         where = f"CPU under Triton's interpreter, counting {args.sms} SMs"
     print(f"{where}; SPLIT {ta.SPLIT}, HEADS {ta.HEADS}, KEYS {ta.KEYS}")
     skip = set(args.skip.split(","))

@@ -22,8 +22,6 @@ attention (``invariant_compressed.attend``).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 HEADS = 16  # heads per program (tl.dot needs 16 rows); a program reads its row's keys once per 16 heads
@@ -33,27 +31,11 @@ STAGES = 2  # pipelined tiles: with 64 keys and 3 stages a 512-wide head asked 4
 # programs_per_sm x the SMs and a key block for every split; programs_per_sm 0 never splits; force > 0 takes
 # that SPLIT whatever the shapes (tests, benchmarks/bench_step_kernels.py)
 SPLIT = {"programs_per_sm": 2, "force": 0}
-INTERPRETED_SMS = 1  # the SMs counted under Triton's interpreter or off CUDA (a test can raise it)
 
 
 def supported(head_dim: int) -> bool:
     """The kernel holds a head in one tile: a power of two, at least 16 (tl.dot)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device) -> int:
-    """The device's SMs (INTERPRETED_SMS under the interpreter or off CUDA)."""
-    from evalgate.kernels.triton.availability import interpreted
-
-    device = torch.device(device)
-    if interpreted() or device.type != "cuda":
-        return INTERPRETED_SMS
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def key_blocks(window: int, entries: int) -> int:
@@ -95,7 +77,7 @@ def decode_attention(query: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor
         c = entries.shape[1]
         chosen = chosen.contiguous().view(torch.uint8) if chosen.dtype == torch.bool else chosen.contiguous()
     if b:
-        from evalgate.kernels.triton.availability import interpreted
+        from evalgate.kernels.triton.availability import interpreted, sm_count
         from evalgate.model_adapters.triton_attention_kernel import decode_attention_kernel
         from evalgate.model_adapters.triton_layers import _on_device
 

@@ -16,6 +16,7 @@ pytestmark = needs_triton
 SETUP = """
 import types
 import torch
+from evalgate.kernels.triton import availability
 from evalgate.model_adapters import attention_slots, triton_attention
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -116,8 +117,8 @@ def test_keys_split_over_programs_attend_as_the_gathered_form(dtype):
         triton_attention.SPLIT["force"] = 0
         ref = gathered(q, ring, rows, positions, entries, chosen, sinks, scaling)
         for sms, split in ((132, 4), (1, None)):  # 6 programs; 7 blocks: 4 splits on 132 SMs
-            triton_attention.INTERPRETED_SMS = sms  # the interpreter's SMs
-            triton_attention._cuda_sms = lambda index: sms  # a GPU's
+            availability.INTERPRETED_SMS = sms  # the interpreter's SMs
+            availability._cuda_sms = lambda index: sms  # a GPU's
             splits.clear()
             got = triton_attention.decode_attention(q, ring, rows, positions, entries, chosen, sinks, scaling)
             assert splits == ([split] if split else []), (sms, splits)
@@ -131,24 +132,25 @@ def test_the_split_follows_the_batch_and_the_sms():
     """``key_splits`` from static shapes: DeepSeek-V4-Flash's attention (64 heads, a 128-key ring, 512
     entries) on 132 SMs splits batch 1 sixteen ways (four in a sliding-window layer: one split a ring block),
     batch 16 four ways, and batch 64 and 256 not at all; programs_per_sm 0 never splits; force wins; off
-    CUDA the SMs are INTERPRETED_SMS."""
+    CUDA the SMs are availability.INTERPRETED_SMS."""
+    from evalgate.kernels.triton import availability
     from evalgate.model_adapters import triton_attention as ta
 
     assert [ta.key_splits(b, 64, 128, 512, 132) for b in (1, 2, 16, 64, 256)] == [16, 16, 4, 1, 1]
     assert ta.key_splits(1, 64, 128, 0, 132) == 4
     assert ta.key_splits(1, 64, 128, 512, 1) == 1  # 4 programs already past 2 x 1 SM
-    saved, sms = dict(ta.SPLIT), ta.INTERPRETED_SMS
+    saved, sms = dict(ta.SPLIT), availability.INTERPRETED_SMS
     try:
         ta.SPLIT["programs_per_sm"] = 0
         assert ta.key_splits(1, 64, 128, 512, 132) == 1
         ta.SPLIT["force"] = 3
         assert ta.key_splits(256, 64, 128, 512, 132) == 3
-        ta.INTERPRETED_SMS = 77
-        assert ta.sm_count("cpu") == 77
+        availability.INTERPRETED_SMS = 77
+        assert availability.sm_count("cpu") == 77
     finally:
         ta.SPLIT.clear()
         ta.SPLIT.update(saved)
-        ta.INTERPRETED_SMS = sms
+        availability.INTERPRETED_SMS = sms
 
 
 @pytest.mark.parametrize("split", [1, 2])

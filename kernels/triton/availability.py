@@ -24,6 +24,27 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+INTERPRETED_SMS = 1  # the SMs `sm_count` gives under the interpreter or off CUDA (a test raises it to split)
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """The device's SMs, which size the split launches (split K, split attention); INTERPRETED_SMS under the
+    interpreter or off CUDA."""
+    import torch
+
+    device = torch.device(device)
+    if interpreted() or device.type != "cuda":
+        return INTERPRETED_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def unavailable_reason(device_type: str) -> str | None:
     """Why the Triton path cannot run on tensors of `device_type`, or None when it can."""
     err = _import_error()

@@ -59,7 +59,7 @@ import triton.language as tl
 
 from .. import canonical
 from ..formats import EPILOGUE, format_max
-from .availability import interpreted
+from .availability import interpreted, sm_count
 from .quantize import group_codes, pow2_f32
 
 # GPU tilings (bm 0: gemm.block_m) and the weight decode (DECODES); benchmarks sweep them
@@ -825,22 +825,6 @@ def _bm(rows: int, experts: int) -> int:
     while bm < FAST["bm_max"] and per_expert > bm:
         bm *= 2
     return bm
-
-
-INTERPRETED_SMS = 1  # the SMs `_split_k` counts under the interpreter (tests force a split with FAST["split_k"])
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device) -> int:
-    """The device's SMs (INTERPRETED_SMS under the interpreter or off CUDA)."""
-    device = torch.device(device)
-    if interpreted() or device.type != "cuda":
-        return INTERPRETED_SMS
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _split_k(programs: int, k: int, bk: int, device) -> tuple[int, int]:
