@@ -15,7 +15,8 @@ batch of ``--batches``: prefill that many GSM8K prompts (each prompt's prefill a
 as a gate pays them; then every prompt again, to tell one-time costs from a prompt's own), time ``--steps``
 decoding steps (median) from each cache of ``--cache`` (transformers'; per-row slots; slots with each step a
 CUDA graph of the whole step; the slots' steps once per ``--fused`` choice of hyper-connection, RMSNorm, RoPE,
-compressor and attention forwards), and hold each step against its weight-read floor (``step_floor``), with the copy bandwidth of the device measured in this run; then
+compressor and attention forwards), and hold each step against its weight-read floor (``step_floor``), with
+the copy bandwidth of the device measured in this run; then
 project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``).
 
 The configuration is DeepSeek-V4-Flash's (``flash_config``); each value names its source.

@@ -247,6 +247,14 @@ def _mixes_on_triton(streams: torch.Tensor) -> bool:
     return not _MIX_FAILED and streams.dtype in (torch.bfloat16, torch.float32) and streams.numel() > 0
 
 
+def _token_streams(streams: torch.Tensor):
+    """(streams as contiguous [tokens, hc, D], hc, D, the launch grid, BLOCK_D) for the mixing kernels."""
+    hc, d = streams.shape[-2:]
+    block = min(MIX_BLOCK, 1 << max(0, d - 1).bit_length())
+    flat = streams.reshape(-1, hc, d).contiguous()
+    return flat, hc, d, (flat.shape[0], -(-d // block)), block
+
+
 def _mix_failed(exc: Exception) -> None:
     import warnings
 
@@ -259,13 +267,11 @@ def hyper_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     if _mixes_on_triton(streams):
         from evalgate.model_adapters.triton_hyper_kernel import hyper_collapse_kernel
 
-        hc, d = streams.shape[-2:]
-        flat = streams.reshape(-1, hc, d).contiguous()
+        flat, hc, d, grid, block = _token_streams(streams)
         out = torch.empty(flat.shape[0], d, dtype=streams.dtype, device=streams.device)
-        block = min(MIX_BLOCK, 1 << max(0, d - 1).bit_length())
         try:
             with _on_device(flat):
-                hyper_collapse_kernel[(flat.shape[0], -(-d // block))](
+                hyper_collapse_kernel[grid](
                     pre.reshape(-1, hc).float().contiguous(), flat, out, D=d, HC=hc, BLOCK_D=block,
                     BF16=streams.dtype == torch.bfloat16)
             return out.view(streams.shape[:-2] + (d,))
@@ -282,13 +288,11 @@ def hyper_mix(post: torch.Tensor, comb: torch.Tensor, output: torch.Tensor, stre
     if _mixes_on_triton(streams):
         from evalgate.model_adapters.triton_hyper_kernel import hyper_mix_kernel
 
-        hc, d = streams.shape[-2:]
-        flat = streams.reshape(-1, hc, d).contiguous()
+        flat, hc, d, grid, block = _token_streams(streams)
         out = torch.empty_like(flat)
-        block = min(MIX_BLOCK, 1 << max(0, d - 1).bit_length())
         try:
             with _on_device(flat):
-                hyper_mix_kernel[(flat.shape[0], -(-d // block))](
+                hyper_mix_kernel[grid](
                     post.reshape(-1, hc).float().contiguous(), comb.reshape(-1, hc, hc).float().contiguous(),
                     output.reshape(-1, d).to(streams.dtype).contiguous(), flat, out, D=d, HC=hc, BLOCK_D=block,
                     BF16=streams.dtype == torch.bfloat16)

@@ -31,7 +31,7 @@ Split K (FAST["split_k"], `_split_k`): where the grid of (tile, column block) pr
 expert: decoding), each GEMM's K loop is split over SPLIT programs (a third grid axis; SPLIT from static
 shapes only, so a CUDA graph replays the same launches). Each adds its int32 sums per limb into a zeroed
 int32 buffer [limbs, S, N] with atomics (`_add_partials`): integers, so the totals are the same in any order;
-after every limb count's launch one small kernel per GEMM (`_l1_split_epilogue`, `_l2_split_epilogue`) runs
+after the GEMM's split launch one small kernel per GEMM (`_l1_split_epilogue`, `_l2_split_epilogue`) runs
 the same epilogue (`_l1_epilogue`, `_l2_store`) once per tile and column block from the totals (limbs above
 the tile's are 0 there: the same integer, rounded once to FP32 as before). Not with `halves` (L2 tiles of
 FAST["half2"] rows, never a small grid).
@@ -434,7 +434,7 @@ def _l1_split_epilogue(ACC, ACC_STRIDE, P, NEED, RW, WLO, SILU, TILE_EXPERT, TIL
                        LIMIT: tl.constexpr, SILU_LIMIT: tl.constexpr, E4M3: tl.constexpr, DIV: tl.constexpr,
                        F: tl.constexpr, INV_F: tl.constexpr, CLAMP_LO: tl.constexpr, CLAMP_HI: tl.constexpr,
                        FLOOR: tl.constexpr):
-    """After the split launches of `_l1_kernel` (every limb count): per tile with fast rows x BN gate
+    """After the split launch of `_l1_kernel` (every tile, its own limbs): per tile with fast rows x BN gate
     columns, steps 4-6 from the summed int32 limbs in ACC, as `_l1_kernel` does from its registers."""
     e, rows, keep, limbs, _ = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
     if e < 0:
@@ -606,7 +606,7 @@ def _l2_store(out, rows, keep, cols, SLOT, OUT, N: tl.constexpr):
 @triton.jit
 def _l2_split_epilogue(ACC, ACC_STRIDE, P, NEED, SLOT, WLO, TILE_EXPERT, TILE_BEGIN, TILE_END, OUT,
                        N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """After the split launches of `_l2_kernel` (every limb count): per tile with fast rows x BN columns,
+    """After the split launch of `_l2_kernel` (every tile, its own limbs): per tile with fast rows x BN columns,
     step 7 from the summed int32 limbs in ACC, as `_l2_kernel` does from its registers."""
     e, rows, keep, limbs, _ = _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM)
     if e < 0:

@@ -2,7 +2,7 @@
 
 | step | where |
 |---|---|
-| 0 routing | the (token, slot) rows sorted by expert and the GEMMs' tile schedule: one Triton kernel where the rows fit one program (`routing.route`: decoding), torch above |
+| 0 routing | the (token, slot) rows sorted by expert and the GEMMs' tile schedule: Triton up to `routing.ROUTE_MAX_ROWS` rows (`routing.route`: one kernel, or two over chunks of rows; decoding), torch above |
 | 1 weights | packed codes + UE8M0 bytes read inside the GEMM kernels (no dequantized copy) |
 | 2 input quantization | Triton (`quantize`); fault (b)'s misread FP8 bytes: torch |
 | 3-6 L1 GEMM, BF16 round, clamp, SwiGLU, router weight, re-quantization | fast rows: one Triton kernel (`fast.l1_gemm`: int8 GEMM + epilogue, silu from a table of the emulator's own values); other rows: `gemm.int_gemm` per 32-block, the emulator's torch functions, `quantize` (uncertified rows on the host, `certify`) |

@@ -184,7 +184,12 @@ def _route_chunk_place(IDX, TW, HIST, BASE, ROWS, EXPERT, TOKEN, W, COUNTS, TILE
 
 def fits(rows: int, num_experts: int) -> bool:
     """Whether `route` runs these rows on its kernels (else on the torch definition)."""
-    return 0 < rows <= ROUTE_MAX_ROWS and (num_experts + 1) * triton.next_power_of_2(rows) < 2**31
+    return 0 < rows <= ROUTE_MAX_ROWS
+
+
+def _one_program(rows: int, num_experts: int) -> bool:
+    """Whether `_route` takes these rows: few enough, and its sort keys (expert x SP + row) fit an int32."""
+    return rows <= ONE_PROGRAM_ROWS and (num_experts + 1) * max(16, triton.next_power_of_2(rows)) < 2**31
 
 
 def route(top_k_index, top_k_weights, num_experts: int, bm: int, count: torch.Tensor, hi: torch.Tensor,
@@ -212,7 +217,7 @@ def route(top_k_index, top_k_weights, num_experts: int, bm: int, count: torch.Te
     idx, tw = top_k_index.contiguous(), top_k_weights.contiguous()
     shared = dict(E=num_experts, TOPK=k, BM=bm, BOUND=bound, TB=min(TILE_BLOCK, triton.next_power_of_2(bound)),
                   NCOUNT=count.numel())
-    if s <= ONE_PROGRAM_ROWS:
+    if _one_program(s, num_experts):
         sp = max(16, triton.next_power_of_2(s))
         _route[(1,)](idx, tw, rows.rows, rows.expert, rows.token, rows.w, rows.counts, *tiles, count, hi, lo, s,
                      SP=sp, EP=max(16, triton.next_power_of_2(num_experts)), **shared, num_warps=4)
