@@ -419,9 +419,12 @@ class _SharedQueue(_LocalQueue):
         return end
 
 
-def _worker(args, queue, conn) -> None:
+def _worker(args, queue, conn, parent: int) -> None:
     """A forked worker: decodes what it takes from the shared queue, sends each finished list back, then
-    what its loop spent (``DecodeStats``)."""
+    what its loop spent (``DecodeStats``). It dies with ``parent`` (the pid that forked it)."""
+    from evalgate.run.lifetime import die_with_parent
+
+    die_with_parent(parent)
     try:
         spent: list[DecodeStats] = []
         decode = _decode_slots if _slot_decoding(args[0], args[5]) else _decode_queue
@@ -454,7 +457,7 @@ def _parallel(args, order: list[int], workers: int, stats: list | None = None, c
     try:
         for _ in range(workers):
             receive, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker, args=(args, queue.of_worker(len(children)), send), daemon=True,
+            proc = ctx.Process(target=_worker, args=(args, queue.of_worker(len(children)), send, os.getpid()), daemon=True,
                                name="evalgate-decode")
             proc.start()
             send.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from evalgate.cli.preflight import run_lock
 from evalgate.run.store import load_run
 
 EVALGATE = [sys.executable, "-m", "evalgate"]
@@ -74,10 +75,14 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tiny_model, cli_env, t
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    killed_at = time.monotonic()
     partial = [json.loads(l) for l in jsonl.read_text().splitlines() if l.strip()]
     assert 2 <= len(partial) < 8
     assert json.loads((killed / "manifest.json").read_text())["status"] == "running"
 
+    # the lock died with the killed command, whatever its forked decoding workers were doing
+    with run_lock(killed):
+        assert time.monotonic() - killed_at < 5
     evalgate(args + ["--out", str(killed), "--resume"], cli_env, tmp_path)
     resumed = [json.loads(l) for l in jsonl.read_text().splitlines()]
     assert len(resumed) == 8 and len({r["doc_id"] for r in resumed}) == 8  # nothing redone or duplicated

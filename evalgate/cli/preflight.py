@@ -7,14 +7,12 @@ EnvironmentFailure (exit 4) for a folder that cannot be written or a disk too fu
 from __future__ import annotations
 
 import errno
-import fcntl
 import http.client
 import json
 import os
 import re
 import shutil
 import socket
-from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -179,32 +177,8 @@ def server(url: str | None) -> None:
         connection.close()
 
 
-@contextmanager
 def run_lock(out: str | Path):
-    """Hold an exclusive lock on the run folder ``out`` (created if missing) while a command writes it; a
-    second command on the same folder is refused at once (exit 2). The folder is removed again when the
-    command leaves it empty (it stopped before writing anything)."""
-    out = Path(out)
-    made = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as exc:
-        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
-            raise EnvironmentFailure(f"cannot create the run folder {str(out)!r} ({os.strerror(exc.errno)}); "
-                                     "choose a writable --out") from None
-        raise
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"{str(out)!r} is being written by another evalgate command; wait for it to "
-                            "finish, or choose another --out") from None
-        yield out
-    finally:
-        os.close(fd)
-        if made:
-            try:
-                out.rmdir()  # only when empty: nothing was written
-            except OSError:
-                pass
+    """The run folder's lock (``evalgate.run.lock``): held by this process alone, released by its death."""
+    from evalgate.run.lock import run_lock as lock
+
+    return lock(out)
