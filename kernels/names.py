@@ -13,7 +13,8 @@ FAULTY_EMULATED = tuple(f"faulty/w4a4_packed-{fault}" for fault in
 REAL = ("deepgemm/fp8_block128", "torch/fp8_rowwise", "sgl-deep-gemm/w4a8", "sgl-deep-gemm/w4a4")
 REAL_WITH_FAULTS = ("deepgemm/fp8_block128", "torch/fp8_rowwise")  # SM90 kernels this machine may run
 REAL_FAULTS = ("scale-layout", "swap-expert", "stale-scale")  # kernels/real/faults.py
-FAULTY_REAL = tuple(f"faulty/{real}-{fault}" for real in REAL_WITH_FAULTS for fault in REAL_FAULTS)
+FAULTY_REAL = (tuple(f"faulty/{real}-{fault}" for real in REAL_WITH_FAULTS for fault in REAL_FAULTS)
+               + ("faulty/deepgemm/fp8_block128-fallback",))  # runs torch.mm: the execution witness's test double
 
 ALL = frozenset(EMULATED + FAULTY_EMULATED + REAL + FAULTY_REAL)
 

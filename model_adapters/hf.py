@@ -185,10 +185,16 @@ class HFAdapter(AdapterBase):
         """The kernel against the kernel it declares it computes, on the hidden states this model's forward
         pass over ``prompts`` hands its experts (the run manifest records it; the gate FAILs a kernel that
         does not conform, kernels/conformance.py)."""
+        from evalgate.kernels.checkpoint import experts_modules
         from evalgate.kernels.conformance import model_conformance
+        from evalgate.kernels.witness import joined, watch
 
         ids = [self.tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts]
-        return model_conformance(self.model, self.kernel.name, ids).to_dict()
+        record = model_conformance(self.model, self.kernel.name, ids).to_dict()
+        if not experts_modules(self.model):  # no routed experts: no kernel of evalgate's ran
+            return record
+        # what actually ran in the MoE layers, held against the kernel named (kernels/witness.py)
+        return joined(record, watch(self.model, self.tokenizer, self.kernel, prompts, self.device))
 
     def _placement(self) -> dict:
         placement = getattr(self.model, "_evalgate_placement", None)

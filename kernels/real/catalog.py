@@ -15,6 +15,7 @@ from ..fp8_moe import Fp8Recipe, convert_fp4_weights, fp8_moe_forward
 from ..registry import Kernel, register_kernel
 from ..tolerance import Tolerance
 from .deepgemm_sm90 import DEEPGEMM_SM90, deepgemm_gemm
+from .fallback import fallback_gemm
 from .faults import DESCRIPTIONS, FAULTS
 from .library import RealLibrary
 from .sm100_mega_moe import SGL_DEEP_GEMM, mega_moe_forward
@@ -67,6 +68,10 @@ def _real(name: str, implements: str, layout: str, gemm, library: RealLibrary, t
         register_kernel(Kernel(name=f"faulty/{name}-{suffix}", version=f"{library.name}, fault-injected",
                                description=f"{name} with {DESCRIPTIONS[suffix]}",
                                experts_forward=real_forward(recipe, gemm, fault), faulty=True, twin=name, **common))
+    if name == "deepgemm/fp8_block128":  # the execution witness's test double (kernels/witness.py)
+        register_kernel(Kernel(name=f"faulty/{name}-fallback", version=f"{library.name}, fault-injected",
+                               description=f"{name} that silently computes its GEMMs with torch.mm instead",
+                               experts_forward=real_forward(recipe, fallback_gemm), faulty=True, twin=name, **common))
 
 
 _real("deepgemm/fp8_block128", "fp8_block128", "block128", deepgemm_gemm, DEEPGEMM_SM90, DEEPGEMM_TOLERANCE,
