@@ -80,7 +80,7 @@ def intermediate(acc: torch.Tensor, w: torch.Tensor, limit: float | None, recipe
 
 def weight_and_requantize(h: torch.Tensor, w: torch.Tensor, recipe: Recipe) -> torch.Tensor:
     """docs/kernels.md#the-moe-forward steps 5-6: the router weight goes in before the re-quantization: quantize(w * h) (T6)."""
-    if recipe.fault == "router_weight_after_requant":  # fault (c): w * quantize(h), T6's wrong order
+    if recipe.router_weight == "after_requant":  # w * quantize(h): fault (c), T6's wrong order
         return requantize_intermediate(h, recipe) * w[:, None]
     return requantize_intermediate(h * w[:, None], recipe)
 
@@ -162,7 +162,7 @@ def input_sig(recipe: Recipe) -> int:
 
 def intermediate_sig(recipe: Recipe) -> int:
     """Significant bits of the L2 input's elements (w * quantize(h) under fault (c) is any FP32 value)."""
-    if recipe.fault == "router_weight_after_requant":
+    if recipe.router_weight == "after_requant":
         return SIG_BITS["fp32"]
     return {"e2m1": SIG_BITS["e2m1"], "e4m3": SIG_BITS["e4m3"], "none": SIG_BITS["fp32"]}[recipe.intermediate]
 

@@ -29,7 +29,7 @@ class Kernel:
     api: dict = field(default_factory=dict)  # real-kernel API arguments (sgl-deep-gemm >= 0.1.7 picks by mma_type)
     prepare_model: Callable | None = None  # fn(model, checkpoint_dir) after loading, e.g. attach stored FP4 codes
     implements: str | None = None  # a real kernel: the emulated recipe it must compute (kernels/real/)
-    library: "RealLibrary | None" = None  # a real kernel: the external library that runs it
+    library: "RealLibrary | None" = None  # a real or plugin kernel: what runs it (kernels/plugins.PluginLibrary)
     tolerance: "Tolerance | None" = None  # a real kernel's allowed difference from its recipe; None: bit-identity
 
     @property
@@ -70,9 +70,14 @@ def register_kernel(kernel: Kernel) -> Kernel:
 
 
 def get_kernel(name: str) -> Kernel:
+    """A registered kernel, or one another package offers (kernels/plugins.py), registered on first use."""
     if name not in KERNELS:
-        known = ", ".join(sorted(KERNELS))
-        raise UserError(f"unknown kernel {name!r}; choose one of: {known} (see `evalgate kernels list`)")
+        from . import plugins
+
+        if not plugins.is_plugin(name):
+            known = ", ".join(sorted(set(KERNELS) | set(plugins.plugin_names())))
+            raise UserError(f"unknown kernel {name!r}; choose one of: {known} (see `evalgate kernels list`)")
+        register_kernel(plugins.plugin_kernel(name))
     return KERNELS[name]
 
 

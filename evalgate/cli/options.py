@@ -20,7 +20,8 @@ BATCH_SIZE = 128
 class KernelName(click.ParamType):
     """A kernel name of `evalgate kernels list` (``multiple``: comma-separated names, converted to a list). An
     unknown name is a usage error (exit 2) on one line listing the known kernels, checked against
-    ``evalgate.kernels.names`` (no torch import: it answers before anything heavy loads)."""
+    ``evalgate.kernels.names`` and the installed packages' entry points; a kernel another package offers is
+    checked as declared (no torch import: it answers before anything heavy loads)."""
 
     name = "kernel"
 
@@ -39,9 +40,23 @@ class KernelName(click.ParamType):
             self.fail("is empty; name at least one kernel, comma-separated", param, ctx)
         for name in names:
             if name not in ALL:
-                self.fail(f"unknown kernel {name!r}; choose one of: {', '.join(listed_names())} "
-                          "(see `evalgate kernels list`)", param, ctx)
+                self._check_plugin(name, listed_names(), param, ctx)
         return names if self.multiple else value
+
+    def _check_plugin(self, name, builtin, param, ctx):
+        """A kernel another package offers (``evalgate.kernels.plugins``): its declaration is imported and
+        checked now, its library looked for, all before torch loads."""
+        from evalgate.errors import UserError
+        from evalgate.kernels import plugins
+
+        if not plugins.is_plugin(name):
+            known = sorted(set(builtin) | set(plugins.plugin_names()))
+            self.fail(f"unknown kernel {name!r}; choose one of: {', '.join(known)} "
+                      "(see `evalgate kernels list`, or name your own as package.module:NAME)", param, ctx)
+        try:
+            plugins.require(name)
+        except UserError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 KERNEL = KernelName()  # --kernel, --baseline-kernel

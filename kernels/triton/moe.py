@@ -79,7 +79,7 @@ def intermediate_operand(acc: torch.Tensor, w: torch.Tensor, limit, recipe: Reci
     """Steps 4-6 on the L1 accumulator [S, 2I]: torch for the elementwise part, Triton for the codes."""
     g, u = emulator.gate_up_to_bf16(acc, limit)
     h = emulator.swiglu(g, u)
-    if recipe.fault == "router_weight_after_requant":  # w * quantize(h): any FP32 values
+    if recipe.router_weight == "after_requant":  # w * quantize(h): any FP32 values
         return Operand(values=emulator.weight_and_requantize(h, w, recipe), sig=intermediate_sig(recipe))
     return Operand.quantized(h * w[:, None], recipe.intermediate, EPILOGUE)
 
@@ -352,9 +352,9 @@ def moe_forward(x, top_k_index, top_k_weights, fp4: Fp4ExpertWeights, recipe: Re
     t, k = top_k_index.shape
     h = x.shape[-1]
     drop_last = recipe.fault == "drop_last_slot"
-    if recipe.fault == "router_weight_after_requant" and _DEFERRED:
+    if recipe.router_weight == "after_requant" and _DEFERRED:
         raise NotCapturable("fault (c) runs every row on the per-block path, which syncs on the host")
-    if recipe.fault == "router_weight_after_requant":  # every row per block (fault (c)), from ExpertRows
+    if recipe.router_weight == "after_requant":  # every row per block (fault (c)), from ExpertRows
         rows = ExpertRows(x, top_k_index, top_k_weights, fp4.num_experts)
         w = rows.w / float(routed_scaling) if recipe.routed_scaling == "unfused" else rows.w
         slot = torch.zeros(t * k, h, dtype=torch.bfloat16, device=x.device)
