@@ -2,9 +2,13 @@
 script in bash (`-eo pipefail`, the job's and the step's environment, $GITHUB_OUTPUT, $GITHUB_STEP_SUMMARY), each
 `if:` evaluated, each `uses:` action replaced by a stand-in that does what the action does to the files
 (checkout: nothing, the workspace is fresh; upload-artifact: copies the listed files; the JUnit publisher:
-parses the XML). The GPU steps' `evalgate` is a stand-in that runs the real CLI on stored synthetic runs:
-`gate` decides a stored candidate against the baseline it finds in $EVALGATE_BASELINES, `calibrate` records
-the synthetic W4A8 baseline there; `pip install` does nothing (evalgate is installed).
+parses the XML). The runner holds nothing but what the workflow declares: the model folder, python3, and a
+/data/evalgate it may write (moved under the test's tmp_path, created by nobody but the job).
+
+The GPU steps' `evalgate` is a stand-in that runs the real CLI on stored synthetic runs: `gate` decides a stored
+candidate against the baseline it finds in $EVALGATE_BASELINES, `baseline find` asks the real lookup for the
+baseline of that candidate's model and profiles, `calibrate` records the synthetic W4A8 baseline there with an
+A/A record; `python3 -m pip install` does nothing (evalgate is installed).
 
 No runner for workflows installs here from a package registry (`act` is a Go binary from GitHub releases).
 """
@@ -48,11 +52,26 @@ with open(os.environ["STANDIN_LOG"], "a") as log:
 real = [{python!r}, "-m", "evalgate"]
 if args[:1] == ["gate"]:
     report = args[args.index("--report-dir") + 1]
-    args = ["gate", "--candidate", os.environ["STANDIN_CANDIDATE"], "--allow-uncalibrated", "--thresholds",
-            os.environ["STANDIN_POLICY"], "--report-dir", report]
-elif args[:1] == ["calibrate"]:
-    args = ["baseline", "record", os.environ["STANDIN_BASELINE"]]
+    candidate = os.environ.get("STANDIN_GATE_CANDIDATE") or os.environ["STANDIN_CANDIDATE"]
+    args = ["gate", "--candidate", candidate, "--thresholds", os.environ["STANDIN_POLICY"], "--report-dir", report]
+elif args[:2] == ["baseline", "find"]:  # the baseline of the candidate's model and profiles, as the gate finds it
+    assert args[args.index("--model") + 1] == os.environ["MODEL_DIR"], args
+    args = ["baseline", "find", "--candidate", os.environ["STANDIN_CANDIDATE"], "--kernel",
+            args[args.index("--kernel") + 1]]
+elif args[:1] == ["calibrate"]:  # the W4A8 baseline and an A/A record beside it
+    from evalgate.run.baselines import record, user_root, write_aa
+    base = os.environ["STANDIN_BASELINE"]
+    for path in record(base, user_root(), force=True):
+        (task,) = json.load(open(os.path.join(path, "manifest.json")))["tasks"]
+        n = sum(1 for line in open(os.path.join(base, task + ".jsonl")) if line.strip())
+        write_aa(path, {{"tasks": {{task: {{"psi0": 0.0, "n": n, "flips": [], "verdict": "PASS"}}}}}}, base)
+    sys.exit(0)
 sys.exit(subprocess.run(real + args).returncode)
+"""
+# python3 on the runner: `-m pip` installs nothing (evalgate is installed), anything else is the real python
+PYTHON3 = """#!/bin/sh
+if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then exit 0; fi
+exec {python} "$@"
 """
 
 
@@ -92,18 +111,19 @@ def _interpolate(text: str, contexts: dict, workspace: Path) -> str:
 def _stand_in_bin(tmp: Path) -> Path:
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
-    for name, text in [("evalgate", STAND_IN.format(python=sys.executable)), ("pip", "#!/bin/sh\nexit 0\n")]:
+    for name, text in [("evalgate", STAND_IN.format(python=sys.executable)),
+                       ("python3", PYTHON3.format(python=sys.executable))]:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
     return bin_dir
 
 
-def run_job(workspace: Path, env: dict, inputs: dict) -> Job:
+def run_job(workspace: Path, env: dict, inputs: dict, variables: dict | None = None) -> Job:
     workflow = yaml.safe_load(WORKFLOW.read_text())
     (job,) = workflow["jobs"].values()
     output, summary = workspace / ".github_output", workspace / ".step_summary"
     summary.write_text("")
-    contexts = {"inputs": inputs, "github": {"run_id": "4242", "run_attempt": "1"}, "vars": {}, "steps": {},
+    contexts = {"inputs": inputs, "github": {"run_id": "4242", "run_attempt": "1"}, "vars": variables or {}, "steps": {},
                 "job_ok": True}
     job_env = {k: _interpolate(v, contexts, workspace) for k, v in job.get("env", {}).items()}
     result = Job(conclusion="success")
@@ -158,16 +178,18 @@ def stored(tmp_path_factory):
     return runs
 
 
-def _night(tmp_path: Path, stored_runs, cli_env, inputs=None, baselines: Path | None = None,
+def _night(tmp_path: Path, stored_runs, cli_env, inputs=None, variables=None,
            candidate: Path | None = None) -> tuple[Job, list[list[str]], Path]:
+    """One night on the runner; ``candidate``: the stored run the gate decides instead of the one it runs."""
     base, cand, policy_file = stored_runs
     workspace = tmp_path / "workspace"
     workspace.mkdir(parents=True)
     log = tmp_path / "stand-in.log"
     env = {**cli_env, "PATH": f"{_stand_in_bin(tmp_path)}{os.pathsep}{os.environ['PATH']}",
-           "STANDIN_LOG": str(log), "STANDIN_CANDIDATE": str(candidate or cand), "STANDIN_BASELINE": str(base),
-           "STANDIN_POLICY": str(policy_file)}
-    job = run_job(workspace, env, inputs or {})
+           "STANDIN_LOG": str(log), "STANDIN_CANDIDATE": str(cand), "STANDIN_GATE_CANDIDATE": str(candidate or ""),
+           "STANDIN_BASELINE": str(base), "STANDIN_POLICY": str(policy_file)}
+    env.pop("EVALGATE_DATA_DIR", None)  # the runner has nothing the workflow does not declare
+    job = run_job(workspace, env, inputs or {}, variables)
     calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return job, calls, workspace
 
@@ -239,3 +261,51 @@ def test_a_hostile_kernel_input_is_an_argument_not_a_command(stored, cli_env, tm
     gate = calls[-1]
     assert gate[gate.index("--kernel") + 1] == hostile
     assert not (workspace / "pwned").exists()
+
+
+def _archive(tmp_path: Path, baseline_run: Path, change) -> str:
+    """A baselines archive (the workflow's EVALGATE_BASELINE_ARCHIVE) holding ``baseline_run`` recorded, then
+    changed by ``change(folder)``; its file:// URL."""
+    import tarfile
+
+    from evalgate.run.baselines import record
+
+    root = tmp_path / "archived"
+    for path in record(baseline_run, root):
+        change(Path(path))
+    archive = tmp_path / "baselines.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for item in root.iterdir():
+            tar.add(item, arcname=item.name)
+    return archive.as_uri()
+
+
+def _another_model(folder: Path) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["model"]["fingerprint"] = "0123456789abcdef"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", [_another_model, lambda folder: None], ids=["another-model", "no-aa"])
+def test_a_fetched_baseline_of_another_model_or_without_aa_is_recorded_again(change, stored, cli_env, tmp_path):
+    """A W4A8 baseline for both tasks is not enough: calibrate runs unless it is this model's, with an A/A."""
+    url = _archive(tmp_path, stored["PASS"][0], change)
+    job, calls, _ = _night(tmp_path, stored["PASS"], cli_env, variables={"EVALGATE_BASELINE_ARCHIVE": url})
+    assert [c[:2] for c in calls] == [["baseline", "find"], ["calibrate", "--model"], ["gate", "--model"]], calls
+    assert job.conclusion == "success", job.logs
+    assert json.loads(job.uploaded["gate-report/gate.json"])["verdict"] == "PASS"
+
+
+def test_the_job_reads_no_folder_but_the_model_and_writes_only_folders_it_makes():
+    """On a plain runner nothing but $MODEL_DIR exists: every other folder the job names is one a step makes
+    (or lies inside one), never an input that may be missing (an EVALGATE_DATA_DIR nobody made is exit 2)."""
+    workflow = yaml.safe_load(REPO.joinpath(".github/workflows/nightly-gate.yml").read_text())
+    (job,) = workflow["jobs"].values()
+    scripts = "\n".join(step.get("run", "") for step in job["steps"])
+    made = [job["env"][name] for name in re.findall(r'mkdir -p ((?:"\$\w+" ?)+)', scripts)[0].replace('"', "")
+            .replace("$", "").split()]
+    for name, value in job["env"].items():
+        if name == "MODEL_DIR" or not str(value).startswith("/"):
+            continue
+        assert any(str(value) == m or str(value).startswith(m + "/") for m in made), (name, value)
