@@ -137,7 +137,7 @@ def sample_programs(problems: int, samples: int) -> list[Program]:
     """``samples`` programs of each of ``problems`` problems, each problem's samples side by side (as a sampled
     run's batch lists them)."""
     return [Program(source=f"p{p}s{s}", test=f"def check(candidate):\n    assert candidate() == {p}\n",
-                    entry_point="f") for p in range(problems) for s in range(samples)]
+                    entry_point="f", reference=f"def f():\n    return {p}\n") for p in range(problems) for s in range(samples)]
 
 
 def test_two_programs_of_one_problem_never_run_at_once(monkeypatch):
@@ -172,7 +172,7 @@ def test_the_rule_holds_across_pools_and_single_runs_of_one_process(monkeypatch)
 def test_samples_of_one_problem_in_real_sandboxes_never_overlap(monkeypatch):
     in_flight = ProblemsInFlight(meet=1, inner=sandbox._run_one)
     monkeypatch.setattr(sandbox, "_run_one", in_flight)
-    toy = {"prompt": "def inc(x):\n    \"\"\"x + 1\"\"\"\n", "entry_point": "inc",
+    toy = {"prompt": "def inc(x):\n    \"\"\"x + 1\"\"\"\n", "entry_point": "inc", "canonical_solution": "    return x + 1\n",
            "test": "def check(candidate):\n    assert candidate(1) == 2\n"}
     other = dict(toy, test="def check(candidate):\n    assert candidate(2) == 3\n")
     outcomes = run_programs([humaneval_program(p, "    return x + 1\n") for p in (toy, other) for _ in range(4)], T,
@@ -191,11 +191,11 @@ def test_a_problem_another_harness_is_running_waits_for_it(monkeypatch):
     in_flight = ProblemsInFlight(meet=1)
     monkeypatch.setattr(sandbox, "_run_one", in_flight)
     busy, free = sample_programs(2, 1)
-    busy = Program(source="busy", test=busy.test + "# held elsewhere\n", entry_point="f")
+    busy = Program(source="busy", test=busy.test + "# held elsewhere\n", entry_point="f", reference=busy.reference)
     holder = subprocess.Popen(  # another harness in the middle of a program of `busy`'s problem
         [sys.executable, "-c", "import sys\nfrom evalgate.tasks.humaneval import sandbox\n"
          "from evalgate.tasks.humaneval.sandbox import Program\n"
-         f"p = Program(source='x', test={busy.test!r}, entry_point='f')\n"
+         f"p = Program(source='x', test={busy.test!r}, entry_point='f', reference='')\n"
          "assert sandbox._take_turn(sandbox._problem(p), blocking=False)\nprint('held', flush=True)\n"
          "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -511,11 +511,13 @@ def test_runner_isolation_report():
 
 TOY = {"task_id": "toy/0", "entry_point": "inc",
        "prompt": "def helper(x):\n    return x + 1\n\n\ndef inc(x):\n    \"\"\"x + 1\"\"\"\n",
-       "test": "\n\nMETADATA = {}\n\n\ndef check(candidate):\n    assert candidate(1) == 2\n    assert candidate(41) == helper(41)\n"}
+       "test": "\n\nMETADATA = {}\n\n\ndef check(candidate):\n    assert candidate(1) == 2\n    assert candidate(41) == helper(41)\n",
+       "canonical_solution": "    return x + 1\n"}
 
 
 def item(completion: str, test: str | None = None, timeout: float = T, **limits):
-    problem = dict(TOY, test=test) if test is not None else TOY
+    """``completion`` on TOY, or on ``test``, whose reference solution (the calls it makes) is the completion."""
+    problem = dict(TOY, test=test, canonical_solution=completion) if test is not None else TOY
     outcome = run_program(humaneval_program(problem, completion), timeout, **limits)
     assert not sandbox_processes(), "a sandboxed process outlived its run"
     return outcome
@@ -549,7 +551,7 @@ def test_item_failure_classes(completion, failure_class):
 def test_item_result_fields():
     outcome = item("    print('from the program')\n    return x\n")
     assert outcome.result == "failed: AssertionError: " and outcome.exception == "AssertionError: "
-    assert outcome.stdout == "from the program\n"
+    assert outcome.stdout == "from the program\n" * 2  # it answers both calls of the test, the first one wrong
     assert "Traceback of the test (run by the judge)" in outcome.stderr and 'File "test.py"' in outcome.stderr
     assert outcome.returncode is None and outcome.signal is None  # the judge stopped the sandbox after the verdict
     assert outcome.isolation["network"] == "netns" and outcome.isolation["user"] == "userns"
@@ -631,8 +633,10 @@ def test_a_program_is_validated():
     with pytest.raises(ValueError):
         Program(source="x", test="def check(c): pass")
     with pytest.raises(ValueError):
-        Program(source="x", test="t", entry_point="not an identifier")
-    assert Program(source="a", test="b", entry_point="f").full_text == "a\nb\ncheck(f)"
+        Program(source="x", test="t", entry_point="not an identifier", reference="r")
+    with pytest.raises(ValueError):  # the calls a program answers are the reference's
+        Program(source="x", test="t", entry_point="f")
+    assert Program(source="a", test="b", entry_point="f", reference="r").full_text == "a\nb\ncheck(f)"
 
 
 def test_the_sandbox_root_holds_no_host_data():

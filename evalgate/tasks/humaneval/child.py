@@ -39,6 +39,7 @@ program code runs. Then it runs ``prompt + completion`` as module
 ``__sandbox__`` and answers the judge's calls with plain values.
 """
 
+import contextlib
 import ctypes
 import errno
 import fcntl  # these three are what every sandbox's own setup uses: imported once here, not once per fork
@@ -79,6 +80,7 @@ SETUP_TIMEOUT = 30.0  # seconds for a sandbox to get ready; beyond that, an infr
 EXCERPT_BYTES = 4096
 ROOT_BYTES = 512 << 20  # the root's tmpfs: a cap; it holds the copies (about 50 MiB), no more
 SYSCALL_REFUSED = "the program made a system call the sandbox does not allow (killed by SIGSYS)"
+JUDGE_RUNS = 3  # timeouts a judge may spend: the reference run, the program's calls, the test's second run
 JUDGE_MEMORY_BYTES = 2 << 30  # RLIMIT_AS of a judge: it decodes at most one 16 MiB frame at a time
 PROC_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
 # what a program's /proc shows: "pid" = a proc of process entries only (subset=pid, Linux 5.8), read-only;
@@ -293,7 +295,7 @@ def serve_harness(ctl, config):
             if pid == 0:
                 judge_process(header, job, config)  # never returns
             pidfd = os.pidfd_open(pid)
-            deadline = time.monotonic() + SETUP_TIMEOUT + header["timeout"] + header["grace"]
+            deadline = time.monotonic() + SETUP_TIMEOUT + JUDGE_RUNS * header["timeout"] + header["grace"]
             judges[pidfd] = [pid, job, deadline, False, group]
         for pidfd in [fd for fd in ready if fd in judges]:
             pid, job, _, killed, group = judges.pop(pidfd)
@@ -470,7 +472,7 @@ def _zombie(pid):
 
 def limit_judge(header):
     """CPU time and memory of the judge itself: it decodes hostile bytes and runs the test's own work."""
-    cpu = int(SETUP_TIMEOUT + header["timeout"] + header["grace"]) + 1
+    cpu = int(SETUP_TIMEOUT + JUDGE_RUNS * header["timeout"] + header["grace"]) + 1
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
     resource.setrlimit(resource.RLIMIT_AS, (JUDGE_MEMORY_BYTES, JUDGE_MEMORY_BYTES))
 
@@ -550,39 +552,54 @@ class Judgement:
         isolation = dict(setup[1])
         isolation["setup_s"] = round(time.monotonic() - self.forked, 5)  # fork to ready: the isolation's cost
         test, entry_point = job.get("test"), job.get("entry_point")
-        failure = compiled = None
+        failure = compiled = calls = None
         if test is not None:
             try:
                 compiled = judge.compile_trusted(job.get("trusted_prefix", ""), test, entry_point)
             except Exception as exc:
                 return {"infrastructure_error": f"the trusted prompt or test does not compile: {type(exc).__name__}: {exc}"}
             failure = judge.check_syntax(job["source"], test, entry_point)
+            if failure is None:
+                calls, error = self._reference(job, compiled, entry_point, timeout)
+                if error:
+                    return {"infrastructure_error": error}
+        if test is None:
+            return self._plain(job, timeout, isolation)
+        # 1. the program answers every call of the reference run, whatever it answers: what it sees (the
+        # calls, in order, each after its previous answer) does not depend on whether its answers are right
         started = time.monotonic()
-        self.deadline = started + timeout
-        signal.signal(signal.SIGALRM, self._alarm)
-        self.armed = True
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-        from_test = False
-        error = None
-        try:
-            try:
-                if failure is None:
-                    loaded, failure = judge.loaded_reply(self.request(channel.encode(
-                        ("program", job["source"], entry_point if test is not None else None))))
-                    if failure is None and test is not None:
-                        from_test = True
-                        if not loaded:
-                            raise NameError(f"name '{entry_point}' is not defined")
-                        candidate = judge.Candidate(self, entry_point).function()
-                        judge.run_test(compiled, entry_point, candidate)
-            except BaseException as exc:  # the test failed, or the program ended, broke the channel, ran out of time
-                error = exc
-            finally:
-                self.armed = False
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        except judge.Deadline as exc:  # the timer fired while the error above was being caught
-            error = exc
-        # the timer is off from here: nothing below can be interrupted by it
+        answers = []
+
+        def answer_every_call():
+            loaded, failure = judge.loaded_reply(self.request(channel.encode(("program", job["source"], entry_point))))
+            if failure is None and loaded:
+                for payload in calls:
+                    answers.append(self.request(payload))
+            return loaded, failure
+
+        loaded, ending = False, None
+        if failure is None:
+            done, ending = self._guarded(timeout, answer_every_call)
+            if done is not None:
+                loaded, failure = done
+        ended = self._ended() if isinstance(ending, judge.SandboxEnded) else None  # how it ended, before the kill
+        if GROUPS.hierarchies and self.header.get("cgroup"):
+            self.survivors = _survivors(self.header["cgroup"], self.pid)
+        duration = time.monotonic() - started
+        self.end_program()
+        # 2. the program is gone: the test runs again, its calls answered by what the program answered
+        error = from_test = None
+        if failure is None and (loaded or ending is None):
+            from_test = True
+
+            def replay():
+                if not loaded:
+                    raise NameError(f"name '{entry_point}' is not defined")
+                judge.run_test(compiled, entry_point, judge.Replay(entry_point, calls, answers, ending).function())
+
+            _, error = self._guarded(timeout, replay)
+        elif failure is None:
+            error = ending
         if error is None and failure is not None:
             error, from_test = failure, False
         if error is None:
@@ -590,24 +607,63 @@ class Judgement:
         elif isinstance(error, judge.Deadline):
             outcome = ("timed_out", "timed out", None)
         elif isinstance(error, judge.SandboxEnded):
+            outcome = ended or ("failed:exception", "failed: the program ended before the check finished", None)
+        elif isinstance(error, judge.ChannelBroken):
+            outcome = ("failed:exception", f"failed: broken channel: {error}", f"ChannelBroken: {error}")
+        elif isinstance(error, judge.CallsDiverged):
+            outcome = ("failed:exception", f"failed: {error}", f"CallsDiverged: {error}")
+        else:
+            outcome = self._failed(error, from_test)
+        return self._result(outcome, duration, isolation)
+
+    def _reference(self, job, compiled, entry_point, timeout):
+        """(the reference run's calls, None), or (None, why not): an infrastructure error, never a verdict.
+        Run before the program's timer, while the sandbox waits; the test's ``random`` is left as it was."""
+        import random
+
+        if job.get("reference") is None:
+            return None, "a test needs the reference solution whose calls the program answers"
+        state = random.getstate()
+        calls, error = self._guarded(timeout, lambda: judge.reference_calls(job["reference"], compiled, entry_point))
+        random.setstate(state)  # the test's second run draws what its reference run drew
+        if isinstance(error, judge.Deadline):
+            return None, f"the reference solution did not pass its test within {timeout:.1f} s"
+        if error is not None:
+            name, message = judge.describe(error)
+            return None, f"the reference solution does not pass its own test: {name}: {message}"
+        return calls, None
+
+    def _plain(self, job, timeout, isolation):
+        """A program without a test: it passes when it runs to its end (its own verdict)."""
+        started = time.monotonic()
+        reply, error = self._guarded(timeout, lambda: judge.loaded_reply(
+            self.request(channel.encode(("program", job["source"], None)))))
+        if reply is not None:
+            error = reply[1]
+        if isinstance(error, judge.SandboxEnded):
             outcome = self._ended()
+        elif error is None:
+            outcome = ("passed", "passed", None)
+        elif isinstance(error, judge.Deadline):
+            outcome = ("timed_out", "timed out", None)
         elif isinstance(error, judge.ChannelBroken):
             outcome = ("failed:exception", f"failed: broken channel: {error}", f"ChannelBroken: {error}")
         else:
-            outcome = self._failed(error, from_test)
-        duration = time.monotonic() - started
+            outcome = self._failed(error)
+        if GROUPS.hierarchies and self.header.get("cgroup"):
+            self.survivors = _survivors(self.header["cgroup"], self.pid)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # a plain program's sandbox waits for this to exit
+        except OSError:
+            pass
+        if self.exit_status is None and outcome[0] != "timed_out":
+            self._wait_exit(min(self.deadline, time.monotonic() + 1.0))  # a plain program exits by itself
+        return self._result(outcome, time.monotonic() - started, isolation)
+
+    def _result(self, outcome, duration, isolation):
         failure_class, result_text, exception = outcome
         if failure_class not in judge.FAILURE_CLASSES:
             failure_class = "failed:exception"
-        if GROUPS.hierarchies and self.header.get("cgroup"):
-            self.survivors = _survivors(self.header["cgroup"], self.pid)
-        if test is None:
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)  # a plain program's sandbox waits for this to exit
-            except OSError:
-                pass
-        if test is None and self.exit_status is None and failure_class != "timed_out":
-            self._wait_exit(min(self.deadline, time.monotonic() + 1.0))  # a plain program exits by itself
         code = sig = None
         if self.exit_status is not None:
             if os.WIFEXITED(self.exit_status):
@@ -625,6 +681,49 @@ class Judgement:
             "stdout": _excerpt(self.out_fd), "stderr": stderr, "isolation": isolation,
             "survivors": 0,
         }
+
+    def _guarded(self, seconds, work):
+        """``work()`` under the timer: (its value, None), or (None, the exception that ended it, Deadline too)."""
+        try:
+            with self._timer(seconds):
+                try:
+                    return work(), None
+                except BaseException as exc:
+                    error = exc
+        except judge.Deadline as exc:  # the timer fired while the error above was being caught
+            return None, exc
+        return None, error
+
+    @contextlib.contextmanager
+    def _timer(self, seconds):
+        """The judge's wall-clock timer over the block: ``judge.Deadline`` is raised in it when time is up."""
+        self.deadline = time.monotonic() + seconds
+        signal.signal(signal.SIGALRM, self._alarm)
+        self.armed = True
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            self.armed = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def end_program(self):
+        """Kill the program, all of it, and wait until it is gone: nothing it runs sees its verdict."""
+        if self.pid is not None:
+            if not self.namespaces:
+                try:  # no PID namespace: what the program started is in its session's process group
+                    os.killpg(self.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            _kill(self.pid)
+            try:  # PID 1 of its namespace: once it is reaped, the kernel has killed and reaped the rest
+                os.waitpid(self.pid, 0)
+            except OSError:
+                pass
+            self.pid = None
+        group = self.header.get("cgroup")
+        if GROUPS.hierarchies and group and GROUPS.members(group):
+            GROUPS.kill_all(group)
 
     _test_traceback = ""
 

@@ -109,8 +109,52 @@ def describe(exc):
     return name, message[:MESSAGE_CHARS]
 
 
+class CallsDiverged(BaseException):
+    """The test asked for a call the reference run did not make (its inputs depend on earlier answers).
+
+    A BaseException, so that a test's own ``except Exception`` cannot swallow it."""
+
+
+def _function(entry_point, call):
+    def candidate(*args, **kwargs):
+        return call(args, kwargs)
+
+    candidate.__name__ = candidate.__qualname__ = entry_point
+    return candidate
+
+
+def call_payload(args, kwargs):
+    """The frame a call sends: the arguments as plain data (copies, whatever the callee does to them)."""
+    try:
+        return encode(("call", args, kwargs))
+    except (Unsupported, RecursionError) as exc:
+        raise TypeError(f"the judge cannot send this argument to the sandbox: {exc}") from None
+
+
+def answer(reply):
+    """The value a reply to a call returns, or the builtin exception it raises; ChannelBroken if malformed."""
+    try:
+        message = decode(reply)
+    except ChannelError as exc:
+        raise ChannelBroken(str(exc)) from None
+    if type(message) is tuple and len(message) == 2 and message[0] == "return":
+        return message[1]
+    if type(message) is tuple and message and message[0] == "raised":
+        raise rebuild_exception(message)
+    raise ChannelBroken("the reply to a call is neither a value nor an exception")
+
+
+def exception_report(exc):
+    """What the sandbox reports for an exception (``rebuild_exception``'s input), for the reference's own."""
+    bases = [c.__name__ for c in type(exc).__mro__ if c.__module__ == "builtins"]
+    code = strerror = None
+    if isinstance(exc, OSError) and type(exc.errno) is int:
+        code, strerror = exc.errno, str(exc.strerror)[:MESSAGE_CHARS]
+    return ("raised", type(exc).__name__, bases, str(exc)[:MESSAGE_CHARS], code, strerror)
+
+
 class Candidate:
-    """Calls into the sandbox: ``peer.request(payload)`` sends one frame and returns the reply frame."""
+    """Calls into the sandbox live: ``peer.request(payload)`` sends one frame and returns the reply frame."""
 
     def __init__(self, peer, entry_point):
         self.peer = peer
@@ -118,30 +162,66 @@ class Candidate:
         self.calls = 0
 
     def function(self):
-        call = self.call
-
-        def candidate(*args, **kwargs):
-            return call(args, kwargs)
-
-        candidate.__name__ = candidate.__qualname__ = self.entry_point
-        return candidate
+        return _function(self.entry_point, self.call)
 
     def call(self, args, kwargs):
-        try:
-            payload = encode(("call", args, kwargs))
-        except (Unsupported, RecursionError) as exc:
-            raise TypeError(f"the judge cannot send this argument to the sandbox: {exc}") from None
+        payload = call_payload(args, kwargs)
         self.calls += 1
-        reply = self.peer.request(payload)
+        return answer(self.peer.request(payload))
+
+
+def reference_calls(reference, compiled, entry_point):
+    """The calls the test makes, in order, when the dataset's own solution answers them: each call's frame.
+
+    The reference solution gets what the sandbox would (copies of the arguments) and the test gets what the
+    channel would hand back (a copy of the result, an iterator drained, the nearest builtin exception), so
+    the test runs exactly as it would against a program that answers as the reference does. The program is
+    then fed these calls, all of them, whatever it answers (``Replay``)."""
+    namespace = {"__name__": "__reference__", "__builtins__": builtins}
+    exec(compile(reference, "reference.py", "exec", dont_inherit=True), namespace)
+    function = namespace[entry_point]
+    calls = []
+
+    def call(args, kwargs):
+        payload = call_payload(args, kwargs)
+        calls.append(payload)
+        _, args, kwargs = decode(payload)
         try:
-            message = decode(reply)
-        except ChannelError as exc:
-            raise ChannelBroken(str(exc)) from None
-        if type(message) is tuple and len(message) == 2 and message[0] == "return":
-            return message[1]
-        if type(message) is tuple and message and message[0] == "raised":
-            raise rebuild_exception(message)
-        raise ChannelBroken("the reply to a call is neither a value nor an exception")
+            result = function(*args, **kwargs)
+        except Exception as exc:
+            raise rebuild_exception(exception_report(exc)) from None
+        return decode(encode(("return", result)))[1]
+
+    run_test(compiled, entry_point, _function(entry_point, call))
+    return calls
+
+
+class Replay:
+    """The entry point of the test's second run, after the program is gone: call ``i`` must be the reference
+    run's call ``i`` (else ``CallsDiverged``), and returns what the program answered to it; past the
+    program's last answer, the way its calls ended (timed out, ended, broke the channel) is raised."""
+
+    def __init__(self, entry_point, calls, answers, ending):
+        self.entry_point = entry_point
+        self.recorded = calls
+        self.answers = answers
+        self.ending = ending
+        self.calls = 0
+
+    def function(self):
+        return _function(self.entry_point, self.call)
+
+    def call(self, args, kwargs):
+        payload = call_payload(args, kwargs)
+        i = self.calls
+        self.calls += 1
+        if i >= len(self.recorded) or payload != self.recorded[i]:
+            raise CallsDiverged(f"the test's call {i + 1} is not the reference run's: its inputs depend on the "
+                                "program's earlier answers")
+        if i >= len(self.answers):
+            ending = self.ending if self.ending is not None else ChannelBroken("no answer to a call")
+            raise type(ending)(*ending.args)
+        return answer(self.answers[i])
 
 
 def full_program(source, test, entry_point):

@@ -47,6 +47,7 @@ CHILD_SCRIPT = str(HERE / "child.py")
 DEFAULT_TIMEOUT = 10.0
 GRACE_S = 5.0  # past the program's deadline, the executor kills a judge that has not answered
 SETUP_TIMEOUT_S = 30.0  # must match child.SETUP_TIMEOUT
+JUDGE_RUNS = 3  # must match child.JUDGE_RUNS: a judge's time is setup + JUDGE_RUNS timeouts + grace
 EXCERPT_BYTES = 4096
 # A range no distribution hands out: blocks of uids, one block per harness process on the host.
 SLOT_UID_BASE = 1_500_000_000
@@ -87,10 +88,13 @@ class Program:
     test: str | None = None
     entry_point: str | None = None
     trusted_prefix: str = ""
+    reference: str | None = None  # a trusted solution: the test's calls, in order, are those it answers
 
     def __post_init__(self):
         if (self.test is None) != (self.entry_point is None):
             raise ValueError("a test needs an entry point, and an entry point a test")
+        if self.test is not None and self.reference is None:
+            raise ValueError("a test needs a reference solution: the program answers the calls its run makes")
         if self.entry_point is not None and not self.entry_point.isidentifier():
             raise ValueError(f"entry point {self.entry_point!r} is not an identifier")
 
@@ -108,7 +112,8 @@ def humaneval_program(problem: dict, completion: str) -> Program:
     ``humaneval_program(p, c).full_text == problems.build_program(p, c)``.
     """
     return Program(source=problem["prompt"] + completion, test=problem["test"],
-                   entry_point=problem["entry_point"], trusted_prefix=problem["prompt"])
+                   entry_point=problem["entry_point"], trusted_prefix=problem["prompt"],
+                   reference=problem["prompt"] + problem["canonical_solution"])
 
 
 @dataclass
@@ -574,13 +579,13 @@ def _run_one(program: Program, timeout: float, limits: dict) -> Outcome:
         ex.submit(header, far)
         far.close()
         job = {"source": program.source, "test": program.test, "entry_point": program.entry_point,
-               "trusted_prefix": program.trusted_prefix}
+               "trusted_prefix": program.trusted_prefix, "reference": program.reference}
         payload = marshal.dumps(job)
         try:
             near.sendall(len(payload).to_bytes(4, "big") + payload)
         except OSError:
             pass  # the judge died before reading: the executor answers for it
-        result = _read_result(near, SETUP_TIMEOUT_S + timeout + GRACE_S + 30)
+        result = _read_result(near, SETUP_TIMEOUT_S + JUDGE_RUNS * timeout + GRACE_S + 30)
     finally:
         near.close()
         far.close()
