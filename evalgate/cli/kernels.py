@@ -28,11 +28,35 @@ def _kernel_rows(include_faulty: bool) -> list[dict]:
     from evalgate.model_adapters.engines import served_by
 
     rows = []
-    names = kernel_names(include_faulty=include_faulty)
+    names = [n for n in kernel_names(include_faulty=include_faulty) if not n.startswith("recipe/")]
     for name in sorted(names, key=lambda n: (KERNELS[n].faulty, n)):  # healthy kernels first
         k = KERNELS[name]
         rows.append({"name": k.name, "version": k.version, "description": k.description, "served_by": served_by(name),
-                     "api": k.api, "faulty": k.faulty, "twin": k.twin, "recipe": k.recipe})
+                     "api": k.api, "faulty": k.faulty, "twin": k.twin, "recipe": k.recipe, "origin": "evalgate"})
+    return rows + _plugin_rows(set(names))
+
+
+def _plugin_rows(listed: set[str]) -> list[dict]:
+    """The kernels installed packages offer, from their declarations (a declaration that cannot be read is
+    listed with why: the other kernels stay usable)."""
+    from evalgate.errors import UserError
+    from evalgate.kernels import plugins
+
+    rows = []
+    for name in plugins.plugin_names():
+        if name in listed:
+            continue
+        row = {"name": name, "origin": plugins.origin(name), "served_by": [], "api": {}, "faulty": False, "twin": None}
+        try:
+            spec = plugins.declaration(name)
+        except UserError as exc:
+            rows.append({**row, "version": "-", "description": f"cannot be used: {exc}", "recipe": None, "broken": True})
+            continue
+        missing = spec.capability.missing_library()
+        rows.append({**row, "version": spec.version or "-", "description": spec.description,
+                     "recipe": spec.recipe.as_dict(), "capability": spec.capability.as_dict(),
+                     "tolerance": spec.tolerance.as_dict() if spec.tolerance else None,
+                     **({"runs_here": False, "why_not": missing} if missing else {"runs_here": True})})
     return rows
 
 
@@ -41,7 +65,8 @@ def _kernel_rows(include_faulty: bool) -> list[dict]:
 @click.option("--faulty/--no-faulty", default=True, show_default=True, help="Include fault-injected test kernels.")
 def list_kernels(as_json: bool, faulty: bool):
     """Name, what it computes, the release it emulates, and how each server version selects it
-    (docs/serving.md#kernel-selection-per-engine-version)."""
+    (docs/serving.md#kernel-selection-per-engine-version); then the kernels installed packages offer, with
+    the package they come from (docs/kernels.md#your-own-kernel)."""
     rows = _kernel_rows(faulty)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
@@ -56,9 +81,15 @@ def print_kernel_rows(rows: list[dict], console) -> None:
     from rich.markup import escape
 
     for r in rows:
-        console.print(escape(r["name"]), style="bold red" if r["faulty"] else "bold", soft_wrap=True)
-        for label, value in (("computes", r["description"]), ("emulates", r["version"])):
+        console.print(escape(r["name"]), style="bold red" if r["faulty"] or r.get("broken") else "bold",
+                      soft_wrap=True)
+        plugin = r.get("origin", "evalgate") != "evalgate"
+        for label, value in (("computes", r["description"]), ("version" if plugin else "emulates", r["version"])):
             console.print(f"  {label}: {escape(value)}")
+        if plugin:
+            console.print(f"  from: {escape(r['origin'])}", soft_wrap=True)
+            if r.get("why_not"):
+                console.print(f"  runs here: no, {escape(r['why_not'])}", soft_wrap=True)
         for line in r["served_by"] or ["in-process only"]:
             console.print(f"  served by: {escape(line)}", soft_wrap=True)
 
