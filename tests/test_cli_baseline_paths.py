@@ -50,3 +50,31 @@ def test_a_path_that_holds_no_baseline_says_what_is_accepted(recorded, tmp_path)
     assert "holds no baseline; pass a baseline or run folder (with manifest.json), a baselines root" in result.output
     result = _gate(cand, pol, "--baseline", str(root / "baselines"), "--baselines-root", str(root / "baselines"))
     assert result.exit_code == 2 and "give one" in result.output
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """Baselines as calibrate leaves them: each with its A/A run (``aa/``, a run folder of every task) beside."""
+    from evalgate.run.baselines import record, write_aa
+
+    root = tmp_path_factory.mktemp("calibrated")
+    base, cand = write_pair(root / "runs", n_gsm8k=40, n_humaneval=10, lost_every=2)
+    for path in record(base, root / "baselines"):
+        (task,) = json.loads((path / "manifest.json").read_text())["tasks"]
+        write_aa(path, {"tasks": {task: {"psi0": 0.0, "n": 40 if task == "gsm8k" else 10, "flips": [],
+                                         "verdict": "PASS"}}}, base)
+    return root, cand, policy(root, margin=5.0)
+
+
+def test_a_calibrated_baselines_model_or_profile_folder_is_a_baseline_to_the_gate_and_the_api(calibrated,
+                                                                                                 tmp_path):
+    import evalgate
+
+    root, cand, pol = calibrated
+    model = next((root / "baselines").iterdir())
+    for i, given in enumerate([[root / "baselines"], [model], sorted(model.iterdir())]):
+        result = _gate(cand, pol, *[a for p in given for a in ("--baseline", str(p))], "--report-dir",
+                       str(tmp_path / f"r{i}"))
+        assert result.exit_code == 1, (given, result.output)
+    cmp = evalgate.compare(model, cand)  # a model folder, as the gate takes it
+    assert cmp.tasks == ["gsm8k", "humaneval"] and all(str(model) in str(d) for d in cmp.baseline_dirs)

@@ -14,6 +14,8 @@ ACCEPTED = ("pass a baseline or run folder (with manifest.json), a baselines roo
 
 def resolve_baselines(paths: tuple[str, ...], kernel: str) -> tuple[tuple[str, ...], str | None]:
     """(baseline folders, a baselines root to look the baseline up in, or None) for the --baseline values."""
+    from evalgate.run.baselines import baseline_folders  # reads manifests: loaded only when a --baseline is given
+
     folders: list[str] = []
     roots: list[Path] = []
     for value in paths:
@@ -32,14 +34,14 @@ def resolve_baselines(paths: tuple[str, ...], kernel: str) -> tuple[tuple[str, .
             if not dirs:
                 raise UserError(f"--baseline {value!r}: that gate decided against no stored baseline folder")
             folders += dirs
-        elif next(path.glob(f"*/*/*/{MANIFEST}"), None) is not None:  # <root>/<model>/<profile>/<kernel>
+        elif baseline_folders(path, 3):  # <root>/<model>/<profile>/<kernel>
             roots.append(path)
-        elif next(path.glob(f"*/*/{MANIFEST}"), None) is not None:  # a model folder: its root decides
+        elif baseline_folders(path, 2):  # a model folder: its root decides
             roots.append(path.parent)
-        elif next(path.glob(f"*/{MANIFEST}"), None) is not None:  # a profile folder: its <kernel> baseline
+        elif baseline_folders(path, 1):  # a profile folder: its <kernel> baseline
             from evalgate.records import load_manifest
 
-            stored = {load_manifest(p).kernel.name: p.parent for p in sorted(path.glob(f"*/{MANIFEST}"))}
+            stored = {load_manifest(d / MANIFEST).kernel.name: d for d in baseline_folders(path, 1)}
             chosen = stored.get(kernel)
             if chosen is None:
                 kernels = ", ".join(sorted(stored))

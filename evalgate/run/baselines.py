@@ -213,14 +213,28 @@ def _manifest(path: Path) -> RunManifest:
     return cached[1]
 
 
-def _stored(root: str | Path) -> list[tuple[Path, RunManifest]]:
-    """Every baseline folder under ``root`` with its manifest."""
+def baseline_folders(root: Path, depth: int) -> list[Path]:
+    """Folders ``depth`` levels under ``root`` holding a manifest, except an A/A run's (``<baseline>/aa``) and a
+    killed ``record``'s leftovers (``.tmp-*``)."""
     found = []
-    for manifest_path in sorted(Path(root).glob(f"*/*/*/{MANIFEST}")):
-        d = manifest_path.parent
-        if not any(part.startswith(".tmp-") for part in d.parts):
-            found.append((d, _manifest(manifest_path)))
+    for manifest_path in sorted(root.glob("*/" * depth + MANIFEST)):
+        parts = manifest_path.parent.relative_to(root).parts
+        if AA_DIR not in parts and not any(part.startswith(".tmp-") for part in parts):
+            found.append(manifest_path.parent)
     return found
+
+
+def _stored(root: str | Path) -> list[tuple[Path, RunManifest]]:
+    """Every baseline folder under ``root`` with its manifest. ``root``: a baselines root
+    (``<model>/<profile>/<kernel>/``), or a model or profile folder under one (as ``--baseline`` offers them:
+    their baselines, recognised by the ``baseline`` entry ``record`` writes in each manifest)."""
+    root = Path(root)
+    folders = baseline_folders(root, 3)
+    for depth in (2, 1):  # a model folder, a profile folder
+        if folders:
+            break
+        folders = [d for d in baseline_folders(root, depth) if _manifest(d / MANIFEST).baseline is not None]
+    return [(d, _manifest(d / MANIFEST)) for d in folders]
 
 
 def list_baselines(root: str | Path = DEFAULT_ROOT) -> list[dict]:
