@@ -1,11 +1,15 @@
-"""Time to the error for mistakes the gate checks before its heavy start, against `evalgate --help`.
+"""Time to the error for mistakes the gate checks before its heavy start, against `evalgate --help`, without
+and with a kernel plugin installed.
 
     python benchmarks/bench_preflight.py [--repeats 3]
 
 Each mistake runs as the console script in a fresh process (exit code 2 or 4, one stderr line), as does the
 reference, `evalgate gate --help` (the interpreter, click and evalgate's command modules), interleaved so
-background load hits both alike. Prints per mistake the median wall time and its ratio to the reference's
-median, and whether torch was imported before the answer.
+background load hits both alike. Each runs twice: as installed, and with a package offering kernels through
+the ``evalgate.kernels`` entry points (a dist-info folder on PYTHONPATH, as pip leaves one; docs/kernels.md#your-own-kernel),
+where the last three rows choose its kernel, a broken one and one whose library is missing. Prints per
+mistake the median wall time of each and its ratio to the reference's median without the plugin, and
+whether torch was imported before the answer.
 """
 
 from __future__ import annotations
@@ -42,13 +46,39 @@ def mistakes(ws: Path) -> dict[str, list[str]]:
         "--out holds another run": ["run", "--out", str(ws)],
         "--samples with no baseline": ["gate", "--samples", "2", "--temperature", "0.7",
                                        "--baselines-root", str(ws / "empty")],
+        "plugin kernel, missing --model": ["gate", "--kernel", "bench/w4a4", "--model", str(ws / "nope")],
+        "plugin that fails to import": ["gate", "--kernel", "bench/broken"],
+        "plugin whose library is missing": ["gate", "--kernel", "bench/needs-library"],
     }
 
 
-def timed(args: list[str], probe: Path) -> tuple[float, int, bool]:
+PLUGIN = """from evalgate.kernels.contract import Capability, KernelSpec
+W4A4 = dict(activations="e2m1", input_ties="zero", intermediate="e2m1")
+K = KernelSpec(name="bench/w4a4", forward="benchplug.impl:forward", recipe=W4A4, description="bench")
+LIB = KernelSpec(name="bench/needs-library", forward="benchplug.impl:forward", recipe=W4A4, description="bench",
+                 capability=Capability(devices=("cuda",), module="no_such_gemm_library"))
+"""
+
+
+def plugin_site(ws: Path) -> Path:
+    """A folder laid out as an installed distribution offering three kernels through entry points."""
+    site = ws / "site"
+    (site / "benchplug").mkdir(parents=True)
+    (site / "benchplug" / "__init__.py").write_text("")
+    (site / "benchplug" / "decl.py").write_text(PLUGIN)
+    (site / "benchbroken.py").write_text("import no_such_gemm_library\n")
+    info = site / "benchplug-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: benchplug\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[evalgate.kernels]\nbench/w4a4 = benchplug.decl:K\n"
+                                           "bench/broken = benchbroken:K\nbench/needs-library = benchplug.decl:LIB\n")
+    return site
+
+
+def timed(args: list[str], probe: Path, env: dict) -> tuple[float, int, bool]:
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True,
-                          env={**os.environ, "EG_PROBE": str(probe)})
+                          env={**env, "EG_PROBE": str(probe)})
     seconds = time.perf_counter() - started
     return seconds, proc.returncode, probe.read_text() == "True"
 
@@ -61,19 +91,27 @@ def main() -> None:
         ws = Path(tmp)
         probe = ws / "probe"
         cases = mistakes(ws)
-        reference, times = [], {name: [] for name in cases}
+        plain = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        envs = {"no plugin": plain, "plugin": {**plain, "PYTHONPATH": str(plugin_site(ws))}}
+        reference = {e: [] for e in envs}
+        times = {(e, name): [] for e in envs for name in cases}
         codes, torch = {}, {}
         for _ in range(args.repeats):
-            reference.append(timed(["gate", "--help"], probe)[0])
-            for name, argv in cases.items():
-                seconds, codes[name], torch[name] = timed(argv, probe)
-                times[name].append(seconds)
-        ref = statistics.median(reference)
-        print(f"reference `evalgate gate --help`: {ref:.2f} s (median of {args.repeats})")
-        print(f"{'mistake':38} {'exit':>4} {'median s':>9} {'× ref':>6}  torch imported")
+            for e, env in envs.items():
+                reference[e].append(timed(["gate", "--help"], probe, env)[0])
+                for name, argv in cases.items():
+                    seconds, codes[e, name], torch[e, name] = timed(argv, probe, env)
+                    times[e, name].append(seconds)
+        ref = statistics.median(reference["no plugin"])
+        print(f"reference `evalgate gate --help`: {ref:.2f} s without a plugin, "
+              f"{statistics.median(reference['plugin']):.2f} s with one (median of {args.repeats})")
+        print(f"{'mistake':34} {'exit':>4} {'median s':>9} {'× ref':>6}   {'plugin: exit':>12} {'median s':>9} "
+              f"{'× ref':>6}  torch imported")
         for name in cases:
-            med = statistics.median(times[name])
-            print(f"{name:38} {codes[name]:>4} {med:>9.2f} {med / ref:>6.2f}  {'yes' if torch[name] else 'no'}")
+            a, b = statistics.median(times["no plugin", name]), statistics.median(times["plugin", name])
+            loaded = "yes" if torch["no plugin", name] or torch["plugin", name] else "no"
+            print(f"{name:34} {codes['no plugin', name]:>4} {a:>9.2f} {a / ref:>6.2f}   {codes['plugin', name]:>12} "
+                  f"{b:>9.2f} {b / ref:>6.2f}  {loaded}")
 
 
 if __name__ == "__main__":
