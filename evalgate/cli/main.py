@@ -6,6 +6,7 @@ Every command lives in its own module beside this one and is registered here, by
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -58,6 +59,8 @@ class EvalgateGroup(click.Group):
         except Interrupted as exc:
             _fail(f"evalgate: terminated{resume_note(ctx) or ''}", exc.exit_code)
         except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:  # a name the user typed: input, not the environment
+                _fail(f"evalgate: error: {_too_long(exc)}", USAGE)
             what = describe_os_error(exc)
             if what is None:
                 raise _Bug(exc) from exc
@@ -68,6 +71,19 @@ class EvalgateGroup(click.Group):
                 _fail(f"evalgate: could not finish: out of memory ({what}); "
                       f"lower --batch-size or free memory{resume_note(ctx)}", ENVIRONMENT)
             raise _Bug(exc) from exc
+
+
+def _too_long(exc: OSError) -> str:
+    """The name over the file system's limit, shortened, and the limit."""
+    path = str(exc.filename or "")
+    longest = max(path.split(os.sep), key=len) if path else ""
+    try:
+        limit = os.pathconf(os.path.dirname(os.path.abspath(path)) or ".", "PC_NAME_MAX") if path else 255
+    except (OSError, ValueError):
+        limit = 255
+    shown = f"{longest[:40]}…" if len(longest) > 40 else longest
+    return (f"the name {shown!r} in {path[:60] + '…' if len(path) > 60 else path!r} has {len(longest)} characters; "
+            f"the file system allows {limit}: choose a shorter path")
 
 
 class _Bug(Exception):

@@ -37,6 +37,7 @@ def writable_folder(path: str | Path, flag: str) -> None:
     """``path`` is a folder the command creates or writes in: refuse a file in the way (exit 2) and a folder
     that cannot be written (exit 4), naming the folder that refuses."""
     path = Path(path)
+    name_lengths(path, flag)
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {str(path)!r} is a file, not a folder; choose a folder")
     existing = _existing(path)
@@ -46,6 +47,17 @@ def writable_folder(path: str | Path, flag: str) -> None:
         why = "read-only file system" if _read_only_mount(existing) else "permission denied"
         raise EnvironmentFailure(f"{flag} {str(path)!r} cannot be written ({why} on {str(existing)!r}); "
                                  f"choose a writable {flag}")
+
+
+def name_lengths(path: Path, flag: str) -> None:
+    """Refuse (exit 2) a name in ``path`` longer than its file system allows, before any folder on the way is
+    made."""
+    for part in path.parts:
+        if len(part.encode()) <= 255:
+            continue
+        shown = f"{part[:40]}…"
+        raise UserError(f"{flag} {str(path)[:60] + '…'!r}: the name {shown!r} has {len(part)} characters; the "
+                        "file system allows 255: choose a shorter path")
 
 
 def _read_only_mount(path: Path) -> bool:

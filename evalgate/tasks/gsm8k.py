@@ -168,6 +168,11 @@ class GSM8K:
     def load(self, profile: Profile, data_dir: Path | None, limit: int | None, dataset: dict | None = None):
         split = profile.settings.get("split", "test")
         shots_from_train = profile.settings.get("shot_split") == "train"
+        if profile.settings.get("items") is not None and dataset is not None:  # its items are GSM8K's, by index
+            raise UserError(f"--dataset gsm8k={dataset.get('source')}: profile {profile.name!r} scores a fixed "
+                            f"subset of GSM8K's own {split} items (the canary's), not a dataset's; score your "
+                            "dataset with --profile gsm8k=gsm8k-cot-8shot (its shots are fixed: a test split is "
+                            "enough)")
         data = task_data([split] + (["train"] if shots_from_train else []), data_dir, dataset)
         main = data.split(split)
         rows = main.rows
