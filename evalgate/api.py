@@ -14,15 +14,16 @@ import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evalgate.canary import policy_for
 from evalgate.errors import NotComparable, UserError
 from evalgate.explain import Explainer, Explanation, summary_line
 from evalgate.gate.compare import Pairing
 from evalgate.gate.compare import compare as pair_runs
 from evalgate.gate.compare import serving_difference
 from evalgate.gate.decide import decide as decide_pairing
-from evalgate.gate.decide import gate_runs
-from evalgate.gate.policy import Thresholds, load_thresholds
+from evalgate.gate.decide import with_conformance
+from evalgate.gate.door import decide_pair, policy_for_run
+from evalgate.gate.sequence import decide_at_look
+from evalgate.gate.policy import Thresholds
 from evalgate.gate.subset import item_lists, restrict
 from evalgate.gate.verdict import OverallDecision, Verdict
 from evalgate.report.html import ItemView, comparison_html, display_question
@@ -35,9 +36,9 @@ SUMMARY_COLUMNS = ["task", "n", "baseline", "candidate", "delta", "ci_low", "ci_
 
 
 def _policy(thresholds, run: Run) -> Thresholds:
-    if isinstance(thresholds, Thresholds):
-        return thresholds
-    return load_thresholds(thresholds or policy_for(run))
+    """The one resolver the gate uses (``--thresholds``, $EVALGATE_THRESHOLDS, the canary's own, ./thresholds.yaml,
+    the packaged default)."""
+    return policy_for_run(thresholds, run)
 
 
 def _for_profiles_used(pairing: Pairing, policy: Thresholds, notes: list[str]) -> Thresholds:
@@ -60,6 +61,8 @@ class Comparison(Pairing):
     notes: list[str] = field(default_factory=list)  # how the runs were paired and the statistics decided
     baseline_dirs: list[Path] = field(default_factory=list)  # the baseline folder(s), for their A/A records
     stats_problem: str | None = None  # why statistics could not be decided (not retried)
+    items: object = None  # the subset compared on (``compare(..., items=...)``); None: every item
+    across_serving: bool = False  # paired across a serving difference, as asked
     _verdict: Verdict | None = field(default=None, repr=False)
     _explainer: Explainer | None = field(default=None, repr=False)  # the replaying models, loaded on first use
 
@@ -72,14 +75,30 @@ class Comparison(Pairing):
             except (OSError, ValueError):  # an unreadable aa.json must not stop anyone looking at flips
                 aa = {}
             try:
-                policy = _for_profiles_used(self, _policy(self.thresholds, self.candidate), self.notes)
-                self._verdict = decide_pairing(self, policy, aa=aa, require_aa=False)
+                self._verdict = self._decide(aa)
             except UserError as exc:  # NotComparable included: the numbers would not be a valid gate
                 self.stats_problem = f"no statistics: {exc}"
                 self.notes.append(self.stats_problem)
                 return None
             self.notes.extend(self._verdict.notes)
         return self._verdict
+
+    def _decide(self, aa: dict) -> Verdict:
+        """Through the gate's door (``decide_pair``: its policy resolver, decision and look), uncalibrated
+        allowed; a policy written for another profile has its margin applied to the one used (noted)."""
+        policy = _for_profiles_used(self, _policy(self.thresholds, self.candidate), self.notes)
+        dirs = self.baseline_dirs or [self.baseline.path]
+        if self.items is None or self.items == "candidate":
+            return decide_pair(dirs, self.candidate, policy, allow_uncalibrated=True,
+                               items="candidate" if self.items else "all", across_serving=self.across_serving)
+        # an explicit list of items: this pairing, decided as the gate decides, its own sequence of looks
+        from evalgate.gate.door import items_digest
+
+        def decide(at_look: Thresholds) -> Verdict:
+            return with_conformance(decide_pairing(self, at_look, aa=aa, require_aa=False), self.candidate)
+
+        return decide_at_look(decide, policy, dirs, self.candidate.manifest, list(self.pairs),
+                              items_digest(self.candidate))
 
     @property
     def decision(self) -> OverallDecision | None:
@@ -328,7 +347,7 @@ def compare(baseline, candidate=None, tasks: list[str] | None = None, metrics: d
     if differs:
         notes.append(f"compared across a serving difference, as asked: {differs}")
     return Comparison(pairing.baseline, pairing.candidate, pairing.pairs, pairing.aa_flips, thresholds=thresholds,
-                      notes=notes, baseline_dirs=baseline_dirs)
+                      notes=notes, baseline_dirs=baseline_dirs, items=items, across_serving=across_serving)
 
 
 def run_kernel(kernel: str, out, model: str | None = None, tasks=("gsm8k", "humaneval"), limit: int | None = None,
@@ -361,7 +380,7 @@ def run_kernel(kernel: str, out, model: str | None = None, tasks=("gsm8k", "huma
 def decide(baseline, candidate, thresholds=None, allow_uncalibrated: bool = False) -> Verdict:
     """The gate's verdict from stored runs: ``baseline`` a folder or a list of per-task baseline folders."""
     cand = candidate if isinstance(candidate, Run) else load_run(candidate)
-    return gate_runs(baseline, cand, _policy(thresholds, cand), allow_uncalibrated)
+    return decide_pair(baseline, cand, thresholds, allow_uncalibrated)
 
 
 __all__ = ["Comparison", "Explanation", "Run", "compare", "decide", "find_baselines", "load_run", "run_kernel",

@@ -50,21 +50,23 @@ ROUND_TEMPERATURE = 0.2  # the rounds' temperature when the plan's own run is gr
 def gate(plan: GatePlan, adapter: ModelAdapter | None = None) -> Verdict:
     """Run the plan's candidate (or take its stored one) and decide against its baseline with its policy;
     while a task is undecided and ``plan.max_samples`` allows, add coupled samples per item in rounds
-    (docs/gate.md#sequential-rounds). Every decision is one look of this gate's sequence, at α·2^-(look+1).
-    ``adapter``: a server adapter (None: the in-process model of ``plan.spec``)."""
+    (docs/gate.md#sequential-rounds). Every decision is one look of the candidate's sequence against this
+    baseline, at α·2^-(look+1) (docs/gate.md#reruns). ``adapter``: a server adapter (None: the in-process
+    model of ``plan.spec``)."""
     from evalgate.gate.early_stop import EarlyStop
 
-    ledger = _ledger(plan)
     candidate = plan.candidate
     if candidate is None:
-        # stopped for at the next look's α: certain there, so certain at any earlier look's larger α too
-        observer = (EarlyStop(plan.baseline, plan.policy.at_look(ledger.next_look), plan.allow_uncalibrated,
-                              plan.stop_on_conformance, plan.across_serving) if plan.early_stop else None)
+        # stopped for at the α of the look the run will take (read when the run starts: its manifest names
+        # the candidate); certain there, so certain at any earlier look's larger α too
+        observer = (EarlyStop(plan.baseline, plan.policy, plan.allow_uncalibrated, plan.stop_on_conformance,
+                              plan.across_serving, look_of=lambda manifest: _next_look(plan, manifest))
+                    if plan.early_stop else None)
         candidate = run_or_resume(plan.spec, plan.out, adapter, observer, plan.tasks, plan.baseline.answer_lengths)
-    verdict = decide_look(plan, plan.baseline, candidate, ledger)
+    verdict = decide_look(plan, plan.baseline, candidate)
     if plan.spec is None or verdict.decision is None or verdict.verdict != "INCONCLUSIVE":
         return verdict
-    return _rounds(plan, adapter, verdict, ledger)
+    return _rounds(plan, adapter, verdict)
 
 
 def gate_explanations(verdict: Verdict, report_dir: Path, replay: bool):
@@ -78,44 +80,23 @@ def gate_explanations(verdict: Verdict, report_dir: Path, replay: bool):
     return explain_flips(verdict) if replay else stored_explanations(report_dir, verdict)
 
 
-def _ledger(plan: GatePlan):
-    from evalgate.gate.sequence import Ledger, identity
+def _next_look(plan: GatePlan, manifest: dict) -> int:
+    """The look a candidate with this manifest would take next (read, not allocated)."""
+    from evalgate.gate.sequence import Looks
 
-    base = plan.baseline.run.manifest
-    kernel = plan.spec.kernel if plan.spec is not None else plan.candidate.kernel
-    tasks = plan.spec.tasks if plan.spec is not None else plan.candidate.tasks
-    gate_id = identity(plan.baseline.dirs, [base.get("run_id")], kernel, base.get("model", {}).get("fingerprint"),
-                       plan.policy.sha256, tasks)
-    return Ledger.open(plan.ledger_dir, gate_id)
+    tasks = list(manifest.get("tasks", {}))
+    with Looks.held(plan.baseline.dirs, manifest, tasks, None) as looks:
+        return looks.next_look
 
 
-def decide_look(plan: GatePlan, baseline, candidate: Run, ledger) -> Verdict:
-    """Decide one look: at the next look's α, unless the candidate's data reproduce an earlier look's (then
-    that look's α and verdict); recorded in the ledger."""
-    from evalgate.gate.sequence import data_digest
+def decide_look(plan: GatePlan, baseline, candidate: Run, round_note: str = "") -> Verdict:
+    """Decide one look through the one door (``evalgate.gate.door.decide_pair``): at the candidate's next
+    look, unless its data reproduce an earlier look's (then that look's α and verdict); recorded with the
+    plan's baseline (a round's sampled baseline included)."""
+    from evalgate.gate.door import decide_pair
 
-    look = ledger.next_look
-    verdict = gate_runs(baseline, candidate, plan.policy.at_look(look), plan.allow_uncalibrated, plan.items,
-                        plan.across_serving)
-    if verdict.comparison is None or verdict.decision is None:  # aggregate-only: one unpaired decision
-        return verdict
-    digest = data_digest(verdict.comparison)
-    seen, _ = ledger.look_for(digest)
-    if seen != look:
-        verdict = gate_runs(baseline, candidate, plan.policy.at_look(seen), plan.allow_uncalibrated, plan.items,
-                        plan.across_serving)
-    k = max((p.k for p in verdict.comparison.pairs.values()), default=1)
-    alpha = plan.policy.at_look(seen).alpha
-    ledger.record(seen, digest, k, alpha, verdict.verdict, {t: d.verdict for t, d in verdict.decision.tasks.items()})
-    entry = {"look": seen, "k": k, "alpha": alpha, "verdict": verdict.verdict, "candidate": str(candidate.path),
-             "baseline": [str(d) for d in getattr(baseline, "dirs", ())], "repeated": seen != look,
-             "tasks": {t: d.verdict for t, d in verdict.decision.tasks.items()}}
-    sequence = {"gate": ledger.gate, "ledger": str(ledger.path) if ledger.path else None, "looks": [entry],
-                "max_samples": plan.max_samples}
-    note = (f"look {seen + 1} of this gate (same baseline, kernel, model and policy): decided at α = {alpha:.4g} "
-            f"(α·2^-{seen + 1}; docs/gate.md#sequential-rounds)"
-            + (" — the same data as that earlier look" if seen != look else ""))
-    return replace(verdict, sequence=sequence, notes=[*verdict.notes, note])
+    return decide_pair(baseline, candidate, plan.policy, plan.allow_uncalibrated, plan.items, plan.across_serving,
+                       sequence_of=plan.baseline, round_note=round_note)
 
 
 def next_samples(k: int, open_decisions, max_samples: int) -> int | None:
@@ -152,7 +133,15 @@ def _round_baseline(plan: GatePlan, spec: RunSpec, tasks, adapter, out: Path):
     return StoredBaseline((run.path,), run, aa)
 
 
-def _rounds(plan: GatePlan, adapter, verdict: Verdict, ledger) -> Verdict:
+def baseline_seed(baseline) -> int:
+    """The sampler's run seed the rounds use: the baseline's recorded one. Every sample's key is then fixed by
+    the baseline (item, sample index, this seed): no flag of the candidate's gives fresh draws."""
+    spec = baseline.run.manifest.get("spec") or {}
+    seed = spec.get("seed")
+    return seed if isinstance(seed, int) and seed >= 0 else 0
+
+
+def _rounds(plan: GatePlan, adapter, verdict: Verdict) -> Verdict:
     """Add coupled samples per item to the undecided tasks, one look per round, until every task is decided
     or ``plan.max_samples`` is reached. The verdict returned is the first look's, with each task's decision
     replaced by the look that decided it."""
@@ -168,7 +157,8 @@ def _rounds(plan: GatePlan, adapter, verdict: Verdict, ledger) -> Verdict:
         k_next = next_samples(k, [tasks[t] for t in open_tasks], plan.max_samples)
         if k_next is None:
             break
-        spec = replace(plan.spec, tasks=open_tasks, samples=k_next, temperature=temperature)
+        spec = replace(plan.spec, tasks=open_tasks, samples=k_next, temperature=temperature,
+                       seed=baseline_seed(plan.baseline))
         if plan.spec.sampling().greedy and all(t in plan.tasks for t in open_tasks):  # the items loaded once
             loaded = {t: with_sampling(plan.tasks[t], spec) for t in open_tasks}
         else:
@@ -181,7 +171,7 @@ def _rounds(plan: GatePlan, adapter, verdict: Verdict, ledger) -> Verdict:
                          f"--samples {k_next} --temperature {temperature:g} --seed {spec.seed}`")
             break
         candidate = run_or_resume(spec, out / "candidate", adapter, None, loaded)
-        round_verdict = decide_look(plan, baseline, candidate, ledger)
+        round_verdict = decide_look(plan, baseline, candidate, f" (round k = {k_next})")
         looks += round_verdict.sequence["looks"]
         notes += [n for n in round_verdict.notes if n.startswith("look ")]
         for task in open_tasks:

@@ -26,7 +26,6 @@ RUNS_DIR = Path("results/runs")
 # the most samples per item the gate's rounds go to (docs/gate.md#sequential-rounds: chosen from
 # benchmarks/simulate_gate.py, where k = 8 coupled samples decide ≥ 99% of healthy HumanEval kernels at ψ = 6%)
 DEFAULT_MAX_SAMPLES = 8
-SEQUENCES = ".sequences"  # under RUNS_DIR: each gate's ledger of looks (evalgate.gate.sequence)
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,6 @@ class GatePlan:
     # sequential rounds (docs/gate.md#sequential-rounds): while undecided, add coupled samples per item up to this
     max_samples: int = DEFAULT_MAX_SAMPLES
     baselines_root: Path | None = None  # where sampled baselines are looked up for the rounds
-    ledger_dir: Path | None = None  # the gate's sequence ledgers (every look it took); None: not recorded
     items: str = "all"  # "candidate": decide on the stored candidate's items only (gate.subset)
     across_serving: bool = False  # compare although the servers differ in serving identity (said in the verdict)
 
@@ -165,8 +163,7 @@ def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, base
                                 "`--items candidate` to this command")
         if missing:
             raise _missing_baseline(spec, missing, baseline_kernel, root, served)
-    rounds = dict(max_samples=DEFAULT_MAX_SAMPLES if max_samples is None else max_samples, baselines_root=root,
-                  ledger_dir=RUNS_DIR / SEQUENCES)
+    rounds = dict(max_samples=DEFAULT_MAX_SAMPLES if max_samples is None else max_samples, baselines_root=root)
     if rounds["max_samples"] < 1:
         raise UserError(f"--max-samples must be >= 1, got {rounds['max_samples']}")
     if candidate is not None:

@@ -13,7 +13,7 @@ import pytest
 
 from evalgate.errors import UserError
 from evalgate.gate.policy import load_thresholds
-from evalgate.gate.sequence import MAX_LOOKS, Ledger
+from evalgate.gate.sequence import MAX_LOOKS
 from evalgate.stats.exact_ni import critical_value
 from evalgate.stats.paired import tango_z
 from synthetic_runs import manifest, write_run
@@ -69,34 +69,142 @@ def _plan(tmp_path: Path, candidate: Path, base: Path, margin: float = 20.0, **r
                      baselines_root=tmp_path / "baselines", **rest)
 
 
+def _looks(base: Path) -> dict:
+    """identity -> task file -> the looks recorded with the baseline."""
+    return {d.name: {f.name: [x["look"] for x in json.loads(f.read_text())["looks"]] for f in d.glob("*.json")}
+            for d in (base / "looks").iterdir()}
+
+
 def test_a_rerun_with_the_same_data_is_the_same_look_and_new_data_the_next(tmp_path, monkeypatch):
     from evalgate.pipeline import gate
 
-    monkeypatch.chdir(tmp_path)  # the ledger lives in ./results/runs/.sequences
-
     base, cand = _pair(tmp_path, lost=6)
+    monkeypatch.chdir(tmp_path)
     first = gate(_plan(tmp_path, cand, base))
     assert first.sequence["looks"][0]["look"] == 0 and first.decision.tasks["humaneval"].alpha == 0.025
+    assert first.decision.tasks["humaneval"].look == 0
     again = gate(_plan(tmp_path, cand, base))  # the same stored candidate: the same data
     assert again.sequence["looks"][0] == {**first.sequence["looks"][0], "repeated": True}
     assert again.verdict == first.verdict and again.decision.tasks["humaneval"].alpha == 0.025
     _, other = _pair(tmp_path, lost=2, name="cand-rerun")  # the same kernel again, other data
     later = gate(_plan(tmp_path, other, base))
     assert later.sequence["looks"][0]["look"] == 1 and later.decision.tasks["humaneval"].alpha == 0.0125
-    assert Path(later.sequence["ledger"]).parent == Path("results/runs/.sequences")
-    ledger = json.loads(Path(later.sequence["ledger"]).read_text())
-    assert [x["look"] for x in ledger["looks"]] == [0, 1]
-    assert any(n.startswith("look 2 of this gate") for n in later.notes)
+    assert later.decision.tasks["humaneval"].look == 1
+    # recorded with the baseline, not under the working directory
+    assert not (tmp_path / "results").exists()
+    # GSM8K's data repeat (every item right on both sides): only HumanEval's new data took look 1
+    assert list(_looks(base).values()) == [{"gsm8k.json": [0], "humaneval.json": [0, 1]}]
+    assert any(n.startswith("look 2 of this candidate") for n in later.notes)
+
+
+def test_no_reset_of_ordinary_use_starts_the_sequence_again(tmp_path, monkeypatch):
+    """Another working directory, a policy copy with a comment added, a task subset, a renamed run folder:
+    new data of the same candidate always take the next look."""
+    import shutil
+
+    from evalgate.gate.door import decide_pair
+
+    base, cand = _pair(tmp_path, lost=6)
+    seen = []
+    for attempt in range(4):
+        _, other = _pair(tmp_path, lost=attempt + 1, name=f"attempt-{attempt}")
+        where = tmp_path / f"cwd-{attempt}"
+        where.mkdir()
+        monkeypatch.chdir(where)
+        policy = where / "thresholds.yaml"
+        policy.write_text(f"# attempt {attempt}\n" + POLICY.format(margin=20.0))
+        if attempt == 2:  # only one task: its own ledger still counts
+            m = json.loads((other / "manifest.json").read_text())
+            del m["tasks"]["gsm8k"]
+            (other / "manifest.json").write_text(json.dumps(m))
+            (other / "gsm8k.jsonl").unlink()
+        if attempt == 3:
+            other = Path(shutil.move(other, tmp_path / "renamed"))
+        verdict = decide_pair([base], other, policy, allow_uncalibrated=True)
+        seen.append((verdict.sequence["looks"][0]["look"], verdict.decision.tasks["humaneval"].alpha))
+    assert seen == [(0, 0.025), (1, 0.0125), (2, 0.00625), (3, 0.003125)]
+
+
+def test_a_rebuilt_kernel_is_another_candidate_and_a_subset_check_its_own_sequence(tmp_path):
+    from evalgate.gate.door import decide_pair
+    from evalgate.gate.sequence import candidate_identity
+
+    base, cand = _pair(tmp_path, lost=6)
+    assert decide_pair([base], cand, _policy(tmp_path), allow_uncalibrated=True).sequence["looks"][0]["look"] == 0
+    _, fixed = _pair(tmp_path, lost=1, name="fixed")
+    m = json.loads((fixed / "manifest.json").read_text())
+    old = candidate_identity(m)
+    m["kernel"]["recipe"] = {"accumulate": "fp32"}  # the same name, another build
+    (fixed / "manifest.json").write_text(json.dumps(m))
+    assert candidate_identity(m) != old
+    assert decide_pair([base], fixed, _policy(tmp_path), allow_uncalibrated=True).sequence["looks"][0]["look"] == 0
+    # the first 100 GSM8K items only: a subset check, its own sequence; the full gate's next look is still 1
+    _, part = _pair(tmp_path, lost=3, name="part")
+    _lose_gsm8k_item(part, 0)
+    (part / "humaneval.jsonl").unlink()
+    path = part / "gsm8k.jsonl"
+    path.write_text("".join(line + "\n" for line in path.read_text(encoding="utf-8").split("\n")[:100]),
+                    encoding="utf-8")
+    m = json.loads((part / "manifest.json").read_text())
+    del m["tasks"]["humaneval"]
+    m["tasks"]["gsm8k"]["n_items"] = 100
+    (part / "manifest.json").write_text(json.dumps(m))
+    sub = decide_pair([base], part, _policy(tmp_path), allow_uncalibrated=True, items="candidate")
+    assert sub.sequence["looks"][0]["look"] == 0 and sub.decision.tasks["gsm8k"].counts.n == 100
+    _, again = _pair(tmp_path, lost=6, name="again")
+    _lose_gsm8k_item(again, 0)  # new GSM8K data for the full gate
+    assert decide_pair([base], again, _policy(tmp_path), allow_uncalibrated=True).sequence["looks"][0]["look"] == 1
+
+
+def _lose_gsm8k_item(run: Path, i: int) -> None:
+    path = run / "gsm8k.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
+    rows[i]["exact_match,strict-match"] = 0.0
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def _policy(tmp_path: Path) -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY.format(margin=20.0))
+    return path
+
+
+def _decide_in_child(base, cand, policy, start, queue):
+    from evalgate.gate.door import decide_pair
+
+    start.wait()
+    queue.put(decide_pair([base], cand, policy, allow_uncalibrated=True).sequence["looks"][0]["look"])
+
+
+def test_two_gates_at_once_take_two_looks(tmp_path):
+    import multiprocessing
+
+    base, _ = _pair(tmp_path, lost=6)
+    cands = [_pair(tmp_path, lost=j + 1, name=f"c{j}")[1] for j in range(2)]
+    ctx = multiprocessing.get_context("fork")
+    start, queue = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_decide_in_child, args=(base, c, _policy(tmp_path), start, queue)) for c in cands]
+    for p in procs:
+        p.start()
+    start.set()
+    looks = sorted(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert looks == [0, 1]
+    assert sorted(json.loads((next((base / "looks").iterdir()) / "humaneval.json").read_text())["looks"],
+                  key=lambda x: x["look"])[1]["look"] == 1
 
 
 def test_a_gate_past_its_last_look_is_refused(tmp_path):
-    ledger = Ledger(tmp_path / "g.json", "g", [{"look": j, "digest": str(j)} for j in range(MAX_LOOKS)])
+    from evalgate.gate.sequence import Ledger, Looks
+
+    looks = Looks("id", {"humaneval": Ledger(None, [{"look": j, "digest": str(j)} for j in range(MAX_LOOKS)])})
     with pytest.raises(UserError, match="a further look is refused"):
-        ledger.look_for("new data")
-    assert ledger.look_for("3") == (3, ledger.looks[3])
+        looks.look_for({"humaneval": "new data"})
+    assert looks.look_for({"humaneval": "3"}) == (3, True)
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(UserError, match="unreadable"):
-        Ledger.open(tmp_path, "bad")
+        Ledger.read(tmp_path / "bad.json")
 
 
 def test_next_samples_uses_the_measured_within_item_variance():
@@ -114,7 +222,7 @@ def _sampled(run: Path, dest: Path, k: int, kernel: str, tasks) -> Path:
     """``run`` with k samples per item, every sample the item's greedy outcome (the same keys on both sides)."""
     dest.mkdir(parents=True)
     m = json.loads((run / "manifest.json").read_text())
-    m["kernel"]["name"] = kernel
+    m["kernel"].update(name=kernel, id=f"{kernel}@synthetic 1.0")
     m["tasks"] = {t: s for t, s in m["tasks"].items() if t in tasks}
     for task in m["tasks"].values():
         task["decoding"] = {"do_sample": True, "n": k, "temperature": 0.7, "seed": 0}
@@ -160,7 +268,7 @@ def test_an_undecided_task_gets_rounds_until_decided(tmp_path, monkeypatch, max_
     policy.write_text(POLICY.format(margin=20.0))
     plan = GatePlan(policy=load_thresholds(policy), baseline=load_baseline([base]), report_dir=tmp_path / "rep",
                     allow_uncalibrated=True, spec=RunSpec(model="m", kernel="w4a4_packed", tasks=["gsm8k", "humaneval"]),
-                    out=tmp_path / "out", early_stop=False, max_samples=max_samples, ledger_dir=tmp_path / "seq")
+                    out=tmp_path / "out", early_stop=False, max_samples=max_samples)
     verdict = pipeline.gate(plan)
     looks = verdict.sequence["looks"]
     assert looks[0]["k"] == 1 and looks[0]["tasks"] == {"gsm8k": "PASS", "humaneval": "INCONCLUSIVE"}

@@ -340,14 +340,23 @@ def test_rate_gates_limit_and_significance():
     n = 1319
     counts = Counts(a=1187, b=0, c=0, d=132, n=n)
     base_invalid = flags(n, range(10))
-    # +14 items = +1.06 pp: over the 1 pp limit (13.19 items), and McNemar p = 2^-14
-    for policy in ({}, SPEC_RULE):
-        dec = decide("gsm8k", counts=counts, margin=0.015, base_invalid=base_invalid,
-                          cand_invalid=flags(n, range(24)), base_truncated=flags(n, []),
-                          cand_truncated=flags(n, []), **policy)
-        assert dec.verdict == "FAIL" and dec.invalid.over_limit and dec.invalid.significant
-        assert dec.invalid.p == pytest.approx(2.0**-14)
-        assert not dec.truncation.failed
+    # +14 items = +1.06 pp: over the 1 pp limit (13.19 items), and McNemar p = 2^-14. The original rule FAILs
+    # it; under one α a rise FAILs only when shown larger than the limit (issue 45: a kernel within the limit
+    # must FAIL ≤ α), which +1.06 pp is not (p of "rise ≤ 1 pp" = 0.45)
+    rest = dict(counts=counts, margin=0.015, base_invalid=base_invalid, base_truncated=flags(n, []),
+                cand_truncated=flags(n, []))
+    spec = decide("gsm8k", cand_invalid=flags(n, range(24)), **rest, **SPEC_RULE)
+    assert spec.verdict == "FAIL" and spec.invalid.over_raw_limit and spec.invalid.significant_at_alpha
+    assert spec.invalid.p == pytest.approx(2.0**-14)
+    dec = decide("gsm8k", cand_invalid=flags(n, range(24)), **rest)
+    assert dec.verdict == "PASS" and dec.invalid.over_limit and not dec.invalid.significant
+    assert dec.invalid.p_over_limit == pytest.approx(0.448, abs=1e-3)
+    assert any("not shown above 1.00 pp" in w for w in dec.warnings)
+    # +24 items = +1.82 pp: shown above the limit at the check's share of α (p = 0.0045 ≤ 0.005)
+    dec = decide("gsm8k", cand_invalid=flags(n, range(34)), **rest)
+    assert dec.verdict == "FAIL" and dec.invalid.significant and dec.invalid.failed
+    assert any(r.startswith("invalid rate shown risen by more than the limit") for r in dec.reasons)
+    assert not dec.truncation.failed
     # exactly the limit (1 of 100 items) is allowed; flags that move but do not rise pass
     dec = decide("t", counts=Counts(90, 0, 0, 10, 100), margin=0.05, base_invalid=flags(100, []),
                       cand_invalid=flags(100, [0]), base_truncated=flags(100, [1, 2]),
@@ -363,7 +372,7 @@ def test_rate_significance_uses_its_share_of_alpha():
     kwargs = dict(counts=counts, margin=0.015, base_truncated=flags(n, []), cand_truncated=flags(n, range(5)),
                   base_invalid=flags(n, range(10)), cand_invalid=flags(n, range(10)))
     spec = decide("gsm8k", **kwargs, **SPEC_RULE)
-    assert spec.verdict == "FAIL" and spec.truncation.significant and not spec.truncation.over_limit
+    assert spec.verdict == "FAIL" and spec.truncation.significant_at_alpha and not spec.truncation.over_limit
     assert any(r.startswith("truncation rate rose significantly") for r in spec.reasons)
     dec = decide("gsm8k", **kwargs)
     assert dec.truncation.alpha == pytest.approx(0.005) and not dec.truncation.significant
@@ -376,9 +385,13 @@ def test_rate_significance_uses_its_share_of_alpha():
                                                base_truncated=flags(164, []), cand_truncated=flags(164, []))])
     assert overall.tasks["gsm8k"].truncation.alpha == pytest.approx(0.0025)
     assert overall.verdict == "PASS" and overall.spec_verdict == "FAIL"
-    # a large rise is significant at the share too: +12 items, p = 2^-12
-    big = decide("gsm8k", **{**kwargs, "cand_truncated": flags(n, range(12))})
-    assert big.truncation.significant and not big.truncation.over_limit and big.verdict == "FAIL"
+    # a rise within the limit never FAILs, however significant: +12 items (0.91 pp), McNemar p = 2^-12
+    within = decide("gsm8k", **{**kwargs, "cand_truncated": flags(n, range(12))})
+    assert within.truncation.p == pytest.approx(2.0**-12) and within.verdict == "PASS"
+    assert any("within the 1.00 pp limit (not a FAIL)" in w for w in within.warnings)
+    # one shown above the limit FAILs: +40 items (3.03 pp)
+    big = decide("gsm8k", **{**kwargs, "cand_truncated": flags(n, range(40))})
+    assert big.truncation.significant and big.truncation.over_limit and big.verdict == "FAIL"
 
 
 def test_rate_limit_at_humaneval_size():
@@ -394,12 +407,11 @@ def test_rate_limit_at_humaneval_size():
     four = decide("humaneval", cand_invalid=flags(164, range(4)), **kwargs)
     assert four.verdict == "PASS"
     # issue 32, finding 1: the absolute limit has no level, so under one α it warns; the exact test on the
-    # discordant flags decides (5 new, 0 gone: p = 1/32 > α_validity/2)
+    # discordant flags against the limit decides (5 new, 0 gone: p of "rise ≤ 1 pp" = 0.052 > α_validity/2)
     five = decide("humaneval", cand_invalid=flags(164, range(5)), **kwargs)
     assert five.invalid.over_limit and not five.invalid.significant and five.verdict == "PASS"
-    assert any("5 net new items > max(1.00 pp of n, 4 items) = 4.00" in w and "not a FAIL" in w
-               for w in five.warnings)
-    # significant at its share: FAIL
+    assert any("invalid rate rose by more than the limit" in w and "not a FAIL" in w for w in five.warnings)
+    # shown above the limit at its share (9 new: p = 0.0036): FAIL
     many = decide("humaneval", cand_invalid=flags(164, range(9)), **kwargs)
     assert many.invalid.significant and many.verdict == "FAIL"
 
@@ -672,3 +684,27 @@ def test_flag_noise_alone_fails_a_healthy_task_at_most_the_checks_share():
             fail += mass * (dec.verdict == "FAIL")
             limit += mass * dec.invalid.over_limit
     assert fail <= 0.005 and limit > 0.07
+
+
+def test_a_rise_within_the_limit_fails_at_most_its_alpha():
+    """Issue 45, finding 3: GSM8K 30 lost / 20 gained with the 10 net lost answers new invalid ones (+0.76 pp,
+    below the 1 pp limit) FAILed on the invalid rate. The check now tests "rise ≤ limit": it does not FAIL
+    there, and a kernel at −M/2 whose net lost answers are all invalid FAILs it ≤ its α (simulated)."""
+    n = 1319
+    dec = decide("gsm8k", counts=Counts(1100, 30, 20, 169, n), margin=0.015, base_invalid=flags(n, []),
+                 cand_invalid=flags(n, range(10)), base_truncated=flags(n, []), cand_truncated=flags(n, []))
+    assert dec.invalid.p < 0.005 and not dec.invalid.significant and dec.verdict != "FAIL"
+    from evalgate.gate.rule import _rate_check
+
+    from evalgate.gate.rule import _rate_check
+
+    rng = np.random.default_rng(45)
+    psi, delta, reps = 0.04, 0.0075, 20_000
+    lost = rng.binomial(n, psi / 2 + delta / 2, size=reps)
+    # each lost item's answer is invalid with the chance that makes the expected rise the net loss
+    new_invalid = rng.binomial(lost, delta / (psi / 2 + delta / 2))
+    values, times = np.unique(new_invalid, return_counts=True)
+    fails = sum(t for v, t in zip(values, times)
+                if _rate_check("invalid", flags(n, []), flags(n, range(v)), 0.005, 0.01, 4).failed)
+    assert fails / reps <= 0.005  # the check's level, α_validity / 2; the issue measured 19.5%
+    assert _rate_check("invalid", flags(n, []), flags(n, range(40)), 0.005, 0.01, 4).failed  # +3 pp is caught

@@ -24,9 +24,7 @@ from evalgate.errors import UserError
 def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated, items, across_serving):
     """Per-item HTML report of a candidate run against a baseline, and its verdict (exit 0 PASS, 1 FAIL,
     3 INCONCLUSIVE)."""
-    from evalgate.canary import policy_for
-    from evalgate.gate.decide import gate_runs
-    from evalgate.gate.policy import resolve_policy
+    from evalgate.gate.door import decide_pair
     from evalgate.report.html import report_html
     from evalgate.run.store import load_run
 
@@ -38,8 +36,8 @@ def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated,
     preflight.writable_folder(out.parent, "--html's folder")
     preflight.stored_run(candidate)
     run = load_run(candidate)  # read once: for its profiles (a canary run has its own policy) and the decision
-    policy = resolve_policy(thresholds_path, canary=policy_for(run) is not None)
-    verdict = gate_runs(list(baselines), run, policy, allow_uncalibrated, items, across_serving)
+    # the one door: the same policy resolution, decision and look as `gate --candidate` (docs/gate.md#reruns)
+    verdict = decide_pair(list(baselines), run, thresholds_path, allow_uncalibrated, items, across_serving)
     from evalgate.report.explained import stored_explanations
 
     # flips a `gate --explain` of this very pair explained are tagged again (nothing replayed)

@@ -60,10 +60,13 @@ class EarlyStop:
     baseline comes loaded, the candidate's records from the runner."""
 
     def __init__(self, baseline, policy: Thresholds, allow_uncalibrated: bool = False, on_conformance: bool = True,
-                 across_serving: bool = False):
+                 across_serving: bool = False, look_of=None):
         self.baseline = baseline  # evalgate.run.baselines.StoredBaseline
         self.across_serving = across_serving  # the gate compares across a serving difference (GatePlan)
         self.policy = policy
+        self._base_policy = policy
+        # manifest -> the look the run will take (its candidate is known once the run starts); None: ``policy`` as given
+        self.look_of = look_of
         self.require_aa = not allow_uncalibrated
         # False: only the accuracy FAIL stops (selfcheck, which measures what the canary's accuracy catches)
         self.on_conformance = on_conformance
@@ -79,6 +82,11 @@ class EarlyStop:
 
     def started(self, run) -> None:
         self._path, self._manifest = run.path, run.manifest
+        if self.look_of is not None:
+            try:
+                self.policy = self._base_policy.at_look(self.look_of(run.manifest))
+            except (UserError, OSError, ValueError):  # no look to take: the gate itself says why, after the run
+                self._manifest = None
         self._records = {t: list(run.records.get(t, [])) for t in run.manifest.get("tasks", {})}
         self._seen, self._below_best = -1, None
 

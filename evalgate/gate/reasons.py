@@ -95,19 +95,24 @@ def verdict_and_reasons(dec: TaskDecision) -> tuple[str, tuple[str, ...], tuple[
         if check is None:
             continue
         rates = f"{100 * check.base_rate:.2f}% → {100 * check.cand_rate:.2f}% ({pp(check.rise)})"
-        if check.significant:
-            fails.append(f"{check.name} rate rose significantly: {rates}, exact one-sided "
-                         f"{'McNemar' if dec.n_samples == 1 else 'sign-flip test'} p = {check.p:.4g} ≤ α = "
-                         f"{check.alpha:.4g}")
-        if check.over_limit:  # the absolute limit has no level: gated only under the original rule's budget
-            text = (f"{check.name} rate rose by more than the limit: {rates}, {check.cand_count - check.base_count:g} "
-                    f"net new items > max({100 * check.limit:.2f} pp of n, {check.min_items} items) = "
-                    f"{check.limit_items:.2f}")
-            if dec.alpha_split:
-                if not check.significant:
-                    warnings.append(f"{text}, not significant at α = {check.alpha:.4g} (not a FAIL)")
-            else:
-                fails.append(text)
+        p_over = check.p if check.p_over_limit is None else check.p_over_limit
+        test = "exact unconditional test" if dec.n_samples == 1 else "score test (k samples)"
+        if dec.alpha_split and check.failed:
+            fails.append(f"{check.name} rate shown risen by more than the limit: {rates} > {100 * check.limit:.2f} pp, "
+                         f"{test} of rise ≤ limit p = {p_over:.4g} ≤ α = {check.alpha:.4g}; "
+                         f"{check.cand_count - check.base_count:g} net new items > {check.limit_items:.2f}")
+        elif dec.alpha_split and check.over_limit:
+            warnings.append(f"{check.name} rate rose by more than the limit: {rates}, not shown above "
+                            f"{100 * check.limit:.2f} pp ({test} of rise ≤ limit p = {p_over:.4g} > α = "
+                            f"{check.alpha:.4g}; not a FAIL)")
+        elif dec.alpha_split and check.p <= check.alpha and check.rise > 0:
+            warnings.append(f"{check.name} rate rose: {rates}, within the {100 * check.limit:.2f} pp limit (not a FAIL)")
+        elif not dec.alpha_split:  # the original rule: a significant rise, or one over the raw limit
+            if check.significant_at_alpha:
+                fails.append(f"{check.name} rate rose significantly: {rates}, exact one-sided McNemar p = "
+                             f"{check.p:.4g} ≤ α = {dec.alpha:g}")
+            if check.over_raw_limit:
+                fails.append(f"{check.name} rate rose by more than the limit: {rates} > {100 * check.limit:.2f} pp")
     if fails:
         return "FAIL", tuple(fails), tuple(warnings)
     if dec.inconclusive_enabled and not dec.non_inferior:

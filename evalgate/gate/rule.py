@@ -82,23 +82,27 @@ def _rate_check(name: str, base_flags, cand_flags, alpha: float, limit: float, m
     if base_binary and cand_binary:
         new, gone = int(np.sum(rise > 0)), int(np.sum(rise < 0))
         p = mcnemar_exact_one_sided(new, gone)
+        # "risen by more than the limit": new flags are the losses, gone ones the gains of the paired NI test
+        p_over = exact_pvalues(new, gone, int(rise.size), round(limit, 12))[1] if limit > 0 else p
         base_count, cand_count = int(base_arr.sum()), int(cand_arr.sum())
     else:  # fractions of an item's samples: the exact sign-flip test on the per-item rise
         p = signflip_pvalues(lattice_steps(rise, n_samples)).p_upper
+        p_over = _score_pvalues(-rise, limit)[1] if limit > 0 and np.any(rise != 0) else p
         new, gone = float(rise[rise > 0].sum()), float(-rise[rise < 0].sum())
         base_count, cand_count = float(base_arr.sum()), float(cand_arr.sum())
-    check = RateCheck(name, base_count, cand_count, int(base_arr.size), p, limit, p <= alpha, False, alpha=alpha,
-                      min_items=min_items, new_count=new, gone_count=gone)
+    check = RateCheck(name, base_count, cand_count, int(base_arr.size), p, limit, p_over <= alpha, False,
+                      alpha=alpha, min_items=min_items, new_count=new, gone_count=gone, p_over_limit=p_over)
     return _judge_rate(check, alpha, alpha)
 
 
 def _judge_rate(check: RateCheck, alpha_check: float, alpha: float) -> RateCheck:
     rise_items = check.cand_count - check.base_count
     # compare counts, not float rates, so a rise of exactly the limit is not failed by rounding
+    p_fail = check.p if check.p_over_limit is None else check.p_over_limit  # an old record: the rise test
     return replace(
         check,
         alpha=alpha_check,
-        significant=check.p <= alpha_check,
+        significant=p_fail <= alpha_check,
         over_limit=bool(rise_items > check.limit_items + 1e-9),
         significant_at_alpha=check.p <= alpha,
         over_raw_limit=bool(rise_items > check.limit * check.n + 1e-9),

@@ -31,7 +31,7 @@ class RateCheck:
     n: int
     p: float  # exact one-sided McNemar (sign-flip with k samples) on the indicator: H0 "the rate did not rise"
     limit: float  # largest allowed absolute rise, as a fraction
-    significant: bool  # p ≤ alpha (this check's share of the budget)
+    significant: bool  # shown risen by more than the limit: p_over_limit ≤ alpha (this check's share of the budget)
     over_limit: bool  # net new flagged items > max(limit·n, min_items)
     alpha: float = 0.05  # level the significance was judged at
     min_items: int = 0  # item floor of the absolute limit
@@ -39,6 +39,9 @@ class RateCheck:
     gone_count: float = 0  # items flagged by the baseline only
     significant_at_alpha: bool = False  # the original rule (docs/gate.md#the-original-rule): p ≤ α (reported, gated only when alpha_split off)
     over_raw_limit: bool = False  # the original rule (docs/gate.md#the-original-rule): rise > limit·n (reported)
+    # exact p of H0 "the rate rose by at most the limit" (the paired non-inferiority test with the limit as its
+    # margin; the score test with k samples): the FAIL test, so a kernel within the limit FAILs it ≤ its α
+    p_over_limit: float | None = None
 
     @property
     def base_rate(self) -> float:
@@ -59,9 +62,9 @@ class RateCheck:
 
     @property
     def failed(self) -> bool:
-        """Under one α (docs/gate.md#rate-checks) only the exact test fails a rate check: it has a level. The
-        absolute limit, which has none, is a warning (the original rule gates it: ``over_raw_limit``)."""
-        return self.significant
+        """Under one α (docs/gate.md#rate-checks) a rate check fails only when its rise is shown larger than the
+        limit (the exact test of "rise ≤ limit" at its level) and the net new items exceed the item floor."""
+        return self.significant and self.over_limit
 
 
 @dataclass(frozen=True)
