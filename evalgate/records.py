@@ -532,8 +532,17 @@ def load_aa(path: str | Path) -> AARecord:
 
 
 def load_verdict(path: str | Path) -> VerdictRecord:
-    """``gate.json`` as a VerdictRecord (refuses an unknown schema_version in one line)."""
-    return load(VerdictRecord, path)
+    """``gate.json`` as a VerdictRecord (refuses an unknown schema_version in one line), the runs it names
+    found from here (``evalgate.run.located``: a gate folder read from anywhere, or copied with its run)."""
+    from evalgate.run.located import recorded_run
+
+    record = load(VerdictRecord, path)
+    gate_dir = Path(path).parent
+    for side in (record.candidate, record.baseline):
+        if side is not None:
+            side.path = recorded_run(side.path, gate_dir, side.run_id)
+    record.baseline_dirs = [recorded_run(d, gate_dir) for d in record.baseline_dirs]
+    return record
 
 
 def parse_item(task: str, data: Any, source: str) -> ItemRecord:

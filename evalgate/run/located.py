@@ -1,0 +1,47 @@
+"""Where a run folder named in a gate's ``gate.json`` is now, wherever that file is read from.
+
+``gate.json`` names the runs it decided on as the gate saw them, often relative to the directory the gate ran
+in (``results/runs/gate-…``). Read from another directory, or from a copy of the run (a CI artifact: the run
+folder with its ``gate/`` inside), that path names nothing; so a recorded path is resolved at read, in order:
+
+1. as written, when it is absolute and exists;
+2. the run folder that holds the gate folder (``<run>/gate/gate.json``), when it is the run recorded (same run
+   id, or the same folder name);
+3. against each folder above the gate folder (the directory the gate ran in is one of them while the run is
+   where it was made).
+
+A path found nowhere is kept as written, so an error still names what the gate recorded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+
+
+def _run_id(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def recorded_run(stored: str, gate_dir: Path, run_id: str | None = None) -> str:
+    """``stored`` (a run or baseline folder as ``gate.json`` names it) as a path that exists from here."""
+    path = Path(stored)
+    if path.is_absolute() and (path / MANIFEST).is_file():
+        return stored
+    gate_dir = Path(gate_dir).absolute()
+    holder = gate_dir.parent
+    if (holder / MANIFEST).is_file() and (
+            (run_id is not None and _run_id(holder) == run_id) or holder.name == path.name):
+        return str(holder)
+    if not path.is_absolute():
+        for above in [gate_dir, *gate_dir.parents]:
+            if (above / path / MANIFEST).is_file():
+                return str(above / path)
+    if (path / MANIFEST).is_file():  # relative to the current directory
+        return str(path.absolute())
+    return stored
