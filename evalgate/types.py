@@ -27,7 +27,8 @@ def canonical_json(obj: Any) -> str:
 
 
 def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    # surrogatepass: a model's text may hold a lone surrogate; any other text hashes as strict UTF-8 would
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 @dataclass(frozen=True)

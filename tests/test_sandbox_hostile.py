@@ -86,7 +86,8 @@ PROC_HOST_WIDE = ("stat", "loadavg", "meminfo", "vmstat", "zoneinfo", "buddyinfo
 PROC_WRITER = body(f"""
     import os
     wrote = []
-    paths = {list(PROC_WRITABLE)!r} + [f"/proc/self/task/{{t}}/comm" for t in os.listdir("/proc/self/task")]
+    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []
+    paths = {list(PROC_WRITABLE)!r} + [f"/proc/self/task/{{t}}/comm" for t in tasks]
     for path in paths:
         try:
             fd = os.open(path, os.O_WRONLY)
@@ -97,7 +98,8 @@ PROC_WRITER = body(f"""
             wrote.append(path)
         except OSError:
             wrote.append(path + " (opened)")
-    print("wrote", wrote, "comm", open("/proc/self/comm").read().strip())
+    comm = open("/proc/self/comm").read().strip() if os.path.exists("/proc/self/comm") else "none"
+    print("wrote", wrote, "comm", comm)
     return False
     """)
 PROC_READER = body(f"""
@@ -480,23 +482,27 @@ CASES = [
         import gc, re
         # patterns that match the needles but whose own text does not (the source is in memory too)
         patterns = [re.compile(p.encode()) for p in {[unmatched_pattern(n) for n in NEEDLES]!r}]
+        control = re.compile({unmatched_pattern("are any two numbers closer to each other than")!r}.encode())
         found = set()
-        with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
-            for line in maps:
-                addr, perms = line.split()[:2]
-                if not perms.startswith("r"):
-                    continue
-                lo, hi = (int(x, 16) for x in addr.split("-"))
-                if hi - lo > 512 << 20:
-                    continue
-                try:
-                    mem.seek(lo)
-                    chunk = mem.read(hi - lo)
-                except (OSError, ValueError, OverflowError):
-                    continue
-                for i, pattern in enumerate(patterns):
-                    if pattern.search(chunk):
-                        found.add(i)
+        # no /proc/self/maps or mem: every 64 KiB around an object the collector knows, page by page, copied
+        # out through write(2) to a file of its tmpfs (which fails with EFAULT on a page that is not mapped)
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open("/tmp/scan", os.O_RDWR | os.O_CREAT)
+        chunks = {{id(o) >> 16 for o in gc.get_objects()}} | {{id(gc) >> 16, id(re) >> 16}}
+        for chunk in sorted(chunks):
+            data = []
+            for page in range(16):
+                os.lseek(fd, 0, 0)
+                if libc.write(fd, ctypes.c_void_p((chunk << 16) + (page << 12)), 4096) == 4096:
+                    data.append(os.pread(fd, 4096, 0))
+            for i, pattern in enumerate(patterns):
+                if pattern.search(b"".join(data)):
+                    found.add(i)
+            if control.search(b"".join(data)):
+                found.add("control")  # the prompt's text, which the program holds: the scan does find text
+        print("scanned", "control" in found)
+        found.discard("control")
         for obj in gc.get_objects():
             if isinstance(obj, dict):
                 for v in list(obj.values()):
@@ -504,7 +510,7 @@ CASES = [
                         found.add("gc")
         print("found", sorted(found, key=str))
         return False
-        """), check=lambda o: "found []" in o.stdout),
+        """), check=lambda o: "scanned True" in o.stdout and "found []" in o.stdout),
 
     # ---- escapes -----------------------------------------------------------------------------------------
     Case("namespace_and_mount_escapes", "escape", HE0, body("""
@@ -796,14 +802,14 @@ def test_sysv_ipc_posix_queues_tmp_and_shm_do_not_carry_over(one_uid):
 
 def test_each_program_has_a_network_namespace_of_its_own_and_no_socket():
     """Nothing network-side is handed from one program to the next: each sandbox unshares a fresh namespace (no
-    pool), and no program can make a socket in it (only socketpairs), so it holds no state to hand over."""
+    pool), and no program can make a socket in it (only socketpairs), so it holds no state to hand over; nor does
+    it see the namespace's counters (no /proc)."""
     probe = module("""
         import os
-        names, values = open("/proc/self/net/snmp").read().splitlines()[:2]
-        print("ns", os.readlink("/proc/self/ns/net"), dict(zip(names.split(), values.split()))["OutNoRoutes"])
+        print("net", os.path.exists("/proc/self/net/snmp"), os.path.exists("/proc/self/ns/net"))
         """)
-    seen = [run_item(HE0, probe).stdout.split() for _ in range(2)]
-    assert all(s[0] == "ns" and s[2] == "0" for s in seen), seen  # Ip:OutNoRoutes starts at 0 in every one
+    seen = [run_item(HE0, probe) for _ in range(2)]
+    assert all(o.stdout == "net False False\n" and o.isolation["netns"] == "its own" for o in seen), seen
     refused = run_item(HE0, module("import socket\nsocket.socket(socket.AF_UNIX).bind(b'\\0evalgate-probe')"))
     assert refused.result == f"failed: {SYSCALL_REFUSED}", refused.result
 
@@ -821,7 +827,7 @@ def test_concurrent_programs_cannot_reach_each_other():
         import os, time
         time.sleep(1.5)
         found = []
-        if len(open("/proc/self/net/unix").read().splitlines()) > 1:
+        if os.path.exists("/proc/self/net/unix") and len(open("/proc/self/net/unix").read().splitlines()) > 1:
             found.append("sockets of another namespace")
         if os.path.exists("/tmp/evalgate-probe-live"):
             found.append("file")
@@ -976,39 +982,21 @@ HONEST_RUNTIME = body("""
     t.join()
     time.sleep(0.001)
     os.urandom(4)
-    assert os.cpu_count() and os.listdir("/proc/self/fd") and "Pid:" in open("/proc/self/status").read()
+    assert os.cpu_count() and os.listdir("/proc") == []
     return any(abs(x - y) < threshold for i, x in enumerate(numbers) for j, y in enumerate(numbers) if i != j)
     """)
 
 
-PROC_HARNESS = """
-import json, sys
-from evalgate.tasks.humaneval import sandbox
-sys.path.insert(0, sys.argv[1])
-import test_sandbox_hostile as t
-sandbox.PROC_VIEW = sys.argv[2]
-completions = (t.PROC_WRITER, t.HONEST_RUNTIME, t.PROC_READER, t.HONEST_RUNTIME)
-outcomes = sandbox.run_programs([sandbox.humaneval_program(t.HE0, c) for c in completions], t.T, workers=2)
-print(json.dumps([[o.passed, o.result, o.stdout, o.isolation.get("proc")] for o in outcomes]))
-"""
-
-
-@pytest.mark.parametrize("view", ["pid", "covered"])
-def test_proc_takes_no_write_and_shows_nothing_of_the_host(view):
-    """Both ways of making the program's /proc (process entries only, or every host entry covered, for kernels
-    without subset=pid): no file opens for writing, no host-wide counter reads, and the honest neighbour (threads,
-    processes, os.cpu_count, its own /proc/self) passes."""
-    done = subprocess.run([sys.executable, "-c", PROC_HARNESS, str(Path(__file__).parent), view], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    (writer, neighbour, reader, neighbour2) = json.loads(done.stdout.strip().splitlines()[-1])
-    assert not writer[0] and "wrote [] comm" in writer[2] and "evalgate-probe" not in writer[2], writer
-    assert not reader[0] and "readable [] sysinfo -1" in reader[2], reader
-    if view == "pid":
-        assert "top ['self', 'thread-self']" in reader[2] and writer[3] == "own processes only, read-only", reader
-    else:
-        assert "host entries covered" in writer[3], writer
-    assert neighbour[0] and neighbour2[0], (neighbour[1], neighbour2[1])
+def test_proc_takes_no_write_and_shows_nothing_of_the_host():
+    """The program's /proc is an empty read-only directory: no file opens for writing, no host-wide counter (nor
+    any procfs inode number) reads, and the honest neighbour (threads, processes, os.cpu_count) passes."""
+    outcomes = sandbox.run_programs([sandbox.humaneval_program(HE0, c) for c in (PROC_WRITER, HONEST_RUNTIME,
+                                                                                PROC_READER, HONEST_RUNTIME)], T, workers=2)
+    writer, neighbour, reader, neighbour2 = outcomes
+    assert not writer.passed and "wrote [] comm none" in writer.stdout, writer.stdout
+    assert not reader.passed and "readable [] sysinfo -1 top []" in reader.stdout, reader.stdout
+    assert writer.isolation["proc"] == "none (an empty read-only directory)"
+    assert neighbour.passed and neighbour2.passed, (neighbour.result, neighbour2.result)
 
 
 @pytest.fixture(scope="module")
@@ -1089,7 +1077,7 @@ def test_processes_left_at_the_verdict_are_counted_killed_and_fail_the_item():
 def test_a_judge_overrun_kills_the_whole_sandbox(monkeypatch):
     """The executor gives up on a judge (here: a grace so short that it is killed 1.5 s after it starts, in the
     middle of a 6 s program) and kills every process of the program before it answers."""
-    monkeypatch.setattr(sandbox, "GRACE_S", 1.5 - sandbox.SETUP_TIMEOUT_S - 6.0)
+    monkeypatch.setattr(sandbox, "GRACE_S", 1.5 - sandbox.SETUP_TIMEOUT_S - sandbox.JUDGE_RUNS * 6.0)
     lingers = module("""
         import os, time
         if os.fork() == 0:
@@ -1193,14 +1181,16 @@ def test_a_harness_running_hostile_programs_changes_nothing_in_another():
 # ---- the judge's own limits: a result the test must work on cannot hold the judge ---------------------------
 
 def judged(test: str, returns: str) -> sandbox.Program:
-    """A program whose function returns ``returns``, judged by the trusted ``test`` (which works on that value)."""
-    return sandbox.Program(source=f"def f():\n    return {returns}\n", test=test, entry_point="f")
+    """A program whose function returns ``returns``, judged by the trusted ``test`` (which works on that value);
+    its reference solution returns 1."""
+    return sandbox.Program(source=f"def f():\n    return {returns}\n", test=test, entry_point="f",
+                           reference="def f():\n    return 1\n")
 
 
 def test_the_judge_runs_under_its_own_cpu_and_memory_limits():
     """The trusted test runs in the judge: it reads the judge's own limits (RLIMIT_AS 2 GiB, RLIMIT_CPU of the
-    program's whole time budget)."""
-    budget = int(sandbox.SETUP_TIMEOUT_S + T + sandbox.GRACE_S) + 1
+    program's whole time budget: its setup, the reference run, the program's calls and the test's second run)."""
+    budget = int(sandbox.SETUP_TIMEOUT_S + sandbox.JUDGE_RUNS * T + sandbox.GRACE_S) + 1
     reads_limits = judged(f"""
 import resource
 def check(candidate):
@@ -1228,7 +1218,7 @@ def test_a_result_that_makes_the_judge_burn_cpu_ends_at_the_judges_deadline(monk
     of CPU). The executor kills the judge at its deadline (a grace shortened here so that it comes 1.5 s after the
     start, with RLIMIT_CPU 2 s behind it), kills the program's processes, answers timed_out, and the next item
     runs; nothing of the program is left."""
-    monkeypatch.setattr(sandbox, "GRACE_S", 1.5 - sandbox.SETUP_TIMEOUT_S - 2.0)
+    monkeypatch.setattr(sandbox, "GRACE_S", 1.5 - sandbox.SETUP_TIMEOUT_S - sandbox.JUDGE_RUNS * 2.0)
     burns = judged("import math\ndef check(candidate):\n    math.factorial(candidate())\n", "10 ** 7")
     started = time.monotonic()
     outcome = sandbox.run_program(burns, 2.0)

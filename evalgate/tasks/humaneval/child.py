@@ -83,9 +83,6 @@ SYSCALL_REFUSED = "the program made a system call the sandbox does not allow (ki
 JUDGE_RUNS = 3  # timeouts a judge may spend: the reference run, the program's calls, the test's second run
 JUDGE_MEMORY_BYTES = 2 << 30  # RLIMIT_AS of a judge: it decodes at most one 16 MiB frame at a time
 PROC_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
-# what a program's /proc shows: "pid" = a proc of process entries only (subset=pid, Linux 5.8), read-only;
-# "covered" = every other top-level entry covered (kernels without subset=pid); set from the harness's config
-PROC_VIEW = "pid"
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -108,11 +105,6 @@ def _mount(source, target, fstype, flags, data=None):
     if libc.mount(source.encode() if source else None, target.encode(), fstype.encode() if fstype else None,
                   flags, data.encode() if data else None) != 0:
         _fail(f"mount {target}")
-
-
-def _bind_read_only(source, target, flags=MS_NOSUID | MS_NODEV):
-    _mount(source, target, None, MS_BIND | MS_REC)
-    _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
 
 
 def _write(path, text, dir_fd=None):
@@ -250,8 +242,6 @@ def main():
         ctl.send(marshal.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         os._exit(1)
     config["mode"] = info["mode"]
-    global PROC_VIEW
-    PROC_VIEW = config.get("proc_view", PROC_VIEW)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # a sandbox orphaned by a dead judge is ours to reap
     ctl.send(marshal.dumps(info))
     serve_harness(ctl, config)
@@ -885,30 +875,17 @@ def isolate(header, sock, out_fd, err_fd, namespaces, work_dir, joins):
 
 
 def mount_program_proc():
-    """The program's /proc, over the executor's: its own processes' entries and nothing of the host.
+    """The program's /proc, over the executor's: an empty read-only directory (a tmpfs of one inode).
 
-    A fresh /proc shows host-wide counters that one program can move and a later or concurrent one read
-    (``stat``, ``loadavg``, ``meminfo``, ``vmstat``, ``sys/fs/dentry-state``, ``pressure/``, ...), and
-    writable files (``self/comm``: a chosen name in the host's kernel log when the process crashes;
-    ``self/mem``...). So: process entries only (``subset=pid``), read-only, nosuid, nodev, noexec; where the
-    kernel has no ``subset=pid`` (before 5.8), a read-only view with every top-level entry but the process
-    directories covered by an empty file or directory. Returns what the program sees, for the record."""
-    # EINVAL: no subset=pid before 5.8; in a user namespace the kernel may refuse it: covered instead
-    if PROC_VIEW == "pid" and libc.mount(b"proc", b"/proc", b"proc", PROC_FLAGS | MS_RDONLY, b"subset=pid") == 0:
-        return "own processes only, read-only"
-    _mount("proc", "/proc", "proc", PROC_FLAGS)
-    _mount(None, "/proc", None, MS_REMOUNT | MS_BIND | MS_RDONLY | PROC_FLAGS)
-    covered = 0
-    for name in os.listdir("/proc"):
-        path = "/proc/" + name
-        if name.isdigit() or os.path.islink(path):  # processes; self, thread-self, mounts, net lead into them
-            continue
-        if os.path.isdir(path):
-            _mount("tmpfs", path, "tmpfs", MS_RDONLY | PROC_FLAGS, "size=4k,nr_inodes=1,mode=0555")
-        else:
-            _bind_read_only("/dev/null", path, PROC_FLAGS)
-        covered += 1
-    return f"own processes only, read-only ({covered} host entries covered)"
+    A procfs shows host-wide state one program can move and a later one read: the counters of ``stat``,
+    ``loadavg``, ``meminfo``... and, even in a procfs of its own processes only, the inode numbers of its
+    entries, which come from the host's one inode counter (``get_next_ino``) as they are looked up, so that
+    a program moves it by looking up fresh entries (``/proc/self/task/<tid>/*``) and reads it in any entry's
+    ``st_ino``. It also holds files a program could write (``self/comm``: a chosen name in the host's kernel
+    log). Python's standard library needs none of it (``os.cpu_count()`` falls back to the CPU affinity).
+    Returns what the program sees, for the record."""
+    _mount("tmpfs", "/proc", "tmpfs", MS_RDONLY | PROC_FLAGS, "size=4k,nr_inodes=1,mode=0555")
+    return "none (an empty read-only directory)"
 
 
 def ipc_namespace_limits(shm_bytes, proc_fd):

@@ -53,9 +53,6 @@ EXCERPT_BYTES = 4096
 SLOT_UID_BASE = 1_500_000_000
 UID_BLOCK_SIZE = 1024
 UID_BLOCKS = 4096
-# A program's /proc: "pid", its own processes' entries only (subset=pid), read-only, falling back to "covered"
-# (every other top-level entry covered) on kernels without subset=pid; "covered" forces the fallback.
-PROC_VIEW = "pid"
 LOCK_DIRS = ("/run/evalgate-sandbox", os.path.join(tempfile.gettempdir(), "evalgate-sandbox-locks"))
 
 FAILURE_CLASSES = ("passed", "failed:assertion", "failed:syntax", "failed:name", "failed:exception",
@@ -356,7 +353,7 @@ class Executor:
         self.ctl = ours
         mode = sandbox_mode()
         config = {"mode": mode, "root_dir": root_dir, "python_dirs": _python_dirs(),
-                  "package_dirs": _package_dirs(), "hidden_paths": _hidden_paths(), "proc_view": PROC_VIEW}
+                  "package_dirs": _package_dirs(), "hidden_paths": _hidden_paths()}
         try:
             ours.sendall(marshal.dumps(config))
             ours.settimeout(120)

