@@ -45,6 +45,8 @@ def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated,
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(out)
-    click.echo(f"verdict: {verdict.verdict}  (report in {out})")
+    look = (verdict.sequence or {}).get("looks", [{}])[0]
+    at = f", look {look['look'] + 1} at α = {look['alpha']:.4g}" if "look" in look else ""
+    click.echo(f"verdict: {verdict.verdict}  (report in {out}{at})")
     sys.exit(verdict.exit_code)
 
