@@ -116,6 +116,23 @@ def _missing_baseline(spec: RunSpec | None, missing: list[str], kernel: str, roo
                      f"--baselines-root or ${ROOT_ENV} at the folder that holds it")
 
 
+def checked_policy(thresholds, profiles: Mapping[str, str | None]) -> Thresholds:
+    """The gate's policy (the one resolver) checked against the tasks it will decide, before anything loads:
+    every task has a section, written for the profile the task runs. UserError (one line) otherwise."""
+    policy = resolve_policy(thresholds, canary=scored_as_canary(dict(profiles)))
+    problems = []
+    for task, profile in profiles.items():
+        if task not in policy.tasks:
+            problems.append(f"tasks.{task}: no section for task {task!r} (have: {', '.join(sorted(policy.tasks))})")
+        elif policy.tasks[task].profile != profile:
+            problems.append(f"tasks.{task}.profile is {policy.tasks[task].profile!r} but the {task} runs use "
+                            f"{profile!r}")
+    if problems:
+        raise UserError(f"{policy.path}: " + "; ".join(problems) + " — give --thresholds a policy written for "
+                        "these tasks and profiles (its margins are set for them), or run the profiles it names")
+    return policy
+
+
 def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, baselines: tuple = (),
               baseline_kernel: str = "w4a8", baselines_root: str | Path | None = None,
               thresholds: str | Path | None = None, out: str | Path | None = None,
@@ -147,7 +164,7 @@ def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, base
         loaded = MappingProxyType(dict(tasks if tasks is not None else load_tasks(spec)))
         profiles = {t: lt.resolved.profile.name for t, lt in loaded.items()}
         profile_ids = {t: lt.profile_id for t, lt in loaded.items()}
-    policy = resolve_policy(thresholds, canary=scored_as_canary(profiles))  # a bad policy fails before any run
+    policy = checked_policy(thresholds, profiles)  # a bad policy, or one for other tasks, fails before any run
     if baselines:
         baseline = load_baseline(list(baselines))
     else:

@@ -114,3 +114,32 @@ def test_a_gate_through_evalgate_serve_reads_each_input_once(tiny_model, data_di
         reads.counting = False
     assert result.exit_code in (0, 3), result.output
     check_read_once(reads, thresholds, [stored], out, ["gsm8k"])
+
+
+def test_a_policy_for_other_profiles_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """Issue 45, finding 5: a policy without a section for a task, or written for another profile, was found
+    only after the whole candidate had generated. The plan checks it once the task data are read: exit 2,
+    nothing run, no model loaded."""
+    import evalgate.run.runner as runner
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the candidate ran")
+
+    monkeypatch.setattr(runner, "execute", no_run)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("alpha: 0.05\ntasks:\n"
+                      "  gsm8k: {profile: gsm8k-lmeval-v3, metric: exact_match, margin_pp: 1.5}\n"
+                      "  humaneval: {profile: humaneval-completion-codex, metric: pass@1, margin_pp: 5.0}\n")
+    out = tmp_path / "cand"
+    result = gate(["--tasks", "gsm8k", "--thresholds", str(policy), "--out", str(out)], tmp_path)
+    assert result.exit_code == 2, result.output
+    assert "tasks.gsm8k.profile is 'gsm8k-lmeval-v3' but the gsm8k runs use 'gsm8k-canary-v1'" in result.output
+    assert not (out / "manifest.json").exists()
+    policy.write_text("alpha: 0.05\ntasks:\n"
+                      "  gsm8k: {profile: gsm8k-canary-v1, metric: exact_match, margin_pp: 1.5}\n"
+                      "  humaneval: {profile: humaneval-completion-codex, metric: pass@1, margin_pp: 5.0}\n"
+                      "  mbpp: {profile: mbpp-x, metric: pass@1, margin_pp: 5.0}\n")
+    from evalgate.plan import checked_policy
+
+    with pytest.raises(Exception, match="no section for task 'arc'"):
+        checked_policy(policy, {"gsm8k": "gsm8k-canary-v1", "arc": "arc-v1"})

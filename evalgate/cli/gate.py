@@ -175,6 +175,10 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name,
                     sampling)
     loaded = load_tasks(spec)  # the task data, read once
+    from evalgate.plan import checked_policy
+
+    # the policy covers these tasks and profiles: refused before a server starts or the model loads
+    policy = checked_policy(policy, {t: lt.resolved.profile.name for t, lt in loaded.items()})
     preflight.free_space(run_out, preflight.run_bytes(sum(len(t.items) for t in loaded.values()), spec.samples),
                          "--out")
     with preflight.run_lock(run_out):
