@@ -95,6 +95,10 @@ def _shaping_flags(spec: RunSpec, root: Path | None) -> str:
     flags += ["--limit", str(spec.limit)] if spec.limit else []
     flags += ["--max-new-tokens", str(spec.max_new_tokens)] if spec.max_new_tokens else []
     flags += ["--data-dir", str(spec.data_dir)] if spec.data_dir else []
+    for task, chosen in (spec.datasets or {}).items():  # the same items: the user's own dataset and columns
+        flags += ["--dataset", f"{task}={chosen['source']}"]
+        flags += [f for field, column in chosen.get("columns", {}).items()
+                  for f in ("--dataset", f"{task}.{field}={column}")]
     flags += ["--baselines-root", str(root)] if root else []
     return " " + shlex.join(flags)
 

@@ -44,3 +44,34 @@ def test_a_dataset_on_the_canary_names_a_profile_that_scores_it_and_that_profile
     proc = _cli(args + suggested + ["--out", "second"], cli_env, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "second" / "gsm8k.jsonl").read_text().count("\n") == 1
+
+
+def _spec(command, args: list[str]):
+    """The RunSpec a gate or calibrate command line describes (parsed as the CLI parses it; nothing runs)."""
+    from evalgate.cli.options import run_spec, sampling_settings
+
+    ctx = command.make_context(command.name, list(args))
+    with ctx:
+        p = ctx.params
+        return run_spec(p["model"], p["kernel"], p["tasks"], p["profiles"], p["limit"], p["batch_size"], p["device"],
+                        p["dtype"], p["max_new_tokens"], p["data_dir"], None,
+                        sampling_settings(p["samples"], p["temperature"], p["seed"]))
+
+
+def test_the_calibrate_a_gate_suggests_records_the_baseline_of_that_gate(data_dir, tmp_path, monkeypatch):
+    """A gate on your own dataset without a baseline names a calibrate command; as typed, it describes the
+    same items and profiles (the same profile ids), so the baseline it records is the one that gate looks up."""
+    from evalgate.cli.calibrate import calibrate
+    from evalgate.cli.gate import gate
+    from evalgate.plan import _missing_baseline, planned_profile_ids
+
+    monkeypatch.chdir(tmp_path)
+    rows = (data_dir / "gsm8k" / "test.jsonl").read_text(encoding="utf-8").splitlines()[:30]
+    (tmp_path / "mine.jsonl").write_text("\n".join(r.replace('"question"', '"problem"') for r in rows) + "\n")
+    spec = _spec(gate, ["--tasks", "gsm8k", "--profile", "gsm8k=gsm8k-cot-8shot", "--limit", "3",
+                        "--dataset", "gsm8k=mine.jsonl", "--dataset", "gsm8k.question=problem"])
+    message = str(_missing_baseline(spec, ["gsm8k"], "w4a8", tmp_path / "b", False))
+    suggested = shlex.split(re.search(r"`evalgate calibrate ([^`]+)`", message).group(1))
+    again = _spec(calibrate, suggested)
+    assert again.datasets == spec.datasets and again.limit == 3
+    assert planned_profile_ids(again) == planned_profile_ids(spec)
