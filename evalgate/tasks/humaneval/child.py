@@ -585,7 +585,8 @@ class Judgement:
             def replay():
                 if not loaded:
                     raise NameError(f"name '{entry_point}' is not defined")
-                judge.run_test(compiled, entry_point, judge.Replay(entry_point, calls, answers, ending).function())
+                replay = judge.Replay(entry_point, calls, answers, ending)
+                judge.run_test(compiled, entry_point, replay.function(), replay.message)
 
             _, error = self._guarded(timeout, replay)
         elif failure is None:

@@ -18,6 +18,7 @@ So the only thing a program decides is the values its function returns: it never
 channel, which fails that item (``failed:exception``).
 """
 
+import ast
 import builtins
 import errno as _errno
 
@@ -207,12 +208,29 @@ class Replay:
         self.answers = answers
         self.ending = ending
         self.calls = 0
+        self.answered = {}  # a call's frame -> the program's latest answer to it, for a failed assert's message
+        self.in_message = False
 
     def function(self):
         return _function(self.entry_point, self.call)
 
+    def message(self, make):
+        """A failed assert's message: its calls (which the reference run never made) get the program's answer
+        to the same call earlier in the test, where there is one; else the message says why it is missing."""
+        self.in_message = True
+        try:
+            return make()
+        except CallsDiverged as exc:
+            return f"<no message: {exc}>"
+        finally:
+            self.in_message = False
+
     def call(self, args, kwargs):
         payload = call_payload(args, kwargs)
+        if self.in_message:
+            if payload not in self.answered:
+                raise CallsDiverged("the message calls the entry point with arguments the program was not given")
+            return answer(self.answered[payload])
         i = self.calls
         self.calls += 1
         if i >= len(self.recorded) or payload != self.recorded[i]:
@@ -221,6 +239,7 @@ class Replay:
         if i >= len(self.answers):
             ending = self.ending if self.ending is not None else ChannelBroken("no answer to a call")
             raise type(ending)(*ending.args)
+        self.answered[payload] = self.answers[i]
         return answer(self.answers[i])
 
 
@@ -240,18 +259,43 @@ def check_syntax(source, test, entry_point):
     return None
 
 
+MESSAGE = "_evalgate_assert_message"  # the judge's function an assert's message is computed through
+
+
+class _Messages(ast.NodeTransformer):
+    """``assert X, M`` becomes ``assert X, MESSAGE(lambda: M)``: M is still computed only when X fails."""
+
+    def visit_Assert(self, node):
+        self.generic_visit(node)
+        if node.msg is not None:
+            lazy = ast.Lambda(args=ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[], defaults=[]),
+                              body=node.msg)
+            node.msg = ast.copy_location(ast.Call(func=ast.Name(id=MESSAGE, ctx=ast.Load()), args=[lazy], keywords=[]),
+                                         node.msg)
+        return node
+
+
 def compile_trusted(trusted_prefix, test, entry_point):
     """The dataset's prompt, test and final call, compiled; they are the harness's, so a failure here is an
-    infrastructure error (raised as is), never a verdict on the program."""
+    infrastructure error (raised as is), never a verdict on the program.
+
+    An assert's message may call the entry point (``assert candidate(1) == 2, str(candidate(1))``: six
+    HumanEval tests), which happens only when the assert fails, so the reference run never makes those calls;
+    the test's second run answers them through ``Replay.message``."""
+    tree = ast.fix_missing_locations(_Messages().visit(ast.parse(test, "test.py")))
     return (compile(trusted_prefix, "prompt.py", "exec", dont_inherit=True),
-            compile(test, "test.py", "exec", dont_inherit=True),
+            compile(tree, "test.py", "exec", dont_inherit=True),
             compile(f"check({entry_point})", "test.py", "exec", dont_inherit=True))
 
 
-def run_test(compiled, entry_point, candidate):
+def _message(make):
+    return make()
+
+
+def run_test(compiled, entry_point, candidate, message=_message):
     """Run the dataset's prompt and test with ``candidate`` as the entry point; returns None or raises."""
     prefix, test, final = compiled
-    namespace = {"__name__": "__judge__", "__builtins__": builtins}
+    namespace = {"__name__": "__judge__", "__builtins__": builtins, MESSAGE: message}
     exec(prefix, namespace)
     namespace[entry_point] = candidate
     exec(test, namespace)
