@@ -11,18 +11,20 @@ from pathlib import Path
 from evalgate.errors import UserError
 
 
-def parse_lines(data: bytes, source: str) -> tuple[list, list[bytes]]:
+RERUN = "restore it, or rerun into a new --out"
+
+
+def parse_lines(data: bytes, source: str, remedy: str = RERUN) -> tuple[list, list[bytes]]:
     """The records of a JSONL file's bytes and their lines, by the project's one rule: a last line without
     its newline is a torn write (the writer died mid-append) and is left out; any other line that is not JSON
-    is damage, refused in one line naming it (what a record must hold is the record models' to say)."""
+    is damage, refused in one line naming it and ``remedy`` (what a record must hold is the record models' to say)."""
     records, lines = [], []
     *complete, _torn = data.split(b"\n")  # the part after the last newline: empty, or a torn write
     for number, body in enumerate(complete, 1):
         try:
             records.append(json.loads(body))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UserError(f"{source} line {number} is not JSON (a damaged file); restore it, or rerun into a "
-                            "new --out") from None
+            raise UserError(f"{source} line {number} is not JSON (a damaged file); {remedy}") from None
         lines.append(body + b"\n")
     return records, lines
 

@@ -75,3 +75,20 @@ def test_the_calibrate_a_gate_suggests_records_the_baseline_of_that_gate(data_di
     again = _spec(calibrate, suggested)
     assert again.datasets == spec.datasets and again.limit == 3
     assert planned_profile_ids(again) == planned_profile_ids(spec)
+
+
+def test_a_damaged_baseline_names_how_to_record_it_again_and_that_works(cli_env, tmp_path):
+    """Not "rerun into a new --out" (which makes a run, never a baseline): the command that records it again."""
+    from synthetic_runs import write_pair
+
+    write_pair(tmp_path / "runs", n_gsm8k=30, n_humaneval=10, lost_every=1000)
+    assert _cli(["baseline", "record", "runs/base", "--baselines-root", "b"], cli_env, tmp_path).returncode == 0
+    (stored,) = (p.parent for p in (tmp_path / "b").glob("*/gsm8k*/*/manifest.json"))
+    with open(stored / "gsm8k.jsonl", "a") as f:
+        f.write("{damaged\n")
+    gate = ["gate", "--candidate", "runs/cand", "--baselines-root", "b", "--allow-uncalibrated", "--report-dir", "g"]
+    line = _one_line_exit_2(_cli(gate, cli_env, tmp_path))
+    assert "new --out" not in line and "not JSON" in line
+    suggested = shlex.split(re.search(r"`evalgate (baseline record [^`]+)`", line).group(1))
+    assert _cli(suggested, cli_env, tmp_path).returncode == 0
+    assert _cli(gate, cli_env, tmp_path).returncode in (0, 1, 3)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from evalgate.errors import UserError
-from evalgate.files import parse_lines, write_bytes_atomic
+from evalgate.files import RERUN, parse_lines, write_bytes_atomic
 from evalgate.records import ItemRecord, RunManifest, dump_item, dump_manifest, load_manifest, parse, parse_item
 
 MANIFEST = "manifest.json"
@@ -46,10 +47,24 @@ def read_records(path: Path) -> tuple[list[dict], int]:
     return records, sum(len(line) for line in lines)
 
 
-def _read_lines(path: Path) -> tuple[list[dict], list[bytes]]:
+def _read_lines(path: Path, remedy: str = RERUN) -> tuple[list[dict], list[bytes]]:
     if not path.exists():
         return [], []
-    return parse_lines(path.read_bytes(), repr(str(path)))
+    return parse_lines(path.read_bytes(), repr(str(path)), remedy)
+
+
+def _remedy(meta: RunManifest, path: Path) -> str:
+    """What to do about a damaged file of this folder: a stored baseline is restored or recorded again (a new
+    --out makes a run, never a baseline); a run is restored or run again."""
+    if meta.baseline is None and not (path.name == "aa" and (path.parent / "aa.json").is_file()):  # an A/A run
+        return RERUN
+    source = getattr(meta.baseline, "source_run", None) if meta.baseline is not None else None
+    again = "`evalgate calibrate` with the gate's model and tasks"
+    if source and path.name != "aa":
+        root = path.parents[2] if len(path.parents) > 2 else path
+        again = (f"`evalgate baseline record {shlex.quote(str(source))} --baselines-root {shlex.quote(str(root))} "
+                 f"--force` while the run it came from is there, else {again}")
+    return f"restore the baseline folder (from git or the archive it came from), or record it again: {again}"
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -175,13 +190,15 @@ def load_run(path: str | Path, meta: RunManifest | None = None) -> Run:
                             "--out` wrote")
         meta = load_manifest(manifest_path)
     records = {}
+    remedy = _remedy(meta, path)
     for task in meta.tasks:
         jsonl = path / f"{task}.jsonl"
-        records[task], _ = _read_lines(jsonl)
+        records[task], _ = _read_lines(jsonl, remedy)
         first_line: dict = {}
         for line, record in enumerate(records[task], 1):
             parse_item(task, record, f"{str(jsonl)!r} line {line}")
             if first_line.setdefault(record["doc_id"], line) != line:
                 raise UserError(f"{str(jsonl)!r} holds item {record['doc_id']!r} twice (lines {first_line[record['doc_id']]} "
-                                f"and {line}); it was not written by this evalgate — rerun it into a new --out")
+                                f"and {line}); it was not written by this evalgate — "
+                                + ("rerun it into a new --out" if remedy == RERUN else remedy))
     return Run(path=path, manifest=meta.as_read, records=records)
