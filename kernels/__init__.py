@@ -17,6 +17,6 @@ if __name__ == "evalgate.kernels":
     def __getattr__(name: str):
         if name not in __all__:
             raise AttributeError(f"module 'evalgate.kernels' has no attribute {name!r}")
-        from . import catalogs, checkpoint, registry  # noqa: F401  (catalogs: every kernel registered)
+        from . import catalogs, checkpoint  # catalogs: every kernel registered, get_kernel finds plugins too
 
-        return getattr(checkpoint if name.endswith("_checkpoint") else registry, name)
+        return getattr(checkpoint if name.endswith("_checkpoint") else catalogs, name)

@@ -70,14 +70,9 @@ def register_kernel(kernel: Kernel) -> Kernel:
 
 
 def get_kernel(name: str) -> Kernel:
-    """A registered kernel, or one another package offers (kernels/plugins.py), registered on first use."""
     if name not in KERNELS:
-        from . import plugins
-
-        if not plugins.is_plugin(name):
-            known = ", ".join(sorted(set(KERNELS) | set(plugins.plugin_names())))
-            raise UserError(f"unknown kernel {name!r}; choose one of: {known} (see `evalgate kernels list`)")
-        register_kernel(plugins.plugin_kernel(name))
+        known = ", ".join(sorted(KERNELS))
+        raise UserError(f"unknown kernel {name!r}; choose one of: {known} (see `evalgate kernels list`)")
     return KERNELS[name]
 
 
