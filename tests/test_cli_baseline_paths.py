@@ -63,7 +63,7 @@ def calibrated(tmp_path_factory):
         (task,) = json.loads((path / "manifest.json").read_text())["tasks"]
         write_aa(path, {"tasks": {task: {"psi0": 0.0, "n": 40 if task == "gsm8k" else 10, "flips": [],
                                          "verdict": "PASS"}}}, base)
-    return root, cand, policy(root, margin=5.0)
+    return root, cand, policy(root, margin=5.0, rate=50.0)
 
 
 def test_a_calibrated_baselines_model_or_profile_folder_is_a_baseline_to_the_gate_and_the_api(calibrated,
@@ -75,6 +75,18 @@ def test_a_calibrated_baselines_model_or_profile_folder_is_a_baseline_to_the_gat
     for i, given in enumerate([[root / "baselines"], [model], sorted(model.iterdir())]):
         result = _gate(cand, pol, *[a for p in given for a in ("--baseline", str(p))], "--report-dir",
                        str(tmp_path / f"r{i}"))
-        assert result.exit_code == 1, (given, result.output)
+        assert result.exit_code == 1 and "verdict: FAIL" in result.output, (given, result.output, result.exception)
     cmp = evalgate.compare(model, cand)  # a model folder, as the gate takes it
     assert cmp.tasks == ["gsm8k", "humaneval"] and all(str(model) in str(d) for d in cmp.baseline_dirs)
+
+
+def test_report_takes_every_baseline_path_the_gate_takes(calibrated, tmp_path):
+    root, cand, pol = calibrated
+    model = next((root / "baselines").iterdir())
+    verdicts = set()
+    for i, given in enumerate([[root / "baselines"], [model], sorted(model.iterdir())]):
+        result = CliRunner().invoke(main, ["report", "--candidate", str(cand), "--thresholds", str(pol), "--html",
+                                           str(tmp_path / f"r{i}.html"), *[a for p in given for a in ("--baseline", str(p))]])
+        assert result.exit_code == 1 and "verdict: FAIL" in result.output, (given, result.output, result.exception)
+        verdicts.add((tmp_path / f"r{i}.html").read_text().count("FAIL") > 0)
+    assert verdicts == {True}

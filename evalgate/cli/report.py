@@ -36,6 +36,7 @@ def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated,
     preflight.writable_folder(out.parent, "--html's folder")
     preflight.stored_run(candidate)
     run = load_run(candidate)  # read once: for its profiles (a canary run has its own policy) and the decision
+    baselines = _baseline_folders(baselines, run)
     # the one door: the same policy resolution, decision and look as `gate --candidate` (docs/gate.md#reruns)
     verdict = decide_pair(list(baselines), run, thresholds_path, allow_uncalibrated, items, across_serving)
     from evalgate.report.explained import stored_explanations
@@ -50,3 +51,15 @@ def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated,
     click.echo(f"verdict: {verdict.verdict}  (report in {out}{at})")
     sys.exit(verdict.exit_code)
 
+
+def _baseline_folders(values: tuple[str, ...], run) -> tuple[str, ...]:
+    """--baseline as the gate takes it (a baselines root, a model or profile folder under one, a gate's folder,
+    baseline or run folders): the W4A8 baseline folders of ``run``'s model and profiles."""
+    from evalgate.cli.baseline_paths import resolve_baselines
+
+    folders, root = resolve_baselines(values, "w4a8")
+    if root is None:
+        return folders
+    from evalgate.api import find_baselines
+
+    return tuple(str(p) for p in find_baselines(root, run))
