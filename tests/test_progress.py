@@ -83,3 +83,23 @@ def test_a_run_weighs_its_bar_by_the_lengths_it_was_handed(tmp_path, data_dir):
             expected_tokens={"gsm8k": lengths})
     (bar,) = progress.tasks
     assert bar.work_total == sum(lengths.values()) and bar.work_done == bar.work_total and bar.done == 4
+
+
+def test_the_time_left_says_estimating_until_the_finished_work_covers_the_work_in_flight():
+    """With 4 items decoding at once, the first finished item says little (the other three are partly done):
+    no figure until the finished work is at least the work in flight, then one within a factor of two."""
+    task, stream = _task({}, total=8)
+    run = task.parent
+    run.in_flight = 4
+    run._started -= 30.0
+    task._started -= 30.0
+    task.advance(1)
+    task._line(force=True)
+    assert stream.getvalue().splitlines()[-1].endswith(", 0:30 elapsed, estimating…")
+    assert run.left_text() == "estimating…"
+    task.advance(2)  # 3 done, 5 left, 4 of them in flight: 3 < 4 items' work
+    assert run.left_text() == "estimating…"
+    task.advance(1)  # 4 done, 4 left (all in flight): the true share done is between 1/2 and 1
+    assert run.left_text().startswith("about 0:3")  # 30 s for half the work: about 30 s left
+    task.advance(4)
+    assert run.left_text() == ""

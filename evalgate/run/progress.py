@@ -6,6 +6,12 @@ without either weighs the mean of its task's). Continuous batching finishes shor
 count-based estimate would promise the end far too early; weighted, the first finished items already give a
 fair estimate. Tasks decoded in one stream share their time, so the estimate is the run's: all of its
 tasks' work done so far against all of their work left.
+
+Until the estimate can be trusted within a factor of two it says "estimating…". The items decoding right now
+(a batch, a server's concurrent requests: ``in_flight``) have done part of their work, which no count sees;
+so the share of the work done is under-read by at most their share. Once the finished work is at least the
+work in flight, the true share lies between the counted one and twice it, and the time the run takes
+between the estimate and half of it. Without ``in_flight`` a tenth of the work must be done.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ class Progress:
         self._bar = None
         self._tasks: list[TaskProgress] = []
         self._started: float | None = None
+        self.in_flight: int | None = None  # items decoded at once (see the module's docstring)
 
     def __enter__(self):
         if self.rich:
@@ -55,10 +62,32 @@ class Progress:
             return None
         return ((time.monotonic() if now is None else now) - self._started) / done * left
 
+    def settled(self) -> bool:
+        """Whether the estimate is within a factor of two: the work finished in this run is at least the work
+        in flight (a tenth of the run's work when that is unknown)."""
+        done = sum(t.work_done - t.first_work for t in self._tasks)
+        left = sum(t.work_total - t.work_done for t in self._tasks)
+        items_left = sum(t.total - t.done for t in self._tasks)
+        if done <= 0 or left <= 0:
+            return False
+        if self.in_flight is None:
+            return done >= 0.1 * (done + left)
+        flying = left * min(1.0, self.in_flight / max(items_left, 1))  # the work of the items decoding now
+        return done >= flying
+
+    def left_text(self, now: float | None = None) -> str:
+        """"about 1:10 left", "estimating…" while the estimate is not yet within a factor of two, or "" when
+        nothing is left."""
+        left = self.seconds_left(now)
+        if left is None and sum(t.total - t.done for t in self._tasks) <= 0:
+            return ""
+        if left is None or not self.settled():
+            return "estimating…"
+        return f"about {_clock(left)} left"
+
     def _refresh(self) -> None:
         """Every task's bar shows the run's estimate."""
-        left = self.seconds_left()
-        text = "" if left is None else f"about {_clock(left)} left"
+        text = self.left_text()
         for t in self._tasks:
             if t.bar_id is not None:
                 self._bar.update(t.bar_id, left=text)
@@ -104,16 +133,14 @@ class TaskProgress:
             print(f"{self.description}: {self._items()}{self._times(now)}", file=self.parent.stream, flush=True)
 
     def _times(self, now: float) -> str:
-        """", 0:42 elapsed, about 1:10 left" (the run's estimate; none before its first item, nor once this
-        task is done)."""
+        """", 0:42 elapsed, about 1:10 left" (the run's estimate, "estimating…" until it can be trusted; none
+        once this task is done)."""
         elapsed = now - self._started
         if elapsed < 1:
             return ""
         text = f", {_clock(elapsed)} elapsed"
-        left = self.parent.seconds_left(now) if self.done < self.total else None
-        if left is not None:
-            text += f", about {_clock(left)} left"
-        return text
+        left = self.parent.left_text(now) if self.done < self.total else ""
+        return text + (f", {left}" if left else "")
 
 
 def _clock(seconds: float) -> str:

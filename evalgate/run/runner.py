@@ -219,6 +219,7 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter: Model
                              records={name: list(run.writer.records) for name, run in runs.items()}))
     stop = _Stop(observer)
     progress = progress or Progress()
+    progress.in_flight = _in_flight(adapter, spec)
     try:
         with progress:
             if previous is not None and stop.check():
@@ -394,6 +395,19 @@ def _run_tasks_in_one_stream(runs: list[_TaskRun], adapter: ModelAdapter, manife
         for run in runs:
             run.add_times(generate_s=False)
             run.close()
+
+
+def _in_flight(adapter: ModelAdapter, spec: RunSpec) -> int:
+    """Items decoded at once: a server's concurrent requests, else a batch per decoding process."""
+    concurrency = getattr(adapter, "concurrency", None)
+    if isinstance(concurrency, int) and concurrency > 0:
+        return concurrency
+    workers = 1
+    if getattr(adapter, "device", None) == "cpu":
+        from evalgate.cores import generation_workers
+
+        workers = generation_workers()[0]
+    return spec.batch_size * workers
 
 
 def run_in_process(adapter: ModelAdapter, requests: list[Request], batch_size: int, score_and_write, times: dict,
