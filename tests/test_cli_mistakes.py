@@ -114,6 +114,10 @@ CASES = [
     Case("45a", ["baseline", "record", "{ws}/runs/nomani"], 2, "holds no manifest.json"),
     Case("c1", ["gate", "--candidate", "{ws}/runs/cand", "--kernel", "w4a4"], 2, "drop --kernel"),
     Case("c2", ["gate", "--candidate", "{ws}/runs/cand", "--out", "{ws}/x", "--limit", "3"], 2, "drop --limit/--out"),
+    # a kernel named by its declaration (docs/kernels.md#your-own-kernel): a module that is not there, a name it lacks
+    Case("k1", ["gate", "--kernel", "my_kernels.declare:W4A4"], 2,
+         "importing 'my_kernels.declare' failed (ModuleNotFoundError: No module named 'my_kernels')"),
+    Case("k2", ["run", "--kernel", "evalgate.kernels.recipe:W4A4"], 2, "module 'evalgate.kernels.recipe' has no 'W4A4'"),
 ]
 # 8 (a baselines root as --baseline) is accepted now: test_cli_baseline_paths.py; 30, 37 mid-run and 45 are in test_cli_interrupt.py;
 # 38 (unicode paths) is a PASS; 25 (--limit's calibrate hint) is not covered here.
