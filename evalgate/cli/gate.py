@@ -46,9 +46,12 @@ def _finish(verdict, report_dir: Path, stored_run: Path, rerun_flags: list[str],
     try:
         _print(verdict)
         observed = " of the items run" if verdict.early_stop else ""
+        from evalgate.report.rows import first_look_suffix
+
         for task, rows in (verdict.to_dict().get("flips") or {}).items():
             lost = sum(r["direction"] == "lost" for r in rows)
-            click.echo(f"{task}: {lost} lost, {len(rows) - lost} gained{observed} (see {paths['markdown']})")
+            click.echo(f"{task}: {lost} lost, {len(rows) - lost} gained{observed}{first_look_suffix(verdict, task)} "
+                       f"(see {paths['markdown']})")
         why = verdict_line(verdict, explained, report_dir)
         if why:
             click.echo(why)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from evalgate.gate.compare import extracted_answer, item_gold, item_question
 from evalgate.gate.verdict import run_identity as verdict_identity
-from evalgate.report.rows import conformance_line, early_stop_lines, paired_rows, task_rows, verdict_reason
+from evalgate.report.rows import (alpha_text, conformance_line, early_stop_lines, paired_rows, task_rows,
+                                  verdict_reason)
 
 TEMPLATES = Path(__file__).parent / "templates"
 STDERR_LINES = 25  # the end of a traceback says what went wrong
@@ -338,7 +339,7 @@ def report_html(verdict, explanations=None, explained: str | None = None) -> str
         item["explanation"] = (explanations or {}).get((item["task"], str(item["doc_id"])))
     failure_classes = sorted({s[k]["failure_class"] for s in items for k in ("base", "cand")} - {None, "passed"})
     return render(
-        "report.html.j2", verdict=verdict, rows=rows, items=items, failure_classes=failure_classes,
+        "report.html.j2", verdict=verdict, rows=rows, items=items, failure_classes=failure_classes, alpha=alpha_text(verdict),
         notes=verdict.notes, conformance=conformance_line(verdict), early_stop=early_stop_lines(verdict),
         reason=verdict_reason(verdict), explained=explained, tagged=any(i["explanation"] for i in items),
         tasks=cmp.tasks if cmp is not None else [], flips=flip_counts(cmp) if cmp is not None else {},

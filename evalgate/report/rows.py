@@ -12,9 +12,15 @@ def paired_rows(decision, pairing, aa: dict) -> list[dict]:
         pairs = pairing.pairs[task]
         base, cand = pairs.scores("base"), pairs.scores("cand")
         is_decided = decided(bool(pairs.imputed), dec.verdict)
+        # a task decided in a later round (more samples per item) has that look's Δ, CI and counts; the
+        # pairing's scores are the first look's, so the row leaves them out (``earlier_look_lines`` says them)
+        same_look = pairs.k == dec.n_samples
+        scores = (sum(base) / len(base), sum(cand) / len(cand)) if base else (0.0, 0.0)
         rows.append({
-            "task": task, "paired": True, "n": dec.counts.n, "k": dec.n_samples, "baseline": sum(base) / len(base),
-            "candidate": sum(cand) / len(cand), "delta": dec.delta, "ci": dec.tango_ci,
+            "task": task, "paired": True, "n": dec.counts.n, "k": dec.n_samples,
+            "baseline": scores[0] if same_look else None, "candidate": scores[1] if same_look else None,
+            "earlier": None if same_look else {"k": pairs.k, "baseline": scores[0], "candidate": scores[1]},
+            "delta": dec.delta, "ci": dec.tango_ci,
             "newcombe": dec.newcombe_ci, "lower": dec.gate_lower, "b": dec.counts.b, "c": dec.counts.c,
             "p": dec.p_degradation, "p_adj": dec.p_degradation_adjusted, "psi": dec.flip_rate,
             "psi0": dec.aa_psi0 if dec.aa_psi0 is not None else (aa.get(task) or {}).get("psi0"),
@@ -62,13 +68,50 @@ def early_stop_lines(verdict) -> list[str]:
 
 
 def bound_cells(r: dict) -> dict:
-    """The n, candidate and b / c cells of a table row: plain, or for a stopped-early task the observed counts
-    beside the bound (best completion); "≤": the complete run's value can only be lower."""
+    """The n, baseline, candidate and b / c cells of a table row: plain, or for a stopped-early task the
+    observed counts beside the bound (best completion); "≤": the complete run's value can only be lower; "—":
+    a score of another look than the row's (``earlier_look_lines``)."""
     o = r.get("observed")
+    base = "—" if r.get("baseline") is None else f"{r['baseline']:.4f}"
+    if r.get("candidate") is None:
+        return {"n": str(r["n"]), "baseline": base, "candidate": "—", "b_c": f"{r['b']} / {r['c']}", "le": ""}
     if o is None:
-        return {"n": str(r["n"]), "candidate": f"{r['candidate']:.4f}", "b_c": f"{r['b']} / {r['c']}", "le": ""}
-    return {"n": f"{o['items_run']}/{r['n']}", "candidate": f"≤ {r['candidate']:.4f}",
+        return {"n": str(r["n"]), "baseline": base, "candidate": f"{r['candidate']:.4f}",
+                "b_c": f"{r['b']} / {r['c']}", "le": ""}
+    return {"n": f"{o['items_run']}/{r['n']}", "baseline": base, "candidate": f"≤ {r['candidate']:.4f}",
             "b_c": f"{o['b']} / {o['c']} (bound {r['b']} / {r['c']})", "le": "≤ "}
+
+
+def earlier_look_lines(verdict) -> list[str]:
+    """For each task decided in a later round: which look its row's numbers are, and the first look's scores
+    and flips (the flip lists are that look's), so no line mixes two looks."""
+    lines = []
+    for r in task_rows(verdict):
+        e = r.get("earlier")
+        if e:
+            lines.append(f"{r['task']}: the row's Δ, CI, b / c, p and ψ are the look that decided it (k = {r['k']} "
+                         f"samples per item); at the first look (k = {e['k']}) baseline {e['baseline']:.4f}, "
+                         f"candidate {e['candidate']:.4f}, and the flipped items listed are that look's")
+    return lines
+
+
+def first_look_suffix(verdict, task: str) -> str:
+    """" at the first look (k = 4)" after a flip count of a task decided in a later round, else ""."""
+    for r in task_rows(verdict):
+        if r["task"] == task and r.get("earlier"):
+            return f" at the first look (k = {r['earlier']['k']})"
+    return ""
+
+
+def alpha_text(verdict) -> str:
+    """The α each task was decided at: the policy's, or each deciding look's share of it (rounds)."""
+    policy = verdict.thresholds.alpha
+    if verdict.decision is None:
+        return f"α = {policy}"
+    spent = {t: d.alpha for t, d in verdict.decision.tasks.items()}
+    if len(set(spent.values())) == 1:
+        return f"α = {next(iter(spent.values())):.4g}"
+    return "α = " + ", ".join(f"{a:.4g} ({t})" for t, a in spent.items()) + " at each task's deciding look"
 
 
 def unpaired_rows(unpaired: dict, alpha: float) -> list[dict]:

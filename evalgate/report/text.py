@@ -6,7 +6,8 @@ import os
 from xml.sax.saxutils import escape, quoteattr
 
 from evalgate.formatting import pp as _pp_unit
-from evalgate.report.rows import bound_cells, conformance_line, early_stop_lines, label, task_rows, verdict_reason
+from evalgate.report.rows import (alpha_text, bound_cells, conformance_line, earlier_look_lines, early_stop_lines,
+                                  first_look_suffix, label, task_rows, verdict_reason)
 
 MAX_FLIPS_MD = 50
 
@@ -80,7 +81,7 @@ def console_table(verdict, log: bool = False):
         style = STYLES.get(r["verdict"], "red")
         if r["paired"]:
             cells = bound_cells(r)
-            table.add_row(r["task"], cells["n"], f"{r['baseline']:.4f}", cells["candidate"], cells["le"] + ci,
+            table.add_row(r["task"], cells["n"], cells["baseline"], cells["candidate"], cells["le"] + ci,
                           cells["b_c"], f"{r['p']:.3g}", psi_text(r), margin_cell(r), mde_text(r),
                           f"[{style}]{label(r)}[/]")
         else:
@@ -106,7 +107,7 @@ def task_blocks(verdict):
         table.add_row("Δ pp [95% CI]", f"{pp(r['delta'])} [{pp(r['ci'][0])}, {pp(r['ci'][1])}]")
         if r["paired"]:
             cells = bound_cells(r)
-            table.add_row("baseline → candidate", f"{r['baseline']:.4f} → {cells['candidate']} (n = {cells['n']})")
+            table.add_row("baseline → candidate", f"{cells['baseline']} → {cells['candidate']} (n = {cells['n']})")
             table.add_row("b / c, p", f"{cells['b_c']}, p = {r['p']:.3g}")
             table.add_row("ψ / ψ0", psi_text(r))
             table.add_row("MDE (80%)", mde_text(r))
@@ -119,7 +120,7 @@ def verdict_lines(verdict) -> list[str]:
     line each."""
     reason = verdict_reason(verdict)  # printed first, above the table
     lines = early_stop_lines(verdict) + [line for line in [conformance_line(verdict)]
-                                         if line and not (reason or "").endswith(line)]
+                                         if line and not (reason or "").endswith(line)] + earlier_look_lines(verdict)
     for r in task_rows(verdict):
         lines += [f"{r['task']} {label(r, long=True)}: {reason}" for reason in r["reasons"]]
         lines += [f"{r['task']} warning: {w}" for w in r["warnings"]]
@@ -175,7 +176,7 @@ def markdown(verdict, explained=None) -> str:
                   f"- baseline: `{b['kernel'].get('id')}` ({cmp.baseline.path})",
                   f"- model: `{c['model'].get('fingerprint')}` ({c['model'].get('model_type')})"]
     lines += [f"- policy: `{verdict.thresholds.path}` ({verdict.thresholds.source}, sha256 `{verdict.thresholds.sha256[:12]}`), "
-              f"α = {verdict.thresholds.alpha}, {verdict.thresholds.multiple_comparisons}, gate CI {verdict.thresholds.ci_method}"]
+              f"{alpha_text(verdict)}, {verdict.thresholds.multiple_comparisons}, gate CI {verdict.thresholds.ci_method}"]
     lines += [f"- note: {n}" for n in verdict.notes]
     if explained is not None:
         lines += [f"- why they flipped: {explained.summary}"]
@@ -192,7 +193,7 @@ def markdown(verdict, explained=None) -> str:
     for r in task_rows(verdict):
         if r["paired"]:
             cells = bound_cells(r)
-            lines.append(f"| {r['task']} | {cells['n']} | {r['baseline']:.4f} | {cells['candidate']} | "
+            lines.append(f"| {r['task']} | {cells['n']} | {cells['baseline']} | {cells['candidate']} | "
                          f"{cells['le']}{pp(r['delta'])} | "
                          f"[{pp(r['ci'][0])}, {pp(r['ci'][1])}] | {cells['b_c']} | {r['p']:.3g} | "
                          f"{psi_text(r)} | {margin_cell(r)} | {mde_text(r)} | **{label(r)}** |")
@@ -200,6 +201,7 @@ def markdown(verdict, explained=None) -> str:
             lines.append(f"| {r['task']} | — | aggregate | — | {pp(r['delta'])} | [{pp(r['ci'][0])}, {pp(r['ci'][1])}] | "
                          f"unpaired | {r['p']:.3g} | — | {margin_cell(r)} | — | **{r['verdict']}** |")
     lines.append("")
+    lines += [f"- {line}" for line in earlier_look_lines(verdict)]
     for r in task_rows(verdict):
         for reason in r["reasons"]:
             lines.append(f"- **{r['task']}** {label(r, long=True)}: {reason}")
@@ -211,6 +213,7 @@ def markdown(verdict, explained=None) -> str:
             if flips.empty:
                 continue
             ran = " of the items run" if verdict.early_stop else ""
+            ran += first_look_suffix(verdict, task)
             why = " why |" if tags else ""
             lines += ["", f"## {task}: {len(flips)} flipped item(s){ran}, lost first", "",
                       "| doc_id | direction | baseline answer | candidate answer | finish (base → cand) | in A/A |" + why,

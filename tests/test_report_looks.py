@@ -1,0 +1,46 @@
+"""A gate decided in rounds shows one look's numbers per table: a task decided at a later look (more samples
+per item) has that look's Δ, CI and counts, and no score of the first look beside them; the first look's
+scores and flips are said as that look's; the α shown is the deciding look's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from gate_helpers import policy
+from synthetic_runs import write_pair
+
+
+@pytest.fixture
+def rounds(tmp_path):
+    """A k = 1 verdict whose gsm8k decision is replaced by a k = 8 look's at half the α, as rounds leave it."""
+    from evalgate.gate.decide import gate_runs
+
+    base, cand = write_pair(tmp_path / "runs", 30, 12, lost_every=29, gained_every=31)
+    verdict = gate_runs(base, cand, str(policy(tmp_path, margin=5.0, rate=50.0)), allow_uncalibrated=True)
+    first = verdict.decision.tasks["gsm8k"]
+    later = replace(first, n_samples=8, delta=-0.05, alpha=first.alpha / 2, verdict="FAIL")
+    tasks = {**verdict.decision.tasks, "gsm8k": later}
+    return replace(verdict, decision=replace(verdict.decision, tasks=tasks)), first
+
+
+def test_a_task_decided_at_a_later_look_shows_that_looks_numbers_only(rounds):
+    from evalgate.report.html import report_html
+    from evalgate.report.rows import task_rows
+    from evalgate.report.text import markdown, verdict_lines
+
+    verdict, first = rounds
+    (row,) = [r for r in task_rows(verdict) if r["task"] == "gsm8k"]
+    assert row["baseline"] is None and row["candidate"] is None and row["delta"] == -0.05
+    md = markdown(verdict)
+    (line,) = [l for l in md.splitlines() if l.startswith("| gsm8k |")]
+    assert "| — | — | -5.00 |" in line  # no first-look score beside the later look's Δ
+    assert f"α = {first.alpha / 2:.4g} (gsm8k)" in md
+    said = [l for l in verdict_lines(verdict) if l.startswith("gsm8k: the row's")]
+    assert said and "k = 8" in said[0] and "first look (k = 1)" in said[0]
+    assert "flipped item(s) at the first look (k = 1)" in md
+    html = report_html(verdict)
+    assert "the look that decided this task (k = 8" in html
+    (other,) = [r for r in task_rows(verdict) if r["task"] == "humaneval"]  # decided at the first look
+    assert other["baseline"] is not None and other["earlier"] is None
