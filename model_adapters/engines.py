@@ -23,9 +23,14 @@ from evalgate.errors import UserError
 
 FP4_ACTS_ENV = {"DG_USE_FP4_ACTS": "1", "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS": "1"}
 PACKED_ENV = {**FP4_ACTS_ENV, "DG_MEGA_MOE_FP4": "1"}
-W4A4_FLAG = "--enable-w4a4-mxfp4-megamoe"  # SGLang >= 0.5.20: DeepGEMM's mma_type mxf4xmxf4
-FUSE_SHARED_ENV = "SGLANG_OPT_DEEPGEMM_MEGA_MOE_FUSE_SHARED_EXPERTS"  # SGLang >= 0.5.20, default on
+W4A4_FLAG = "--enable-w4a4-mxfp4-megamoe"  # SGLang >= 0.5.19: DeepGEMM's mma_type mxf4xmxf4
+FUSE_SHARED_ENV = "SGLANG_OPT_DEEPGEMM_MEGA_MOE_FUSE_SHARED_EXPERTS"  # SGLang >= 0.5.22, default on
 TOKENS_PER_RANK_ENV = "SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK"
+MEGA_ENV = "SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE"  # SGLang 0.5.12-0.5.17 only: sets --moe-a2a-backend megamoe
+MEGA = {"moe_a2a_backend": "megamoe"}  # what /server_info shows when SGLang runs DeepGEMM's mega-MoE kernel
+VLLM_MEGA_FLAGS = ("--moe-backend=deep_gemm_mega_moe", "--enable-expert-parallel")
+VLLM_DEV_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # the only way vLLM reports its configuration (/server_info)
+VLLM_NO_FUSION_ENV = "VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION"
 W4A4_KERNELS = ("w4a4", "w4a4_packed", "w4a4_te")
 
 
@@ -95,62 +100,120 @@ def _range_text(bounds: tuple[str, str | None]) -> str:
     return f">= {lo}" if hi is None else f"{lo} to before {hi}"
 
 
-_W4A8_OLD = Selection(served_numerics="w4a8_sglang", mega_moe=False)
-_W4A8_NEW = Selection(server_info={"enable_w4a4_mxfp4_megamoe": False}, served_numerics="w4a8_sglang",
-                      shared_expert_fusion="fused", routed_scaling="before the kernel", mega_moe=False)
+def _mega(kernel: str, *, flag: bool = False, fused: bool = False, before: bool = False, env: dict | None = None,
+          served: str | None = None) -> Selection:
+    """A kernel on SGLang's DeepGEMM mega-MoE path: /server_info must show moe_a2a_backend=megamoe and, where
+    the release has it (>= 0.5.19), the W4A4 switch set as the kernel needs."""
+    info = dict(MEGA)
+    if flag is not None:
+        info["enable_w4a4_mxfp4_megamoe"] = flag
+    return Selection(env=env or {}, flags=(W4A4_FLAG,) if flag else (), server_info=info,
+                     served_numerics=served or kernel, shared_expert_fusion="fused" if fused else "not fused",
+                     routed_scaling="before the kernel" if before else "after the kernel")
+
+
+# SGLang before 0.5.19: no W4A4 switch (/server_info cannot show which kernel the DG_* variables chose)
+_W4A8_ENV = _mega("w4a8_sglang", flag=None)
+# 0.5.19-0.5.21: the shared expert runs beside the kernel and the output is scaled after it
+_W4A8_19 = _mega("w4a8_sglang", flag=False)
+# 0.5.22 on: the shared expert fused into the fp8xfp4 kernel (unless SGLANG_OPT_..._FUSE_SHARED_EXPERTS=0) and the
+# router weights scaled before it
+_W4A8_22 = _mega("w4a8_sglang", flag=False, fused=True, before=True)
 _NO_PACKED = ("no released sgl-deep-gemm contains the packed kernel (no sm100_fp4_mega_moe.cuh, no DG_MEGA_MOE_FP4 "
-              "in deep_gemm._C): the server would run w4a4 under a w4a4_packed label; install a build that has it")
+              "in deep_gemm._C; it exists only in sgl-project/DeepGEMM PR #44): the server would run w4a4 under a "
+              "w4a4_packed label; install a build of that PR")
+_PACKED_ONLY_OLD = ("the packed kernel is selected by DG_MEGA_MOE_FP4 beside DG_USE_FP4_ACTS, which sgl-deep-gemm "
+                    ">= 0.1.7 refuses and SGLang >= 0.5.19 no longer forwards: only SGLang 0.5.12-0.5.18 with a "
+                    "PR #44 build of sgl-deep-gemm before 0.1.7 can run it")
 _LEGACY_CRASH = ("sgl-deep-gemm >= 0.1.7 raises RuntimeError on DG_USE_FP4_ACTS when the mega-MoE buffer is made "
-                 "(deep_gemm/mega/__init__.py, _check_legacy_fp4_acts_env)")
-_VLLM_W4A8 = ("vLLM ignores every DG_* variable: its DeepSeek-V4 MoE is hard-wired to W4A8 "
-              "(vllm/model_executor/models/deepseek_v4/); gate W4A4 on SGLang")
+                 "(deep_gemm/mega/__init__.py:19-40, _check_legacy_fp4_acts_env)")
+_TIES_TO_EVEN = (f"sgl-deep-gemm >= 0.2.0 rounds FP4 input ties to even (sm100_mega_moe_pre_dispatch.cuh): {W4A4_FLAG} "
+                 "runs w4a4_te here")
+_TIES_TO_ZERO = (f"sgl-deep-gemm before 0.2.0 rounds FP4 input ties toward zero (sm100_mega_moe_pre_dispatch.cuh): "
+                 f"{W4A4_FLAG} runs w4a4 here")
+_NO_SWITCH = f"this SGLang has no {W4A4_FLAG} (SGLang >= 0.5.19 with sgl-deep-gemm >= 0.2.0 serves w4a4_te)"
+_OLD_LIBRARY = ("SGLang >= 0.5.19 calls sgl-deep-gemm's mma_type API and pins 0.1.7 or later; with an older library "
+                "its FP8 pre-dispatch and the kernel disagree about the activation format: install the pinned one")
+_VLLM_W4A4 = ("vLLM has no W4A4 kernel for DeepSeek-V4 on NVIDIA GPUs (its DeepGEMM mega-MoE backend is hard-wired to "
+              "fp8xfp4, vllm/model_executor/layers/fused_moe/deep_gemm_mega_moe.py; the MXFP4 oracle has no "
+              "MXFP4xMXFP4 entry for it) and ignores every DG_* variable; gate W4A4 on SGLang")
+# Every other MoE path these engines pick for DeepSeek-V4's FP4 experts (FlashInfer TRT-LLM MXFP4, Marlin W4A16,
+# Humming, DeepGEMM's FP4 grouped GEMM, SGLang's flashinfer_mxfp4 default) is not an evalgate recipe: refused.
+NOT_A_RECIPE = ("is not an evalgate recipe (FlashInfer MXFP4, Marlin, Humming or another non-mega-MoE backend): "
+                "evalgate neither emulates nor labels it")
 
 TABLE: tuple[Row, ...] = (
-    Row("sglang", ("0.5.12", "0.5.20"), ("0.1.0", "0.1.7"), {
-        "w4a8": _W4A8_OLD, "w4a8_sglang": _W4A8_OLD,
-        "w4a4": Selection(env=FP4_ACTS_ENV, served_numerics="w4a4", mega_moe=True),
-        "w4a4_packed": Selection(env=PACKED_ENV, served_numerics="w4a4_packed", mega_moe=True),
-        "w4a4_te": "ties-to-even mxf4xmxf4 needs sgl-deep-gemm >= 0.2.0 and SGLang >= 0.5.20 (--enable-w4a4-mxfp4-megamoe)",
-    }, "sglang/srt/environ.py (SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS), sglang/srt/layers/moe/mega_moe.py "
-       "(forwards it to DG_USE_FP4_ACTS; routed scaling after the kernel), deep_gemm/_C (reads DG_USE_FP4_ACTS)"),
-    Row("sglang", ("0.5.12", "0.5.20"), ("0.1.7", None), {
-        "w4a8": _W4A8_OLD, "w4a8_sglang": _W4A8_OLD,
-        "w4a4": _LEGACY_CRASH, "w4a4_packed": _LEGACY_CRASH,
-        "w4a4_te": "this SGLang has no --enable-w4a4-mxfp4-megamoe (SGLang >= 0.5.20)",
-    }, "deep_gemm/mega/__init__.py (_check_legacy_fp4_acts_env), sglang/srt/environ.py"),
-    Row("sglang", ("0.5.20", None), ("0.1.7", "0.2.0"), {
-        "w4a8": _W4A8_NEW, "w4a8_sglang": _W4A8_NEW,
-        "w4a4": Selection(flags=(W4A4_FLAG,), server_info={"enable_w4a4_mxfp4_megamoe": True}, served_numerics="w4a4",
-                          routed_scaling="before the kernel"),
-        "w4a4_packed": _LEGACY_CRASH,
-        "w4a4_te": "sgl-deep-gemm before 0.2.0 rounds FP4 input ties toward zero: --enable-w4a4-mxfp4-megamoe runs w4a4 here",
-    }, "sglang/srt/arg_groups/fields/exec_.py (enable_w4a4_mxfp4_megamoe), deep_gemm/mega/__init__.py"),
-    Row("sglang", ("0.5.20", None), ("0.2.0", None), {
-        "w4a8": _W4A8_NEW, "w4a8_sglang": _W4A8_NEW,
-        "w4a4": f"{_LEGACY_CRASH}; SGLang's W4A4 here is w4a4_te ({W4A4_FLAG})",
-        "w4a4_packed": _LEGACY_CRASH,
-        "w4a4_te": Selection(flags=(W4A4_FLAG,), server_info={"enable_w4a4_mxfp4_megamoe": True},
-                             served_numerics="w4a4_te", routed_scaling="before the kernel"),
-    }, "sglang/srt/arg_groups/fields/exec_.py (enable_w4a4_mxfp4_megamoe), sglang/srt/layers/moe/mega_moe.py "
-       "(should_fuse_mega_moe_shared_experts: fp8xfp4 only), sglang/srt/environ.py, deep_gemm/mega/__init__.py"),
-    Row("vllm", ("0.30", "0.40"), None, {
-        "w4a8": Selection(served_numerics="w4a8", mega_moe=False), "w4a8_sglang": "vLLM does not run SGLang's FP8 "
-        "pre-dispatch; gate w4a8", "w4a4": _VLLM_W4A8, "w4a4_packed": _VLLM_W4A8, "w4a4_te": _VLLM_W4A8,
-    }, "vllm/model_executor/models/deepseek_v4/ (W4A8 only), vllm/entrypoints/openai/api_server.py (/version)"),
+    Row("sglang", ("0.5.12", "0.5.19"), ("0.1.0", "0.1.7"), {
+        "w4a8": _W4A8_ENV, "w4a8_sglang": _W4A8_ENV,
+        "w4a4": _mega("w4a4", flag=None, env=FP4_ACTS_ENV),
+        "w4a4_packed": _mega("w4a4_packed", flag=None, env=PACKED_ENV),
+        "w4a4_te": _NO_SWITCH,
+    }, "sglang 0.5.12 srt/layers/moe/mega_moe.py:42-57 (0.5.18: 48-63; _apply_mega_moe_dg_env forwards "
+       "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS to DG_USE_FP4_ACTS), :265-266 (0.5.18: 284-285; y.mul_ "
+       "routed_scaling_factor after the kernel); jit_kernel/csrc/deepseek_v4/mega_moe_pre_dispatch.cuh:76 (amax floor "
+       "1e-10); sgl-deep-gemm 0.1.6 deep_gemm/mega/__init__.py:59 (reads DG_USE_FP4_ACTS)"),
+    Row("sglang", ("0.5.12", "0.5.19"), ("0.1.7", None), {
+        "w4a8": _W4A8_ENV, "w4a8_sglang": _W4A8_ENV,
+        "w4a4": _LEGACY_CRASH, "w4a4_packed": _LEGACY_CRASH, "w4a4_te": _NO_SWITCH,
+    }, "sgl-deep-gemm 0.1.7 deep_gemm/mega/__init__.py:19-40 (_check_legacy_fp4_acts_env); sglang 0.5.18 "
+       "srt/environ.py:1030 (no W4A4 switch in server_args)"),
+    Row("sglang", ("0.5.19", None), ("0.0.0", "0.1.7"), {k: _OLD_LIBRARY for k in ("w4a8", "w4a8_sglang", *W4A4_KERNELS)},
+        "sglang 0.5.19 METADATA (Requires-Dist: sgl-deep-gemm==0.1.7); srt/layers/moe/mega_moe.py:258-272 "
+        "(mega_moe_pre_dispatch(..., mma_type=))"),
+    Row("sglang", ("0.5.19", "0.5.22"), ("0.1.7", "0.2.0"), {
+        "w4a8": _W4A8_19, "w4a8_sglang": _W4A8_19,
+        "w4a4": _mega("w4a4", flag=True), "w4a4_packed": _PACKED_ONLY_OLD, "w4a4_te": _TIES_TO_ZERO,
+    }, "sglang 0.5.19 srt/server_args.py:2399-2405 (enable_w4a4_mxfp4_megamoe), srt/layers/moe/mega_moe.py:49 "
+       "(mxf4xmxf4 if the switch is on, else fp8xfp4), :307-308 (routed scaling after the kernel; 0.5.20 :309-310, "
+       "0.5.21 :414-415), srt/environ.py:1774-1779 (the FP4 variables deprecated, ignored); sgl-deep-gemm 0.1.7 "
+       "sm100_mega_moe_pre_dispatch.cuh:54 (ties toward zero); no shared-expert fusion before 0.5.22"),
+    Row("sglang", ("0.5.19", "0.5.22"), ("0.2.0", None), {
+        "w4a8": _W4A8_19, "w4a8_sglang": _W4A8_19,
+        "w4a4": _TIES_TO_EVEN, "w4a4_packed": _PACKED_ONLY_OLD, "w4a4_te": _mega("w4a4_te", flag=True),
+    }, "sglang 0.5.20 srt/arg_groups/fields/exec_.py:669 (0.5.21: 744; enable_w4a4_mxfp4_megamoe), "
+       "srt/layers/moe/mega_moe.py:49 (0.5.21: 59), :309-310 (0.5.21: 414-415; routed scaling after the kernel); "
+       "sgl-deep-gemm 0.2.0 sm100_mega_moe_pre_dispatch.cuh:52 (ties to even)"),
+    Row("sglang", ("0.5.22", None), ("0.1.7", "0.2.0"), {
+        "w4a8": _W4A8_22, "w4a8_sglang": _W4A8_22,
+        "w4a4": _mega("w4a4", flag=True, before=True), "w4a4_packed": _PACKED_ONLY_OLD, "w4a4_te": _TIES_TO_ZERO,
+    }, "sglang 0.5.22 srt/environ.py:1331 (FUSE_SHARED_EXPERTS, default on), srt/layers/moe/mega_moe.py:197 (fusion "
+       "for fp8xfp4 only), :384-385 (router weights scaled before the kernel); sgl-deep-gemm 0.1.7 "
+       "sm100_mega_moe_pre_dispatch.cuh:54 (ties toward zero)"),
+    Row("sglang", ("0.5.22", None), ("0.2.0", None), {
+        "w4a8": _W4A8_22, "w4a8_sglang": _W4A8_22,
+        "w4a4": _TIES_TO_EVEN, "w4a4_packed": _PACKED_ONLY_OLD, "w4a4_te": _mega("w4a4_te", flag=True, before=True),
+    }, "sglang 0.5.23 srt/arg_groups/fields/exec_.py:870-875 (enable_w4a4_mxfp4_megamoe), srt/environ.py:1474 "
+       "(FUSE_SHARED_EXPERTS), srt/layers/moe/mega_moe.py:56-60 (mma_type), :196-207 (fusion for fp8xfp4 only), "
+       "srt/arg_groups/model_overrides/deepseek_v4.py:87 (without megamoe: moe_runner_backend=flashinfer_mxfp4); "
+       "sgl-deep-gemm 0.2.5 sm100_mega_moe_pre_dispatch.cuh:53-54 (ties to even)"),
+    Row("vllm", ("0.30", "0.35"), None, {
+        "w4a8": Selection(env=VLLM_DEV_ENV, flags=VLLM_MEGA_FLAGS, server_info={"moe_backend": "deep_gemm_mega_moe"},
+                          served_numerics="w4a8", shared_expert_fusion="fused", routed_scaling="before the kernel"),
+        "w4a8_sglang": "vLLM does not run SGLang's FP8 pre-dispatch (its Triton staging floors the amax at 1e-4): "
+                       "gate w4a8", "w4a4": _VLLM_W4A4, "w4a4_packed": _VLLM_W4A4, "w4a4_te": _VLLM_W4A4,
+    }, "vllm 0.34 vllm/config/kernel.py:127 (moe_backend deep_gemm_mega_moe), engine/arg_utils.py:1874-1876 "
+       "(--moe-backend), models/deepseek_v4/nvidia/model.py:228-239 (needs --enable-expert-parallel), :373-380 "
+       "(shared expert fused at TP 1 or sequence-parallel MoE unless VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION), "
+       ":484 (router weights scaled before the kernel); entrypoints/serve/dev/server_info/api_router.py:43-58 "
+       "(/server_info?config_format=json), entrypoints/launchers/api_server/routers.py:46 (only with "
+       "VLLM_SERVER_DEV_MODE=1); model_executor/layers/fused_moe/oracle/mxfp4.py:812-813 (with no --moe-backend the "
+       "backend the oracle picks is only logged)"),
 )
 
 
 def served_by(kernel: str) -> list[str]:
     """One line per table row that can serve ``kernel``: the stack, then the environment and flags that select
-    it ("no setting" where it is the engine's default), and the numerics it then computes where they are
-    another kernel's. Empty: no engine serves it (in-process only)."""
+    it (``--moe-a2a-backend megamoe`` is the user's to pass on SGLang; evalgate adds the rest), and the numerics
+    it then computes where they are another kernel's. Empty: no engine serves it (in-process only)."""
     lines = []
     for row in TABLE:
         how = row.kernels.get(kernel)
         if isinstance(how, Selection):
             needs = [f"{k}={v}" for k, v in how.env.items()] + list(how.flags)
+            if how.server_info.get("moe_a2a_backend") == "megamoe":
+                needs.insert(0, "--moe-a2a-backend megamoe")
             if kernel == "w4a4_packed":
-                needs.append("(a build with the packed kernel)")
+                needs.append("(a build of sgl-deep-gemm with the packed kernel: PR #44)")
             if how.served_numerics and how.served_numerics != kernel:
                 needs.append(f"(computes {how.served_numerics})")
             lines.append(f"{row.describe()}: {' '.join(needs) or 'no setting'}")
@@ -168,8 +231,8 @@ def selection_for(kernel: str, stack: Stack) -> tuple[Selection, Row]:
                         "(launch a real kernel, e.g. --kernel w4a4_te)")
     row = find_row(stack)
     if row is None and stack.engine_version is None:
-        if kernel in ("w4a8", "w4a8_sglang"):  # selected by no setting on any version
-            return (_W4A8_OLD if stack.engine == "sglang" else Selection(served_numerics="w4a8", mega_moe=False)), None
+        if kernel in ("w4a8", "w4a8_sglang"):  # the mega-MoE path on any version; verified from /server_info
+            return (_W4A8_ENV if stack.engine == "sglang" else TABLE[-1].kernels["w4a8"]), None
         raise UserError(f"cannot read the {stack.engine} version in the server's Python, and how --kernel {kernel} "
                         "is selected depends on it; set EVALGATE_SERVER_PYTHON to the Python that runs the server")
     if row is None:
@@ -287,9 +350,13 @@ def _has_flag(args: list[str], name: str) -> bool:
     return any(a == name or a.startswith(name + "=") for a in args)
 
 
-def mega_moe_on(args: list[str], env: dict[str, str]) -> bool:
+def mega_moe_on(args: list[str], env: dict[str, str], engine_version: str | None = None) -> bool:
+    """Whether SGLang runs the DeepSeek-V4 MoE on DeepGEMM's mega-MoE path: ``--moe-a2a-backend megamoe`` (or
+    ``--moe-runner-backend megamoe``), or SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE on 0.5.12-0.5.17, the releases that
+    read it (0.5.17 srt/arg_groups/overrides.py:2465-2470)."""
     backend = _flag_value(args, "--moe-a2a-backend") or _flag_value(args, "--moe-runner-backend")
-    return backend == "megamoe" or env.get("SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE", "").lower() in ("1", "true", "yes")
+    old = (version_tuple(engine_version) or (0, 5, 12)) < (0, 5, 18)
+    return backend == "megamoe" or (old and env.get(MEGA_ENV, "").lower() in ("1", "true", "yes"))
 
 
 def preflight(kernel: str, stack: Stack, args: list[str], env: dict[str, str]) -> tuple[Selection, Row | None, list[str]]:
@@ -302,16 +369,25 @@ def preflight(kernel: str, stack: Stack, args: list[str], env: dict[str, str]) -
         if flag_given and W4A4_FLAG not in selection.flags:
             raise UserError(f"`{W4A4_FLAG}` after `--` selects SGLang's W4A4 MXFP4 kernel, which contradicts "
                             f"--kernel {kernel}; drop it (evalgate adds the flags the kernel needs)")
-        mega = mega_moe_on(args, env)
-        if kernel in W4A4_KERNELS and not mega:
-            raise UserError(f"--kernel {kernel} runs on SGLang's mega-MoE path only: pass `-- --moe-a2a-backend "
-                            "megamoe`, or the server runs another MoE kernel under this label")
+        mega = mega_moe_on(args, env, stack.engine_version)
+        if selection.server_info.get("moe_a2a_backend") == "megamoe" and not mega:
+            raise UserError(f"--kernel {kernel} runs on SGLang's DeepGEMM mega-MoE path only: pass `-- "
+                            "--moe-a2a-backend megamoe`; without it SGLang serves DeepSeek-V4's FP4 experts through "
+                            f"another backend (flashinfer_mxfp4 from 0.5.19), which {NOT_A_RECIPE}")
         if mega:
             warnings += _mega_moe_settings(stack, args, env)
         tp, dp = _int_flag(args, "--tp-size", 1), _int_flag(args, "--dp-size", 1)
         if dp > 1 and not _has_flag(args, "--enable-dp-attention"):
             warnings.append(f"--dp-size {dp} runs {dp} whole model copies of --tp-size {tp}: {tp * dp} GPUs; "
                             "for one copy over the GPUs use --tp-size alone (or add --enable-dp-attention)")
+    if stack.engine == "vllm":
+        backend = _flag_value(args, "--moe-backend")
+        if backend is not None and backend.lower().replace("-", "_") != "deep_gemm_mega_moe":
+            raise UserError(f"`--moe-backend {backend}` after `--` selects a vLLM MoE backend that {NOT_A_RECIPE}; "
+                            f"--kernel {kernel} runs on deep_gemm_mega_moe, which evalgate selects itself")
+        if env.get(VLLM_NO_FUSION_ENV, "").strip().lower() in ("1", "true"):
+            warnings.append(f"{VLLM_NO_FUSION_ENV} is set: the shared expert runs beside the kernel (recorded as not "
+                            "fused)")
     if stack.engine_version is None:
         warnings.append(f"cannot read the {stack.engine} version in the server's Python; set EVALGATE_SERVER_PYTHON "
                         "to it so evalgate can check the kernel selection")
@@ -319,11 +395,11 @@ def preflight(kernel: str, stack: Stack, args: list[str], env: dict[str, str]) -
 
 
 def _mega_moe_settings(stack: Stack, args: list[str], env: dict[str, str]) -> list[str]:
-    """DeepSeek-V4 mega-MoE settings that fail at start (SGLang >= 0.5.20, mega_moe_hook.py:
-    validate_mega_moe_token_budget) or at the first long prefill (0.5.12-0.5.19, mega_moe.py's assert)."""
+    """DeepSeek-V4 mega-MoE settings that fail at start: the per-rank token budget (default 1024 in 0.5.12-0.5.17,
+    srt/environ.py:1203 of 0.5.17; 8192 from 0.5.18, :1030 of 0.5.18) must cover a prefill chunk
+    (arg_groups/deepseek_v4_hook.py in 0.5.17-0.5.20, arg_groups/mega_moe_hook.py from 0.5.21)."""
     size = None if _flag_value(args, "--chunked-prefill-size") is None else _int_flag(args, "--chunked-prefill-size", 0)
-    new = (version_tuple(stack.engine_version) or (0,)) >= (0, 5, 20)
-    cap_default = 8192 if new else 1024
+    cap_default = 8192 if (version_tuple(stack.engine_version) or (0,)) >= (0, 5, 18) else 1024
     try:
         cap = int(env.get(TOKENS_PER_RANK_ENV) or cap_default)
     except ValueError:

@@ -1,7 +1,8 @@
 """Start an SGLang or vLLM server with one kernel selected, and stop it again.
 
-How a kernel is selected depends on the engine and kernel-library versions (``engines.TABLE``: ``DG_*``
-variables on SGLang before 0.5.20, ``--enable-w4a4-mxfp4-megamoe`` from 0.5.20, nothing on vLLM), so
+How a kernel is selected depends on the engine and kernel-library versions (``engines.TABLE``: SGLang's
+mega-MoE path with ``DG_*`` variables before 0.5.19 and ``--enable-w4a4-mxfp4-megamoe`` from 0.5.19; vLLM's
+``--moe-backend=deep_gemm_mega_moe --enable-expert-parallel``, in dev mode so that it reports it), so
 ``served_adapter`` first reads that stack in the server's Python (``engines.probe_stack``) and checks the
 launch against it (``engines.preflight``). ``plan_launch`` builds the command line and environment as plain data
 (testable without SGLang) and refuses recipes that would run other numerics than the kernel named:

@@ -15,7 +15,7 @@ A server has no local checkpoint, so the model identity (``fingerprint``) is bui
 says about itself. Before the first request the client waits for ``/health`` (503 while an engine warms
 up), then checks the kernel against what the server reports (``verification.check_kernel``): a server
 that reports another kernel is refused; one that reports nothing that tells is recorded as
-``kernel_verified: false`` with the reason, and the verdict says so. What the server says about its deterministic mode (SGLang's
+``kernel_verified: false`` (status ``unverified``) with the reason, and the verdict says so. What the server says about its deterministic mode (SGLang's
 ``enable_deterministic_inference``, or the launch plan when evalgate started it) goes into the manifest;
 evalgate warns when it is off or unknown (docs/serving.md#deterministic-engines). Transport: one httpx
 connection pool with keep-alive for the whole run.
@@ -43,7 +43,7 @@ from evalgate.errors import UserError
 from evalgate.model_adapters.stops import cut_at_stop
 from evalgate.model_adapters.sample_seeds import SEED_RULE, sample_seed
 from evalgate.model_adapters.server_errors import RESUME_HINT, ServerError  # noqa: F401  (raised here)
-from evalgate.model_adapters.verification import CONTRADICTED, UNVERIFIABLE, check_kernel
+from evalgate.model_adapters.verification import CONTRADICTED, UNVERIFIED, check_kernel
 from evalgate.types import AdapterBase, Generation, Request
 
 # Server settings that can change numerics; hashed into the fingerprint. Ports, seeds, paths of logs and
@@ -123,8 +123,8 @@ class OpenAIAdapter(AdapterBase):
         if self.kernel_check.status == CONTRADICTED and self.kernel_check.engine != "evalgate":
             raise UserError(f"server {self.url} contradicts --kernel {self.kernel.name}: {self.kernel_check.why}; "
                             "gate the kernel it runs, or restart it with the one to gate")
-        if self.kernel_check.status == UNVERIFIABLE:
-            self.warnings.append(f"server {self.url}: kernel {self.kernel.name} not verified: {self.kernel_check.why}")
+        if self.kernel_check.status == UNVERIFIED:
+            self.warnings.append(f"server {self.url}: kernel {self.kernel.name} unverified: {self.kernel_check.why}")
         for warning in self.warnings:
             _warn(warning)
         self.load_s = time.perf_counter() - t0
@@ -161,10 +161,15 @@ class OpenAIAdapter(AdapterBase):
     def _describe_server(self) -> dict:
         models = self._model_list()
         server_info = None
-        for path in ("/server_info", "/get_server_info"):  # SGLang (newer, older); absent on vLLM
+        for path in ("/server_info", "/get_server_info"):  # SGLang (newer, older); vLLM only in dev mode
             server_info = self._get_json(path)
             if isinstance(server_info, dict):
                 break
+        if isinstance(server_info, dict) and isinstance(server_info.get("vllm_config"), str):
+            # vLLM's dev-mode /server_info prints its configuration as text unless asked for JSON
+            as_json = self._get_json("/server_info?config_format=json")
+            server_info = as_json if isinstance(as_json, dict) else server_info
+            server_info.pop("system_env", None)  # the host's whole software inventory: not the kernel's business
         return {"models": models, "server_info": server_info if isinstance(server_info, dict) else None,
                 "model_info": self._get_json("/get_model_info"),  # SGLang
                 "version": self._get_json("/version")}  # vLLM (SGLang has it too)

@@ -16,10 +16,12 @@ for ``python -m sglang.launch_server`` or ``vllm serve``): ``python tests/fake_s
 [--enable-w4a4-mxfp4-megamoe]`` (reported in ``/server_info`` as SGLang does)
 (``--die-after N``: the process exits when completion request N arrives, with that request in flight).
 As a process it behaves as the engine version installed beside it (``sglang``/``vllm`` and
-``sgl-deep-gemm`` distributions on its path, as the tests' stand-in site folders provide): SGLang >= 0.5.20
-reports ``enable_w4a4_mxfp4_megamoe`` and refuses mega-MoE without chunked prefill, older SGLang refuses
-that flag as its parser does, sgl-deep-gemm >= 0.1.7 exits on a non-zero ``DG_USE_FP4_ACTS``, and vLLM
-answers ``/version`` (``/server_info`` only with ``VLLM_SERVER_DEV_MODE=1``) and ignores ``DG_*``.
+``sgl-deep-gemm`` distributions on its path, as the tests' stand-in site folders provide): SGLang >= 0.5.19
+reports ``enable_w4a4_mxfp4_megamoe`` and, without megamoe, the ``moe_runner_backend`` its DeepSeek-V4 override
+resolves (``flashinfer_mxfp4``); it refuses mega-MoE without chunked prefill; older SGLang refuses that flag as
+its parser does; sgl-deep-gemm >= 0.1.7 exits on a non-zero ``DG_USE_FP4_ACTS``; vLLM answers ``/version``, and
+``/server_info`` only with ``VLLM_SERVER_DEV_MODE=1`` (text, or JSON with ``?config_format=json``: its
+``kernel_config.moe_backend``, parallel config and ``VLLM_*`` variables), and ignores ``DG_*``.
 """
 
 from __future__ import annotations
@@ -197,8 +199,11 @@ class FakeServer:
                     self._send(200, {"connections": server.connections, "completions": len(server.requests)})
                 elif self.path == "/version" and server.version:
                     self._send(200, {"version": server.version})
-                elif self.path in ("/get_server_info", "/server_info") and server.server_info:
-                    self._send(200, server.server_info)
+                elif self.path.split("?")[0] in ("/get_server_info", "/server_info") and server.server_info:
+                    info = server.server_info
+                    if isinstance(info.get("vllm_config"), dict) and "config_format=json" not in self.path:
+                        info = {**info, "vllm_config": f"VllmConfig({info['vllm_config']})"}  # vLLM's default: text
+                    self._send(200, info)
                 else:
                     self._send(404, {"error": {"message": "not found"}})
 
@@ -239,7 +244,7 @@ def engine_behaviour(args) -> tuple[dict, str | None]:
     dg = installed("sgl-deep-gemm")
     if args.model_path:  # SGLang
         version = installed("sglang") or "0.5.14"
-        new = at_least(version, (0, 5, 20))
+        new = at_least(version, (0, 5, 19))
         if args.enable_w4a4_mxfp4_megamoe and not new:
             print("sglang serve: error: unrecognized arguments: --enable-w4a4-mxfp4-megamoe", flush=True)
             sys.exit(2)
@@ -257,10 +262,15 @@ def engine_behaviour(args) -> tuple[dict, str | None]:
                 "enable_deterministic_inference": args.enable_deterministic_inference}
         if new:
             info["enable_w4a4_mxfp4_megamoe"] = args.enable_w4a4_mxfp4_megamoe
+            info["moe_runner_backend"] = "auto" if mega else "flashinfer_mxfp4"  # the DeepSeek-V4 override
         return info, None
     version = installed("vllm") or "fake-vllm 0.1"  # vLLM: /version; /server_info only in dev mode
     dev = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
-    info = {"vllm_config": "...", "VLLM_BATCH_INVARIANT": os.environ.get("VLLM_BATCH_INVARIANT")} if dev else {}
+    info = {"vllm_config": {"kernel_config": {"moe_backend": (args.moe_backend or "auto").replace("-", "_")},
+                            "parallel_config": {"enable_expert_parallel": args.enable_expert_parallel,
+                                                "tensor_parallel_size": args.tensor_parallel_size}},
+            "vllm_env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
+            "system_env": {"os": "fake"}} if dev else {}
     return info, version
 
 
@@ -280,10 +290,13 @@ def main(argv=None) -> None:
     p.add_argument("--startup-s", type=float, default=0.0, help="seconds before listening (model loading)")
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--enable-deterministic-inference", action="store_true", help="SGLang's flag, reported back")
-    p.add_argument("--enable-w4a4-mxfp4-megamoe", action="store_true", help="SGLang >= 0.5.20's W4A4 switch")
+    p.add_argument("--enable-w4a4-mxfp4-megamoe", action="store_true", help="SGLang >= 0.5.19's W4A4 switch")
     p.add_argument("--moe-a2a-backend", default="none")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--warmup-s", type=float, default=0.0, help="seconds /health answers 503 after listening")
+    p.add_argument("--moe-backend", default=None, help="vLLM's MoE backend (auto)")
+    p.add_argument("--enable-expert-parallel", action="store_true", help="vLLM's expert parallelism")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     args, _unknown = p.parse_known_args(argv)  # engine flags like --tp 4 are accepted and ignored
     if args.pid_file:
         with open(args.pid_file, "w") as f:

@@ -1,7 +1,7 @@
 """The kernel table (model_adapters/engines.py) row by row: for every engine version it covers, evalgate
 either selects and verifies each kernel or refuses it in one line, before a launch (preflight) and after
 start (the stand-in server behaving as that version, launched or given); and the verdict side: a
-contradicted server kernel gets no verdict, an unverifiable one is said in the verdict's notes."""
+contradicted server kernel gets no verdict, an unverified one is said in the verdict's notes."""
 
 from __future__ import annotations
 
@@ -26,31 +26,39 @@ FAKE = f"{sys.executable} {HERE / 'fake_server.py'}"
 MEGA = ["--moe-a2a-backend", "megamoe", "--chunked-prefill-size", "1024"]
 KERNELS = ("w4a8", "w4a8_sglang", "w4a4", "w4a4_packed", "w4a4_te")
 
+FP4_ENV = {"DG_USE_FP4_ACTS": "1", "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS": "1"}
+FLAG = ("--enable-w4a4-mxfp4-megamoe",)
+OLD_PACKED = "only SGLang 0.5.12-0.5.18 with a PR #44 build"
 # one stack per row of the table, with what each kernel does there: the kernel variables set and flags added,
 # or a phrase of the one-line refusal
 STACKS = {
     "sglang 0.5.14 + sgl-deep-gemm 0.1.3 (the seed's stock stack)": (Stack("sglang", "0.5.14", "0.1.3"), {
-        "w4a8": ({}, ()), "w4a8_sglang": ({}, ()),
-        "w4a4": ({"DG_USE_FP4_ACTS": "1", "SGLANG_OPT_DEEPGEMM_MEGA_MOE_USE_FP4_ACTS": "1"}, ()),
+        "w4a8": ({}, ()), "w4a8_sglang": ({}, ()), "w4a4": (FP4_ENV, ()),
         "w4a4_packed": "no released sgl-deep-gemm contains the packed kernel",
-        "w4a4_te": "ties-to-even mxf4xmxf4 needs sgl-deep-gemm >= 0.2.0"}),
+        "w4a4_te": "has no --enable-w4a4-mxfp4-megamoe"}),
     "sglang 0.5.14 + sgl-deep-gemm 0.1.9": (Stack("sglang", "0.5.14", "0.1.9"), {
         "w4a8": ({}, ()), "w4a8_sglang": ({}, ()),
         "w4a4": "raises RuntimeError on DG_USE_FP4_ACTS", "w4a4_packed": "raises RuntimeError on DG_USE_FP4_ACTS",
         "w4a4_te": "has no --enable-w4a4-mxfp4-megamoe"}),
-    "sglang 0.5.21 + sgl-deep-gemm 0.1.8": (Stack("sglang", "0.5.21", "0.1.8"), {
-        "w4a8": ({}, ()), "w4a8_sglang": ({}, ()),
-        "w4a4": ({}, ("--enable-w4a4-mxfp4-megamoe",)),
-        "w4a4_packed": "raises RuntimeError on DG_USE_FP4_ACTS",
+    "sglang 0.5.19 + sgl-deep-gemm 0.1.5 (older than its pin)": (Stack("sglang", "0.5.19", "0.1.5"), {
+        k: "calls sgl-deep-gemm's mma_type API" for k in KERNELS}),
+    "sglang 0.5.19 + sgl-deep-gemm 0.1.7 (its stock pin)": (Stack("sglang", "0.5.19", "0.1.7"), {
+        "w4a8": ({}, ()), "w4a8_sglang": ({}, ()), "w4a4": ({}, FLAG), "w4a4_packed": OLD_PACKED,
+        "w4a4_te": "rounds FP4 input ties toward zero"}),
+    "sglang 0.5.21 + sgl-deep-gemm 0.2.0 (its stock pin)": (Stack("sglang", "0.5.21", "0.2.0"), {
+        "w4a8": ({}, ()), "w4a8_sglang": ({}, ()), "w4a4": "rounds FP4 input ties to even",
+        "w4a4_packed": OLD_PACKED, "w4a4_te": ({}, FLAG)}),
+    "sglang 0.5.22 + sgl-deep-gemm 0.1.8": (Stack("sglang", "0.5.22", "0.1.8"), {
+        "w4a8": ({}, ()), "w4a8_sglang": ({}, ()), "w4a4": ({}, FLAG), "w4a4_packed": OLD_PACKED,
         "w4a4_te": "rounds FP4 input ties toward zero"}),
     "sglang 0.5.23 + sgl-deep-gemm 0.2.5": (Stack("sglang", "0.5.23", "0.2.5"), {
-        "w4a8": ({}, ()), "w4a8_sglang": ({}, ()),
-        "w4a4": "SGLang's W4A4 here is w4a4_te", "w4a4_packed": "raises RuntimeError on DG_USE_FP4_ACTS",
-        "w4a4_te": ({}, ("--enable-w4a4-mxfp4-megamoe",))}),
+        "w4a8": ({}, ()), "w4a8_sglang": ({}, ()), "w4a4": "rounds FP4 input ties to even",
+        "w4a4_packed": OLD_PACKED, "w4a4_te": ({}, FLAG)}),
     "vllm 0.34.0": (Stack("vllm", "0.34.0"), {
-        "w4a8": ({}, ()), "w4a8_sglang": "does not run SGLang's FP8 pre-dispatch",
-        "w4a4": "vLLM ignores every DG_* variable", "w4a4_packed": "vLLM ignores every DG_* variable",
-        "w4a4_te": "vLLM ignores every DG_* variable"}),
+        "w4a8": ({"VLLM_SERVER_DEV_MODE": "1"}, ("--moe-backend=deep_gemm_mega_moe", "--enable-expert-parallel")),
+        "w4a8_sglang": "does not run SGLang's FP8 pre-dispatch",
+        "w4a4": "no W4A4 kernel for DeepSeek-V4", "w4a4_packed": "no W4A4 kernel for DeepSeek-V4",
+        "w4a4_te": "no W4A4 kernel for DeepSeek-V4"}),
 }
 
 
@@ -82,7 +90,10 @@ def test_the_packed_kernel_runs_only_on_a_build_that_contains_it():
 
 @pytest.mark.parametrize("kernel, args, env, message", [
     ("w4a8", ["--enable-w4a4-mxfp4-megamoe", *MEGA], {}, "contradicts --kernel w4a8"),
-    ("w4a4_te", ["--tp-size", "8"], {}, "runs on SGLang's mega-MoE path only"),
+    ("w4a4_te", ["--tp-size", "8"], {}, "runs on SGLang's DeepGEMM mega-MoE path only"),
+    # without megamoe SGLang's DeepSeek-V4 override serves FlashInfer MXFP4: no evalgate recipe, so no W4A8 label
+    ("w4a8", ["--tp-size", "8"], {}, "flashinfer_mxfp4 from 0.5.19.*is not an evalgate recipe"),
+    ("w4a8", ["--moe-runner-backend", "flashinfer_mxfp4"], {}, "is not an evalgate recipe"),
     ("w4a4_te", ["--moe-a2a-backend", "megamoe", "--chunked-prefill-size", "-1"], {}, "needs chunked prefill"),
     ("w4a4_te", ["--moe-a2a-backend", "megamoe", "--chunked-prefill-size", "16384"], {},
      "needs 16384 tokens per rank but SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK is 8192"),
@@ -98,10 +109,29 @@ def test_the_mega_moe_budget_counts_per_rank_and_a_larger_budget_passes():
     preflight("w4a4_te", new, args, {"SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK": "16384"})
     preflight("w4a4_te", new, [*args, "--dp-size", "2", "--enable-dp-attention"], {})  # 8192 a rank
     for args in (["--tp-size", "4", "--dp-size", "4"], ["--tp", "4", "--dp", "4"]):  # argparse takes the prefixes
-        _, _, warnings = preflight("w4a8", new, args, {})
+        _, _, warnings = preflight("w4a8", new, [*MEGA, *args], {})
         assert any("16 GPUs" in w for w in warnings)  # dp counts whole model copies
     with pytest.raises(UserError, match="--dp-size 'four' after `--` is not an integer"):
-        preflight("w4a8", new, ["--dp-size", "four"], {})
+        preflight("w4a8", new, [*MEGA, "--dp-size", "four"], {})
+
+
+def test_the_budget_default_and_the_old_mega_moe_variable_follow_the_release():
+    chunk = ["--moe-a2a-backend", "megamoe", "--chunked-prefill-size", "4096"]
+    preflight("w4a8", Stack("sglang", "0.5.18", "0.1.5"), chunk, {})  # 8192 from 0.5.18 (environ.py:1030)
+    with pytest.raises(UserError, match="needs 4096 tokens per rank but .* is 1024"):
+        preflight("w4a8", Stack("sglang", "0.5.17", "0.1.5"), chunk, {})  # 1024 until 0.5.17
+    env = {"SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE": "1"}  # read by 0.5.12-0.5.17 only
+    preflight("w4a8", Stack("sglang", "0.5.17", "0.1.5"), ["--chunked-prefill-size", "1024"], env)
+    with pytest.raises(UserError, match="mega-MoE path only"):
+        preflight("w4a8", Stack("sglang", "0.5.18", "0.1.5"), ["--chunked-prefill-size", "1024"], env)
+
+
+def test_vllm_w4a8_is_the_mega_moe_backend_and_another_backend_is_refused():
+    with pytest.raises(UserError, match="--moe-backend marlin` after `--` selects a vLLM MoE backend that is not"):
+        preflight("w4a8", Stack("vllm", "0.34.0"), ["--moe-backend", "marlin"], {})
+    _, _, warnings = preflight("w4a8", Stack("vllm", "0.34.0"), [],
+                               {"VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION": "1"})
+    assert any("recorded as not fused" in w for w in warnings)
 
 
 def test_a_w4a4_kernel_on_a_hopper_gpu_is_refused():
@@ -111,36 +141,58 @@ def test_a_w4a4_kernel_on_a_hopper_gpu_is_refused():
 
 # ---- after start: a given stand-in server per engine version ----
 
-def sglang_info(version: str, backend: str = "megamoe", w4a4_flag: bool | None = None) -> dict:
+def sglang_info(version: str, backend: str = "megamoe", w4a4_flag: bool | None = None, runner: str | None = None) -> dict:
     info = {"model_path": "/models/dsv4", "tp_size": 4, "version": version, "moe_a2a_backend": backend,
             "enable_deterministic_inference": True}
-    if w4a4_flag is not None:  # SGLang >= 0.5.20 reports its W4A4 switch
+    if w4a4_flag is not None:  # SGLang >= 0.5.19 reports its W4A4 switch
         info["enable_w4a4_mxfp4_megamoe"] = w4a4_flag
+    if runner is not None:  # the resolved runner backend (0.5.19+: flashinfer_mxfp4 for DeepSeek-V4 without megamoe)
+        info["moe_runner_backend"] = runner
     return info
 
 
+def vllm_info(moe_backend: str = "deep_gemm_mega_moe", expert_parallel: bool = True, tp: int = 1, **env) -> dict:
+    """vLLM's dev-mode /server_info?config_format=json (vllm 0.34 entrypoints/serve/dev/server_info/api_router.py)."""
+    return {"vllm_config": {"kernel_config": {"moe_backend": moe_backend},
+                            "parallel_config": {"enable_expert_parallel": expert_parallel, "tensor_parallel_size": tp}},
+            "vllm_env": {"VLLM_BATCH_INVARIANT": True, **env}}
+
+
 @pytest.mark.parametrize("kernel, info, version, status", [
-    ("w4a8", sglang_info("0.5.14"), None, "unverifiable"),  # 0.5.14 does not report DG_* variables
-    ("w4a4", sglang_info("0.5.14"), None, "unverifiable"),
-    ("w4a4", sglang_info("0.5.14", backend="none"), None, "mega-MoE path that runs w4a4 is off"),
+    ("w4a8", sglang_info("0.5.14"), None, "unverified"),  # 0.5.14 does not report DG_* variables
+    ("w4a4", sglang_info("0.5.14"), None, "unverified"),
+    ("w4a4", sglang_info("0.5.14", backend="none"), None, "not on DeepGEMM's mega-MoE path"),
+    # 0.5.19 has the W4A4 switch and pins sgl-deep-gemm 0.1.7 (ties toward zero): it serves w4a4
+    ("w4a4", sglang_info("0.5.19", w4a4_flag=True), None, "verified"),
+    ("w4a4_te", sglang_info("0.5.19", w4a4_flag=True), None, "W4A4 MXFP4 kernel \\(w4a4\\), not w4a4_te"),
+    ("w4a8", sglang_info("0.5.19", w4a4_flag=False), None, "verified"),
+    ("w4a8", sglang_info("0.5.19", backend="none", w4a4_flag=False, runner="flashinfer_mxfp4"), None,
+     "moe_runner_backend='flashinfer_mxfp4'.* is not an evalgate recipe"),
     ("w4a8", sglang_info("0.5.23", w4a4_flag=False), None, "verified"),
     ("w4a4_te", sglang_info("0.5.23", w4a4_flag=True), None, "verified"),
     ("w4a8", sglang_info("0.5.23", w4a4_flag=True), None, "enable_w4a4_mxfp4_megamoe=true"),
     ("w4a4_te", sglang_info("0.5.23", w4a4_flag=False), None, "enable_w4a4_mxfp4_megamoe': False"),
-    ("w4a8", {}, "0.34.0", "verified"),
-    ("w4a4_packed", {}, "0.34.0", "runs DeepSeek-V4's MoE as W4A8 only"),
-    ("w4a8", {}, None, "unverifiable"),  # a server that says nothing about itself
+    ("w4a8", {}, "0.34.0", "unverified"),  # vLLM without dev mode: /version alone
+    ("w4a8", vllm_info(), "0.34.0", "verified"),
+    ("w4a8", vllm_info("auto"), "0.34.0", "moe_backend='auto'.*is not an evalgate recipe"),
+    ("w4a8", vllm_info(expert_parallel=False), "0.34.0", "enable_expert_parallel false"),
+    ("w4a4_packed", {}, "0.34.0", "no W4A4 kernel for DeepSeek-V4"),
+    ("w4a8", {}, None, "unverified"),  # a server that says nothing about itself
 ])
 def test_a_given_server_is_verified_or_refused_by_what_it_reports(kernel, info, version, status):
     with FakeServer(server_info=info) as server:
         server.version = version
-        if status in ("verified", "unverifiable"):
+        if status in ("verified", "unverified"):
             adapter = OpenAIAdapter(server.url, kernel, retries=0, deterministic=False)
             model = adapter.info()
             adapter.close()
             assert model["kernel_check"]["status"] == status and model["kernel_verified"] is (status == "verified")
-            if kernel == "w4a8" and info:
+            assert model["kernel_check"]["rests_on"] or not info and not version  # the fields it rests on
+            if kernel == "w4a8" and info and "vllm_config" not in info:
                 assert model["served_numerics"] == "w4a8_sglang"  # SGLang's own FP8 pre-dispatch
+            if "vllm_config" in info:  # the JSON form was asked for; the host inventory is not kept
+                assert isinstance(model["server_reported"]["server_info"]["vllm_config"], dict)
+                assert model["serving_identity"]["shared_expert_fusion"] == "fused"  # TP 1
         else:
             with pytest.raises(UserError, match=f"contradicts --kernel {kernel}: .*{status}"):
                 OpenAIAdapter(server.url, kernel, retries=0, deterministic=False)
@@ -148,12 +200,14 @@ def test_a_given_server_is_verified_or_refused_by_what_it_reports(kernel, info, 
 
 def test_serving_identity_names_fusion_and_routed_scaling():
     with FakeServer(server_info=sglang_info("0.5.23", w4a4_flag=False)) as new, \
+            FakeServer(server_info=sglang_info("0.5.21", w4a4_flag=False)) as mid, \
             FakeServer(server_info=sglang_info("0.5.14")) as old:
         fused = OpenAIAdapter(new.url, "w4a8", retries=0).info()["kernel_check"]["serving_identity"]
-        unfused = OpenAIAdapter(old.url, "w4a8", retries=0).info()["kernel_check"]["serving_identity"]
+        unfused = [OpenAIAdapter(s.url, "w4a8", retries=0).info()["kernel_check"]["serving_identity"] for s in (mid, old)]
     assert fused["shared_expert_fusion"].startswith("fused") and fused["routed_scaling"] == "before the kernel"
-    assert unfused == {"served_numerics": "w4a8_sglang", "routed_scaling": "after the kernel",
-                       "shared_expert_fusion": "not fused"}
+    # 0.5.20-0.5.21 never fuse and scale after the kernel (mega_moe.py:414-415 of 0.5.21): fusion starts in 0.5.22
+    assert unfused == [{"served_numerics": "w4a8_sglang", "routed_scaling": "after the kernel",
+                        "shared_expert_fusion": "not fused"}] * 2
 
 
 def test_a_given_server_warming_up_is_waited_for(capsys):
@@ -187,8 +241,8 @@ def launch(tmp_path, kernel: str, engine: str = "sglang", args=tuple(MEGA), **ve
 
 @pytest.mark.parametrize("kernel, versions, message", [
     ("w4a4_packed", {"sglang": "0.5.14", "deep_gemm": "0.1.3"}, "no released sgl-deep-gemm contains the packed kernel"),
-    ("w4a4", {"sglang": "0.5.23", "deep_gemm": "0.2.5"}, "raises RuntimeError on DG_USE_FP4_ACTS"),
-    ("w4a4_te", {"sglang": "0.5.14", "deep_gemm": "0.1.3"}, "needs sgl-deep-gemm >= 0.2.0"),
+    ("w4a4", {"sglang": "0.5.23", "deep_gemm": "0.2.5"}, "rounds FP4 input ties to even"),
+    ("w4a4_te", {"sglang": "0.5.14", "deep_gemm": "0.1.3"}, "has no --enable-w4a4-mxfp4-megamoe"),
 ])
 def test_a_launch_the_installed_stack_cannot_run_is_refused_before_start(tmp_path, kernel, versions, message):
     with pytest.raises(UserError, match=message):
@@ -197,21 +251,23 @@ def test_a_launch_the_installed_stack_cannot_run_is_refused_before_start(tmp_pat
 
 
 def test_a_vllm_launch_of_a_w4a4_kernel_is_refused(tmp_path):
-    with pytest.raises(UserError, match="vLLM ignores every DG_\\* variable"):
+    with pytest.raises(UserError, match="vLLM has no W4A4 kernel for DeepSeek-V4"):
         launch(tmp_path, "w4a4_packed", engine="vllm", args=(), vllm="0.34.0")
 
 
 @pytest.mark.parametrize("kernel, versions, status", [
     ("w4a4_te", {"sglang": "0.5.23", "deep_gemm": "0.2.5"}, "verified"),
-    ("w4a4_packed", {"sglang": "0.5.14", "deep_gemm": "0.1.3", "packed": True}, "unverifiable"),
+    ("w4a4", {"sglang": "0.5.19", "deep_gemm": "0.1.7"}, "verified"),  # 0.5.19's switch: ties toward zero
+    ("w4a4_packed", {"sglang": "0.5.14", "deep_gemm": "0.1.3", "packed": True}, "unverified"),
 ])
 def test_a_launched_stand_in_is_verified_as_far_as_its_version_reports(tmp_path, kernel, versions, status):
     model = launch(tmp_path, kernel, args=(*MEGA, "--warmup-s", "0.5"), **versions)
     check, launched = model["kernel_check"], model["launch"]
     assert check["status"] == status and check["engine_version"] == versions["sglang"]
     assert launched["stack"]["sgl_deep_gemm"] == versions["deep_gemm"]
-    if kernel == "w4a4_te":
+    if kernel in ("w4a4_te", "w4a4"):
         assert "--enable-w4a4-mxfp4-megamoe" in launched["argv"] and "DG_USE_FP4_ACTS" not in launched["kernel_env"]
+        assert check["rests_on"]["/server_info enable_w4a4_mxfp4_megamoe"] is True
     else:
         assert launched["kernel_env"]["DG_MEGA_MOE_FP4"] == "1" and "launch.kernel_env" in check["why"]
 
@@ -225,17 +281,24 @@ def test_a_contradicted_server_kernel_gets_no_verdict_and_an_unverifiable_one_is
 
     base, cand = write_pair(tmp_path / "runs", n_gsm8k=60, n_humaneval=0)
     manifest = json.loads((cand / "manifest.json").read_text())
-    thresholds = policy(tmp_path)
-    for status, why in (("unverifiable", "SGLang before 0.5.20 selects the kernel from DG_* variables"),
+    thresholds = policy(tmp_path, rate=50.0)
+    for status, why in (("unverified", "SGLang before 0.5.19 selects W4A4 from DG_* variables"),
+                        ("unverifiable", "a run stored before the label was renamed"),
+                        ("verified", "/server_info reports moe_a2a_backend='megamoe'"),
                         ("contradicted", "/server_info reports enable_w4a4_mxfp4_megamoe=true")):
-        manifest["model"]["kernel_check"] = {"status": status, "why": why}
+        rests_on = {"/server_info moe_a2a_backend": "megamoe"}
+        manifest["model"]["kernel_check"] = {"status": status, "why": why, "rests_on": rests_on}
         (cand / "manifest.json").write_text(json.dumps(manifest))
         if status == "contradicted":
             with pytest.raises(NotComparable, match="contradicts its kernel .*enable_w4a4_mxfp4_megamoe=true"):
                 gate_runs(base, cand, thresholds, allow_uncalibrated=True)
         else:
             verdict = gate_runs(base, cand, thresholds, allow_uncalibrated=True)
-            assert f"server kernel not verified: {why}" in verdict.notes
+            if status == "verified":  # the verdict names the reported fields the label rests on
+                assert "server kernel verified from /server_info moe_a2a_backend='megamoe'" in verdict.notes
+                assert not any("unverified" in n for n in verdict.notes)
+            else:
+                assert f"server kernel unverified: {why}" in verdict.notes
 
 
 def test_runs_served_with_and_without_the_fused_shared_expert_are_not_comparable(tmp_path):

@@ -240,7 +240,8 @@ def _free_port() -> int:
 
 def _start_fake(port: int, *args) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, str(HERE / "fake_server.py"), "--model-path", "/models/fake-model",
-                             "--port", str(port), *args], stdout=subprocess.DEVNULL)
+                             "--port", str(port), "--moe-a2a-backend", "megamoe", "--chunked-prefill-size", "1024",
+                             *args], stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:

@@ -99,7 +99,7 @@ def test_a_gate_fails_a_run_whose_witness_failed(tmp_path):
                    "summary": "deepgemm/fp8_block128 conforms to fp8_block128", "calc_diff": 2e-5, "limit": 1.2e-4}
     manifest["kernel"]["conformance"] = joined(conformance, _witness("deepgemm/fp8_block128", [[CUBLAS]]))
     (cand / "manifest.json").write_text(json.dumps(manifest))
-    v = gate_runs(base, cand, policy(tmp_path, margin=5.0), allow_uncalibrated=True)
+    v = gate_runs(base, cand, policy(tmp_path, margin=5.0, rate=50.0), allow_uncalibrated=True)
     assert (v.verdict, v.exit_code) == ("FAIL", 1) and "execution witness FAILED" in v.conformance["summary"]
 
 

@@ -206,8 +206,11 @@ def with_conformance(verdict: Verdict, candidate: Run) -> Verdict:
     served = candidate.manifest.get("model", {}).get("kernel_check") or {}
     if served.get("status") == "contradicted":
         raise NotComparable(f"cannot decide: the candidate's server contradicts its kernel ({served.get('why')})")
-    if served.get("status") == "unverifiable":
-        verdict = replace(verdict, notes=[*verdict.notes, f"server kernel not verified: {served.get('why')}"])
+    if served.get("status") in ("unverified", "unverifiable"):  # "unverifiable": runs stored before the rename
+        verdict = replace(verdict, notes=[*verdict.notes, f"server kernel unverified: {served.get('why')}"])
+    elif served.get("status") == "verified" and served.get("rests_on"):  # the fields the label rests on
+        fields = ", ".join(f"{k}={v!r}" for k, v in served["rests_on"].items())
+        verdict = replace(verdict, notes=[*verdict.notes, f"server kernel verified from {fields}"])
     conformance = candidate.manifest.get("kernel", {}).get("conformance")
     if conformance is None:
         return replace(verdict, notes=[*verdict.notes, CONFORMANCE_UNCHECKED])
