@@ -11,7 +11,7 @@ with canonical matmuls, SiLU and slot sums (``canonical_bf16_experts``), so that
 import torch
 from transformers.integrations.moe import grouped_mm_experts_forward
 
-from . import canonical
+from . import canonical, names
 from .registry import Kernel, register_kernel
 
 
@@ -71,7 +71,7 @@ def canonical_bf16_experts(self, hidden_states, top_k_index, top_k_weights):
 
 BF16 = register_kernel(
     Kernel(
-        name="bf16",
+        name=names.BF16,
         version="transformers-grouped_mm",
         description="BF16 weights and activations, no quantization (the reference)",
         experts_forward=bf16_experts_forward,

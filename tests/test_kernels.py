@@ -302,16 +302,16 @@ def test_bf16_kernel_skips_empty_slots():
     assert torch.equal(f(module, x, with_sentinel, w), f(module, x, idx[:, :-1], w[:, :-1]))
 
 
-def test_the_torch_free_name_list_is_what_the_catalogs_register():
-    # the command line checks --kernel against evalgate.kernels.names before loading torch; a kernel added to a
-    # catalog but not to the names (or a name left after its kernel is gone) would be refused or crash later
+def test_the_catalogs_register_the_torch_free_declarations_and_nothing_else():
+    # the command line checks --kernel against evalgate.kernels.names before loading torch, and the catalogs
+    # build every kernel from its declaration there: what is registered is what the command line accepts
     import subprocess
     import sys
 
     from evalgate.kernels.names import ALL, listed_names
     from evalgate.kernels.registry import KERNELS
 
-    assert set(K.KERNELS) == set(KERNELS) == ALL
+    assert set(K.KERNELS) == set(KERNELS) == ALL  # no kernel of another package until it is chosen
     assert set(listed_names()) == {n for n in ALL if not (KERNELS[n].faulty and KERNELS[n].real)}
     probe = ("import sys; import evalgate.kernels.names, evalgate.cli.options as o; "
              "o.KERNEL.convert('w4a4_packed', None, None); print('torch' in sys.modules)")

@@ -1,4 +1,5 @@
-"""The real kernels evalgate can run in-process, registered beside the emulated ones (docs/kernels.md#real-kernels).
+"""The real kernels evalgate can run in-process, registered beside the emulated ones from their declarations in
+names.py (docs/kernels.md#real-kernels).
 
 Each is named after its library, names the emulated recipe it must compute (`implements`), carries the
 tolerance measured against that recipe on the hardware, and records its library's identity with its
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import names
 from ..checkpoint import prepare_fp4_model
 from ..fp8_moe import Fp8Recipe, convert_fp4_weights, fp8_moe_forward
 from ..registry import Kernel, register_kernel
@@ -18,7 +20,7 @@ from .deepgemm_sm90 import DEEPGEMM_SM90, deepgemm_gemm
 from .fallback import fallback_gemm
 from .faults import DESCRIPTIONS, FAULTS
 from .library import RealLibrary
-from .sm100_mega_moe import SGL_DEEP_GEMM, mega_moe_forward
+from .sm100_mega_moe import MMA_TYPES, SGL_DEEP_GEMM, mega_moe_forward
 from .torch_grouped import TORCH_SCALED_GROUPED_MM, scaled_grouped_gemm
 
 # Four times the worst measured on one H200 (docs/kernels.md#real-kernels): one DSV4-Flash layer, 512
@@ -58,36 +60,46 @@ def _prepare(library: RealLibrary):
 
 
 def _real(name: str, implements: str, layout: str, gemm, library: RealLibrary, tolerance: Tolerance,
-          description: str) -> None:
+          description: str, faults: tuple[str, ...]) -> None:
     recipe = Fp8Recipe(layout)
     common = dict(recipe=recipe.as_dict(), implements=implements, library=library, tolerance=tolerance,
                   prepare_model=_prepare(library))
     register_kernel(Kernel(name=name, version=library.name, description=description,
                            experts_forward=real_forward(recipe, gemm), **common))
-    for suffix, fault in FAULTS.items():
+    for suffix in faults:
+        if suffix == names.FALLBACK:  # the execution witness's test double (kernels/witness.py)
+            register_kernel(Kernel(name=f"faulty/{name}-{suffix}", version=f"{library.name}, fault-injected",
+                                   description=f"{name} that silently computes its GEMMs with torch.mm instead",
+                                   experts_forward=real_forward(recipe, fallback_gemm), faulty=True, twin=name,
+                                   **common))
+            continue
         register_kernel(Kernel(name=f"faulty/{name}-{suffix}", version=f"{library.name}, fault-injected",
                                description=f"{name} with {DESCRIPTIONS[suffix]}",
-                               experts_forward=real_forward(recipe, gemm, fault), faulty=True, twin=name, **common))
-    if name == "deepgemm/fp8_block128":  # the execution witness's test double (kernels/witness.py)
-        register_kernel(Kernel(name=f"faulty/{name}-fallback", version=f"{library.name}, fault-injected",
-                               description=f"{name} that silently computes its GEMMs with torch.mm instead",
-                               experts_forward=real_forward(recipe, fallback_gemm), faulty=True, twin=name, **common))
+                               experts_forward=real_forward(recipe, gemm, FAULTS[suffix]), faulty=True, twin=name,
+                               **common))
 
 
-_real("deepgemm/fp8_block128", "fp8_block128", "block128", deepgemm_gemm, DEEPGEMM_SM90, DEEPGEMM_TOLERANCE,
-      "DeepGEMM m-grouped contiguous FP8 GEMMs (1x128 activations, 128x128 weight blocks) around SwiGLU, SM90")
-_real("torch/fp8_rowwise", "fp8_rowwise", "rowwise", scaled_grouped_gemm, TORCH_SCALED_GROUPED_MM, ROWWISE_TOLERANCE,
-      "torch._scaled_grouped_mm FP8 rowwise GEMMs around SwiGLU, SM90")
-
-
+# What runs each real kernel that names.REAL_KERNELS declares: SM90 (layout, GEMM, library, tolerance), SM100 mma
+SM90 = {"deepgemm/fp8_block128": ("block128", deepgemm_gemm, DEEPGEMM_SM90, DEEPGEMM_TOLERANCE),
+        "torch/fp8_rowwise": ("rowwise", scaled_grouped_gemm, TORCH_SCALED_GROUPED_MM, ROWWISE_TOLERANCE)}
 # SM100 (B200): the seed's mega-MoE kernels through sgl-deep-gemm's API, run here only against the stand-in of
 # tests/standin_deep_gemm.py. W4A4's FP4 x FP4 sums are exact: bit-identity. W4A8 is not measured on SM100:
 # it carries the SM90 FP8 kernel's limits until a B200 measures its own.
-for _name, _recipe, _tolerance, _what in (
-        ("sgl-deep-gemm/w4a8", "w4a8", DEEPGEMM_TOLERANCE, "fp8_fp4_mega_moe, mma_type=fp8xfp4 (W4A8)"),
-        ("sgl-deep-gemm/w4a4", "w4a4_te", None, "fp8_fp4_mega_moe, mma_type=mxf4xmxf4 (W4A4, input ties to even)")):
+SM100_TOLERANCE = {"w4a8": DEEPGEMM_TOLERANCE, "w4a4_te": None}
+
+
+def _sm100(k: names.Real) -> None:
+    mma_type = MMA_TYPES[k.implements]
+    what = k.description.removeprefix("sgl-deep-gemm ").removesuffix(", SM100")
     register_kernel(Kernel(
-        name=_name, version=SGL_DEEP_GEMM.name, description=f"sgl-deep-gemm {_what}, SM100",
-        experts_forward=mega_moe_forward(_recipe), recipe={"implements": _recipe, "mma_type": _what},
-        implements=_recipe, library=SGL_DEEP_GEMM, tolerance=_tolerance, prepare_model=_prepare(SGL_DEEP_GEMM),
-        api={"mma_type": _what.split("mma_type=")[1].split(" ")[0]}))
+        name=k.name, version=SGL_DEEP_GEMM.name, description=k.description,
+        experts_forward=mega_moe_forward(k.implements), recipe={"implements": k.implements, "mma_type": what},
+        implements=k.implements, library=SGL_DEEP_GEMM, tolerance=SM100_TOLERANCE[k.implements],
+        prepare_model=_prepare(SGL_DEEP_GEMM), api={"mma_type": mma_type}))
+
+
+for _k in names.REAL_KERNELS:
+    if _k.name in SM90:
+        _real(_k.name, _k.implements, *SM90[_k.name], _k.description, _k.faults)
+    else:
+        _sm100(_k)
