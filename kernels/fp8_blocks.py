@@ -20,10 +20,16 @@ def scale_grid(shape) -> tuple[int, int]:
     return -(-n // BLOCK), -(-k // BLOCK)
 
 
+def scale_values(scale: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """UE8M0 bytes as the powers of two they stand for, 2^(byte - 127), built from the bits (exact; every one
+    of them is an FP32 value too, 2^-127 a subnormal)."""
+    byte = scale.view(torch.uint8).to(torch.int64)
+    return ((byte - 127 + 1023) << 52).view(torch.float64).to(dtype)
+
+
 def _expand(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The per-block scales as float64 powers of two, repeated over each block's elements: [n, k]."""
-    byte = scale.view(torch.uint8).to(torch.int64)
-    s = ((byte - 127 + 1023) << 52).view(torch.float64)  # 2^(byte - 127), from the bits: exact
+    s = scale_values(scale)
     return s.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
 
 

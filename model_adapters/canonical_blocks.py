@@ -7,16 +7,31 @@ from __future__ import annotations
 import torch
 
 from evalgate.kernels import canonical
-from evalgate.kernels.canonical import fixed_matmul, fixed_operand
+from evalgate.kernels.canonical import FixedOperand, fixed_matmul, fixed_operand
+from evalgate.model_adapters.fp8_linear import is_fp8, weight_sources
+
+
+def weight_operand(owner, name: str, linears, build) -> FixedOperand:
+    """The fixed-point operand ``build`` makes of the weights of ``linears`` (a tuple of modules), cached on
+    ``owner`` and keyed on the tensors the weights are made of (an FP8 linear's codes and scales: its
+    ``weight`` is dequantized when read, exactly, so the grid is built once from the same values a BF16
+    load holds). Only the grid's values are kept: a weight operand is never cut or joined."""
+    sources = tuple(t for m in linears for t in weight_sources(m))
+
+    def lean(_):
+        operand = build(tuple(m.weight for m in linears))
+        return FixedOperand(None, operand.scale, operand.mode, operand.values)
+
+    return canonical.cached_operand(owner, name, sources, lean)
 
 
 def fused_linear(owner, name: str, x, linears):
     """Several bias-free linear layers of one input as one canonical matmul: a column's grid is its own, so
     the outputs are those of the separate layers, bit for bit."""
-    weights = tuple(m.weight for m in linears)
-    b = canonical.cached_operand(owner, name, weights, lambda ws: fixed_operand(torch.cat(ws).t(), "columns"))
+    b = weight_operand(owner, name, tuple(linears), lambda ws: fixed_operand(torch.cat(ws).t(), "columns"))
     out = fixed_matmul(x.reshape(-1, x.shape[-1]), b, x.dtype)
-    return [o.reshape(*x.shape[:-1], -1) for o in out.split([w.shape[0] for w in weights], dim=-1)]
+    rows = [m.weight_fp8.shape[0] if is_fp8(m) else m.weight.shape[0] for m in linears]
+    return [o.reshape(*x.shape[:-1], -1) for o in out.split(rows, dim=-1)]
 
 
 def attend(query, keys, values, mask, sinks, scaling):

@@ -38,6 +38,8 @@ from evalgate.kernels import canonical
 from evalgate.kernels.canonical import FixedOperand, fixed_matmul, fixed_operand, ordered_sum
 from evalgate.model_adapters.canonical_blocks import attend as _attend
 from evalgate.model_adapters.canonical_blocks import fused_linear as _fused_linear
+from evalgate.model_adapters.canonical_blocks import weight_operand as _weight_operand
+from evalgate.model_adapters.fp8_linear import is_fp8
 
 NUMERICS = canonical.VERSION
 ATTENTION = "evalgate_canonical"
@@ -48,13 +50,17 @@ QUERY_BLOCK = 128  # prefill attention: queries per block
 
 
 def linear_forward(self, x):
-    return canonical.linear(x, self.weight, self.bias, owner=self)
+    """``canonical.linear``, its weight's grid cached on the module (built once from an FP8 weight's codes)."""
+    b = _weight_operand(self, "linear", (self,), lambda ws: fixed_operand(ws[0].t(), "columns"))
+    dtype = torch.promote_types(x.dtype, self._evalgate_dtype if is_fp8(self) else self.weight.dtype)
+    out = fixed_matmul(x.reshape(-1, x.shape[-1]), b, dtype, self.bias)
+    return out.reshape(*x.shape[:-1], self.out_features)
 
 
 def grouped_linear_forward(self, x):
     input_shape, hidden_dim = x.shape[:-2], x.shape[-1]
-    w = canonical.cached_operand(self, "grouped", self.weight, lambda t: fixed_operand(
-        t.view(self.n_groups, -1, hidden_dim).transpose(1, 2), "columns"))
+    w = _weight_operand(self, "grouped", (self,), lambda ws: fixed_operand(
+        ws[0].view(self.n_groups, -1, hidden_dim).transpose(1, 2), "columns"))
     x = x.reshape(-1, self.n_groups, hidden_dim).transpose(0, 1)
     y = fixed_matmul(x, w, x.dtype).transpose(0, 1)
     return y.reshape(*input_shape, self.n_groups, -1)

@@ -16,6 +16,9 @@ at DeepSeek-V4-Flash width that is 12 GB of BF16 per layer. This loader never ma
    its device: expert codes and scales byte for byte into their expert's slice, other tensors under their
    transformers name (``conversion_mapping`` renamings) at the dtype ``hf.load_model`` gives them
    (``dense_dtype``), so the model is the same one, bit for bit, apart from the experts' storage.
+   FP8 dense linears (DeepSeek-V4-Flash as released: E4M3 with UE8M0 128 x 128 block scales) stay FP8 on a
+   GPU (``fp8_linear.keep_fp8``: their ``weight`` reads as the exact dequantization) and are dequantized once,
+   exactly, on a CPU, as transformers does. The MTP layer (``mtp.N.…``) is never read.
 4. **Dispatch** (``dispatch``, after any forward-pass patching): over several devices, accelerate's hooks move
    activations between the layers' devices; on CUDA each layer makes its device current (Triton launches
    on the current device).
@@ -35,7 +38,8 @@ import torch
 
 from evalgate.errors import UserError
 
-from .checkpoint_bytes import DTYPE_BYTES, StoredTensor, stored_tensors, unit_bytes, unit_of
+from .checkpoint_bytes import DTYPE_BYTES, StoredTensor, fp8_dense_keys, stored_tensors, unit_bytes, unit_of
+from .released_layout import check_layout
 from .placement import PREFIX, SUFFIX, Placement, Reserve, kv_bytes_per_token_layer, plan, parse_device_map
 
 EXPERT = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.ffn\.experts\.(?P<e>\d+)\.w(?P<w>[123])\.(?P<kind>weight|scale)$")
@@ -51,6 +55,7 @@ class LoadPlan:
     sizes: dict[str, int]
     placement: Placement
     load_dtype: str
+    keep_fp8: bool = False  # FP8 dense weights stay FP8 (every device a GPU)
 
 
 def default_reserve(config: dict, load_dtype: str, tokens: int = DEFAULT_TOKENS) -> Reserve:
@@ -108,13 +113,11 @@ def plan_load(path: str | Path, devices: list[tuple[str, int]], dtype: str | Non
     if load_dtype not in TORCH_DTYPES:
         raise UserError(f"load dtype {load_dtype!r}; choose one of {', '.join(TORCH_DTYPES)}")
     tensors = stored_tensors(path)
-    dense_fp8 = [t.key for t in tensors if t.dtype.startswith("F8_E4") and not EXPERT.match(t.key)]
-    if dense_fp8:
-        raise UserError(f"{str(path)!r}: dense FP8 weights ({dense_fp8[0]}, ...) are not supported by the streamed "
-                        "loader; re-export with evalgate's save_fp4_checkpoint (dense weights in BF16)")
-    sizes = unit_bytes(tensors, load_dtype)
+    check_layout(path, tensors)
+    keep_fp8 = all(name.startswith("cuda") for name, _ in devices)
+    sizes = unit_bytes(tensors, load_dtype, keep_fp8)
     reserve = reserve or default_reserve(config, load_dtype)
-    return LoadPlan(config, tensors, sizes, plan(sizes, devices, reserve), load_dtype)
+    return LoadPlan(config, tensors, sizes, plan(sizes, devices, reserve), load_dtype, keep_fp8)
 
 
 # --- the skeleton -----------------------------------------------------------------------------------
@@ -202,6 +205,22 @@ def _set_tensor(model, key: str, value: torch.Tensor) -> None:
         raise KeyError(key)
 
 
+def _set_fp8(model, key: str, codes: torch.Tensor, scale: torch.Tensor, device, dtype: torch.dtype,
+             keep: bool) -> None:
+    """An FP8 dense weight: kept FP8 with its block scales (``fp8_linear.keep_fp8``), or dequantized exactly to
+    ``dtype`` (transformers' CPU load)."""
+    from evalgate.kernels.fp8_blocks import dequantize
+    from evalgate.model_adapters.fp8_linear import keep_fp8
+
+    module_name, _, name = key.rpartition(".")
+    if name != "weight":
+        raise UserError(f"FP8 tensor for {key!r}: only linear weights are stored in FP8")
+    if keep:
+        keep_fp8(model.get_submodule(module_name), codes.to(device), scale.to(device), dtype)
+    else:
+        _set_tensor(model, key, dequantize(codes, scale, dtype).to(device))
+
+
 def _unit_modules(model) -> dict[str, list[str]]:
     """placement unit -> the model's modules it covers (accelerate's device map keys)."""
     layers = model.model.layers
@@ -224,12 +243,16 @@ def stream_load(path: str | Path, kernel_name: str, load_plan: LoadPlan):
     for layer, module in experts.items():
         pack_experts(module, units[f"layer.{layer}"])
     names = NameMap(model)
+    fp8 = fp8_dense_keys(load_plan.tensors)
     loaded: set[str] = set()
     filled: dict[int, int] = {}
     for shard in sorted({t.shard for t in load_plan.tensors}):
         with safe_open(path / shard, "pt", device="cpu") as f:
             for key in f.keys():
-                device = units[unit_of(key)]
+                unit = unit_of(key)
+                if unit is None or (key in fp8 and key.endswith(".scale")):
+                    continue  # the MTP layer is never read; a block scale is read with its weight
+                device = units[unit]
                 m = EXPERT.match(key)
                 if m:
                     _copy_expert(experts, m, f.get_tensor(key), device)
@@ -240,7 +263,12 @@ def stream_load(path: str | Path, kernel_name: str, load_plan: LoadPlan):
                     raise UserError(f"{str(path / shard)!r}: tensor {key!r} has no place in a {type(model).__name__} "
                                     "with this config.json; the checkpoint does not match its config")
                 t = f.get_tensor(key)
-                _set_tensor(model, model_key, t.to(device=device, dtype=names.dense_dtype(model_key, as_stored, t.dtype, load)))
+                if key in fp8:
+                    _set_fp8(model, model_key, t, f.get_tensor(key[: -len("weight")] + "scale"), device,
+                             names.meta[model_key].dtype, load_plan.keep_fp8)
+                else:
+                    _set_tensor(model, model_key,
+                                t.to(device=device, dtype=names.dense_dtype(model_key, as_stored, t.dtype, load)))
                 loaded.add(model_key)
     for layer, module in experts.items():
         expected = 6 * module.gate_up_proj.shape[0]  # w1, w2, w3 and their scales per expert

@@ -55,7 +55,7 @@ CONFIG = {"model_type": "deepseek_v4", "torch_dtype": "bfloat16", "hidden_size":
 def _small(layers=4, experts=4):
     from dsv4_flash_fullwidth import flash_config
 
-    return flash_config(layers=layers, experts=experts, scale=1 / 32, vocab=512)
+    return flash_config(layers=layers, experts=experts, scale=1 / 32, vocab=4096)
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +121,162 @@ def test_written_header_is_what_the_specs_say(released):
     index = json.loads((released / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == sum(t[4] for t in written)
     assert set(index["weight_map"]) == {t[0] for t in written}
+
+
+# --- loading it as released -------------------------------------------------------------------------
+
+
+def _mislay(src: Path, dst: Path, key: str, change) -> Path:
+    """A copy of checkpoint ``src`` whose shard holding ``key`` has ``change(tensors)`` applied."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    shard = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"][key]
+    tensors = load_file(dst / shard)
+    change(tensors)
+    save_file(tensors, dst / shard, metadata={"format": "pt"})
+    return dst
+
+
+MISLAID = {
+    "missing scale": ("layers.2.attn.wq_a.weight", lambda t: t.pop("layers.2.attn.wq_a.scale"),
+                      "layers.2.attn.wq_a.weight is FP8 but has no layers.2.attn.wq_a.scale"),
+    "BF16 where FP8 is declared": (
+        "layers.1.ffn.shared_experts.w2.weight",
+        lambda t: (t.pop("layers.1.ffn.shared_experts.w2.scale"),
+                   t.update({"layers.1.ffn.shared_experts.w2.weight": torch.zeros(128, 64, dtype=torch.bfloat16)})),
+        "layers.1.ffn.shared_experts.w2.weight is BF16 but config.json declares FP8 dense linears"),
+    "wrong block grid": ("layers.0.attn.wq_b.weight",
+                         lambda t: t.update({"layers.0.attn.wq_b.scale": t["layers.0.attn.wq_b.scale"][:2].clone()}),
+                         "layers.0.attn.wq_b.scale has shape [2, 1] for a weight of [512, 32]; expected [4, 1]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISLAID))
+def test_a_mislaid_checkpoint_is_refused_naming_the_tensor(case, released, tmp_path):
+    from evalgate.model_adapters.released_layout import check_layout
+
+    key, change, message = MISLAID[case]
+    bad = _mislay(released, tmp_path / "bad", key, change)
+    with pytest.raises(UserError) as exc:
+        check_layout(bad)
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+    check_layout(released)  # the released layout itself passes
+
+
+def test_streamed_load_equals_transformers_load_and_never_reads_the_mtp_layer(released, monkeypatch):
+    import safetensors
+
+    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.streamed import load_streamed
+
+    reference, _ = load_model(released, "w4a8", numerics="native")
+    read = []
+    real = safetensors.safe_open
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            self.f = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.f.get_tensor(key)
+
+    monkeypatch.setattr(safetensors, "safe_open", Spy)
+    streamed = load_streamed(released, "w4a8", "cpu")
+    assert read and not [k for k in read if k.startswith("mtp.")]
+    ours, theirs = dict(streamed.named_parameters()), dict(reference.named_parameters())
+    for name, p in theirs.items():
+        if ".experts." not in name:
+            assert p.dtype == ours[name].dtype and torch.equal(p, ours[name]), name
+    assert ours["model.layers.0.self_attn.sinks"].dtype == torch.float32
+    assert ours["model.layers.0.self_attn.q_a_proj.weight"].dtype == torch.bfloat16  # dequantized on a CPU
+
+
+def test_resident_bytes_count_fp8_as_kept_and_leave_out_the_mtp_layer(released):
+    from evalgate.model_adapters.checkpoint_bytes import mtp_bytes, stored_tensors, unit_bytes
+
+    tensors = stored_tensors(released)
+    on_gpu, on_cpu = unit_bytes(tensors, keep_fp8=True), unit_bytes(tensors, keep_fp8=False)
+    stored = sum(t.nbytes for t in tensors)
+    assert mtp_bytes(tensors) > 0 and sum(on_gpu.values()) == stored - mtp_bytes(tensors)  # all as stored
+    fp8 = [t for t in tensors if t.dtype == "F8_E4M3" and not t.key.startswith("mtp.")]
+    scales = sum(t.nbytes for t in tensors if t.key in {f.key[:-6] + "scale" for f in fp8})
+    weights = sum(t.nbytes for t in fp8)
+    assert sum(on_cpu.values()) - sum(on_gpu.values()) == weights - scales  # BF16: twice an FP8 weight, no scale
+    assert set(on_gpu) == {"prefix", "suffix", "layer.0", "layer.1", "layer.2", "layer.3"}
+
+
+def test_fp8_kept_gives_the_dequantized_models_bits_canonical_and_native(released):
+    """Kept FP8 (as on a GPU) or dequantized at load (as on a CPU), the model computes the same bits in either
+    numerics; canonical numerics do not depend on the batch."""
+    from dataclasses import replace
+
+    from evalgate.model_adapters import invariant
+    from evalgate.model_adapters.fp8_linear import is_fp8
+    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.streamed import plan_load, stream_load
+
+    dequantized, tok = load_model(released, "w4a8", numerics="native")
+    kept = stream_load(released, "w4a8", replace(plan_load(released, [("cpu", 64 << 30)]), keep_fp8=True))
+    assert is_fp8(kept.model.layers[2].self_attn.q_b_proj) and is_fp8(kept.model.layers[0].mlp.shared_experts.up_proj)
+    assert kept.model.layers[0].self_attn.q_b_proj.weight_fp8.dtype == torch.float8_e4m3fn
+    ids = torch.tensor([tok("Natalia sold clips to 48 of her friends in April")["input_ids"]] * 3)
+    with torch.inference_mode():
+        assert torch.equal(dequantized(ids).logits, kept(ids).logits)
+        for model in (dequantized, kept):
+            invariant.install(model)
+        batch = kept(ids).logits
+        assert torch.equal(dequantized(ids).logits, batch)
+        assert torch.equal(kept(ids[:1]).logits[0], batch[2])
+
+
+# --- the done-when: `evalgate run` on it, gated against itself -------------------------------------------
+
+
+def _evalgate(args, env, cwd):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "evalgate", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_released_layout_runs_and_gates_against_itself(released, cli_env, tmp_path):
+    """`evalgate run` loads the released layout on the CPU (FP8 dense linears dequantized, MTP not read); the
+    same kernel at batch 1 and at batch 6 gives the same tokens for every item, so the gate PASSes with 0
+    flips; a mis-laid copy is refused in one line naming the tensor, exit 2."""
+    from gate_helpers import policy
+
+    common = ["run", "--model", str(released), "--kernel", "w4a8", "--tasks", "gsm8k", "--limit", "6",
+              "--max-new-tokens", "6"]
+    for name, batch in (("a", "6"), ("b", "1")):
+        proc = _evalgate(common + ["--batch-size", batch, "--out", str(tmp_path / name)], cli_env, tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    tokens = [sorted((r["doc_id"], r["resps"]) for r in map(json.loads, (tmp_path / n / "gsm8k.jsonl").read_text()
+                                                              .splitlines())) for n in "ab"]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["model"]["numerics"] == "canonical-v1"
+    gate = _evalgate(["gate", "--candidate", str(tmp_path / "b"), "--baseline", str(tmp_path / "a"),
+                      "--allow-uncalibrated", "--thresholds", str(policy(tmp_path))], cli_env, tmp_path)
+    assert gate.returncode == 0, gate.stdout[-3000:] + gate.stderr[-3000:]
+    assert "verdict: PASS" in gate.stdout and "gsm8k: 0 lost, 0 gained" in gate.stdout
+
+    key, change, message = MISLAID["BF16 where FP8 is declared"]
+    bad = _mislay(released, tmp_path / "bad", key, change)
+    proc = _evalgate(["run", "--model", str(bad), "--kernel", "w4a8", "--tasks", "gsm8k", "--limit", "1",
+                      "--out", str(tmp_path / "c")], cli_env, tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
