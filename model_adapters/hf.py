@@ -58,6 +58,9 @@ def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: s
     from evalgate.kernels.checkpoint import dequantizing_config, is_fp4_checkpoint
 
     if is_fp4_checkpoint(d):  # load on the CPU, dequantized, whatever GPU is present; codes re-attached below
+        from evalgate.model_adapters.released_layout import check_layout
+
+        check_layout(d)  # a mis-laid FP8 dense weight is refused here, in one line, not deep in transformers
         kwargs["quantization_config"] = dequantizing_config(d)
     try:
         tokenizer = AutoTokenizer.from_pretrained(d)
