@@ -101,6 +101,9 @@ class KernelSpec:
     capability: Capability = field(default_factory=Capability)
     tolerance: Tolerance | None = None  # None: bit-identical to the recipe
     prepare_model: str | None = None  # "package.module:function"(model, checkpoint_dir); default evalgate's FP4 codes
+    # the execution witness on a GPU (docs/gate.md#execution-witness): a regular expression over the CUDA kernel
+    # names that must run in every MoE layer call, and no other GEMM; None: what ran is recorded, not held
+    gemm_symbols: str | None = None
 
     def checked(self, origin: str) -> "KernelSpec":
         """This declaration with its recipe typed; ValueError naming what is wrong (``origin`` says where it
@@ -116,6 +119,14 @@ class KernelSpec:
             raise ValueError(f"{owner} declares capability {self.capability!r}; expected evalgate.kernels.contract.Capability")
         if self.tolerance is not None and not isinstance(self.tolerance, Tolerance):
             raise ValueError(f"{owner} declares tolerance {self.tolerance!r}; expected evalgate.kernels.tolerance.Tolerance")
+        if self.gemm_symbols is not None:
+            import re
+
+            try:
+                re.compile(self.gemm_symbols)
+            except (re.error, TypeError) as exc:
+                raise ValueError(f"{owner} declares gemm_symbols={self.gemm_symbols!r}, not a regular expression "
+                                 f"({exc})") from None
         if isinstance(self.recipe, Recipe) and self.recipe.fault is not None:
             raise ValueError(f"{owner} declares recipe fault={self.recipe.fault!r}; a fault is not a recipe")
         from dataclasses import replace

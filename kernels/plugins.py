@@ -138,9 +138,10 @@ class PluginLibrary:
     (it can run here; its identity for the run's manifest)."""
 
     name: str  # the kernel's origin, in words
-    module: str  # the module its experts function lives in
+    module: str  # the library it calls (capability.module), else the module its experts function lives in
     capability: Capability
     kernel_version: str
+    gemm_symbols: str | None = None  # what the execution witness holds it to on a GPU (kernels/witness.py)
 
     def missing(self) -> str | None:
         return self.capability.missing_library()
@@ -218,5 +219,6 @@ def plugin_kernel(name: str):
     return Kernel(
         name=name, version=version, description=spec.description, experts_forward=forward,
         recipe=spec.recipe.as_dict(), implements=_reference(spec.recipe), tolerance=spec.tolerance,
-        library=PluginLibrary(origin(name), spec.forward.split(":")[0], spec.capability, version),
+        library=PluginLibrary(origin(name), spec.capability.module or spec.forward.split(":")[0], spec.capability,
+                              version, spec.gemm_symbols),
         prepare_model=_checked_prepare(name, spec.capability, prepare))

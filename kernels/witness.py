@@ -59,7 +59,8 @@ def expectation(kernel) -> Expectation:
 
     claimed = get_kernel(kernel.twin) if kernel.faulty and kernel.twin else kernel
     if claimed.real:
-        symbols = LIBRARY_GEMMS.get(claimed.library.module)
+        # a kernel of another package declares its GEMM symbols (KernelSpec.gemm_symbols, kernels/contract.py)
+        symbols = getattr(claimed.library, "gemm_symbols", None) or LIBRARY_GEMMS.get(claimed.library.module)
         if symbols is None:
             return Expectation(None, None, f"{claimed.library.name}'s GEMM symbols are not on file: recorded only")
         return Expectation(symbols, symbols, f"{claimed.library.name}'s kernels (/{symbols}/) in every MoE layer "

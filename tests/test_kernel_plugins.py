@@ -37,6 +37,10 @@ NEEDS_LIB = KernelSpec(name="broken/library", forward="goodplug.impl:exact", rec
 OLD_CLICK = KernelSpec(name="broken/version", forward="goodplug.impl:exact", recipe=W4A4, description="needs click 1",
                        capability=Capability(distribution="click", versions="<1"))
 BUILTIN = KernelSpec(name="w4a4_packed", forward="goodplug.impl:exact", recipe=W4A4, description="takes a built-in name")
+SYMBOLS = KernelSpec(name="good/gpu", forward="goodplug.impl:exact", recipe=W4A4, description="names its GEMM",
+                     gemm_symbols=r"my_fp4_moe_kernel")
+BAD_SYMBOLS = KernelSpec(name="broken/symbols", forward="goodplug.impl:exact", recipe=W4A4, description="d",
+                         gemm_symbols="my_kernel(")
 '''
 IMPLEMENTATION = '''
 from evalgate.kernels.emulator import experts_forward
@@ -98,6 +102,7 @@ def test_a_chosen_plugin_is_checked_before_torch_and_imported_only_as_declared(s
     ("goodplug.decl:BAD_RECIPE", "declares unknown recipe field 'tie_mode'"),
     ("goodplug.decl:MISSING", "module 'goodplug.decl' has no 'MISSING'"),
     ("goodplug.decl:BUILTIN", "a package may not replace a built-in kernel"),
+    ("goodplug.decl:BAD_SYMBOLS", "declares gemm_symbols='my_kernel(', not a regular expression"),
 ])
 def test_a_broken_plugin_is_refused_in_one_line_before_torch(site, tmp_path, kernel, says):
     proc, loaded = _cli(["gate", "--kernel", kernel], site, tmp_path)
@@ -151,6 +156,15 @@ def test_a_plugin_is_held_to_its_recipe_and_cannot_be_its_own_reference(tiny_loa
     assert c.implementation["library"] == "named directly" and c.implementation["module"] == "goodplug.impl"
     wrong = model_conformance(model, "goodplug.decl:TIES", prompts)
     assert wrong.checked and not wrong.ok and wrong.failed_experts > 0
+
+
+def test_the_execution_witness_holds_a_plugin_to_the_symbols_it_declares(direct_plugins):
+    from evalgate.kernels import get_kernel
+    from evalgate.kernels.witness import expectation
+
+    declared = expectation(get_kernel("goodplug.decl:SYMBOLS"))
+    assert declared.required == declared.allowed == "my_fp4_moe_kernel"
+    assert expectation(get_kernel("goodplug.decl:GOOD")).required is None  # none declared: recorded only
 
 
 def test_a_recipe_no_builtin_computes_gets_evalgates_emulation_as_reference(site, monkeypatch, tmp_path):

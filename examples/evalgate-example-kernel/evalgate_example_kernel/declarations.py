@@ -32,6 +32,7 @@ B200 = KernelSpec(
     version="evalgate-example-kernel 0.1.0, sgl-deep-gemm packed FP4 path",
     capability=Capability(devices=("cuda",), arches=(10,), module="deep_gemm", distribution="sgl-deep-gemm",
                           versions=">=0.1.7"),
+    gemm_symbols=r"sm100_fp4_mega_moe",  # the packed kernel must run in every MoE layer call, and no other GEMM
 )
 
 # A fault a port of the kernel could carry: the input quantizer of sgl-deep-gemm >= 0.2.0 (ties to even)
