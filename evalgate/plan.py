@@ -85,6 +85,18 @@ def stored_baselines(spec: RunSpec, kernel: str, root: Path | None = None,
     return find_baselines(local_fingerprint(spec.model), planned_profile_ids(spec), kernel, root, packaged)
 
 
+def missing_stored_baselines(spec: RunSpec, loaded: Mapping[str, LoadedTask], kernel: str,
+                             root: str | Path | None) -> None:
+    """Raise the gate's own refusal when a local model's run would find no stored ``kernel`` baseline for a
+    task: asked before the run's heavy imports (the plan asks again, and is what decides)."""
+    root = Path(root) if root else None
+    found = find_baselines(local_fingerprint(spec.model), {t: lt.profile_id for t, lt in loaded.items()}, kernel,
+                           root)
+    missing = [t for t, path in found.items() if path is None]
+    if missing:
+        raise _missing_baseline(spec, missing, kernel, root, False)
+
+
 def _shaping_flags(spec: RunSpec, root: Path | None) -> str:
     """The calibrate flags that give the baseline this gate's profile ids (tasks, profiles, limit, token
     limit, data) and put it where this gate looks."""

@@ -184,6 +184,10 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     policy = checked_policy(policy, {t: lt.resolved.profile.name for t, lt in loaded.items()})
     preflight.free_space(run_out, preflight.run_bytes(sum(len(t.items) for t in loaded.values()), spec.samples),
                          "--out")
+    if not (served or baselines):  # a missing baseline is told before torch and the statistics load
+        from evalgate.plan import missing_stored_baselines
+
+        missing_stored_baselines(spec, loaded, baseline_kernel, baselines_root)
     with preflight.run_lock(run_out):
         prepare_ahead(loaded)  # the executor self-test runs beside the imports and the model's load
 

@@ -168,11 +168,6 @@ class GSM8K:
     def load(self, profile: Profile, data_dir: Path | None, limit: int | None, dataset: dict | None = None):
         split = profile.settings.get("split", "test")
         shots_from_train = profile.settings.get("shot_split") == "train"
-        if profile.settings.get("items") is not None and dataset is not None:  # its items are GSM8K's, by index
-            raise UserError(f"--dataset gsm8k={dataset.get('source')}: profile {profile.name!r} scores a fixed "
-                            f"subset of GSM8K's own {split} items (the canary's), not a dataset's; score your "
-                            "dataset with --profile gsm8k=gsm8k-cot-8shot (its shots are fixed: a test split is "
-                            "enough)")
         data = task_data([split] + (["train"] if shots_from_train else []), data_dir, dataset)
         main = data.split(split)
         rows = main.rows
@@ -180,7 +175,15 @@ class GSM8K:
         if subset is not None:  # a named subset of the split, by index (e.g. the canary's memorised items)
             if subset not in ITEM_SUBSETS:
                 raise UserError(f"profile {profile.name!r} names an unknown item subset {subset!r}")
-            items = [{"doc_id": i, **rows[i]} for i in ITEM_SUBSETS[subset](rows)]
+            try:
+                chosen = ITEM_SUBSETS[subset](rows)
+            except ValueError:  # a dataset too small to hold the subset (it picks GSM8K's own items by index)
+                source = f"--dataset gsm8k={dataset.get('source')}" if dataset else f"the {split} split"
+                raise UserError(f"{source}: profile {profile.name!r} scores a fixed subset of GSM8K's own {split} "
+                                f"items (the canary's), which these {len(rows)} rows cannot hold; score your "
+                                "dataset with --profile gsm8k=gsm8k-cot-8shot (its shots are fixed: a test split is "
+                                "enough)") from None
+            items = [{"doc_id": i, **rows[i]} for i in chosen]
         else:
             items = [{"doc_id": i, **row} for i, row in enumerate(rows)]
         if limit is not None:
