@@ -49,8 +49,12 @@ def test_sglang_command_line():
 
 def test_vllm_command_line():
     p = plan("w4a8", "vllm", extra=())
-    assert p.argv == ["vllm", "serve", "/models/dsv4", "--host", "127.0.0.1", "--port", "30000"]
+    # DeepGEMM's mega-MoE backend (the W4A8 recipe), which needs expert parallelism; dev mode, so that vLLM
+    # reports the backend it runs (/server_info)
+    assert p.argv == ["vllm", "serve", "/models/dsv4", "--host", "127.0.0.1", "--port", "30000",
+                      "--moe-backend=deep_gemm_mega_moe", "--enable-expert-parallel"]
     assert p.env["VLLM_BATCH_INVARIANT"] == "1"  # vLLM's batch invariance is an environment variable
+    assert p.env["VLLM_SERVER_DEV_MODE"] == "1"
 
 
 @pytest.mark.parametrize("engine, how, kernel", [("sglang", "--enable-deterministic-inference", "w4a4_packed"),
@@ -98,7 +102,7 @@ def test_new_sglang_selects_w4a4_by_its_flag_and_sets_no_legacy_variable():
     assert "--enable-w4a4-mxfp4-megamoe" in p.argv and kernel_vars(p) == {}
     assert "--enable-w4a4-mxfp4-megamoe" not in plan("w4a8", stack=NEW).argv
     rec = p.record()
-    assert rec["selection"]["server_info"] == {"enable_w4a4_mxfp4_megamoe": True}
+    assert rec["selection"]["server_info"] == {"moe_a2a_backend": "megamoe", "enable_w4a4_mxfp4_megamoe": True}
     assert rec["stack"]["sgl_deep_gemm"] == "0.2.5" and "exec_.py" in rec["selection"]["source"]
 
 
@@ -148,7 +152,7 @@ def test_the_interop_hazard_is_refused():
 
 @pytest.mark.parametrize("kernel, message", [
     ("faulty/w4a4_packed-fp8-layout", "fault-injected test double"),
-    ("w4a4_te", "ties-to-even mxf4xmxf4 needs sgl-deep-gemm >= 0.2.0"),
+    ("w4a4_te", "this SGLang has no --enable-w4a4-mxfp4-megamoe"),
     ("bf16", "no server recipe"),
 ])
 def test_kernels_the_seed_stack_cannot_select_are_refused(kernel, message):
@@ -164,7 +168,7 @@ def test_port_and_host_belong_to_evalgate_and_unknown_engines_are_refused():
 
 
 def test_a_w4a4_kernel_without_the_mega_moe_path_is_refused():
-    with pytest.raises(UserError, match="runs on SGLang's mega-MoE path only"):
+    with pytest.raises(UserError, match="runs on SGLang's DeepGEMM mega-MoE path only"):
         plan("w4a4_packed", extra=("--tp-size", "4"))
     assert plan("w4a4_packed").warnings == []
 
@@ -254,7 +258,7 @@ def test_ctrl_c_stops_the_launched_server_and_keeps_finished_items(cli_env, tmp_
     assert "--enable-deterministic-inference" in launch["argv"] and launch["deterministic"]["on"] is True
     assert manifest["model"]["determinism"]["state"] == "on"  # launched with it, and the server reports it
     assert manifest["model"]["kernel_verified"] is False and (out / "server.log").is_file()
-    assert manifest["model"]["kernel_check"]["status"] == "unverifiable"  # 0.5.14 does not report DG_* variables
+    assert manifest["model"]["kernel_check"]["status"] == "unverified"  # 0.5.14 does not report DG_* variables
 
     done = subprocess.run(args + ["--resume"] + server_args, env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
