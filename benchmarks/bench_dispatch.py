@@ -43,7 +43,8 @@ def free_port() -> int:
 def start_server(lo: float, hi: float) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fake_server.py"), "--model-path", "/models/fake-model",
-                             "--port", str(port), "--latency", str(lo), str(hi), "--enable-deterministic-inference"],
+                             "--port", str(port), "--latency", str(lo), str(hi), "--enable-deterministic-inference",
+                             "--moe-a2a-backend", "megamoe", "--chunked-prefill-size", "1024"],
                             stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while True:
