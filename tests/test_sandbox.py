@@ -849,3 +849,17 @@ def test_a_failed_asserts_message_is_human_evals():
         theirs = check_correctness(p, c, T)["result"]
         assert o.result.replace("AssertionError: ", "").replace("TypeError: ", "") == theirs, (o.result, theirs)
     assert [o.failure_class for o in ours] == ["failed:assertion", "failed:assertion", "failed:exception"]
+
+
+def test_the_reference_runs_once_per_test_unless_it_draws_from_random():
+    """The harness keeps a test's reference calls for its later programs, but not those of a test that draws from
+    `random` (HumanEval/38 encodes random strings: each program gets its own, and its reference run with them)."""
+    from evalgate.tasks.humaneval.problems import load_problems
+
+    by_id = {p["task_id"]: p for p in load_problems()}
+    he0, he38 = by_id["HumanEval/0"], by_id["HumanEval/38"]
+    programs = [humaneval_program(p, c) for p in (he0, he38) for c in (p["canonical_solution"], "    return 0\n")] * 2
+    outcomes = run_programs(programs, T, workers=2)
+    assert [o.passed for o in outcomes] == [True, False, True, False] * 2, [o.result for o in outcomes]
+    key = lambda p: (p["test"], p["entry_point"], p["prompt"], p["prompt"] + p["canonical_solution"])  # noqa: E731
+    assert len(sandbox._reference_calls[key(he0)]) == 7 and key(he38) not in sandbox._reference_calls

@@ -512,11 +512,14 @@ class Judgement:
             if not more:
                 raise judge.SandboxEnded()
 
-    def request(self, payload):
+    def send(self, payload):
         try:
             self.sock.sendall(channel.frame(payload))
         except OSError:
             raise judge.SandboxEnded() from None
+
+    def request(self, payload):
+        self.send(payload)
         return self.receive()
 
     def _alarm(self, signum, frame):
@@ -527,6 +530,19 @@ class Judgement:
     # -- the verdict --
     def run(self, job):
         timeout = float(self.header["timeout"])
+        test, entry_point = job.get("test"), job.get("entry_point")
+        failure = compiled = calls = None
+        if test is not None:  # while the sandbox sets itself up
+            try:
+                compiled = judge.compile_trusted(job.get("trusted_prefix", ""), test, entry_point)
+            except Exception as exc:
+                return {"infrastructure_error": f"the trusted prompt or test does not compile: {type(exc).__name__}: {exc}"}
+            failure = judge.check_syntax(job["source"], test, entry_point)
+            if failure is None:
+                calls, error = self._reference(job, compiled, entry_point, timeout)
+                if error:
+                    return {"infrastructure_error": error}
+        self.deadline = self.forked + SETUP_TIMEOUT
         try:
             setup = channel.decode(self.receive())  # the first frame: written before any program code ran
         except judge.Deadline:
@@ -540,19 +556,8 @@ class Judgement:
         if setup[0] == "setup_error":
             return {"infrastructure_error": f"sandbox setup failed: {setup[1]}"}
         isolation = dict(setup[1])
-        isolation["setup_s"] = round(time.monotonic() - self.forked, 5)  # fork to ready: the isolation's cost
-        test, entry_point = job.get("test"), job.get("entry_point")
-        failure = compiled = calls = None
-        if test is not None:
-            try:
-                compiled = judge.compile_trusted(job.get("trusted_prefix", ""), test, entry_point)
-            except Exception as exc:
-                return {"infrastructure_error": f"the trusted prompt or test does not compile: {type(exc).__name__}: {exc}"}
-            failure = judge.check_syntax(job["source"], test, entry_point)
-            if failure is None:
-                calls, error = self._reference(job, compiled, entry_point, timeout)
-                if error:
-                    return {"infrastructure_error": error}
+        ready = isolation.pop("ready_at", None)  # the sandbox's clock (CLOCK_MONOTONIC: the same as the judge's)
+        isolation["setup_s"] = round((ready if type(ready) is float else time.monotonic()) - self.forked, 5)
         if test is None:
             return self._plain(job, timeout, isolation)
         # 1. the program answers every call of the reference run, whatever it answers: what it sees (the
@@ -561,10 +566,21 @@ class Judgement:
         answers = []
 
         def answer_every_call():
-            loaded, failure = judge.loaded_reply(self.request(channel.encode(("program", job["source"], entry_point))))
+            # the program and its calls go together (a round trip per call would cost a handoff between
+            # processes each): the sandbox loads the program, then answers every call in turn
+            chunks = _chunks(calls)
+            self.send(channel.encode(("program", job["source"], entry_point)))
+            try:
+                self.send(channel.encode(("calls", chunks[0])))
+            except judge.SandboxEnded:  # it ended while loading: its answer to the program says how
+                pass
+            loaded, failure = judge.loaded_reply(self.receive())
             if failure is None and loaded:
-                for payload in calls:
-                    answers.append(self.request(payload))
+                for k, chunk in enumerate(chunks):
+                    if k:
+                        self.send(channel.encode(("calls", chunk)))
+                    for _ in chunk:
+                        answers.append(self.receive())
             return loaded, failure
 
         loaded, ending = False, None
@@ -605,17 +621,30 @@ class Judgement:
             outcome = ("failed:exception", f"failed: {error}", f"CallsDiverged: {error}")
         else:
             outcome = self._failed(error, from_test)
-        return self._result(outcome, duration, isolation)
+        result = self._result(outcome, duration, isolation)
+        if self.reusable_calls is not None:
+            result["reference_calls"] = self.reusable_calls
+        return result
+
+    reusable_calls = None  # the reference run's calls, where they are the same for every program of the test
 
     def _reference(self, job, compiled, entry_point, timeout):
         """(the reference run's calls, None), or (None, why not): an infrastructure error, never a verdict.
-        Run before the program's timer, while the sandbox waits; the test's ``random`` is left as it was."""
+        Run before the program's timer, while the sandbox waits; the test's ``random`` is left as it was.
+
+        The harness keeps the calls of a test whose reference run drew nothing from ``random`` (they are the
+        same for every program of it: ``reference_calls`` in the result) and sends them with its next programs
+        (``calls`` in the job), which then skip the run."""
         import random
 
+        if job.get("calls") is not None:
+            return job["calls"], None
         if job.get("reference") is None:
             return None, "a test needs the reference solution whose calls the program answers"
         state = random.getstate()
         calls, error = self._guarded(timeout, lambda: judge.reference_calls(job["reference"], compiled, entry_point))
+        if error is None and random.getstate() == state:
+            self.reusable_calls = calls
         random.setstate(state)  # the test's second run draws what its reference run drew
         if isinstance(error, judge.Deadline):
             return None, f"the reference solution did not pass its test within {timeout:.1f} s"
@@ -759,6 +788,21 @@ class Judgement:
                 None)
 
 
+CALLS_FRAME_BYTES = 1 << 20  # calls sent in one frame, at most (HumanEval's tests: a few KiB in all)
+
+
+def _chunks(calls):
+    """The calls' frames in groups of at most CALLS_FRAME_BYTES (one call each at least); one group if none."""
+    chunks, size = [[]], 0
+    for payload in calls:
+        if chunks[-1] and size + len(payload) > CALLS_FRAME_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(payload)
+        size += len(payload)
+    return chunks
+
+
 def _excerpt(fd):
     try:
         size = os.fstat(fd).st_size
@@ -791,6 +835,7 @@ def sandbox_process(header, sock, out_fd, err_fd, namespaces, work_dir, joins):
         os._exit(70)
     del header
     try:
+        isolation["ready_at"] = time.monotonic()  # fork to ready: the isolation's cost
         _send(channel.encode(("setup", isolation)))
         serve_judge()
     except BaseException as exc:  # the serve loop broke (the program closed or replaced something it needs)
@@ -1051,17 +1096,19 @@ def serve_judge():
     namespace = module.__dict__
     _send(_encode(("loaded", entry_point in namespace)))
     while True:
-        message = _receive()
-        try:
-            function = namespace[entry_point]
-            result = _encode(("return", function(*message[1], **message[2])))
-            if _len(result) > channel.MAX_FRAME:
-                raise channel.Unsupported(f"a value of {_len(result)} bytes is over the channel's limit")
-        except _BaseException as exc:
-            result = _exception_report(exc, lines)
-        del message
-        _flush()
-        _send(result)
+        calls = _receive()[1]  # ("calls", [frame of ("call", args, kwargs), ...]), from the judge
+        for payload in calls:
+            try:
+                message = _decode(payload)
+                function = namespace[entry_point]
+                result = _encode(("return", function(*message[1], **message[2])))
+                if _len(result) > channel.MAX_FRAME:
+                    raise channel.Unsupported(f"a value of {_len(result)} bytes is over the channel's limit")
+            except _BaseException as exc:
+                result = _exception_report(exc, lines)
+            message = None
+            _flush()
+            _send(result)
 
 
 def _print_traceback(exc, lines):

@@ -20,7 +20,9 @@ channel, which fails that item (``failed:exception``).
 
 import ast
 import builtins
+import dis
 import errno as _errno
+import types
 
 try:  # in the executor, the bootstrap registers the channel under this name
     from _evalgate_channel import ChannelError, Unsupported, decode, encode
@@ -259,6 +261,25 @@ def check_syntax(source, test, entry_point):
     return None
 
 
+_LOAD_ASSERTION_ERROR, _RAISE = dis.opmap["LOAD_ASSERTION_ERROR"], dis.opmap["RAISE_VARARGS"]
+_CALLS = {op for name, op in dis.opmap.items() if name.startswith("CALL")}
+
+
+def _message_calls(code):
+    """Whether an assert's message in ``code`` calls something (more than the AssertionError's own call)."""
+    calls = None
+    raw = code.co_code
+    for i in range(0, len(raw), 2):
+        op = raw[i]
+        if op == _LOAD_ASSERTION_ERROR:
+            calls = 0
+        elif calls is not None and op in _CALLS:
+            calls += 1
+        elif calls is not None and op == _RAISE:
+            if calls > 1:
+                return True
+            calls = None
+    return any(_message_calls(c) for c in code.co_consts if isinstance(c, types.CodeType))
 MESSAGE = "_evalgate_assert_message"  # the judge's function an assert's message is computed through
 
 
@@ -282,9 +303,11 @@ def compile_trusted(trusted_prefix, test, entry_point):
     An assert's message may call the entry point (``assert candidate(1) == 2, str(candidate(1))``: six
     HumanEval tests), which happens only when the assert fails, so the reference run never makes those calls;
     the test's second run answers them through ``Replay.message``."""
-    tree = ast.fix_missing_locations(_Messages().visit(ast.parse(test, "test.py")))
-    return (compile(trusted_prefix, "prompt.py", "exec", dont_inherit=True),
-            compile(tree, "test.py", "exec", dont_inherit=True),
+    code = compile(test, "test.py", "exec", dont_inherit=True)
+    if _message_calls(code):  # the rare test that needs it is parsed again, as a tree
+        code = compile(ast.fix_missing_locations(_Messages().visit(ast.parse(test, "test.py"))), "test.py", "exec",
+                       dont_inherit=True)
+    return (compile(trusted_prefix, "prompt.py", "exec", dont_inherit=True), code,
             compile(f"check({entry_point})", "test.py", "exec", dont_inherit=True))
 
 
