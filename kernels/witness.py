@@ -10,7 +10,7 @@ each routed-experts module:
   bracketed by a device synchronisation so that a kernel belongs to the call that launched it;
 - on a CPU, the Python functions of evalgate's kernels and of the kernel's library that ran.
 
-On a GPU it is held against the kernel named (docs/gate.md#execution-witness): every MoE layer call must run
+On a GPU it is held against the kernel named (docs/kernels.md#execution-witness): every MoE layer call must run
 the library's own symbols (a real kernel) or evalgate's Triton GEMM kernels (an emulated one), and no other
 GEMM may run there. A test double is held to its healthy twin's symbols, since that is what it claims to be.
 A mismatch makes the kernel's conformance record fail, so the gate FAILs it as a conformance failure.
