@@ -191,7 +191,14 @@ def test_fractional_rate_checks():
     dec = decide("gsm8k", scores, scores, n_samples=4, margin=0.03, base_invalid=base, cand_invalid=cand,
                       base_truncated=base, cand_truncated=base)
     assert dec.invalid.cand_count == pytest.approx(20.0) and dec.invalid.over_limit and dec.invalid.significant
-    assert dec.verdict == "FAIL" and "sign-flip" in dec.reasons[0]
+    assert dec.verdict == "FAIL" and "score test (k samples) of rise ≤ limit" in dec.reasons[0]
+    assert dec.invalid.p_over_limit < 1e-6 and dec.invalid.p < dec.invalid.p_over_limit  # shown above 1 pp too
+    # the same rise within the limit (4 items' worth of 200, 2 pp limit): significant, not a FAIL
+    small = np.zeros(n)
+    small[:8] = 0.5
+    within = decide("gsm8k", scores, scores, n_samples=4, margin=0.03, base_invalid=base, cand_invalid=small,
+                    base_truncated=base, cand_truncated=base, max_invalid_rise=0.02)
+    assert within.invalid.p < 0.01 and not within.invalid.failed and within.verdict == "PASS"
 
 
 # ---------------------------------------------------------------------------- coverage and error rates, simulated
@@ -425,3 +432,22 @@ def test_inconclusive_verdict_is_a_valid_gate_json(tmp_path):
     text = verdict_json(verdict.to_dict())
     assert '"verdict": "INCONCLUSIVE"' in text and '"exit_code": 3' in text
     assert 'type="INCONCLUSIVE"' in junit_xml(verdict)
+
+
+def test_the_samples_advised_are_for_the_next_looks_alpha():
+    """Issue 45, finding 7: "use k ≥ K" was computed at this look's α, but the round that takes K samples is
+    the next look, at α/2 — at its own α the advice left 70-92% power. K is now projected from the MDE at α/2."""
+    from evalgate.gate.rule import next_look_factor
+    from evalgate.stats.margin import project_samples
+
+    assert next_look_factor(0.025) == pytest.approx((norm.ppf(1 - 0.0125) + norm.ppf(0.8))
+                                                    / (norm.ppf(1 - 0.025) + norm.ppf(0.8)))
+    larger = 0
+    for b in range(4, 20):
+        dec = decide("humaneval", counts=Counts(130, b, 2, 32 - b, 164), margin=0.05, alpha=0.025)
+        at_this_look, _, _ = project_samples(dec.mde, dec.margin, dec.flip_rate, 1, None)
+        assert dec.samples_needed == project_samples(dec.mde * next_look_factor(0.025), dec.margin, dec.flip_rate,
+                                                     1, None)[0]
+        assert at_this_look is not None and dec.samples_needed >= at_this_look
+        larger += dec.samples_needed > at_this_look
+    assert larger >= 3

@@ -83,11 +83,12 @@ def _rate_check(name: str, base_flags, cand_flags, alpha: float, limit: float, m
         new, gone = int(np.sum(rise > 0)), int(np.sum(rise < 0))
         p = mcnemar_exact_one_sided(new, gone)
         # "risen by more than the limit": new flags are the losses, gone ones the gains of the paired NI test
-        p_over = exact_pvalues(new, gone, int(rise.size), round(limit, 12))[1] if limit > 0 else p
+        p_over = (1.0 if limit >= 1 else  # a rise above 100% cannot be shown
+                  exact_pvalues(new, gone, int(rise.size), round(limit, 12))[1] if limit > 0 else p)
         base_count, cand_count = int(base_arr.sum()), int(cand_arr.sum())
     else:  # fractions of an item's samples: the exact sign-flip test on the per-item rise
         p = signflip_pvalues(lattice_steps(rise, n_samples)).p_upper
-        p_over = _score_pvalues(-rise, limit)[1] if limit > 0 and np.any(rise != 0) else p
+        p_over = 1.0 if limit >= 1 else _score_pvalues(-rise, limit)[1] if limit > 0 and np.any(rise != 0) else p
         new, gone = float(rise[rise > 0].sum()), float(-rise[rise < 0].sum())
         base_count, cand_count = float(base_arr.sum()), float(cand_arr.sum())
     check = RateCheck(name, base_count, cand_count, int(base_arr.size), p, limit, p_over <= alpha, False,
@@ -191,6 +192,11 @@ def _score_statistics(base: np.ndarray, diffs: np.ndarray, n_samples, alpha: flo
         newcombe_ci=None, newcombe_lower=None, wald_ci=wald_interval_scores(diffs, alpha),
         mde=mde_normal(lower_sym, psi, n, POWER), mde_method="normal",
     )
+
+
+def next_look_factor(alpha: float) -> float:
+    """How much larger the MDE is at the next look's α (α/2) than at α: (z_{1−α/2} + z_P) / (z_{1−α} + z_P)."""
+    return float((norm.ppf(1 - alpha / 2) + norm.ppf(POWER)) / (norm.ppf(1 - alpha) + norm.ppf(POWER)))
 
 
 def within_item_variance(base_samples, cand_samples) -> float | None:
@@ -425,7 +431,9 @@ def decide_task(data: TaskData, rule: TaskRule) -> TaskDecision:
     ci_method = rule.ci_method
     # what this n, k and flip structure resolve; how many samples per item would resolve the margin
     within = within_item_variance(data.base_samples, data.cand_samples) if k > 1 else None
-    needed, limit, is_bound = project_samples(stats["mde"], rule.margin, stats["flip_rate"], k, within)
+    # the samples advised are for the round that would take them: the next look, at half this look's α
+    needed, limit, is_bound = project_samples(stats["mde"] * next_look_factor(rule.alpha), rule.margin,
+                                              stats["flip_rate"], k, within)
     aa_upper, aa_mde = _aa_noise(data, stats, diffs, n, k, rule.alpha, rule.margin, warnings)
     checks = _rate_checks(data, rule, n, warnings)
     tokens = _token_check(data, rule.token_ratio_band, warnings)
