@@ -1,14 +1,15 @@
-"""A full-width DeepSeek-V4-Flash, random weights in DeepSeek-V4's FP4 checkpoint format: write, stream onto
-the GPUs, generate GSM8K items in-process with ``w4a4_packed``, and print the figures (issue 15, item 3).
+"""A full-width DeepSeek-V4-Flash, random weights in the layout DeepSeek-V4-Flash is released in: write, stream
+onto the GPUs, generate GSM8K items in-process with ``w4a4_packed``, and print the figures.
 
     python benchmarks/dsv4_flash_fullwidth.py --out /local/dsv4-flash            # H200: as many layers as fit
     python benchmarks/dsv4_flash_fullwidth.py --out /tmp/x --scale 0.02 --layers 2 --experts 8 --device-map cpu
 
-Steps: (1) the whole model's bytes from its config (packed experts at their stored size, dense weights in
-BF16) and how many H200s it needs; (2) the layers to write: ``--layers``, else as many as fit on the visible
-devices and on the output disk; (3) write them shard by shard (``model_adapters/random_fp4.py``; never the
-whole model in memory); (4) load them streamed (``model_adapters/streamed.py``: planned first, experts kept
-packed); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's few-shot prompts) for
+Steps: (1) the whole model's bytes from the released layout's headers (``--layout released``, the default:
+FP8 dense linears kept FP8 on a GPU, packed FP4 experts, the MTP layer on disk and not loaded; ``--layout
+bf16``: evalgate's own FP4 checkpoint, dense weights in BF16) and how many H200s it needs; (2) the layers to
+write: ``--layers``, else as many as fit on the visible devices and on the output disk; (3) write them shard
+by shard (``model_adapters/random_fp4.py``; never the whole model in memory); (4) load them streamed
+(``model_adapters/streamed.py``: planned first, experts kept packed, dense FP8 kept FP8 on a GPU); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's few-shot prompts) for
 ``--max-new-tokens`` tokens at batch ``--batch-size`` (``--items 0``: skip); (6) print tokens/s, the projected
 time of a 1,319-item GSM8K run, and peak memory per device against the packed expert bytes; (7) for each
 batch of ``--batches``: prefill that many GSM8K prompts (each prompt's prefill and one move into a slot timed,
@@ -17,7 +18,11 @@ decoding steps (median) from each cache of ``--cache`` (transformers'; per-row s
 CUDA graph of the whole step; the slots' steps once per ``--fused`` choice of hyper-connection, RMSNorm, RoPE,
 compressor and attention forwards), and hold each step against its weight-read floor (``step_floor``), with
 the copy bandwidth of the device measured in this run; then
-project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``).
+project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``); (8) ``--fp8-cost``:
+each dense FP8 linear of a CSA layer timed at 1 and 256 rows in canonical numerics, in PyTorch's (dequantized
+when read, then a BF16 matmul) and through transformers' own FP8 path where it can run (``fp8_linear_cost``);
+(9) ``--aa N``: the model loaded again with canonical numerics decodes N canary GSM8K items at batch 1 and at
+``--aa-batch`` and counts the items whose tokens differ (``canonical_aa``).
 
 The configuration is DeepSeek-V4-Flash's (``flash_config``); each value names its source.
 """
@@ -25,6 +30,7 @@ The configuration is DeepSeek-V4-Flash's (``flash_config``); each value names it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shutil
@@ -72,7 +78,10 @@ def flash_config(layers: int | None = None, experts: int | None = None, scale: f
     n = base.num_hidden_layers if layers is None else layers
 
     def width(x: int, multiple: int) -> int:
-        return max(multiple, int(round(x * scale / multiple)) * multiple)
+        w = max(multiple, int(round(x * scale / multiple)) * multiple)
+        # an FP8 linear's dimensions are multiples of its 128 x 128 blocks or below one (transformers derives
+        # the block from the scale grid)
+        return w if w <= 128 else int(round(w / 128)) * 128
 
     rotary = base.default_partial_rotary_factor  # qk_rope_head_dim 64 of head_dim 512
     heads = max(base.o_groups, int(round(base.num_attention_heads * scale / base.o_groups)) * base.o_groups)
@@ -124,6 +133,17 @@ def unit_bytes_of(config) -> dict[str, int]:
             n = t.numel() * (2 if t.dtype.is_floating_point else t.element_size())
         sizes[unit] = sizes.get(unit, 0) + n
     return sizes
+
+
+def released_unit_bytes(config, keep_fp8: bool = True) -> tuple[dict[str, int], int, int]:
+    """(placement unit -> loaded bytes, stored bytes in all, stored bytes of the MTP layer) of ``config`` in the
+    released layout, from the headers ``write_released_checkpoint`` would write (nothing written):
+    ``keep_fp8`` counts FP8 dense weights as a GPU holds them, else dequantized to BF16."""
+    from evalgate.model_adapters.checkpoint_bytes import mtp_bytes, unit_bytes
+    from evalgate.model_adapters.random_fp4 import released_specs
+
+    specs = released_specs(config)
+    return unit_bytes(specs, "bfloat16", keep_fp8), sum(t.nbytes for t in specs), mtp_bytes(specs)
 
 
 def h200s_needed(sizes: dict[str, int], reserve) -> int:
@@ -614,6 +634,103 @@ def generate_items(model, tokenizer, placement, args, layers: int, total_layers:
     return figures
 
 
+def _median_call(fn, device: str, repeat: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = _Timer(device)
+        fn()
+        times.append(t.seconds())
+    return sorted(times)[len(times) // 2]
+
+
+def _transformers_fp8(module):
+    """transformers' own FP8 linear for an FP8-kept module (``FP8Linear``'s call: activations quantized per 128,
+    an FP8 GEMM; DeepGEMM or its Triton kernel from the Hub), or the reason it cannot run here."""
+    try:
+        from transformers.integrations.finegrained_fp8 import fp8_linear, load_finegrained_fp8_kernel
+
+        load_finegrained_fp8_kernel()
+    except Exception as exc:  # no `kernels` package, no Hub: the path does not exist on this machine
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return (lambda x: fp8_linear(x, module.weight_fp8, module.weight_scale_inv, [128, 128])), None
+
+
+@torch.inference_mode()
+def fp8_linear_cost(model, device: str, rows: tuple[int, ...] = (1, 256)) -> list[dict]:
+    """Each dense FP8 linear of the first CSA layer (attention, compressor, indexer, shared expert) at ``rows``
+    input rows: canonical numerics (the cached fixed-point grid, ``invariant.linear_forward``), PyTorch's
+    (the weight dequantized when read, then a BF16 matmul: what a native GPU load runs), a BF16 matmul of a
+    weight dequantized once (what a BF16 load runs) and transformers' FP8 path where it can run. Median of 20
+    calls each, device time."""
+    import types
+
+    from evalgate.model_adapters import invariant
+    from evalgate.model_adapters.fp8_linear import is_fp8
+
+    layer = next(i for i, t in enumerate(model.config.layer_types) if t == "compressed_sparse_attention")
+    mods = [(n, m) for n, m in model.model.layers[layer].named_modules() if is_fp8(m) and type(m).__name__.startswith("Fp8Linear")]
+    out, reason = [], None
+    if not mods:
+        print("dense FP8 linears: none kept FP8 here (a CPU load dequantizes them)")
+        return out
+    for name, m in mods:
+        w = m.weight
+        k = w.shape[1]
+        canonical = types.MethodType(invariant.linear_forward, m)
+        theirs, reason = _transformers_fp8(m) if device.startswith("cuda") else (None, "not on a GPU")
+        for r in rows:
+            x = torch.randn(r, k, device=w.device, dtype=torch.bfloat16)
+            row = {"linear": name, "shape": list(w.shape), "rows": r,
+                   "canonical_us": _median_call(lambda: canonical(x), device) * 1e6,
+                   "pytorch_us": _median_call(lambda: m(x), device) * 1e6,
+                   "bf16_us": _median_call(lambda: torch.nn.functional.linear(x, w), device) * 1e6}
+            if theirs is not None:
+                row["transformers_fp8_us"] = _median_call(lambda: theirs(x), device) * 1e6
+            out.append({k_: (round(v, 1) if isinstance(v, float) else v) for k_, v in row.items()})
+    print(f"dense FP8 linears of layer {layer}, device time (median of 20) in us"
+          + (f"; transformers' FP8 path does not run here: {reason}" if reason else ""))
+    print(f"{'linear':45s} {'N x K':>13s} {'rows':>5s} {'canonical':>10s} {'pytorch':>9s} {'bf16':>8s} {'hf fp8':>8s}")
+    for r in out:
+        print(f"{r['linear']:45s} {'x'.join(map(str, r['shape'])):>13s} {r['rows']:5d} {r['canonical_us']:10.1f} "
+              f"{r['pytorch_us']:9.1f} {r['bf16_us']:8.1f} {r.get('transformers_fp8_us', float('nan')):8.1f}")
+    for r in rows:
+        sel = [x for x in out if x["rows"] == r]
+        c, p_, b = (sum(x[f] for x in sel) for f in ("canonical_us", "pytorch_us", "bf16_us"))
+        t = sum(x.get("transformers_fp8_us", 0) for x in sel)
+        print(f"  {r} rows, all {len(sel)}: canonical {c:.0f} us, pytorch {p_:.0f} us ({c / p_:.2f}x), bf16 {b:.0f} us"
+              + (f", transformers' FP8 {t:.0f} us (canonical {c / t:.2f}x)" if t else ""))
+    return out
+
+
+def canonical_aa(out: Path, args) -> dict:
+    """The model at ``out`` loaded again with canonical numerics; ``--aa`` canary GSM8K items decoded greedily
+    at batch 1 (each alone) and at ``--aa-batch`` (continuous batching, as a gate decodes), ``--aa-tokens`` new
+    tokens each: the items whose token ids differ, and each side's time."""
+    from gpu_batch_invariance import decode_all, first_difference, requests
+
+    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.invariant import numerics
+
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(out, args.kernel, numerics="canonical", device_map=args.device_map)
+    load_s = time.perf_counter() - t0
+    device = model._evalgate_placement.devices[0]
+    reqs = [dataclasses.replace(r, max_new_tokens=args.aa_tokens) for r in requests(args.aa)]
+    many, secs_many = decode_all(model, tokenizer, reqs, device, args.aa_batch)
+    print(f"canonical A/A: batch {args.aa_batch}: {len(reqs)} items in {secs_many:.1f} s", flush=True)
+    one, secs_one = decode_all(model, tokenizer, reqs, device, 1)
+    differ = [i for i in range(len(reqs)) if list(one[i].token_ids) != list(many[i].token_ids)]
+    r = {"numerics": numerics(model), "items": len(reqs), "new_tokens": args.aa_tokens, "differ": len(differ),
+         "first_diff_positions": [first_difference(list(one[i].token_ids), list(many[i].token_ids)) for i in differ][:20],
+         "tokens": sum(len(g.token_ids) for g in one), "load_s": round(load_s, 1), "batch1_s": round(secs_one, 1),
+         f"batch{args.aa_batch}_s": round(secs_many, 1)}
+    print(f"canonical A/A ({r['numerics']}): {r['differ']} of {r['items']} items differ at batch 1 against batch "
+          f"{args.aa_batch} ({args.aa_tokens} new tokens each; batch 1 {secs_one:.1f} s, load {load_s:.1f} s)",
+          flush=True)
+    return r
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="/tmp/dsv4-flash-fp4", help="checkpoint folder (on a local disk)")
@@ -641,6 +758,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--profile", default=None, help="a folder: profile one prompt's prefill and the smallest and "
                    "largest batch's slot steps into it (device time by kernel, operator and layer part; host time "
                    "on a CPU)")
+    p.add_argument("--layout", default="released", choices=("released", "bf16"), help="released: DeepSeek-V4-Flash's "
+                   "own layout (FP8 dense linears, FP4 experts, the MTP layer); bf16: evalgate's FP4 checkpoint with "
+                   "BF16 dense weights")
+    p.add_argument("--fp8-cost", action="store_true", help="time each dense FP8 linear of a CSA layer: canonical, "
+                   "PyTorch's, transformers' FP8 path")
+    p.add_argument("--aa", type=int, default=0, help="canonical A/A: decode this many canary GSM8K items at batch 1 "
+                   "and at --aa-batch with canonical numerics and count the items whose tokens differ")
+    p.add_argument("--aa-batch", type=int, default=256)
+    p.add_argument("--aa-tokens", type=int, default=16, help="new tokens per A/A item")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
     fused = tuple(f.strip() for f in args.fused.split(",") if f.strip())
@@ -652,12 +778,20 @@ def main(argv: list[str] | None = None) -> dict:
     from evalgate.model_adapters import attention
     from evalgate.model_adapters.hf import load_model
     from evalgate.model_adapters.placement import gib
-    from evalgate.model_adapters.random_fp4 import write_random_fp4_checkpoint
+    from evalgate.model_adapters.fp8_linear import is_fp8
+    from evalgate.model_adapters.random_fp4 import write_random_fp4_checkpoint, write_released_checkpoint
     from evalgate.model_adapters.streamed import default_reserve, device_capacities, resolve_devices
 
     out = Path(args.out)
     full = flash_config(experts=args.experts, scale=args.scale)
-    full_sizes = unit_bytes_of(full)
+    devices = device_capacities(resolve_devices(args.device_map))
+    on_gpus = all(d.startswith("cuda") for d, _ in devices)
+    released = args.layout == "released"
+    stored = mtp = None
+    if released:  # what a GPU holds: FP8 dense weights as stored (a CPU dequantizes them to BF16)
+        full_sizes, stored, mtp = released_unit_bytes(full, keep_fp8=True)
+    else:
+        full_sizes = unit_bytes_of(full)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     reserve = default_reserve(full.to_dict(), "bfloat16", tokens=max([args.batch_size, *batches]) * 2048)
     per_layer = max(v for k, v in full_sizes.items() if k.startswith("layer."))
@@ -666,14 +800,22 @@ def main(argv: list[str] | None = None) -> dict:
     expert_layer = full.n_routed_experts * 3 * full.hidden_size * full.moe_intermediate_size * 17 // 32
     figures = {"config": {k: getattr(full, k) for k in ("hidden_size", "moe_intermediate_size", "num_hidden_layers",
                                                          "n_routed_experts", "num_experts_per_tok", "vocab_size")},
-               "whole_model_bytes": whole, "whole_model_gib": round(whole / GiB, 2),
+               "layout": args.layout, "whole_model_bytes": whole, "whole_model_gib": round(whole / GiB, 2),
                "per_layer_gib": round(per_layer / GiB, 3), "experts_per_layer_gib": round(expert_layer / GiB, 3),
                "h200s_needed": h200s_needed(full_sizes, reserve)}
-    print(f"whole model ({full.num_hidden_layers} layers): {gib(whole)} loaded (packed FP4 experts "
-          f"{gib(expert_layer)} per layer, dense BF16 {gib(per_layer - expert_layer)} per layer, embedding + "
-          f"head {gib(fixed)}); {reserve.describe()}: needs {figures['h200s_needed']} H200(s) of 139 GiB")
+    dense = "FP8 as stored" if released else "BF16"
+    print(f"whole model ({full.num_hidden_layers} layers, {args.layout} layout): {gib(whole)} resident on GPUs "
+          f"(packed FP4 experts {gib(expert_layer)} per layer, dense {dense} {gib(per_layer - expert_layer)} per "
+          f"layer, embedding + head {gib(fixed)}); {reserve.describe()}: needs {figures['h200s_needed']} H200(s) "
+          "of 139 GiB")
+    if released:
+        figures.update(stored_gib=round(stored / GiB, 2), mtp_stored_gib=round(mtp / GiB, 2))
+        print(f"on disk: {gib(stored)} ({gib(mtp)} of it the MTP layer, never loaded)")
+    if released and not on_gpus:  # a CPU dequantizes the FP8 dense weights: plan with what it will hold
+        full_sizes = released_unit_bytes(full, keep_fp8=False)[0]
+        per_layer = max(v for k, v in full_sizes.items() if k.startswith("layer."))
+        fixed = full_sizes["prefix"] + full_sizes["suffix"]
 
-    devices = device_capacities(resolve_devices(args.device_map))
     out.parent.mkdir(parents=True, exist_ok=True)
     disk_free = shutil.disk_usage(out.parent).free - 2 * GiB
     fit = layers_that_fit(per_layer, fixed, devices, reserve, disk_free, full.num_hidden_layers)
@@ -691,15 +833,21 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         if out.exists():
             shutil.rmtree(out)
-        write_random_fp4_checkpoint(out, config, tokenizer_for(out), log=lambda s: print("  " + s, flush=True))
+        write = write_released_checkpoint if released else write_random_fp4_checkpoint
+        write(out, config, tokenizer_for(out), log=lambda s: print("  " + s, flush=True))
     figures["write_s"] = round(time.perf_counter() - t0, 1)
     figures["layers"] = layers
 
+    _reset_peaks([d for d, _ in devices])
     t0 = time.perf_counter()
     model, tokenizer = load_model(out, args.kernel, numerics="native", device_map=args.device_map)
     figures["load_s"] = round(time.perf_counter() - t0, 1)
     placement = model._evalgate_placement
-    print(f"loaded in {figures['load_s']} s: {placement.summary()}")
+    resident = _nbytes(list(model.parameters()) + list(model.buffers()))
+    figures["resident_gib"] = round(resident / GiB, 2)
+    fp8 = sum(1 for m in model.modules() if is_fp8(m))
+    print(f"loaded in {figures['load_s']} s: {placement.summary()}; resident {gib(resident)} (parameters and "
+          f"buffers; {fp8} dense linears kept FP8)")
     bad = [n for n, p_ in model.named_parameters() if ".experts." in n and p_.dtype.is_floating_point]
     assert not bad, f"dequantized expert parameters: {bad[:3]}"
     attention.install(model)  # what a GPU load installs; on a CPU too, so a smoke run measures the same path
@@ -742,6 +890,13 @@ def main(argv: list[str] | None = None) -> dict:
         figures.update(copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), gsm8k_prompt_tokens=round(gsm8k_prompt, 1),
                        batches=rows)
         print_table(rows, bandwidth, device)
+    if args.fp8_cost:
+        figures["fp8_linear_cost"] = fp8_linear_cost(model, placement.devices[0])
+    if args.aa:
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        figures["canonical_aa"] = canonical_aa(out, args)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     if not args.keep:
