@@ -12,6 +12,7 @@ import torch
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 from . import canonical, names
+from .recipe import Unquantized
 from .registry import Kernel, register_kernel
 
 
@@ -75,6 +76,6 @@ BF16 = register_kernel(
         version="transformers-grouped_mm",
         description="BF16 weights and activations, no quantization (the reference)",
         experts_forward=bf16_experts_forward,
-        recipe={"weights": "bf16", "activations": "bf16", "intermediate": "bf16"},
+        declared=Unquantized(),
     )
 )

@@ -27,7 +27,7 @@ def _emulated(name, version, description, recipe: Recipe, api=None, faulty=False
             version=version,
             description=description,
             experts_forward=experts_forward(recipe),
-            recipe=recipe.as_dict(),
+            declared=recipe,
             faulty=faulty,
             twin=twin,
             api=dict(api or {}),
@@ -71,7 +71,7 @@ register_kernel(Kernel(
     name=f"faulty/{names.PACKED}-one-expert", version="fault-injected (evalgate test double)",
     description=f"w4a4_packed with expert {ONE_EXPERT}'s router weight x (1 + 1/512) (one expert of all)",
     experts_forward=_one_expert_fault(get_kernel(names.PACKED).experts_forward),
-    recipe=replace(W4A4, fault=names.PACKED_FAULTS["one-expert"][0]).as_dict(),
+    declared=replace(W4A4, fault=names.PACKED_FAULTS["one-expert"][0]),
     faulty=True, twin=names.PACKED, prepare_model=prepare_fp4_model,
 ))
 
@@ -82,7 +82,7 @@ def _fp8_recipe(name: str, layout: str, real: str, description: str) -> Kernel:
     recipe = Fp8Recipe(layout)
     return register_kernel(Kernel(
         name=name, version=f"evalgate recipe: the exact definition of {real} (kernels/fp8_moe.py)",
-        description=description, experts_forward=recipe_forward(recipe), recipe=recipe.as_dict(),
+        description=description, experts_forward=recipe_forward(recipe), declared=recipe,
         prepare_model=prepare_fp4_model,
     ))
 

@@ -175,7 +175,7 @@ def _reference(recipe) -> str:
 
     for n in sorted(KERNELS):
         k = KERNELS[n]
-        if not k.faulty and not k.real and k.reference == n and getattr(k.experts_forward, "recipe", None) == recipe:
+        if not k.faulty and not k.real and k.reference == n and k.declared == recipe:
             return n
     name = "recipe/" + hashlib.sha256(repr(recipe).encode()).hexdigest()[:12]
     if name not in KERNELS:
@@ -184,7 +184,7 @@ def _reference(recipe) -> str:
 
         register_kernel(Kernel(name=name, version="evalgate's emulation of a declared recipe",
                                description=f"evalgate's emulation of {recipe}", experts_forward=experts_forward(recipe),
-                               recipe=recipe.as_dict(), prepare_model=prepare_fp4_model))
+                               declared=recipe, prepare_model=prepare_fp4_model))
     return name
 
 
@@ -218,7 +218,7 @@ def plugin_kernel(name: str):
     version = spec.version or origin(name)
     return Kernel(
         name=name, version=version, description=spec.description, experts_forward=forward,
-        recipe=spec.recipe.as_dict(), implements=_reference(spec.recipe), tolerance=spec.tolerance,
+        declared=spec.recipe, implements=_reference(spec.recipe), tolerance=spec.tolerance,
         library=PluginLibrary(origin(name), spec.capability.module or spec.forward.split(":")[0], spec.capability,
                               version, spec.gemm_symbols),
         prepare_model=_checked_prepare(name, spec.capability, prepare))

@@ -99,3 +99,23 @@ class Recipe:
 def _one_of(name: str, value, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"recipe {name}={value!r}; expected one of {', '.join(map(repr, choices))}")
+
+
+@dataclass(frozen=True)
+class Unquantized:
+    """The BF16 reference (``bf16``): no quantization anywhere; transformers' own experts forward."""
+
+    def as_dict(self) -> dict:
+        return {"weights": "bf16", "activations": "bf16", "intermediate": "bf16"}
+
+
+@dataclass(frozen=True)
+class LibraryCall:
+    """A real kernel that computes an emulated recipe through a library's API: which recipe, and the call
+    that selects it (``fp8_fp4_mega_moe, mma_type=...``)."""
+
+    implements: str
+    mma_type: str
+
+    def as_dict(self) -> dict:
+        return {"implements": self.implements, "mma_type": self.mma_type}

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Callable
 from evalgate.errors import UserError
 
 if TYPE_CHECKING:
+    from .fp8_moe import Fp8Recipe
     from .real.library import RealLibrary
+    from .recipe import LibraryCall, Recipe, Unquantized
     from .tolerance import Tolerance
 
 
@@ -23,7 +25,9 @@ class Kernel:
     version: str  # which real kernel/release this emulates or wraps
     description: str  # one line: what it computes
     experts_forward: Callable  # fn(experts_module, hidden_states[T,H], top_k_index[T,K], top_k_weights[T,K]) -> [T,H]
-    recipe: dict = field(default_factory=dict)  # the numerics, machine-readable (formats, tie modes...)
+    # what it computes, typed: recipe.Recipe (FP4 mega-MoE), fp8_moe.Fp8Recipe, recipe.Unquantized (bf16) or
+    # recipe.LibraryCall; ``recipe`` is its machine-readable form (a manifest, `kernels list --json`)
+    declared: "Recipe | Fp8Recipe | Unquantized | LibraryCall"
     faulty: bool = False  # fault-injected on purpose; never a default
     twin: str | None = None  # for a faulty kernel: the healthy kernel it was derived from
     api: dict = field(default_factory=dict)  # real-kernel API arguments (sgl-deep-gemm >= 0.1.7 picks by mma_type)
@@ -46,6 +50,11 @@ class Kernel:
     @property
     def real(self) -> bool:
         return self.library is not None
+
+    @property
+    def recipe(self) -> dict:
+        """The declared recipe as recorded in a run's manifest and `evalgate kernels list --json`."""
+        return self.declared.as_dict()
 
 
 KERNELS: dict[str, Kernel] = {}

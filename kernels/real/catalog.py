@@ -14,6 +14,7 @@ import torch
 from .. import names
 from ..checkpoint import prepare_fp4_model
 from ..fp8_moe import Fp8Recipe, convert_fp4_weights, fp8_moe_forward
+from ..recipe import LibraryCall
 from ..registry import Kernel, register_kernel
 from ..tolerance import Tolerance
 from .deepgemm_sm90 import DEEPGEMM_SM90, deepgemm_gemm
@@ -62,7 +63,7 @@ def _prepare(library: RealLibrary):
 def _real(name: str, implements: str, layout: str, gemm, library: RealLibrary, tolerance: Tolerance,
           description: str, faults: tuple[str, ...]) -> None:
     recipe = Fp8Recipe(layout)
-    common = dict(recipe=recipe.as_dict(), implements=implements, library=library, tolerance=tolerance,
+    common = dict(declared=recipe, implements=implements, library=library, tolerance=tolerance,
                   prepare_model=_prepare(library))
     register_kernel(Kernel(name=name, version=library.name, description=description,
                            experts_forward=real_forward(recipe, gemm), **common))
@@ -93,7 +94,7 @@ def _sm100(k: names.Real) -> None:
     what = k.description.removeprefix("sgl-deep-gemm ").removesuffix(", SM100")
     register_kernel(Kernel(
         name=k.name, version=SGL_DEEP_GEMM.name, description=k.description,
-        experts_forward=mega_moe_forward(k.implements), recipe={"implements": k.implements, "mma_type": what},
+        experts_forward=mega_moe_forward(k.implements), declared=LibraryCall(k.implements, what),
         implements=k.implements, library=SGL_DEEP_GEMM, tolerance=SM100_TOLERANCE[k.implements],
         prepare_model=_prepare(SGL_DEEP_GEMM), api={"mma_type": mma_type}))
 
