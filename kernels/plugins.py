@@ -42,7 +42,8 @@ def _entry_points() -> dict:
 
 
 def plugin_names() -> list[str]:
-    """Every kernel installed packages offer, from their metadata alone."""
+    """Every kernel installed packages offer, from their metadata alone (an entry point named as one of
+    evalgate's kernels is not: the name stays evalgate's)."""
     from .names import ALL
 
     return sorted(n for n in _entry_points() if n not in ALL)
@@ -53,8 +54,8 @@ def is_plugin(name: str) -> bool:
 
 
 def origin(name: str) -> str:
-    """Where a kernel comes from, in words: "evalgate", "DIST VERSION (entry point module:NAME)" or the
-    direct form's "module:NAME"."""
+    """Where a kernel comes from, in words: "evalgate", "DIST VERSION (entry point module:NAME)", or "named
+    directly" for the direct form."""
     if is_direct(name):
         return "named directly"
     ep = _entry_points().get(name)
