@@ -92,3 +92,28 @@ def test_a_damaged_baseline_names_how_to_record_it_again_and_that_works(cli_env,
     suggested = shlex.split(re.search(r"`evalgate (baseline record [^`]+)`", line).group(1))
     assert _cli(suggested, cli_env, tmp_path).returncode == 0
     assert _cli(gate, cli_env, tmp_path).returncode in (0, 1, 3)
+
+
+# the CLI in a child process that says, after it exits, whether torch was ever imported (the model's load)
+LOADS_TORCH = """
+import sys
+from evalgate.cli.main import main
+try:
+    main(sys.argv[1:])
+finally:
+    sys.stdout.write("torch imported: %s" % ("torch" in sys.modules))
+"""
+
+
+def test_a_resume_with_another_kernel_is_refused_before_the_model_loads(cli_env, tmp_path):
+    import json
+
+    made = _cli(["run", "--tasks", "gsm8k", "--limit", "1", "--max-new-tokens", "2", "--kernel", "bf16", "--out",
+                 "r"], cli_env, tmp_path)
+    assert made.returncode == 0, made.stderr
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    (tmp_path / "r" / "manifest.json").write_text(json.dumps({**manifest, "status": "interrupted"}))
+    proc = subprocess.run([sys.executable, "-c", LOADS_TORCH, "run", "--out", "r", "--resume", "--kernel", "w4a8"],
+                          env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "kernel (bf16 vs w4a8)" in _one_line_exit_2(proc)
+    assert proc.stdout.endswith("torch imported: False")

@@ -46,9 +46,12 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
                    profiles=chosen, limit=limit, batch_size=batch_size,
                    device=device, dtype=dtype, data_dir=data_dir, datasets=dataset_choice(),
                    max_new_tokens=max_new_tokens, **sampling)
-    if resume:
-        spec = _resumed_spec(spec, prepare_out(out, resume=True))
+    previous = prepare_out(out, resume=True) if resume else None
+    if previous is not None:
+        spec = _resumed_spec(spec, previous)
     loaded = load_tasks(spec)
+    if previous is not None:
+        _refuse_another_run(previous, spec, loaded, out, served=bool(server or launch))
     preflight.free_space(out, preflight.run_bytes(sum(len(t.items) for t in loaded.values()), spec.samples), "--out")
     with preflight.run_lock(out):
         prepare_out(out, resume)  # refuse a bad --out before the model loads or a server spends minutes starting
@@ -62,6 +65,28 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
         except ServerError as exc:  # the server went away mid-run: the environment, not the input
             raise EnvironmentFailure(str(exc).replace(f"; {RESUME_HINT}", "").replace(RESUME_HINT, "")) from None
     _print_run_summary(path)
+
+
+def _refuse_another_run(previous: dict, spec, loaded, out: Path, served: bool) -> None:
+    """What the run refuses once the model is loaded (``runner._check_resumable``), said before it loads: a
+    --resume with another kernel, other items or profiles, or another local model."""
+    diffs = []
+    if not served:
+        from evalgate.model_adapters.fingerprint import check_model_dir, model_fingerprint
+
+        if previous.get("model", {}).get("fingerprint") != model_fingerprint(check_model_dir(spec.model))["fingerprint"]:
+            diffs.append("model fingerprint")
+    kernel = previous.get("kernel", {}).get("name")
+    if kernel is not None and kernel != spec.kernel:
+        diffs.append(f"kernel ({kernel} vs {spec.kernel})")
+    for name, task in loaded.items():
+        before = previous.get("tasks", {}).get(name)
+        if before is None:
+            diffs.append(f"task {name} not in the stored run")
+        elif before.get("profile_id") != task.profile_id:
+            diffs.append(f"{name} profile (items, limit or settings changed)")
+    if diffs:
+        raise UserError(f"--resume: {str(out)!r} was made with a different {', '.join(diffs)}; rerun into a new --out")
 
 
 # RunSpec fields a resumed run takes from its manifest unless the option is given (option name, field)
