@@ -22,21 +22,24 @@ the **judge** (trusted), which:
    the channel (a socket pair) and two memfds for the program's stdout and stderr, and forks the
    **sandbox** — before it reads the program or the test, so the sandbox's memory never holds the test (the
    answer key of that item); then it limits its own CPU time and memory;
-2. reads the program and the test from the harness socket;
-3. judges (``judge.py``), counts the program's processes still running besides its first (``survivors``:
-   they fail the item), kills the whole control group and waits until it is empty, reads the outputs and
-   sends the result to the harness. If a judge overruns or dies, the executor kills it and the group.
+2. reads the program and the test from the harness socket, and runs the test against the dataset's
+   solution to record its calls (or takes them from the job: the harness keeps those of a test that draws
+   nothing from ``random``);
+3. sends the sandbox the program and every call at once, collects its answers, counts the program's
+   processes still running besides its first (``survivors``: they fail the item), kills the program whole
+   and waits until it is gone; then judges its answers (``judge.py``), reads the outputs and sends the
+   result to the harness. If a judge overruns or dies, the executor kills it and the group.
 
 The **sandbox** joins its control group, is PID 1 of a new PID namespace and enters new mount, network
 (loopback only, down), cgroup, IPC and UTS namespaces; it mounts a
-fresh tmpfs on ``/tmp`` and ``/dev/shm`` and a ``/proc`` of its own processes only, read-only
-(``mount_program_proc``), closes every descriptor but stdin
+fresh tmpfs on ``/tmp`` and ``/dev/shm`` and an empty read-only ``/proc`` (``mount_program_proc``), closes
+every descriptor but stdin
 (``/dev/null``), stdout, stderr and the channel, drops to the slot's uid, enters a user namespace of its
 own (so no key of the user keyring outlives it), forbids nested namespaces in it, joins a new session
 keyring, drops every capability, sets no_new_privs and the rlimits, installs the system-call allowlist
 (``syscall_filter.py``), and sends the trusted ``setup`` frame — the first frame, written before any
 program code runs. Then it runs ``prompt + completion`` as module
-``__sandbox__`` and answers the judge's calls with plain values.
+``__sandbox__`` and answers the judge's calls, in order, with plain values.
 """
 
 import contextlib

