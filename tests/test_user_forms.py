@@ -117,3 +117,25 @@ def test_a_resume_with_another_kernel_is_refused_before_the_model_loads(cli_env,
                           env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert "kernel (bf16 vs w4a8)" in _one_line_exit_2(proc)
     assert proc.stdout.endswith("torch imported: False")
+
+
+def test_baseline_list_shows_the_packaged_baselines_the_gate_would_use_and_find_names_them(tmp_path, monkeypatch):
+    """In a fresh directory the gate uses the canary's packaged baselines: `baseline list` shows them (marked),
+    and `baseline find` (the gate's own lookup) names the same folders."""
+    import json
+
+    from click.testing import CliRunner
+
+    from evalgate.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("EVALGATE_BASELINES", raising=False)
+    listed = CliRunner().invoke(main, ["baseline", "list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    rows = json.loads(listed.output)
+    assert rows and all(r["packaged"] for r in rows)
+    found = CliRunner().invoke(main, ["baseline", "find", "--json"])
+    assert found.exit_code == 0, found.output
+    paths = {t["path"] for t in json.loads(found.output)["tasks"].values()}
+    assert paths and paths <= {r["path"] for r in rows}
+    assert "packaged with the canary" in CliRunner().invoke(main, ["baseline", "list"]).output

@@ -54,19 +54,25 @@ def baseline_import(task, score, n_items, model_id, profile, kernel, source, roo
 @baselines_root_option("root")
 @click.option("--json", "as_json", is_flag=True, help="One JSON list instead of lines.")
 def baseline_list(root, as_json):
-    """Stored baselines."""
-    from evalgate.run.baselines import list_baselines
+    """Stored baselines, where the gate looks for them in its order: yours, then the built-in canary's
+    (packaged with evalgate)."""
+    from evalgate.run.baselines import list_baselines, lookup_roots, user_root
 
     explicit = click.get_current_context().get_parameter_source("root") is not ParameterSource.DEFAULT
     preflight.baselines_root(root, explicit)
-    rows = list_baselines(root)
+    rows = []
+    for where in lookup_roots(root):
+        packaged = where != user_root(root)
+        if where.is_dir():
+            rows += [{**r, "packaged": packaged} for r in list_baselines(where)]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     for r in rows:
         kind = "aggregate-only" if r["aggregate_only"] else f"{r['n_items']} items"
         psi0 = f", A/A ψ0 {100 * r['aa_psi0']:.2f}%" if r["aa_psi0"] is not None else ", no A/A"
-        click.echo(f"{r['path']}: {r['task']} / {r['profile']} / {r['kernel']} ({kind}{psi0})")
+        shipped = ", packaged with the canary" if r["packaged"] else ""
+        click.echo(f"{r['path']}: {r['task']} / {r['profile']} / {r['kernel']} ({kind}{psi0}{shipped})")
 
 
 @baseline.command("find")
