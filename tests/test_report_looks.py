@@ -44,3 +44,21 @@ def test_a_task_decided_at_a_later_look_shows_that_looks_numbers_only(rounds):
     assert "the look that decided this task (k = 8" in html
     (other,) = [r for r in task_rows(verdict) if r["task"] == "humaneval"]  # decided at the first look
     assert other["baseline"] is not None and other["earlier"] is None
+
+
+def test_a_task_the_gate_stopped_before_shows_no_numbers_of_items_never_run(rounds, monkeypatch):
+    """A kernel that failed before any item of a task ran: that row is "not run", not "undecided" with the
+    best completion's scores of 0 items."""
+    from evalgate.report import text
+    from evalgate.report.rows import task_rows
+
+    verdict, _ = rounds
+    rows = task_rows(verdict)
+    never = {**rows[1], "decided": False, "verdict": "PASS",
+             "observed": {"items_run": 0, "items_total": rows[1]["n"], "b": 0, "c": 0}}
+    monkeypatch.setattr(text, "task_rows", lambda v: [rows[0], never])
+    (line,) = [l for l in text.markdown(verdict).splitlines() if l.startswith(f"| {never['task']} |")]
+    assert line.endswith("| — | **not run** |") and f"| 0/{never['n']} |" in line and "undecided" not in line
+    assert line.count("—") == 7  # candidate, Δ, CI, b / c, p, ψ, MDE
+    assert any(f"{never['task']} not run (the gate stopped before its first item)" in l
+               for l in text.verdict_lines(verdict))

@@ -73,6 +73,8 @@ def bound_cells(r: dict) -> dict:
     a score of another look than the row's (``earlier_look_lines``)."""
     o = r.get("observed")
     base = "—" if r.get("baseline") is None else f"{r['baseline']:.4f}"
+    if not_run(r):  # no bound worth showing: every number would be the best completion of nothing
+        return {"n": f"0/{r['n']}", "baseline": base, "candidate": "—", "b_c": "—", "le": ""}
     if r.get("candidate") is None:
         return {"n": str(r["n"]), "baseline": base, "candidate": "—", "b_c": f"{r['b']} / {r['c']}", "le": ""}
     if o is None:
@@ -123,11 +125,20 @@ def unpaired_rows(unpaired: dict, alpha: float) -> list[dict]:
             for task, res in unpaired.items()]
 
 
+def not_run(r: dict) -> bool:
+    """A task of a stopped-early run that ran none of its items (e.g. a kernel that failed its conformance
+    check before the first item)."""
+    o = r.get("observed")
+    return bool(o) and not o["items_run"]
+
+
 def label(r: dict, long: bool = False) -> str:
-    """A row's verdict as shown: the verdict, or "undecided" for a task of a stopped-early run whose best
-    completion does not FAIL (``long``: "undecided (at best PASS)")."""
+    """A row's verdict as shown: the verdict, "not run" for a task of a stopped-early run that ran none of its
+    items, or "undecided" for one whose best completion does not FAIL (``long``: "undecided (at best PASS)")."""
     if r.get("decided", True):
         return r["verdict"]
+    if not_run(r):
+        return "not run (the gate stopped before its first item)" if long else "not run"
     return f"undecided (at best {r['verdict']})" if long else "undecided"
 
 

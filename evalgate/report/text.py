@@ -7,7 +7,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 from evalgate.formatting import pp as _pp_unit
 from evalgate.report.rows import (alpha_text, bound_cells, conformance_line, earlier_look_lines, early_stop_lines,
-                                  first_look_suffix, label, task_rows, verdict_reason)
+                                  first_look_suffix, label, not_run, task_rows, verdict_reason)
 
 MAX_FLIPS_MD = 50
 
@@ -79,7 +79,11 @@ def console_table(verdict, log: bool = False):
     for r in task_rows(verdict):
         ci = f"{pp(r['delta'])} [{pp(r['ci'][0])}, {pp(r['ci'][1])}]"
         style = STYLES.get(r["verdict"], "red")
-        if r["paired"]:
+        if r["paired"] and not_run(r):  # none of its items ran: no number to show but the margin
+            cells = bound_cells(r)
+            table.add_row(r["task"], cells["n"], cells["baseline"], "—", "—", "—", "—", "—", margin_cell(r), "—",
+                          f"[yellow]{label(r)}[/]")
+        elif r["paired"]:
             cells = bound_cells(r)
             table.add_row(r["task"], cells["n"], cells["baseline"], cells["candidate"], cells["le"] + ci,
                           cells["b_c"], f"{r['p']:.3g}", psi_text(r), margin_cell(r), mde_text(r),
@@ -191,7 +195,10 @@ def markdown(verdict, explained=None) -> str:
                   "MDE (80% power) | verdict |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in task_rows(verdict):
-        if r["paired"]:
+        if r["paired"] and not_run(r):
+            lines.append(f"| {r['task']} | 0/{r['n']} | {bound_cells(r)['baseline']} | — | — | — | — | — | — | "
+                         f"{margin_cell(r)} | — | **{label(r)}** |")
+        elif r["paired"]:
             cells = bound_cells(r)
             lines.append(f"| {r['task']} | {cells['n']} | {cells['baseline']} | {cells['candidate']} | "
                          f"{cells['le']}{pp(r['delta'])} | "
