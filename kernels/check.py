@@ -157,6 +157,9 @@ class ForwardRunner:
         if kernel.real:
             kernel.library.require()
         device = "cuda" if kernel.real or torch.cuda.is_available() else "cpu"
+        capability = getattr(kernel.library, "capability", None)  # a plugin kernel says where it runs
+        if capability is not None:
+            device = "cuda" if "cuda" in capability.devices and torch.cuda.is_available() else "cpu"
         module = Fp4ExpertsModule(case.weights, case.limit, device)
         with torch.no_grad():
             self.out = kernel.experts_forward(module, case.x.to(device), case.top_k_index.to(device),

@@ -158,6 +158,13 @@ def test_a_plugin_is_held_to_its_recipe_and_cannot_be_its_own_reference(tiny_loa
     assert wrong.checked and not wrong.ok and wrong.failed_experts > 0
 
 
+def test_kernels_check_measures_a_plugin_beside_its_recipe(direct_plugins):
+    from evalgate.kernels.check import layer_check
+
+    rows = {r["kernel"]: r for r in layer_check("tiny", 16, kernels=["w4a4", "goodplug.decl:GOOD"])}
+    assert rows["goodplug.decl:GOOD"]["calc_diff"] == rows["w4a4"]["calc_diff"] > 0
+
+
 def test_the_execution_witness_holds_a_plugin_to_the_symbols_it_declares(direct_plugins):
     from evalgate.kernels import get_kernel
     from evalgate.kernels.witness import expectation
