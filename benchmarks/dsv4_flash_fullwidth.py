@@ -838,6 +838,9 @@ def main(argv: list[str] | None = None) -> dict:
     figures["write_s"] = round(time.perf_counter() - t0, 1)
     figures["layers"] = layers
 
+    if args.aa and not (args.items > 0 or batches or args.fp8_cost):  # the canonical A/A alone: one load
+        figures["canonical_aa"] = canonical_aa(out, args)
+        return _close(figures, out, args)
     _reset_peaks([d for d, _ in devices])
     t0 = time.perf_counter()
     model, tokenizer = load_model(out, args.kernel, numerics="native", device_map=args.device_map)
@@ -897,6 +900,11 @@ def main(argv: list[str] | None = None) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         figures["canonical_aa"] = canonical_aa(out, args)
+    return _close(figures, out, args)
+
+
+def _close(figures: dict, out: Path, args) -> dict:
+    """Write the figures (``--json``), delete the checkpoint unless ``--keep``, print them."""
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     if not args.keep:
