@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,8 @@ def resolve_devices(device_map: str) -> list[str]:
     devices = parse_device_map(device_map)
     if devices == ["auto"]:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:  # said, not silent: a user asking for "every GPU" may not expect an hours-long CPU run
+            print("evalgate: note: --device-map auto found no GPU; the model is placed on the CPU", file=sys.stderr)
         return [f"cuda:{i}" for i in range(n)] or ["cpu"]
     return ["cuda:0" if d == "cuda" else d for d in devices]
 

@@ -139,3 +139,14 @@ def test_baseline_list_shows_the_packaged_baselines_the_gate_would_use_and_find_
     paths = {t["path"] for t in json.loads(found.output)["tasks"].values()}
     assert paths and paths <= {r["path"] for r in rows}
     assert "packaged with the canary" in CliRunner().invoke(main, ["baseline", "list"]).output
+
+
+def test_device_map_auto_without_a_gpu_says_it_places_the_model_on_the_cpu(capsys):
+    import torch
+
+    from evalgate.model_adapters.streamed import resolve_devices
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: auto places the model on it")
+    assert resolve_devices("auto") == ["cpu"]
+    assert "--device-map auto found no GPU; the model is placed on the CPU" in capsys.readouterr().err
