@@ -4,10 +4,11 @@ Format written by `save_fp4_checkpoint`:
 - routed experts ``…ffn.experts.{e}.w1/w3/w2.weight``: int8, two E2M1 codes per byte, low nibble = even K;
   ``….scale``: float8_e8m0fnu, one byte per 32 K per row (names as transformers' reverse conversion
   mapping writes them, i.e. the DSV4-Flash names under the ``model.`` prefix);
-- everything else: as the model holds it (BF16). DSV4-Flash ships non-expert linears in FP8 128x128; we
-  do not, because transformers derives the FP8 block size from the scale grid, which is only right when
-  every dimension is a multiple of 128 or below it, and a small canary model's dims are not. They are
-  listed in ``modules_to_not_convert`` so a GPU load (no dequantization) leaves them BF16 as well;
+- everything else: as the model holds it (BF16). DSV4-Flash ships non-expert linears in FP8 128x128 (and
+  evalgate loads it so: ``model_adapters/released_layout.py``); this writer does not, because transformers
+  derives the FP8 block size from the scale grid, which is only right when every dimension is a multiple
+  of 128 or below it, and a small canary model's dims are not. They are listed in
+  ``modules_to_not_convert`` so a GPU load (no dequantization) leaves them BF16 as well;
 - config.json: ``expert_dtype: fp4`` and ``quantization_config`` fp8 / e4m3 / ue8m0 / dynamic / [128, 128].
 
 Loading (`load_fp4_checkpoint`) goes through transformers: on CPU its FP8 quantizer forces
