@@ -863,3 +863,13 @@ def test_the_reference_runs_once_per_test_unless_it_draws_from_random():
     assert [o.passed for o in outcomes] == [True, False, True, False] * 2, [o.result for o in outcomes]
     key = lambda p: (p["test"], p["entry_point"], p["prompt"], p["prompt"] + p["canonical_solution"])  # noqa: E731
     assert len(sandbox._reference_calls[key(he0)]) == 7 and key(he38) not in sandbox._reference_calls
+
+
+def test_the_answers_a_judge_holds_for_the_second_run_are_bounded():
+    """Every answer is kept until the test's second run: past 64 MiB in all (here the sixth of eight 12 MiB
+    answers, each right) the channel is broken, and the test fails at the first call left without an answer."""
+    test = "def check(candidate):\n    for i in range(8):\n        assert candidate(i) == 'x' * (12 << 20)\n"
+    outcome = item("    return 'x' * (12 << 20)\n", test=test)
+    assert outcome.failure_class == "failed:exception" and "answers of over 64 MiB in all" in outcome.result, \
+        outcome.result
+    assert item("    return x + 1\n").passed  # the next item, as ever

@@ -579,11 +579,15 @@ class Judgement:
                 pass
             loaded, failure = judge.loaded_reply(self.receive())
             if failure is None and loaded:
+                held = 0
                 for k, chunk in enumerate(chunks):
                     if k:
                         self.send(channel.encode(("calls", chunk)))
                     for _ in chunk:
                         answers.append(self.receive())
+                        held += len(answers[-1])
+                        if held > ANSWERS_BYTES:  # they are kept until the test's second run: bounded in all
+                            raise judge.ChannelBroken(f"answers of over {ANSWERS_BYTES >> 20} MiB in all")
             return loaded, failure
 
         loaded, ending = False, None
@@ -792,6 +796,7 @@ class Judgement:
 
 
 CALLS_FRAME_BYTES = 1 << 20  # calls sent in one frame, at most (HumanEval's tests: a few KiB in all)
+ANSWERS_BYTES = 64 << 20  # a program's answers the judge holds, at most (each one is at most 16 MiB)
 
 
 def _chunks(calls):
