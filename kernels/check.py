@@ -181,12 +181,18 @@ def _runner(name: str, case: LayerCase):
 
 
 def layer_check(shape: str = "tiny", tokens: int = 64, seed: int = 0, kernels: list[str] | None = None,
-                case: LayerCase | None = None) -> list[dict]:
-    """Every kernel (default: all registered) on one synthetic MoE layer vs the FP32 reference."""
+                case: LayerCase | None = None, progress=None) -> list[dict]:
+    """Every kernel (default: all registered) on one synthetic MoE layer vs the FP32 reference.
+    ``progress(what, done, total)``: called as each kernel is prepared and each chunk of experts is done (a
+    long check's progress lines)."""
     case = case or synthetic_layer(shape, tokens, seed)
     runnable = [n for n in kernel_names() if not (get_kernel(n).real and get_kernel(n).library.missing())]
     names = kernels or sorted(runnable, key=lambda n: (get_kernel(n).faulty, n))
-    runners = {n: _runner(n, case) for n in names}
+    runners = {}
+    for i, n in enumerate(names, 1):
+        runners[n] = _runner(n, case)
+        if progress is not None:
+            progress("kernels prepared", i, len(names))
     reference = Fp32Reference(case.x, case.top_k_index, case.top_k_weights, case.weights.num_experts, case.limit)
     # Runners that share FP32 weights run together: one batched matmul per GEMM reads each weight once.
     groups: dict = {None: [reference]}
@@ -209,6 +215,8 @@ def layer_check(shape: str = "tiny", tokens: int = 64, seed: int = 0, kernels: l
             else:  # fault (a), derived from the healthy weights (x2 = byte + 1)
                 run_chunk_together(members, lo, hi, double_one_group_per_row(w1), double_one_group_per_row(w2))
         del w1, w2
+        if progress is not None:
+            progress("experts", hi, case.weights.num_experts)
     seconds = time.perf_counter() - t0
     ref = reference.finish()
     outs = {n: r.finish() for n, r in runners.items()}

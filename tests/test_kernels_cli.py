@@ -42,7 +42,7 @@ def test_list_table():
 def test_layer_check_tiny_json():
     res = _run("check", "--shape", "tiny", "--tokens", "32", "--kernels", "bf16,w4a8,w4a4", "--json")
     assert res.exit_code == 0, res.output
-    rows = {r["kernel"]: r for r in json.loads(res.output)["rows"]}
+    rows = {r["kernel"]: r for r in json.loads(res.stdout)["rows"]}  # stderr: progress lines of a long check
     assert rows["bf16"]["rel_rmse"] < rows["w4a8"]["rel_rmse"] < rows["w4a4"]["rel_rmse"]
 
 

@@ -150,3 +150,24 @@ def test_device_map_auto_without_a_gpu_says_it_places_the_model_on_the_cpu(capsy
         pytest.skip("a GPU is visible: auto places the model on it")
     assert resolve_devices("auto") == ["cpu"]
     assert "--device-map auto found no GPU; the model is placed on the CPU" in capsys.readouterr().err
+
+
+def test_a_long_layer_check_says_how_far_it_is_on_stderr(monkeypatch):
+    """`kernels check --shape dsv4-flash` takes minutes on a CPU: a line every few seconds (stderr, so --json
+    stays parseable), naming the kernels prepared and the experts done."""
+    import json
+
+    from click.testing import CliRunner
+
+    from evalgate.cli import kernels as cli_kernels
+    from evalgate.cli.main import main
+
+    real = cli_kernels._experts_progress
+    monkeypatch.setattr(cli_kernels, "_experts_progress", lambda t0: real(t0, every_s=0.0))  # every step
+    res = CliRunner().invoke(main, ["kernels", "check", "--shape", "tiny", "--tokens", "16", "--kernels",
+                                    "bf16,w4a8", "--json"])
+    assert res.exit_code == 0, res.output
+    assert {r["kernel"] for r in json.loads(res.stdout)["rows"]} == {"bf16", "w4a8"}
+    lines = res.stderr.splitlines()
+    assert "layer check: kernels prepared 2/2" in res.stderr
+    assert any(re.match(r"layer check: experts (\d+)/\1, \d+ s elapsed", line) for line in lines), lines

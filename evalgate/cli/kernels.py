@@ -27,12 +27,16 @@ def _kernel_rows(include_faulty: bool) -> list[dict]:
     from evalgate.kernels import KERNELS, kernel_names
     from evalgate.model_adapters.engines import served_by
 
+    from evalgate.kernels.contract import Capability
+
     rows = []
     names = [n for n in kernel_names(include_faulty=include_faulty) if not n.startswith("recipe/")]
     for name in sorted(names, key=lambda n: (KERNELS[n].faulty, n)):  # healthy kernels first
         k = KERNELS[name]
+        capability = k.library.capability if k.real else Capability()  # an emulation runs anywhere
         rows.append({"name": k.name, "version": k.version, "description": k.description, "served_by": served_by(name),
-                     "api": k.api, "faulty": k.faulty, "twin": k.twin, "recipe": k.recipe, "origin": "evalgate"})
+                     "api": k.api, "faulty": k.faulty, "twin": k.twin, "recipe": k.recipe, "origin": "evalgate",
+                     "capability": capability.as_dict()})
     return rows + _plugin_rows(set(names))
 
 
@@ -136,6 +140,20 @@ MODEL_COLUMNS = [("kernel", "kernel", ""), ("mean_kl", "mean KL vs bf16", ".3e")
                  ("top1_agreement", "top-1 agree", ".4f"), ("tokens", "tokens", "d"), ("seconds", "s", ".1f")]
 
 
+def _experts_progress(t0: float, every_s: float = 10.0):
+    """A line on stderr every ``every_s`` seconds while the layer check works through the experts (a
+    dsv4-flash check takes minutes on a CPU)."""
+    last = [time.perf_counter()]
+
+    def progress(what: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= every_s:  # a short check stays silent
+            last[0] = now
+            click.echo(f"layer check: {what} {done}/{total}, {now - t0:.0f} s elapsed", err=True)
+
+    return progress
+
+
 @kernels_group.command("check")
 @click.option("--shape", default=None, help="Layer-level check at a named shape: dsv4-flash, small or tiny.")
 @click.option("--tokens", default="512", show_default=True, help="Tokens routed through the layer (layer-level).")
@@ -171,7 +189,7 @@ def check(shape, tokens, model_path, tasks, limit, kernels, data_dir, seed, as_j
                      f"Triton on {rows[0]['device'] if rows else '-'}, emulator on cpu")
             columns = TRITON_COLUMNS
         else:
-            rows = checks.layer_check(shape, n_tokens, seed, kernels)
+            rows = checks.layer_check(shape, n_tokens, seed, kernels, progress=_experts_progress(t0))
             title = f"layer check: {shape}, {n_tokens} tokens, vs FP32 reference"
             columns = LAYER_COLUMNS
     else:
