@@ -873,3 +873,15 @@ def test_the_answers_a_judge_holds_for_the_second_run_are_bounded():
     assert outcome.failure_class == "failed:exception" and "answers of over 64 MiB in all" in outcome.result, \
         outcome.result
     assert item("    return x + 1\n").passed  # the next item, as ever
+
+
+def test_a_reference_that_fails_its_test_or_overruns_fails_the_item_and_the_run_goes_on():
+    """A broken dataset (its solution fails its own test: the self-test's canonical run reports it) or a reference
+    run past the program's timeout: the item fails, never an infrastructure error that stops the run."""
+    broken = dict(TOY, canonical_solution="    return x\n")
+    slow = dict(TOY, canonical_solution="    import time\n    time.sleep(3)\n    return x + 1\n")
+    fails, overruns, fine = run_programs([humaneval_program(p, "    return x + 1\n") for p in (broken, slow, TOY)],
+                                         1.5, workers=2)
+    assert fails.failure_class == "failed:exception" and "solution fails its own test" in fails.result, fails.result
+    assert overruns.failure_class == "timed_out" and "dataset's solution" in overruns.result, overruns.result
+    assert fine.passed, fine.result

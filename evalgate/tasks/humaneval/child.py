@@ -534,7 +534,7 @@ class Judgement:
     def run(self, job):
         timeout = float(self.header["timeout"])
         test, entry_point = job.get("test"), job.get("entry_point")
-        failure = compiled = calls = None
+        failure = compiled = calls = unjudged = None
         if test is not None:  # while the sandbox sets itself up
             try:
                 compiled = judge.compile_trusted(job.get("trusted_prefix", ""), test, entry_point)
@@ -542,9 +542,9 @@ class Judgement:
                 return {"infrastructure_error": f"the trusted prompt or test does not compile: {type(exc).__name__}: {exc}"}
             failure = judge.check_syntax(job["source"], test, entry_point)
             if failure is None:
-                calls, error = self._reference(job, compiled, entry_point, timeout)
-                if error:
-                    return {"infrastructure_error": error}
+                if job.get("reference") is None and job.get("calls") is None:
+                    return {"infrastructure_error": "a test needs the reference solution whose calls the program answers"}
+                calls, unjudged = self._reference(job, compiled, entry_point, timeout)
         self.deadline = self.forked + SETUP_TIMEOUT
         try:
             setup = channel.decode(self.receive())  # the first frame: written before any program code ran
@@ -561,6 +561,8 @@ class Judgement:
         isolation = dict(setup[1])
         ready = isolation.pop("ready_at", None)  # the sandbox's clock (CLOCK_MONOTONIC: the same as the judge's)
         isolation["setup_s"] = round((ready if type(ready) is float else time.monotonic()) - self.forked, 5)
+        if unjudged is not None:  # the program never runs: no calls to give it
+            return self._result(unjudged, 0.0, isolation)
         if test is None:
             return self._plain(job, timeout, isolation)
         # 1. the program answers every call of the reference run, whatever it answers: what it sees (the
@@ -636,7 +638,9 @@ class Judgement:
     reusable_calls = None  # the reference run's calls, where they are the same for every program of the test
 
     def _reference(self, job, compiled, entry_point, timeout):
-        """(the reference run's calls, None), or (None, why not): an infrastructure error, never a verdict.
+        """(the reference run's calls, None), or (None, the item's outcome without them): the dataset's
+        solution failed its own test (the self-test's canonical run says so), or took longer than the program
+        may (a machine too loaded: timed out, as the program itself would likely be).
         Run before the program's timer, while the sandbox waits; the test's ``random`` is left as it was.
 
         The harness keeps the calls of a test whose reference run drew nothing from ``random`` (they are the
@@ -646,18 +650,17 @@ class Judgement:
 
         if job.get("calls") is not None:
             return job["calls"], None
-        if job.get("reference") is None:
-            return None, "a test needs the reference solution whose calls the program answers"
         state = random.getstate()
         calls, error = self._guarded(timeout, lambda: judge.reference_calls(job["reference"], compiled, entry_point))
         if error is None and random.getstate() == state:
             self.reusable_calls = calls
         random.setstate(state)  # the test's second run draws what its reference run drew
         if isinstance(error, judge.Deadline):
-            return None, f"the reference solution did not pass its test within {timeout:.1f} s"
+            return None, ("timed_out", "timed out (the dataset's solution, run against the test for its calls)", None)
         if error is not None:
             name, message = judge.describe(error)
-            return None, f"the reference solution does not pass its own test: {name}: {message}"
+            why = f"the dataset's solution fails its own test: {name}: {message}"
+            return None, ("failed:exception", f"failed: {why}", f"ReferenceFailed: {why}")
         return calls, None
 
     def _plain(self, job, timeout, isolation):
