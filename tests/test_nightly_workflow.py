@@ -225,7 +225,7 @@ def test_a_night_uploads_the_reports_and_ends_as_its_verdict_says(verdict, concl
     verdict_log = job.logs["Verdict"]
     if verdict == "INCONCLUSIVE":
         assert "::warning title=evalgate INCONCLUSIVE::" in verdict_log
-        assert re.search(r"--samples \d+ --temperature 0.7 --seed 0", verdict_log), verdict_log
+        assert re.search(r"--samples \d+ --temperature 0.2 --seed 0", verdict_log), verdict_log
     if verdict == "FAIL":
         assert job.failed == "Verdict" and "::error title=evalgate FAIL::" in verdict_log
 
