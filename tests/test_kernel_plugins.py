@@ -116,6 +116,9 @@ def test_kernels_list_shows_where_each_kernel_comes_from(site, tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = {r["name"]: r for r in json.loads(proc.stdout)}
     assert rows["w4a4_packed"]["origin"] == "evalgate"  # a package cannot take a built-in's place
+    assert rows["deepgemm/fp8_block128"]["capability"] == {"devices": ["cuda"], "arches": [9], "module": "deep_gemm",
+                                                           "distribution": None, "versions": None}
+    assert rows["w4a4_packed"]["capability"]["devices"] == ["cpu", "cuda"]
     good = rows["good/w4a4"]
     assert good["origin"] == "goodplug 0.1 (entry point goodplug.decl:GOOD)" and good["runs_here"]
     assert good["recipe"]["input_ties"] == "zero" and good["recipe"]["shared_expert"] == "outside"

@@ -31,6 +31,13 @@ class RealLibrary:
     arch: tuple[int, ...]  # CUDA compute capabilities (major) it runs on: (9,) SM90, (10,) SM100
     build: Callable[[object], dict] = lambda module: {}  # the loaded module -> its version and build identity
 
+    @property
+    def capability(self):
+        """Where it runs, in the terms a kernel of another package declares (kernels/contract.py)."""
+        from ..contract import Capability
+
+        return Capability(devices=("cuda",), arches=self.arch, module=self.module)
+
     def missing(self) -> str | None:
         """Why this machine cannot run it (None: it can), without importing the library."""
         import torch
