@@ -281,3 +281,23 @@ def test_an_undecided_task_gets_rounds_until_decided(tmp_path, monkeypatch, max_
     he = verdict.decision.tasks["humaneval"]
     assert he.n_samples == 4 and he.alpha == 0.0125 and verdict.decision.tasks["gsm8k"].n_samples == 1
     assert any("humaneval PASS at look 2 (k = 4)" in n for n in verdict.notes)
+
+
+def test_a_look_is_its_data_on_both_sides(tmp_path):
+    """A repeated candidate decided against another (round) baseline is new data: the digest covers both
+    sides, so the record never keeps an answer the data no longer give (issue 45, finding 4)."""
+    from evalgate.gate.compare import compare
+    from evalgate.gate.sequence import candidate_identity, task_digest
+    from evalgate.run.store import load_run
+
+    base, cand = _pair(tmp_path, lost=6)
+    other_base = write_run(tmp_path / "base2", "w4a8", [True] * 200, [i != 39 for i in range(40)],
+                           ["failed:assertion"] * 40, 0)
+    one = compare(load_run(base), load_run(cand)).pairs["humaneval"]
+    two = compare(load_run(other_base), load_run(cand)).pairs["humaneval"]
+    assert task_digest(one) == task_digest(compare(load_run(base), load_run(cand)).pairs["humaneval"])
+    assert task_digest(one) != task_digest(two)
+    # the identity is the candidate's content: its folder and run id do not enter it
+    m = load_run(cand).manifest
+    assert candidate_identity({**m, "run_id": "elsewhere"}) == candidate_identity(m)
+    assert candidate_identity({**m, "model": {**m["model"], "fingerprint": "other weights"}}) != candidate_identity(m)
