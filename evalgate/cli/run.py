@@ -46,7 +46,7 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
                    profiles=chosen, limit=limit, batch_size=batch_size,
                    device=device, dtype=dtype, data_dir=data_dir, datasets=dataset_choice(),
                    max_new_tokens=max_new_tokens, **sampling)
-    previous = prepare_out(out, resume=True) if resume else None
+    previous = prepare_out(out, resume)  # a stored run without --resume is refused before the data load
     if previous is not None:
         spec = _resumed_spec(spec, previous)
     loaded = load_tasks(spec)
