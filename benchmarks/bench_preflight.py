@@ -9,7 +9,9 @@ background load hits both alike. Each runs twice: as installed, and with a packa
 the ``evalgate.kernels`` entry points (a dist-info folder on PYTHONPATH, as pip leaves one; docs/kernels.md#your-own-kernel),
 where the last three rows choose its kernel, a broken one and one whose library is missing. Prints per
 mistake the median wall time of each and its ratio to the reference's median without the plugin, and
-whether torch was imported before the answer.
+whether torch was imported before the answer; then the plugin's own part of the check, timed inside fresh
+processes (the entry-point scan, the chosen declaration's import and checks), which a loaded machine's
+process start-up noise would hide.
 """
 
 from __future__ import annotations
@@ -75,6 +77,20 @@ def plugin_site(ws: Path) -> Path:
     return site
 
 
+# In a fresh process: the plugin's part of the name check alone (the entry-point scan; the chosen kernel's
+# declaration imported and checked), beside the import of the CLI it runs in.
+PLUGIN_COST = ("import time; t0 = time.perf_counter(); import evalgate.cli.main; t1 = time.perf_counter(); "
+               "from evalgate.kernels import plugins; names = plugins.plugin_names(); t2 = time.perf_counter(); "
+               "plugins.require('bench/w4a4'); t3 = time.perf_counter(); print(t1 - t0, t2 - t1, t3 - t2)")
+
+
+def plugin_cost(env: dict, repeats: int) -> list[float]:
+    """Medians over ``repeats`` fresh processes: the CLI's import, the entry-point scan, the declaration."""
+    rows = [[float(v) for v in subprocess.run([sys.executable, "-c", PLUGIN_COST], env=env, capture_output=True,
+                                               text=True, check=True).stdout.split()] for _ in range(repeats)]
+    return [statistics.median(column) for column in zip(*rows)]
+
+
 def timed(args: list[str], probe: Path, env: dict) -> tuple[float, int, bool]:
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True,
@@ -112,6 +128,10 @@ def main() -> None:
             loaded = "yes" if torch["no plugin", name] or torch["plugin", name] else "no"
             print(f"{name:34} {codes['no plugin', name]:>4} {a:>9.2f} {a / ref:>6.2f}   {codes['plugin', name]:>12} "
                   f"{b:>9.2f} {b / ref:>6.2f}  {loaded}")
+        cli, scan, declaration = plugin_cost(envs["plugin"], max(args.repeats, 5))
+        print(f"the plugin's part, in-process (median of {max(args.repeats, 5)} fresh processes): entry-point scan "
+              f"{scan * 1e3:.1f} ms, the chosen declaration imported and checked {declaration * 1e3:.1f} ms, "
+              f"beside {cli * 1e3:.0f} ms importing the CLI")
 
 
 if __name__ == "__main__":
