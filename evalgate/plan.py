@@ -132,6 +132,13 @@ def _missing_baseline(spec: RunSpec | None, missing: list[str], kernel: str, roo
                      f"--baselines-root or ${ROOT_ENV} at the folder that holds it")
 
 
+def planned_profiles(spec: RunSpec) -> dict[str, str]:
+    """task -> the profile name a run of ``spec`` will use (no data read: the policy can be checked first)."""
+    from evalgate.tasks import get_task, resolve_profile
+
+    return {t: resolve_profile(get_task(t), spec.profiles.get(t)).name for t in spec.tasks}
+
+
 def checked_policy(thresholds, profiles: Mapping[str, str | None]) -> Thresholds:
     """The gate's policy (the one resolver) checked against the tasks it will decide, before anything loads:
     every task has a section, written for the profile the task runs. UserError (one line) otherwise."""

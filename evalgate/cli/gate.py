@@ -177,11 +177,11 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     name = served_model_name(model, server, launch, model_id) if served else None
     spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name,
                     sampling)
-    loaded = load_tasks(spec)  # the task data, read once
-    from evalgate.plan import checked_policy
+    from evalgate.plan import checked_policy, planned_profiles
 
-    # the policy covers these tasks and profiles: refused before a server starts or the model loads
-    policy = checked_policy(policy, {t: lt.resolved.profile.name for t, lt in loaded.items()})
+    # the policy covers these tasks and profiles: refused before the data are read, a server starts or the model loads
+    policy = checked_policy(policy, planned_profiles(spec))
+    loaded = load_tasks(spec)  # the task data, read once
     preflight.free_space(run_out, preflight.run_bytes(sum(len(t.items) for t in loaded.values()), spec.samples),
                          "--out")
     if not (served or baselines):  # a missing baseline is told before torch and the statistics load
