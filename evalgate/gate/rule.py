@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 # - PASS: shown within M — H0 "Δ ≤ −M" rejected at α (k = 1: the exact unconditional test of Tango's statistic,
 #   evalgate.stats.exact_ni; k > 1: the score interval's bound L > −M).
 # - FAIL: shown worse than M — H0 "Δ ≥ −M" rejected at α_acc (Holm across tasks), or a validity rate shown
-#   risen (the exact test on the discordant flags at α_validity/J). So a kernel whose loss is within M FAILs
-#   with probability ≤ α_acc + α_validity ≤ α (at Δ = 0 and at every Δ ≥ −M): M is the loss the policy accepts.
+#   risen by more than its limit (the exact test of "rise ≤ limit" on the discordant flags at α_validity/J). So a
+#   kernel whose loss is within M, and whose flags rise by no more than the limits, FAILs with probability
+#   ≤ α_acc + α_validity ≤ α (at Δ = 0 and at every Δ ≥ −M): M is the loss the policy accepts.
 # - INCONCLUSIVE: neither; the verdict says what margin the data resolve and how many samples would resolve M.
 #
 # - A candidate inferior by M or more on some task PASSes with probability ≤ α: each task's NI test is at
@@ -411,8 +412,8 @@ def decide_task(data: TaskData, rule: TaskRule) -> TaskDecision:
     """The per-task decision (docs/gate.md#the-decision-rule), as a pure function of the task's paired data
     and the policy's rule for it. Verdict:
 
-    - FAIL when a validity rate rose significantly (exact one-sided McNemar on the indicator at its share
-      α_validity/J), or the candidate is shown worse than the margin (H0 "Δ ≥ −M" rejected at
+    - FAIL when a validity rate is shown risen by more than its limit (the exact paired test of "rise ≤
+      limit" at its share α_validity/J), or the candidate is shown worse than the margin (H0 "Δ ≥ −M" rejected at
       α_acc = α − α_validity; Holm across tasks in ``decide_overall``);
     - PASS when shown within the margin: the one-sided (1 − α) lower bound for Δ (Tango's at the exact
       critical value; its k-sample generalisation) is > −margin;
