@@ -565,8 +565,8 @@ class Judgement:
             return self._result(unjudged, 0.0, isolation)
         if test is None:
             return self._plain(job, timeout, isolation)
-        # 1. the program answers every call of the reference run, whatever it answers: what it sees (the
-        # calls, in order, each after its previous answer) does not depend on whether its answers are right
+        # 1. the program answers every call of the reference run, whatever it answers: what it sees (its
+        # program, then the same calls in the same order) does not depend on whether its answers are right
         started = time.monotonic()
         answers = []
 
