@@ -21,7 +21,7 @@ import sys
 import types
 
 # imported at module level by sglang.srt.utils.common / configs, never used by the parser
-STUBS = {"PIL", "torchvision", "partial_json_parser", "sentencepiece"}
+STUBS = {"PIL", "torchvision", "partial_json_parser", "sentencepiece", "xgrammar"}
 FIELDS = ("model_path", "host", "port", "tp_size", "dp_size", "enable_deterministic_inference", "moe_a2a_backend",
           "chunked_prefill_size", "enable_w4a4_mxfp4_megamoe", "enable_dp_attention")
 
@@ -40,6 +40,11 @@ class _Anything:
 
     def __mro_entries__(self, bases):
         return (object,)
+
+    def __get_pydantic_core_schema__(self, source, handler):  # a stubbed type inside a pydantic model (0.5.17-0.5.19)
+        from pydantic_core import core_schema
+
+        return core_schema.any_schema()
 
 
 class _StubModule(types.ModuleType):
@@ -85,7 +90,8 @@ def main() -> None:
         try:
             with contextlib.redirect_stderr(err):
                 ns = p.parse_args(argv)
-            answers.append({"ok": True, "args": {f: getattr(ns, f, None) for f in FIELDS}})
+            answers.append({"ok": True, "args": {f: getattr(ns, f, None) for f in FIELDS},
+                            "fields": sorted(vars(ns))})  # what /server_info's resolved server arguments hold
         except SystemExit:
             answers.append({"ok": False, "error": err.getvalue().strip().splitlines()[-1:]})
     print(json.dumps(answers))
