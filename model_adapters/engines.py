@@ -197,7 +197,8 @@ TABLE: tuple[Row, ...] = (
        ":484 (router weights scaled before the kernel); entrypoints/serve/dev/server_info/api_router.py:43-58 "
        "(/server_info?config_format=json), entrypoints/launchers/api_server/routers.py:46 (only with "
        "VLLM_SERVER_DEV_MODE=1); model_executor/layers/fused_moe/oracle/mxfp4.py:812-813 (with no --moe-backend the "
-       "backend the oracle picks is only logged)"),
+       "backend the oracle picks is only logged); the same in 0.30 (models/deepseek_v4/nvidia/model.py:730 fp8xfp4, "
+       ":799 expert parallel, :937-938 fusion) and 0.31-0.33"),
 )
 
 
