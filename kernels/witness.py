@@ -118,6 +118,9 @@ def hold(witness: Witness, calls: list[Counter], expect: Expectation) -> Witness
     if expect.required is None or not calls:
         witness.held, witness.ok = False, bool(calls) or witness.device != "cuda"
         return witness
+    if witness.device == "cuda" and not total:  # the profiler saw no CUDA activity at all (no CUPTI here)
+        witness.held, witness.expected = False, f"{expect.what}: not held, the profiler recorded no CUDA kernel"
+        return witness
     required, allowed = re.compile(expect.required), re.compile(expect.allowed or expect.required)
     witness.held = True
     witness.missing = sum(1 for c in calls if not any(required.search(n) for n in c))
@@ -237,9 +240,14 @@ def watch(model, tokenizer, kernel, prompts: list[str], device: str) -> Witness:
                                  device=str(device))
             if on_gpu:
                 activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-                with torch.profiler.profile(activities=activities) as prof:
+                try:
+                    with torch.profiler.profile(activities=activities) as prof:
+                        run()
+                    per_call = _kernels_per_call(prof.events())
+                except RuntimeError as exc:  # the profiler cannot run here: say so, hold nothing
+                    witness.method += f" (the profiler could not run: {exc})"
                     run()
-                per_call = _kernels_per_call(prof.events())
+                    per_call = None
             else:
                 run()
                 per_call = calls.calls
@@ -247,7 +255,11 @@ def watch(model, tokenizer, kernel, prompts: list[str], device: str) -> Witness:
         counter.remove()
     witness.steps = steps[0]
     expect = expectation(kernel) if on_gpu else Expectation(None, None, _cpu_expectation(kernel))
-    hold(witness, per_call, expect)
+    if per_call is None:
+        expect = Expectation(None, None, "not held: the profiler could not run")
+    hold(witness, per_call or [], expect)
+    if per_call is None:
+        witness.ok = True
     witness.seconds = round(time.perf_counter() - t0, 3)
     return witness
 
