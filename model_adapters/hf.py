@@ -80,7 +80,7 @@ def resolved_numerics(model, numerics: str) -> str:
     """What ``numerics="auto"`` means for ``model`` where it now lies: canonical, except for a DeepSeek-V4
     model with compressed attention on a GPU, which keeps PyTorch's numerics. Its decoding steps run there
     as CUDA graphs of the whole step (the speed the README measures at full width); the canonical forward
-    synchronises with the host in every step and keeps float64 grids of the dense weights (8 times their
+    synchronises with the host in every step and keeps float64 grids of the dense weights (4 times their
     BF16 bytes). ``canonical`` and ``native`` are what they say."""
     if numerics != "auto":
         return numerics
