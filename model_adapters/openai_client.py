@@ -17,26 +17,26 @@ up), then checks the kernel against what the server reports (``verification.chec
 that reports another kernel is refused; one that reports nothing that tells is recorded as
 ``kernel_verified: false`` (status ``unverified``) with the reason, and the verdict says so. What the server says about its deterministic mode (SGLang's
 ``enable_deterministic_inference``, or the launch plan when evalgate started it) goes into the manifest;
-evalgate warns when it is off or unknown (docs/serving.md#deterministic-engines). Transport: one httpx
-connection pool with keep-alive for the whole run.
+evalgate warns when it is off or unknown (docs/serving.md#deterministic-engines). Transport: ``http.client``
+connections kept alive for the whole run, one per request in flight.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import http.client
 import json
 import os
 import platform
 import queue
+import select
 import ssl
 import sys
 import threading
 import time
 from collections import deque
 from urllib.parse import urlsplit
-
-import httpx
 
 from evalgate.version import __version__
 from evalgate.errors import UserError
@@ -137,9 +137,9 @@ class OpenAIAdapter(AdapterBase):
         t0 = last_said = time.monotonic()
         while True:
             try:
-                with self._connections.lend() as client:
-                    status = client.get("/health").status_code
-            except httpx.HTTPError:
+                with self._connections.lend() as conn:
+                    status = conn.request("GET", "/health")[0]
+            except TRANSPORT_ERRORS:
                 return
             if status != 503:
                 return
@@ -180,7 +180,7 @@ class OpenAIAdapter(AdapterBase):
         if self.model_id is not None:
             try:
                 status, body = self._http("GET", "/v1/models", None)
-            except httpx.HTTPError:
+            except TRANSPORT_ERRORS:
                 status, body = None, b""  # unreachable: the retrying call below says so clearly
             if status is not None:
                 try:
@@ -380,9 +380,9 @@ class OpenAIAdapter(AdapterBase):
                     raise _Retryable(f"malformed response ({type(exc).__name__}: {exc}): {body[:120]!r}") from None
             except _Retryable as exc:
                 last = str(exc)
-            except httpx.TimeoutException:
+            except TimeoutError:
                 last = f"no answer within --request-timeout {self.request_timeout:g} s"
-            except httpx.TransportError as exc:  # refused, reset, dropped mid-response
+            except TRANSPORT_ERRORS as exc:  # refused, reset, dropped mid-response
                 last = _transport_error(exc)
         # the server, not the input: the command line ends with the environment code (4)
         hint = RESUME_HINT if what.startswith("item") else "check that the server is up and serving, then rerun"
@@ -392,9 +392,8 @@ class OpenAIAdapter(AdapterBase):
     def _http(self, method: str, path: str, payload: dict | None) -> tuple[int, bytes]:
         body = None if payload is None else json.dumps(payload).encode("utf-8")
         headers = {"Content-Type": "application/json"} if body is not None else None
-        with self._connections.lend() as client:
-            resp = client.request(method, path, content=body, headers=headers)
-            return resp.status_code, resp.content
+        with self._connections.lend() as conn:
+            return conn.request(method, path, body, headers)
 
     def _get_json(self, path: str, required: bool = False):
         """GET ``path`` as JSON; None when the server has no such endpoint (only ``required`` ones retry)."""
@@ -403,7 +402,7 @@ class OpenAIAdapter(AdapterBase):
         try:
             status, body = self._http("GET", path, None)
             return json.loads(body) if status == 200 else None
-        except (httpx.HTTPError, ValueError):
+        except (*TRANSPORT_ERRORS, ValueError):
             return None
 
 
@@ -549,49 +548,84 @@ def _parse_choice(data: dict, chat: bool) -> tuple[str, str, str | None, dict]:
     return text, STOP_REASONS[raw], hit if isinstance(hit, str) else None, usage
 
 
+class Connection:
+    """One kept-alive HTTP/1.1 connection (``http.client``: about 0.6 ms less CPU per request than an httpx
+    client, which counts on a two-core runner driving a server at concurrency 16). A connection the server
+    closed while it sat idle (its socket reads as ready: end of stream) is opened again before the request is
+    sent, as keep-alive clients do; a request is never sent twice here: failures are the caller's to retry."""
+
+    def __init__(self, url: str, timeout: float, headers: dict, tls: ssl.SSLContext):
+        parts = urlsplit(url)
+        self.https = parts.scheme == "https"
+        self.host, self.port = parts.hostname, parts.port or (443 if self.https else 80)
+        self.prefix = parts.path.rstrip("/")
+        self.timeout, self.headers, self.tls = timeout, headers, tls
+        self._conn: http.client.HTTPConnection | None = None
+
+    def request(self, method: str, path: str, body: bytes | None = None,
+                headers: dict | None = None) -> tuple[int, bytes]:
+        if self._conn is not None and self._conn.sock is not None and select.select([self._conn.sock], [], [], 0)[0]:
+            self.close()  # idle and readable: the server closed it (or sent what no request asked for)
+        if self._conn is None:
+            self._conn = (http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self.tls)
+                          if self.https else http.client.HTTPConnection(self.host, self.port, timeout=self.timeout))
+        try:
+            self._conn.request(method, self.prefix + path, body=body, headers={**self.headers, **(headers or {})})
+            resp = self._conn.getresponse()
+            data = resp.read()
+        except (OSError, http.client.HTTPException):
+            self.close()
+            raise
+        if resp.will_close:
+            self.close()
+        return resp.status, data
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
 class Connections:
-    """The run's kept-alive connections: httpx clients of one connection each, each lent to one request at a
-    time and returned after it, so a connection is opened only when more requests are in flight than ever
-    before (no request opens one after the first ``concurrency`` have). One shared httpx pool would do the
-    same, but every request then takes its pool lock twice and scans its connections: with 64 threads that
-    cost the client about three times the CPU (and ~4% of a run's wall time on an idle 16-core host)."""
+    """The run's kept-alive connections, each lent to one request at a time and returned after it, so a
+    connection is opened only when more requests are in flight than ever before (no request opens one after
+    the first ``concurrency`` have), and never dropped for sitting idle: a run that pauses on a loaded machine,
+    or to score, finds its connections where it left them."""
 
     def __init__(self, url: str, request_timeout: float):
         self.url, self.request_timeout = url, request_timeout
-        self._free: list[httpx.Client] = []
-        self._all: list[httpx.Client] = []
+        self._free: list[Connection] = []
+        self._all: list[Connection] = []
         self._lock = threading.Lock()
-        # one TLS context for all (httpx would load the CA bundle again for every client: ~18 ms each)
-        self._tls = ssl.create_default_context()
+        self._tls = ssl.create_default_context()  # one for all: loading the CA bundle costs ~18 ms
 
     @contextlib.contextmanager
     def lend(self):
         with self._lock:
-            client = self._free.pop() if self._free else self._open()
+            conn = self._free.pop() if self._free else self._open()
         try:
-            yield client
+            yield conn
         finally:
             with self._lock:
-                self._free.append(client)
+                self._free.append(conn)
 
-    def _open(self) -> httpx.Client:
+    def _open(self) -> Connection:
         headers = {"Accept": "application/json"}
         if os.environ.get(API_KEY_ENV):
             headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
-        # an idle connection is kept as long as a request may take (httpx's default drops it after 5 s): a run
-        # that pauses on a loaded machine, or to score, finds its connections where it left them
-        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=self.request_timeout)
-        client = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(self.request_timeout),
-                              limits=limits, trust_env=False, verify=self._tls)
-        self._all.append(client)
-        return client
+        conn = Connection(self.url, self.request_timeout, headers, self._tls)
+        self._all.append(conn)
+        return conn
 
     def close(self) -> None:
         with self._lock:
-            for client in self._all:
-                client.close()
+            for conn in self._all:
+                conn.close()
             self._all.clear()
             self._free.clear()
+
+
+TRANSPORT_ERRORS = (OSError, http.client.HTTPException)  # refused, reset, dropped mid-response, timed out
 
 
 def _transport_error(exc: BaseException) -> str:

@@ -197,3 +197,42 @@ def test_a_ctrl_c_landing_just_after_a_write_stores_no_item_twice(data_dir, tmp_
         adapter = OpenAIAdapter(server.url, "w4a8", concurrency=1, retries=1, backoff_s=0.01)
         execute(spec, out, resume=True, adapter=adapter, progress=quiet())
     assert [r["doc_id"] for r in lines(out / "gsm8k.jsonl")] == list(range(6))
+
+
+def test_a_kept_alive_connection_the_server_closed_while_idle_is_reopened_and_nothing_is_sent_twice():
+    """The server answers as HTTP/1.1 (keep-alive) but closes each connection after its answer: the next
+    request finds the socket at end of stream and goes out on a new connection, once."""
+    import http.server
+    import threading
+    import time as _time
+
+    from evalgate.model_adapters.openai_client import Connections
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            seen.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+            self.close_connection = True  # without saying so: the client still holds it as kept alive
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        pool = Connections(f"http://127.0.0.1:{httpd.server_address[1]}", 10.0)
+        for n in range(3):
+            with pool.lend() as conn:
+                assert conn.request("GET", f"/r{n}") == (200, b"{}")
+            _time.sleep(0.05)  # the server's close reaches the idle socket
+        assert seen == ["/r0", "/r1", "/r2"] and len(pool._all) == 1  # one slot, reopened, no request repeated
+        pool.close()
+    finally:
+        httpd.shutdown()
