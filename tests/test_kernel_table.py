@@ -299,6 +299,9 @@ def test_a_contradicted_server_kernel_gets_no_verdict_and_an_unverifiable_one_is
                 assert not any("unverified" in n for n in verdict.notes)
             else:
                 assert f"server kernel unverified: {why}" in verdict.notes
+                from evalgate.report.text import markdown
+
+                assert f"server kernel unverified: {why}" in markdown(verdict)  # the reports carry the label
 
 
 def test_runs_served_with_and_without_the_fused_shared_expert_are_not_comparable(tmp_path):
