@@ -157,7 +157,8 @@ TABLE: tuple[Row, ...] = (
         "w4a4": _LEGACY_CRASH, "w4a4_packed": _LEGACY_CRASH, "w4a4_te": _NO_SWITCH,
     }, "sgl-deep-gemm 0.1.7 deep_gemm/mega/__init__.py:19-40 (_check_legacy_fp4_acts_env); sglang 0.5.18 "
        "srt/environ.py:1030 (no W4A4 switch in server_args)"),
-    Row("sglang", ("0.5.19", None), ("0.0.0", "0.1.7"), {k: _OLD_LIBRARY for k in ("w4a8", "w4a8_sglang", *W4A4_KERNELS)},
+    Row("sglang", ("0.5.19", None), ("0.0.0", "0.1.7"),
+        {k: _OLD_LIBRARY for k in ("w4a8", "w4a8_sglang", *W4A4_KERNELS)},
         "sglang 0.5.19 METADATA (Requires-Dist: sgl-deep-gemm==0.1.7); srt/layers/moe/mega_moe.py:258-272 "
         "(mega_moe_pre_dispatch(..., mma_type=))"),
     Row("sglang", ("0.5.19", "0.5.22"), ("0.1.7", "0.2.0"), {

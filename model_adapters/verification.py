@@ -151,8 +151,8 @@ def _check_sglang(kernel: str, info: dict, stack: Stack, launch: dict) -> Kernel
                            "nothing tells whether DeepGEMM's mega-MoE kernel serves the experts", "sglang", version,
                            rests_on=seen)
     if not mega:
-        return KernelCheck(CONTRADICTED, f"/server_info reports moe_a2a_backend={a2a!r}, moe_runner_backend={runner!r}: "
-                           "DeepSeek-V4's experts are not on DeepGEMM's mega-MoE path, and the backend that serves "
+        return KernelCheck(CONTRADICTED, f"/server_info reports moe_a2a_backend={a2a!r}, "
+                           f"moe_runner_backend={runner!r}: DeepSeek-V4's experts are not on DeepGEMM's mega-MoE path, and the backend that serves "
                            f"them {NOT_A_RECIPE}", "sglang", version, rests_on=seen)
     if flag is True and kernel != _flag_kernel(stack):
         return KernelCheck(CONTRADICTED, f"/server_info reports enable_w4a4_mxfp4_megamoe=true: the server runs "
@@ -181,7 +181,8 @@ def _check_sglang(kernel: str, info: dict, stack: Stack, launch: dict) -> Kernel
         shown = ", ".join(f"{k}={v!r}" for k, v in selection.server_info.items())
         return KernelCheck(VERIFIED, f"/server_info reports {shown}", "sglang", version, serving, seen)
     why = ("SGLang before 0.5.19 selects W4A4 from DG_* variables, which /server_info does not report; it shows "
-           "only that the mega-MoE path is on" + ("; evalgate set them at launch (launch.kernel_env)" if launch else ""))
+           "only that the mega-MoE path is on"
+           + ("; evalgate set them at launch (launch.kernel_env)" if launch else ""))
     return KernelCheck(UNVERIFIED, why, "sglang", version, serving, seen)
 
 

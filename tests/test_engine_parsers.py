@@ -133,7 +133,8 @@ def test_each_row_says_what_its_release_does(version):
     # the megamoe variable is read only where mega_moe_on honours it
     assert ("SGLANG_OPT_USE_DEEPGEMM_MEGA_MOE = EnvBool" in environ) is (version_tuple(version) < (0, 5, 18))
     # without megamoe the DeepSeek-V4 override serves FlashInfer MXFP4 (no evalgate recipe) from 0.5.19
-    assert (override.is_file() and '"flashinfer_mxfp4"' in override.read_text()) is (version_tuple(version) >= (0, 5, 19))
+    overridden = override.is_file() and '"flashinfer_mxfp4"' in override.read_text()
+    assert overridden is (version_tuple(version) >= (0, 5, 19))
     # /server_info returns the resolved server arguments (from 0.5.22 through utils/common.py's build_server_info)
     builder = src / "utils" / "common.py"
     built = "build_server_info" in server and "server_args.resolved_dict()" in builder.read_text()
@@ -162,7 +163,8 @@ def test_vllm_reports_its_moe_backend_only_in_dev_mode_and_as_verification_reads
     # the backend the launcher selects, and the fields verification reads
     assert '"deep_gemm_mega_moe"' in kernel and "moe_backend: MoEBackend" in kernel
     assert 'add_argument("--moe-backend"' in args
-    assert "parallel_config.enable_expert_parallel" in model and "VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION" in model
+    assert "parallel_config.enable_expert_parallel" in model
+    assert "VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION" in model
     assert "self.tp_size == 1" in model  # fusion at TP 1 (or sequence-parallel MoE), as verification records it
     row = find_row(Stack("vllm", VLLM))
     assert row.kernels["w4a8"].flags == ("--moe-backend=deep_gemm_mega_moe", "--enable-expert-parallel")

@@ -141,7 +141,8 @@ def test_a_w4a4_kernel_on_a_hopper_gpu_is_refused():
 
 # ---- after start: a given stand-in server per engine version ----
 
-def sglang_info(version: str, backend: str = "megamoe", w4a4_flag: bool | None = None, runner: str | None = None) -> dict:
+def sglang_info(version: str, backend: str = "megamoe", w4a4_flag: bool | None = None,
+                runner: str | None = None) -> dict:
     info = {"model_path": "/models/dsv4", "tp_size": 4, "version": version, "moe_a2a_backend": backend,
             "enable_deterministic_inference": True}
     if w4a4_flag is not None:  # SGLang >= 0.5.19 reports its W4A4 switch
@@ -203,7 +204,8 @@ def test_serving_identity_names_fusion_and_routed_scaling():
             FakeServer(server_info=sglang_info("0.5.21", w4a4_flag=False)) as mid, \
             FakeServer(server_info=sglang_info("0.5.14")) as old:
         fused = OpenAIAdapter(new.url, "w4a8", retries=0).info()["kernel_check"]["serving_identity"]
-        unfused = [OpenAIAdapter(s.url, "w4a8", retries=0).info()["kernel_check"]["serving_identity"] for s in (mid, old)]
+        unfused = [OpenAIAdapter(s.url, "w4a8", retries=0).info()["kernel_check"]["serving_identity"]
+                   for s in (mid, old)]
     assert fused["shared_expert_fusion"].startswith("fused") and fused["routed_scaling"] == "before the kernel"
     # 0.5.20-0.5.21 never fuse and scale after the kernel (mega_moe.py:414-415 of 0.5.21): fusion starts in 0.5.22
     assert unfused == [{"served_numerics": "w4a8_sglang", "routed_scaling": "after the kernel",
