@@ -22,9 +22,11 @@ def test_list_json_has_identity_serving_and_recipe():
         serving = [t for t in TABLE if isinstance(t.kernels.get(name), Selection)]
         assert len(row["served_by"]) == len(serving), name
     (packed,) = rows["w4a4_packed"]["served_by"]
-    assert packed.startswith("sglang 0.5.12 to before 0.5.20, sgl-deep-gemm 0.1.0 to before 0.1.7: ")
-    assert "DG_MEGA_MOE_FP4=1" in packed and "DG_USE_FP4_ACTS=1" in packed
-    assert rows["w4a4_te"]["served_by"] == ["sglang >= 0.5.20, sgl-deep-gemm >= 0.2.0: --enable-w4a4-mxfp4-megamoe"]
+    assert packed.startswith("sglang 0.5.12 to before 0.5.19, sgl-deep-gemm 0.1.0 to before 0.1.7: ")
+    assert "DG_MEGA_MOE_FP4=1" in packed and "DG_USE_FP4_ACTS=1" in packed and "--moe-a2a-backend megamoe" in packed
+    assert rows["w4a4_te"]["served_by"] == [
+        f"sglang {span}, sgl-deep-gemm >= 0.2.0: --moe-a2a-backend megamoe --enable-w4a4-mxfp4-megamoe"
+        for span in ("0.5.19 to before 0.5.22", ">= 0.5.22")]
     assert any("computes w4a8_sglang" in line for line in rows["w4a8"]["served_by"])
     assert rows["faulty/w4a4_packed-drop-slot"]["served_by"] == [] and "env" not in rows["w4a4"]
     assert rows["w4a4_packed"]["recipe"]["activations"] == "e2m1"
