@@ -123,6 +123,26 @@ def test_written_header_is_what_the_specs_say(released):
     assert set(index["weight_map"]) == {t[0] for t in written}
 
 
+def test_fp8_block_dequantization_is_exact_in_bf16():
+    """code x 2^e is a BF16 value: dequantizing to BF16, FP32 or float64 gives the same numbers, with or
+    without partial blocks, and the GPU's broadcast form (``dequantize_fast``) gives them too."""
+    from evalgate.kernels.fp8_blocks import dequantize, quantize, scale_grid, scale_values
+    from evalgate.model_adapters.fp8_linear import dequantize_fast
+
+    gen = torch.Generator().manual_seed(3)
+    for shape in ((256, 384), (300, 200), (64, 128)):
+        w = torch.randn(shape, generator=gen) * torch.logspace(-3, 1, shape[1])  # blocks of different scales
+        codes, scale = quantize(w)
+        assert codes.dtype == torch.float8_e4m3fn and tuple(scale.shape) == scale_grid(shape)
+        exact = dequantize(codes, scale, torch.float64)
+        assert torch.equal(dequantize(codes, scale, torch.bfloat16).double(), exact)
+        assert torch.equal(dequantize(codes, scale, torch.float32).double(), exact)
+        assert torch.equal(dequantize_fast(codes, scale_values(scale, torch.float32), torch.bfloat16).double(), exact)
+        assert torch.equal(dequantize(*quantize(exact.float()), torch.float64), exact)  # on the grid: unchanged
+    with pytest.raises(ValueError, match="scale grid"):
+        dequantize(codes, torch.cat([scale, scale], dim=1))
+
+
 # --- loading it as released -------------------------------------------------------------------------
 
 
