@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
 
     import evalgate.kernels.catalogs  # noqa: F401
     from evalgate.kernels import get_kernel, witness
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf import greedy_decoder, load_model
 
     prompts = ["Question: Natalia sold clips to 48 of her friends in April, and then half as many in May. How many "
                "clips did she sell altogether?\nAnswer:", "Question: Weng earns $12 an hour for babysitting. "
@@ -80,7 +80,8 @@ def main(argv=None) -> dict:
         load_s = time.perf_counter() - t0
         _decode_s(model, tokenizer, prompts, device, 1)  # warm-up: compiles, converts weights
         plain = _decode_s(model, tokenizer, prompts, device, args.repeat)
-        seen = [witness.watch(model, tokenizer, kernel, prompts, device) for _ in range(args.repeat)]
+        seen = [witness.watch(model, kernel, prompts, device, greedy_decoder(model, tokenizer, device))
+                for _ in range(args.repeat)]
         cost = statistics.median(w.seconds for w in seen)
         w = seen[-1]
         figures["kernels"][name] = {"load_s": round(load_s, 2), "decode_s": round(plain, 3),

@@ -533,8 +533,8 @@ def load_aa(path: str | Path) -> AARecord:
 
 def load_verdict(path: str | Path) -> VerdictRecord:
     """``gate.json`` as a VerdictRecord (refuses an unknown schema_version in one line), the runs it names
-    found from here (``evalgate.run.located``: a gate folder read from anywhere, or copied with its run)."""
-    from evalgate.run.located import recorded_run
+    found from here (``evalgate.located``: a gate folder read from anywhere, or copied with its run)."""
+    from evalgate.located import recorded_run
 
     record = load(VerdictRecord, path)
     gate_dir = Path(path).parent

@@ -22,6 +22,7 @@ import re
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -215,11 +216,11 @@ def _subtree(event):
         yield from _subtree(child)
 
 
-def watch(model, tokenizer, kernel, prompts: list[str], device: str) -> Witness:
-    """Run the first ``PROMPTS`` of ``prompts`` through the run's own decoding (``generation.decode``) for
-    ``NEW_TOKENS`` tokens and return the witness of what ran in the MoE layers, judged on a GPU."""
-    from evalgate.model_adapters.generation import decode
-
+def watch(model, kernel, prompts: list[str], device: str,
+          decode: Callable[[list[str], int], object]) -> Witness:
+    """Run the first ``PROMPTS`` of ``prompts`` through the run's own decoding for ``NEW_TOKENS`` tokens and
+    return the witness of what ran in the MoE layers, judged on a GPU. ``decode(prompts, new_tokens)`` is the
+    adapter's decoding, handed in: kernels sit below the model adapters and do not import them."""
     on_gpu = str(device).startswith("cuda")
     library = kernel.library.module if kernel.real else None
     method = ("torch.profiler CUDA activity inside each routed-experts call" if on_gpu else
@@ -236,8 +237,7 @@ def watch(model, tokenizer, kernel, prompts: list[str], device: str) -> Witness:
     counter = model.register_forward_pre_hook(count, with_kwargs=True)
     try:
         with _Calls(model, witness.device, library) as calls:
-            run = lambda: decode(model, tokenizer, chosen, [()] * len(chosen), [NEW_TOKENS] * len(chosen),  # noqa: E731
-                                 device=str(device))
+            run = lambda: decode(chosen, NEW_TOKENS)  # noqa: E731
             if on_gpu:
                 activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 try:

@@ -422,7 +422,7 @@ class _SharedQueue(_LocalQueue):
 def _worker(args, queue, conn, parent: int) -> None:
     """A forked worker: decodes what it takes from the shared queue, sends each finished list back, then
     what its loop spent (``DecodeStats``). It dies with ``parent`` (the pid that forked it)."""
-    from evalgate.run.lifetime import die_with_parent
+    from evalgate.lifetime import die_with_parent
 
     die_with_parent(parent)
     try:

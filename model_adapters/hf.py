@@ -142,6 +142,15 @@ def _load_streamed(d: Path, kernel, device_map: str, dtype: str | None, numerics
     return dispatch(model), tokenizer
 
 
+
+def greedy_decoder(model, tokenizer, device):
+    """``decode(prompts, new_tokens)``: greedy decoding of ``prompts`` through this model, no stops, as the
+    execution witness (kernels/witness.py) drives it."""
+    def decode_prompts(prompts: list[str], new_tokens: int):
+        return decode(model, tokenizer, prompts, [()] * len(prompts), [new_tokens] * len(prompts), device=str(device))
+    return decode_prompts
+
+
 class HFAdapter(AdapterBase):
     """Generates for evalgate's requests with a local checkpoint and one kernel."""
 
@@ -197,7 +206,8 @@ class HFAdapter(AdapterBase):
         if not experts_modules(self.model):  # no routed experts: no kernel of evalgate's ran
             return record
         # what actually ran in the MoE layers, held against the kernel named (kernels/witness.py)
-        return joined(record, watch(self.model, self.tokenizer, self.kernel, prompts, self.device))
+        return joined(record, watch(self.model, self.kernel, prompts, self.device,
+                                    greedy_decoder(self.model, self.tokenizer, self.device)))
 
     def _placement(self) -> dict:
         placement = getattr(self.model, "_evalgate_placement", None)

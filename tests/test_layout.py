@@ -20,7 +20,7 @@ ROOTS = {"evalgate": REPO / "evalgate", "evalgate.kernels": REPO / "kernels",
 # Stage of each part, lowest first: a module may import its own stage or lower ones, never higher.
 STAGES = [
     (0, ("evalgate.errors", "evalgate.files", "evalgate.cores", "evalgate.allocator", "evalgate.collector", "evalgate.types", "evalgate.formatting", "evalgate.version", "evalgate.records",
-         "evalgate.quiet")),
+         "evalgate.quiet", "evalgate.lifetime", "evalgate.located")),
     (1, ("evalgate.stats", "evalgate.tasks", "evalgate.kernels")),
     (2, ("evalgate.model_adapters",)),
     (3, ("evalgate.canary",)),

@@ -22,7 +22,7 @@ from evalgate.cli.preflight import run_lock
 
 def worker(parent, die):
     if die:
-        from evalgate.run.lifetime import die_with_parent
+        from evalgate.lifetime import die_with_parent
         die_with_parent(parent)
     time.sleep(120)
 

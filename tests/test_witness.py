@@ -81,11 +81,11 @@ def test_a_failed_witness_fails_the_conformance_record_it_joins():
 
 
 def test_on_a_cpu_the_witness_records_the_emulators_functions(tiny_model):
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf import greedy_decoder, load_model
 
     model, tokenizer = load_model(tiny_model, "w4a4_te")
-    w = watch(model, tokenizer, get_kernel("w4a4_te"), ["Question: 2 + 3?\nAnswer:", "Question: 7 - 1?\nAnswer:"],
-              "cpu")
+    w = watch(model, get_kernel("w4a4_te"), ["Question: 2 + 3?\nAnswer:", "Question: 7 - 1?\nAnswer:"],
+              "cpu", greedy_decoder(model, tokenizer, "cpu"))
     assert w.device == "cpu" and not w.held and w.ok
     assert w.steps >= 2 and w.layer_calls >= w.steps  # the prefill(s) and one decoding step, each MoE layer
     assert any(name.startswith("evalgate.kernels.") for name in w.ran), w.ran
