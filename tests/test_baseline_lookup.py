@@ -142,3 +142,51 @@ def test_a_non_editable_install_finds_its_baseline_from_an_empty_directory(tmp_p
     for task in ("gsm8k", "humaneval"):
         (line,) = [x for x in lines if x.startswith(task + " ")]
         assert line.startswith(f"{task} {site / 'evalgate' / 'canary' / 'baselines'}"), proc.stdout
+
+
+def _no_data_read(monkeypatch):
+    from evalgate.tasks import source
+
+    def read(*args, **kwargs):
+        raise AssertionError("the task data were read before the missing baseline was told")
+
+    monkeypatch.setattr(source, "_load_files", read)
+    monkeypatch.setattr(source, "_load_local", read)
+
+
+@pytest.mark.parametrize("flags", [["--limit", "20"], ["--samples", "4", "--temperature", "0.8"],
+                                   ["--max-new-tokens", "64"]])
+def test_a_gate_no_stored_baseline_can_match_is_refused_before_the_task_data_are_read(elsewhere, monkeypatch,
+                                                                                     flags):
+    from evalgate.cli.main import main
+
+    _no_data_read(monkeypatch)
+    result = CliRunner().invoke(main, ["gate", "--model", str(canary_path()), "--out", str(elsewhere / "run"),
+                                       *flags])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("evalgate: error: no stored w4a8 baseline"), result.output
+    assert not (elsewhere / "run").exists()
+
+
+def test_the_early_check_leaves_a_possible_match_to_the_profile_id():
+    # only a certain miss is told early: the packaged canary baselines stay reachable (and --limit above
+    # their item counts keeps them candidates), another kernel, limit or sampling does not
+    from evalgate.plan import local_fingerprint
+    from evalgate.run.runner import with_overrides
+    from evalgate.run.samples import Sampling
+    from evalgate.tasks import get_task, resolve_profile
+
+    fingerprint, roots = local_fingerprint(str(canary_path())), [BASELINES]
+
+    def could(task, kernel="w4a8", limit=None, sampling=Sampling(1, 0.0, 0), max_new_tokens=None):
+        spec = RunSpec(model=str(canary_path()), kernel=kernel, tasks=[task], max_new_tokens=max_new_tokens)
+        profile = with_overrides(resolve_profile(get_task(task), PROFILES[task]), spec)
+        return baselines.could_be_stored(roots, fingerprint, kernel, task, profile, limit, sampling)
+
+    assert could("gsm8k") and could("humaneval") and could("gsm8k", limit=1000)
+    assert not could("gsm8k", kernel="w4a4")
+    assert not could("gsm8k", limit=20)
+    assert not could("humaneval", sampling=Sampling(4, 0.8, 0))
+    assert not could("gsm8k", max_new_tokens=64)
+    other = with_overrides(resolve_profile(get_task("gsm8k"), None), RunSpec(model="m", kernel="w4a8", tasks=["gsm8k"]))
+    assert not baselines.could_be_stored(roots, fingerprint, "w4a8", "gsm8k", other, None, Sampling(1, 0.0, 0))

@@ -181,6 +181,10 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
 
     # the policy covers these tasks and profiles: refused before the data are read, a server starts or the model loads
     policy = checked_policy(policy, planned_profiles(spec))
+    if not (served or baselines or spec.datasets):  # no stored baseline can match: told before the data are read
+        from evalgate.run.baselines_ahead import no_baseline_possible
+
+        no_baseline_possible(spec, baseline_kernel, baselines_root)
     loaded = load_tasks(spec)  # the task data, read once
     preflight.free_space(run_out, preflight.run_bytes(sum(len(t.items) for t in loaded.values()), spec.samples),
                          "--out")

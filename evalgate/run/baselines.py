@@ -374,3 +374,27 @@ def load_baseline(dirs: list[str | Path] | str | Path, manifests: dict[Path, Run
     records (UserError when unreadable)."""
     dirs = tuple(Path(d) for d in (dirs if isinstance(dirs, (list, tuple)) else [dirs]))
     return StoredBaseline(dirs, assemble(list(dirs), manifests), aa_for_baseline(list(dirs)))
+
+
+def could_be_stored(roots: list[Path], fingerprint: str, kernel: str, task: str, profile, limit: int | None,
+                    sampling) -> bool:
+    """Whether a stored ``kernel`` baseline could match a run of ``profile`` (overrides folded in) before its
+    data are read: same model, task, profile name, version and settings, at most ``limit`` items, decoded the
+    way ``sampling`` decodes. False is certain (no profile id can match), so a gate refuses in a second
+    instead of after reading the task data; True still leaves the profile id to decide."""
+    for root in roots:
+        for _, m in _stored(root):
+            ((name, summary),) = m.tasks.items()
+            decoding = summary.decoding or {}
+            if sampling.greedy:
+                same_decoding = not decoding.get("do_sample") and decoding.get("n", 1) == 1
+            else:
+                same_decoding = (decoding.get("do_sample") is True and decoding.get("n") == sampling.samples
+                                 and decoding.get("temperature") == float(sampling.temperature)
+                                 and decoding.get("seed") == sampling.seed)
+            if (m.model.fingerprint == fingerprint and m.kernel.name == kernel and name == task
+                    and summary.name == profile.name and summary.version == profile.version
+                    and summary.settings == profile.settings and same_decoding
+                    and (limit is None or summary.n_items <= limit)):
+                return True
+    return False
