@@ -85,7 +85,7 @@ CASES = [
     Case("28", ["gate", "--server", "http://127.0.0.1:{banner_port}"], 2, "does not speak HTTP"),
     Case("29", ["gate", "--server", "ftp://127.0.0.1/"], 2, "is not an http:// or https:// URL"),
     Case("31", ["gate", "--resume"], 2, "No such option '--resume'"),
-    Case("32", ["gate", "--out", "{ws}/locked", "--thresholds", "{ws}/policy.yaml"], 2,
+    Case("32", ["gate", "--out", "{ws}/locked"], 2,
          "is being written by another evalgate command"),
     Case("33", ["gate", "--candidate", "{ws}/runs/cand", "--baseline", "{ws}/runs/base", "--allow-uncalibrated",
                 "--thresholds", "{ws}/policy.yaml", "--report-dir", "{ro}/reports"], 4, "read-only file system"),

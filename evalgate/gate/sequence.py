@@ -139,6 +139,7 @@ class Ledger:
         self.looks.append(entry)
         if self.path is None:
             return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"looks": self.looks}, indent=1))
         tmp.replace(self.path)  # atomic: a reader sees the old list or the new one
@@ -173,9 +174,14 @@ class Looks:
         return look, repeated
 
     def record(self, look: int, digests: dict[str, str], entry: dict) -> None:
+        """Add this look to every task's ledger; a ledger whose folder cannot be written (a read-only
+        baseline) leaves ``writable`` False: the look was read, not recorded."""
         for task, digest in digests.items():
-            self.ledgers[task].add({**entry, "look": look, "digest": digest,
-                                    "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
+            try:
+                self.ledgers[task].add({**entry, "look": look, "digest": digest,
+                                        "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
+            except OSError:
+                self.writable = False
 
     @property
     def where(self) -> list[str]:
@@ -192,20 +198,14 @@ class Looks:
         homes = task_homes(list(baseline_dirs), tasks)
         suffix = f".items-{subset[:12]}" if subset else ""
         paths = {t: looks_home(homes[t]) / identity / f"{t}{suffix}.json" for t in tasks}
-        writable = True
         with contextlib.ExitStack() as stack:
-            for path in sorted(set(paths.values())):
-                try:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    handle = stack.enter_context(open(path.with_suffix(".lock"), "a"))
-                except OSError:  # a read-only baseline: the looks are read, not recorded
-                    writable = False
-                    continue
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-            ledgers = {t: Ledger.read(p) for t, p in paths.items()}
-            if not writable:
-                ledgers = {t: Ledger(None, led.looks) for t, led in ledgers.items()}
-            yield cls(identity, ledgers, writable)
+            # The lock is the baseline folder itself (flock on a directory, read-only ones too): nothing is
+            # created before a look is recorded, so a gate refused as bad input leaves the baseline as it was.
+            for home in sorted({homes[t].resolve() for t in tasks}):
+                fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY)
+                stack.callback(os.close, fd)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield cls(identity, {t: Ledger.read(p) for t, p in paths.items()})
 
 
 def decide_at_look(decide: Callable[[Thresholds], object], policy: Thresholds, baseline_dirs, candidate_manifest: dict,
