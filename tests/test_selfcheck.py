@@ -57,9 +57,13 @@ def test_the_table_says_which_rows_stopped_early():
                                     "humaneval": {"items_run": 0, "items_total": 164}}}
     rows = selfcheck.check([FAULTY], lambda k: (stopped, Path("runs") / k))
     assert rows[0].items == "58/364" and rows[0].ok
-    # the task the FAIL did not need is only "at best PASS" on its best completion: undecided, not PASS
-    assert rows[0].tasks == {"gsm8k": "FAIL", "humaneval": "undecided"}
+    # the task the gate stopped before its first item shows no verdict: not run (as the gate's own table)
+    assert rows[0].tasks == {"gsm8k": "FAIL", "humaneval": "not run"}
     assert "58/364 (stopped early)" in selfcheck.table(rows, ["gsm8k", "humaneval"])
+    # a task it stopped part-way is only "at best PASS" on its best completion: undecided, not PASS
+    stopped.early_stop["tasks"]["humaneval"]["items_run"] = 10
+    rows = selfcheck.check([FAULTY], lambda k: (stopped, Path("runs") / k))
+    assert rows[0].tasks == {"gsm8k": "FAIL", "humaneval": "undecided"}
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import click
 from evalgate.cli.options import (KERNEL, baselines_root_option, run_options, run_spec, sampling_options,
                                   sampling_settings, served_model_name, server_adapter, server_options)
 from evalgate.cli import preflight
+from evalgate.cli.notes import skipped_local_policy
 
 
 
@@ -45,6 +46,7 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
     spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name,
                     sampling_settings(samples, temperature, seed))
     policy = resolve_policy(thresholds_path, canary=not served and scored_as_canary(spec.profiles))
+    skipped_local_policy(policy.source)
     stamp = calibration_stamp()
     runs = Path(runs_dir)
     if launch:  # one server for both runs; its log beside them

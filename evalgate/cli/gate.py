@@ -11,6 +11,7 @@ from click.core import ParameterSource
 
 from evalgate.cli import preflight
 from evalgate.cli.baseline_paths import resolve_baselines
+from evalgate.cli.notes import skipped_local_policy
 from evalgate.cli.options import (KERNEL, baselines_root_option, decision_options, note_resumable, run_options,
                                   run_spec, sampling_options, sampling_settings, served_model_name, server_adapter,
                                   server_options)
@@ -155,6 +156,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
         plan = plan_gate(candidate=load_run(candidate), baselines=baselines, baseline_kernel=baseline_kernel,
                          baselines_root=baselines_root, thresholds=policy, report_dir=report_dir,
                          allow_uncalibrated=allow_uncalibrated, items=items, across_serving=across_serving)
+        skipped_local_policy(plan.policy.source)
         _finish(run_gate(plan), plan.report_dir, Path(candidate), decision_flags, explain)
     if items != "all":
         raise UserError("--items candidate decides a stored run on its own items: make it with `evalgate run "
@@ -181,6 +183,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
 
     # the policy covers these tasks and profiles: refused before the data are read, a server starts or the model loads
     policy = checked_policy(policy, planned_profiles(spec))
+    skipped_local_policy(policy.source)
     if not (served or baselines or spec.datasets):  # no stored baseline can match: told before the data are read
         from evalgate.run.baselines_ahead import no_baseline_possible
 

@@ -259,6 +259,9 @@ def server_adapter(server, launch, model, kernel, out, model_id, server_args, la
 def with_canary_profiles(model: str | None, task_list: list[str], chosen: dict[str, str]) -> dict[str, str]:
     """With no --model the canary runs, scored with its own profiles unless --profile says otherwise."""
     if model:
+        from evalgate.cli.notes import full_profiles_on_canary
+
+        full_profiles_on_canary(model, chosen, task_list)
         return chosen
     from evalgate.canary import PROFILES
 

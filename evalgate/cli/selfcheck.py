@@ -88,8 +88,11 @@ def check(kernels: list[str], gate_one: Callable[[str], tuple[object, Path]],
 
 def _task_cell(task: str, verdict: str, stopped: dict | None) -> str:
     """A task's verdict; "undecided" for a task a stopped-early run did not finish and whose best completion
-    does not FAIL (its verdict there is only its best case), as the reports show it."""
+    does not FAIL (its verdict there is only its best case), "not run" for one it stopped before its first
+    item, as the reports show them."""
     share = ((stopped or {}).get("tasks") or {}).get(task)
+    if share and share["items_run"] == 0:
+        return "not run"
     return verdict if decided(bool(share) and share["items_run"] < share["items_total"], verdict) else "undecided"
 
 
