@@ -161,7 +161,8 @@ def test_a_gate_no_stored_baseline_can_match_is_refused_before_the_task_data_are
     from evalgate.cli.main import main
 
     _no_data_read(monkeypatch)
-    result = CliRunner().invoke(main, ["gate", "--model", str(canary_path()), "--out", str(elsewhere / "run"),
+    own = [f for task, name in PROFILES.items() for f in ("--profile", f"{task}={name}")]  # stored: these
+    result = CliRunner().invoke(main, ["gate", "--model", str(canary_path()), *own, "--out", str(elsewhere / "run"),
                                        *flags])
     assert result.exit_code == 2, result.output
     assert result.output.startswith("evalgate: error: no stored w4a8 baseline"), result.output
