@@ -201,4 +201,6 @@ def load_run(path: str | Path, meta: RunManifest | None = None) -> Run:
                 raise UserError(f"{str(jsonl)!r} holds item {record['doc_id']!r} twice (lines {first_line[record['doc_id']]} "
                                 f"and {line}); it was not written by this evalgate — "
                                 + ("rerun it into a new --out" if remedy == RERUN else remedy))
-    return Run(path=path, manifest=meta.as_read, records=records)
+    from evalgate.run.packaged import as_installed  # a shipped baseline names this install's canary
+
+    return Run(path=path, manifest=as_installed(path, meta.as_read), records=records)
