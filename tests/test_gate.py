@@ -313,6 +313,6 @@ def test_the_aa_mde_of_a_k_sample_task_uses_the_k_sample_formula():
     base = rng.integers(0, 5, 164) / 4
     cand = np.clip(base + rng.choice([-0.25, 0, 0.25], 164, p=[0.05, 0.9, 0.05]), 0, 1)
     dec = decide_task(TaskData("humaneval", base, cand, n_samples=4, aa_psi0=0.01, aa_n=164), TaskRule(margin=0.05))
-    assert dec.n_samples == 4 and dec.mde_method == "normal"
+    assert dec.n_samples == 4 and dec.mde_method == "score"
     expected = (norm.ppf(0.95) + norm.ppf(0.8)) * np.sqrt(dec.aa_psi0_upper / 164)
     assert dec.aa_mde == pytest.approx(expected)

@@ -12,7 +12,7 @@ import pytest
 from scipy.stats import beta, binomtest, norm
 
 from evalgate.gate.rule import TaskData, TaskRule, decide_overall, decide_task, gate_levels
-from evalgate.stats.margin import mde_binary, mde_normal, project_samples, pooled_psi, psi_upper_bound
+from evalgate.stats.margin import mde_binary, mde_normal, mde_score, project_samples, pooled_psi, psi_upper_bound
 from evalgate.stats.paired import (Counts, mcnemar_exact_one_sided, mcnemar_exact_two_sided, mcnemar_mid_p_one_sided,
                                    tango_interval, tango_lower_bound, tango_upper_bound)
 from evalgate.stats.scores import (item_differences, lattice_steps, score_interval, score_lower_bound,
@@ -168,7 +168,7 @@ def test_k_sample_decision_aggregates_per_item():
     base, cand = yb.mean(axis=1), yc.mean(axis=1)
     dec = decide("humaneval", base, cand, n_samples=k, base_samples=yb, cand_samples=yc, margin=0.05)
     diffs = cand - base
-    assert dec.n_samples == k and dec.mde_method == "normal"
+    assert dec.n_samples == k and dec.mde_method == "score"
     assert dec.delta == pytest.approx(diffs.mean()) and dec.flip_rate == pytest.approx(np.mean(diffs ** 2))
     assert dec.counts.b == np.sum(diffs < 0) and dec.counts.c == np.sum(diffs > 0) and dec.counts.n == n
     assert dec.tango_lower == pytest.approx(score_lower_bound(diffs, alpha=0.05))
@@ -323,6 +323,23 @@ def test_mde_values_and_normal_approximation():
         assert approx == pytest.approx(mde_binary(psi, n), abs=tol)
     # the docs' rule of thumb (z_0.95 + z_0.8)·√(ψ/n) is close at n = 1319
     assert mde_binary(0.04, 1319) == pytest.approx(2.486 * math.sqrt(0.04 / 1319), abs=5e-4)
+
+
+def test_the_k_sample_mde_holds_its_power_in_simulation():
+    # HumanEval's n with k = 4 samples, a candidate exactly as good as the baseline (the symmetrised structure:
+    # 2 items one sample better, 2 one sample worse), at the α of a second look: the gate PASSes (score bound
+    # L > −MDE) with the MDE's promised 80%. L at mean 0 plus z_P·√(ψ/n) was 8% smaller and gave 75%.
+    n, alpha, power = 164, 0.025, 0.8
+    diffs = np.concatenate([[0.25, 0.25, -0.25, -0.25], np.zeros(n - 4)])
+    support, weights = symmetrised(diffs)
+    mde = mde_score(support, weights, alpha, power)
+    draws = 10_000
+    counts = np.random.default_rng(7).multinomial(n, weights / n, size=draws).astype(float)
+    lower = score_lower_bound(support, counts, alpha)
+    se = math.sqrt(power * (1 - power) / draws)
+    assert power - 3 * se <= np.mean(lower > -mde) <= power + 0.03  # the promised power, not padded
+    old = mde_normal(score_lower_bound(support, weights, alpha), float(np.mean(diffs ** 2)), n)
+    assert np.mean(lower > -old) < power - 6 * se
 
 
 def test_samples_needed_projection():

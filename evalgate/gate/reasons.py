@@ -63,7 +63,7 @@ def resolution_text(dec: TaskDecision) -> str:
     estimate, from this run's own ψ̂ (the MDE at the true ψ may be either side of it)."""
     mde = f"{100 * dec.mde:.2f} pp"
     power = f"{100 * dec.mde_power:g}%"
-    how = "exact at ψ̂" if dec.mde_method == "exact" else "normal approximation at ψ̂"
+    how = {"exact": "exact at ψ̂", "score": "the score test at ψ̂"}.get(dec.mde_method, "normal approximation at ψ̂")
     if dec.resolves_margin:
         return (f"estimated resolvable: MDE ≈ {mde} at {power} power ({how}; {structure_text(dec)}), within M = "
                 f"{100 * dec.margin:.2f} pp")

@@ -14,7 +14,7 @@ import numpy as np
 from evalgate.gate.reasons import spec_failures, verdict_and_reasons
 from evalgate.gate.verdict import OverallDecision, RateCheck, TaskDecision, TokenCheck, overall_verdict
 from evalgate.stats.exact_ni import critical_value, exact_lower_bound, exact_pvalues
-from evalgate.stats.margin import mde_binary, mde_normal, project_samples, psi_upper_bound
+from evalgate.stats.margin import mde_binary, mde_score, project_samples, psi_upper_bound
 from evalgate.stats.multiplicity import MULTIPLE_COMPARISONS, adjusted_pvalues
 from evalgate.stats.paired import (Counts, _as_bool_vector, _check_alpha, mcnemar_exact_one_sided,
                                    mcnemar_exact_two_sided, mcnemar_mid_p_one_sided, newcombe_interval,
@@ -183,7 +183,6 @@ def _score_statistics(base: np.ndarray, diffs: np.ndarray, n_samples, alpha: flo
     test = signflip_pvalues(lattice_steps(diffs, n_samples))
     psi = second_moment(diffs)
     support, weights = symmetrised(diffs)
-    lower_sym = score_lower_bound(support, weights, alpha) if weights.sum() > 0 else 0.0
     p_pass, p_inferior = _score_pvalues(diffs, margin)
     return counts, dict(
         p_pass=p_pass, p_inferior=p_inferior, exact_lower=None,
@@ -191,7 +190,7 @@ def _score_statistics(base: np.ndarray, diffs: np.ndarray, n_samples, alpha: flo
         p_degradation=test.p_lower, p_mid=test.p_mid, p_two_sided=test.p_two_sided,
         tango_ci=score_interval(diffs, alpha), tango_lower=score_lower_bound(diffs, alpha=alpha),
         newcombe_ci=None, newcombe_lower=None, wald_ci=wald_interval_scores(diffs, alpha),
-        mde=mde_normal(lower_sym, psi, n, POWER), mde_method="normal",
+        mde=mde_score(support, weights, alpha, POWER), mde_method="score",
     )
 
 

@@ -123,7 +123,7 @@ class TaskDecision:
     n_samples: int = 1  # k: samples per item (1 = greedy)
     mde: float = 0.0  # minimum detectable effect at ``mde_power`` for n, k and the measured (symmetrised) structure
     mde_power: float = 0.8
-    mde_method: str = "exact"  # "exact" (binary: trinomial sum) or "normal" (k > 1)
+    mde_method: str = "exact"  # "exact" (binary: trinomial sum), "score" (k > 1), "normal" (older records)
     samples_needed: int | None = None  # the fewest samples per item whose MDE reaches the margin (None: none ≤ 64)
     samples_needed_is_bound: bool = True  # True when K assumes all per-item variation averages out (a lower bound)
     mde_limit: float | None = None  # the MDE as k → ∞ (what averaging samples cannot remove)
