@@ -12,6 +12,7 @@ import html as html_lib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,21 +25,40 @@ SUMMARY_COLUMNS = ("task", "n", "baseline", "candidate", "delta", "ci_low", "ci_
 
 
 @pytest.fixture(scope="module")
-def executed(data_dir, tmp_path_factory):
+def notebook_tmp(tmp_path_factory):
+    """The notebook kernel's temporary folder ($TMPDIR)."""
+    return tmp_path_factory.mktemp("nb")
+
+
+@pytest.fixture(scope="module")
+def kept_candidate(tmp_path_factory):
+    """A copy of the candidate run the notebook made, taken before its last cell removes it."""
+    return tmp_path_factory.mktemp("kept") / "candidate"
+
+
+@pytest.fixture(scope="module")
+def executed(data_dir, notebook_tmp, kept_candidate):
     import nbclient
     import nbformat
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     env = {k: v for k, v in os.environ.items()
            if k not in ("EVALGATE_BASELINE", "EVALGATE_CANDIDATE", "EVALGATE_EXAMPLE_LIMIT")}
-    env.update(EVALGATE_DATA_DIR=str(data_dir), HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path_factory.mktemp("nb")))
+    env.update(EVALGATE_DATA_DIR=str(data_dir), HF_HUB_OFFLINE="1", TMPDIR=str(notebook_tmp))
     client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOK.parent)}})
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)  # the kernel inherits this process's environment
     try:
-        client.execute()
+        with client.setup_kernel():
+            last = max(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+            for index, cell in enumerate(nb.cells):
+                if index == last:  # the cleanup: keep what the tests read of the candidate first
+                    first = "".join(o.get("text", "") for o in nb.cells[1].outputs if o.output_type == "stream")
+                    made = Path(re.search(r"^candidate:\s*(.+)$", first, re.M).group(1).strip())
+                    shutil.copytree(made, kept_candidate)
+                client.execute_cell(cell, index)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -74,10 +94,12 @@ def _records(path: Path, task: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(executed):
+def runs(executed, kept_candidate):
     """The two folders the notebook compared, and their records read here without evalgate."""
     first = _text(executed[0])
     candidate = Path(re.search(r"^candidate:\s*(.+)$", first, re.M).group(1).strip())
+    assert not candidate.exists()  # the notebook's last cell removed it: the copy taken before is read
+    candidate = kept_candidate
     text = _text(_cell(executed, "cmp = evalgate.compare"))
     baseline = Path(re.search(r"^baseline folder:\s*(.+)$", text, re.M).group(1).strip())
     cand, base = _records(candidate, "humaneval"), _records(baseline, "humaneval")
@@ -166,3 +188,11 @@ def test_show_renders_the_side_by_side_diff_of_a_flip(executed, runs):
         assert "--- baseline" in text and "+++ candidate" in text
     else:
         assert "identical completions" in text
+
+
+def test_the_notebook_leaves_no_temporary_folder_behind(executed, notebook_tmp):
+    # the example run and the report page live in one folder its last cell removes; the kernel has exited
+    assert "removed" in _text(executed[-1])
+    # (torch keeps its compile cache, torchinductor_<user>, in $TMPDIR for every later process: not ours)
+    left = [p.name for p in notebook_tmp.iterdir() if not p.name.startswith("torchinductor_")]
+    assert not left, "left behind in the kernel's TMPDIR"
