@@ -31,19 +31,25 @@ def notebook_tmp(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def examples_before():
+    """What the notebook's folder (its working directory) holds before it runs."""
+    return sorted(p.name for p in NOTEBOOK.parent.iterdir())
+
+
+@pytest.fixture(scope="module")
 def kept_candidate(tmp_path_factory):
     """A copy of the candidate run the notebook made, taken before its last cell removes it."""
     return tmp_path_factory.mktemp("kept") / "candidate"
 
 
 @pytest.fixture(scope="module")
-def executed(data_dir, notebook_tmp, kept_candidate):
+def executed(data_dir, notebook_tmp, kept_candidate, examples_before):
     import nbclient
     import nbformat
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     env = {k: v for k, v in os.environ.items()
-           if k not in ("EVALGATE_BASELINE", "EVALGATE_CANDIDATE", "EVALGATE_EXAMPLE_LIMIT")}
+           if k not in ("EVALGATE_BASELINE", "EVALGATE_CANDIDATE", "EVALGATE_EXAMPLE_LIMIT", "EVALGATE_BASELINES")}
     env.update(EVALGATE_DATA_DIR=str(data_dir), HF_HUB_OFFLINE="1", TMPDIR=str(notebook_tmp))
     client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOK.parent)}})
@@ -188,6 +194,11 @@ def test_show_renders_the_side_by_side_diff_of_a_flip(executed, runs):
         assert "--- baseline" in text and "+++ candidate" in text
     else:
         assert "identical completions" in text
+
+
+def test_the_notebook_writes_nothing_into_its_folder(examples_before, executed):
+    # (a comparison's look record went to ./results/baselines/looks of the working directory)
+    assert sorted(p.name for p in NOTEBOOK.parent.iterdir()) == examples_before
 
 
 def test_the_notebook_leaves_no_temporary_folder_behind(executed, notebook_tmp):
