@@ -17,9 +17,9 @@ from typing import Mapping
 from evalgate.errors import UserError
 from evalgate.canary import scored_as_canary
 from evalgate.gate.policy import Thresholds, resolve_policy
-from evalgate.run.baselines import (ROOT_ENV, StoredBaseline, find_stored_baseline, load_baseline,
-                                    load_stored_baseline, lookup_roots, user_root)
-from evalgate.run.runner import LoadedTask, RunSpec, load_tasks
+from evalgate.run.baselines import (ROOT_ENV, StoredBaseline, could_be_stored, find_stored_baseline,
+                                    load_baseline, load_stored_baseline, lookup_roots, user_root)
+from evalgate.run.runner import LoadedTask, RunSpec, load_tasks, with_overrides
 from evalgate.run.store import Run
 
 RUNS_DIR = Path("results/runs")
@@ -130,6 +130,24 @@ def _missing_baseline(spec: RunSpec | None, missing: list[str], kernel: str, roo
     return UserError(f"no stored {kernel} baseline for this model and the {', '.join(missing)} profile(s) "
                      f"under {user_root(root)} (nor packaged with the canary); create one with {how}, or point "
                      f"--baselines-root or ${ROOT_ENV} at the folder that holds it")
+
+
+def no_baseline_possible(spec: RunSpec, kernel: str, root: str | Path | None) -> None:
+    """The missing-baseline refusal before the task data are read (reading them through ``datasets`` takes
+    seconds; a profile's id needs them): raised when no stored ``kernel`` baseline has the model, task, profile,
+    settings, item count and decoding ``spec`` would have. Where one might, the data are read and the profile
+    id decides (docs/runs.md#baselines)."""
+    from evalgate.tasks import get_task, resolve_profile
+
+    fingerprint = local_fingerprint(spec.model)
+    roots = lookup_roots(root)
+    sampling = spec.sampling()
+    missing = [t for t in spec.tasks
+               if not could_be_stored(roots, fingerprint, kernel, t,
+                                      with_overrides(resolve_profile(get_task(t), spec.profiles.get(t)), spec),
+                                      spec.limit, sampling)]
+    if missing:
+        raise _missing_baseline(spec, missing, kernel, Path(root) if root else None, False)
 
 
 def planned_profiles(spec: RunSpec) -> dict[str, str]:

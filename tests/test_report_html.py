@@ -263,7 +263,7 @@ def test_report_cli_writes_html_and_exits_with_the_verdict(tmp_path):
     assert not (tmp_path / "x.html").exists()
     missing = CliRunner().invoke(cli, ["report", "--baseline", str(tmp_path / "nope"), "--candidate",
                                        str(cand), "--html", str(tmp_path / "y.html")])
-    assert missing.exit_code == 2 and "not a run directory" in missing.output
+    assert missing.exit_code == 2 and "does not exist" in missing.output and len(missing.output.splitlines()) == 1
 
 
 # --- flips tagged by `evalgate gate --explain`: sortable by kind, task and margin, offline --------------------

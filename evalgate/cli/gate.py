@@ -185,7 +185,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     policy = checked_policy(policy, planned_profiles(spec))
     skipped_local_policy(policy.source)
     if not (served or baselines or spec.datasets):  # no stored baseline can match: told before the data are read
-        from evalgate.run.baselines_ahead import no_baseline_possible
+        from evalgate.plan import no_baseline_possible
 
         no_baseline_possible(spec, baseline_kernel, baselines_root)
     loaded = load_tasks(spec)  # the task data, read once
