@@ -190,6 +190,8 @@ def layer_check(shape: str = "tiny", tokens: int = 64, seed: int = 0, kernels: l
     names = kernels or sorted(runnable, key=lambda n: (get_kernel(n).faulty, n))
     runners = {}
     for i, n in enumerate(names, 1):
+        if progress is not None:
+            progress(f"preparing {n}, kernels prepared", i - 1, len(names))
         runners[n] = _runner(n, case)
         if progress is not None:
             progress("kernels prepared", i, len(names))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import threading
 import time
 
 import click
@@ -140,18 +141,33 @@ MODEL_COLUMNS = [("kernel", "kernel", ""), ("mean_kl", "mean KL vs bf16", ".3e")
                  ("top1_agreement", "top-1 agree", ".4f"), ("tokens", "tokens", "d"), ("seconds", "s", ".1f")]
 
 
-def _experts_progress(t0: float, every_s: float = 10.0):
-    """A line on stderr every ``every_s`` seconds while the layer check works through the experts (a
-    dsv4-flash check takes minutes on a CPU)."""
-    last = [time.perf_counter()]
+class _Heartbeat:
+    """A line on stderr every ``every_s`` seconds while a layer check works, whether or not it has moved since
+    (one kernel's preparation at the dsv4-flash shape takes minutes on a CPU): the check's latest
+    ``progress(what, done, total)`` and the time elapsed. A short check stays silent."""
 
-    def progress(what: str, done: int, total: int) -> None:
-        now = time.perf_counter()
-        if now - last[0] >= every_s:  # a short check stays silent
-            last[0] = now
-            click.echo(f"layer check: {what} {done}/{total}, {now - t0:.0f} s elapsed", err=True)
+    def __init__(self, t0: float, every_s: float = 10.0):
+        self.t0, self.every_s = t0, every_s
+        self.latest = ("starting", 0, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
 
-    return progress
+    def __call__(self, what: str, done: int, total: int) -> None:
+        self.latest = (what, done, total)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every_s):
+            what, done, total = self.latest
+            count = f" {done}/{total}" if total else ""
+            click.echo(f"layer check: {what}{count}, {time.perf_counter() - self.t0:.0f} s elapsed", err=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @kernels_group.command("check")
@@ -189,7 +205,8 @@ def check(shape, tokens, model_path, tasks, limit, kernels, data_dir, seed, as_j
                      f"Triton on {rows[0]['device'] if rows else '-'}, emulator on cpu")
             columns = TRITON_COLUMNS
         else:
-            rows = checks.layer_check(shape, n_tokens, seed, kernels, progress=_experts_progress(t0))
+            with _Heartbeat(t0) as heartbeat:
+                rows = checks.layer_check(shape, n_tokens, seed, kernels, progress=heartbeat)
             title = f"layer check: {shape}, {n_tokens} tokens, vs FP32 reference"
             columns = LAYER_COLUMNS
     else:
