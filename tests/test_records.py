@@ -132,6 +132,12 @@ def test_a_packaged_baseline_loads_as_version_2_with_the_same_dicts(run_dir):
     before = _tree_digest(run_dir)
     raw = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
     run = load_run(run_dir)
+    # read with this install's canary folder as its model (evalgate/run/packaged.py); nothing else changes
+    from evalgate.canary import CANARY_DIR
+
+    assert run.manifest["model"]["path"] == run.manifest["spec"]["model"] == str(CANARY_DIR)
+    raw = {**raw, "model": {**raw["model"], "path": str(CANARY_DIR)},
+           "spec": {**raw["spec"], "model": str(CANARY_DIR)}}
     assert run.manifest == raw and raw["status"] == "complete"
     assert run.meta.read_version == 2 and run.meta.schema_version == records.SCHEMA_VERSION == 3
     assert run.meta.to_dict() == {**raw, "schema_version": 3}  # the 2 -> 3 migration only sets the version
