@@ -78,15 +78,37 @@ def _expert_tensors(layer: int, experts: int, hidden: int, inter: int, rng: np.r
     return out
 
 
+def _write_shards(out: Path, shards, log) -> None:
+    """Save each ``(file name, tensors)`` of ``shards`` as it is made (one shard in memory at a time; the
+    time logged includes making it), then the index that names every tensor's shard."""
+    import time
+
+    from safetensors.torch import save_file
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    shards = iter(shards)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            shard, tensors = next(shards)
+        except StopIteration:
+            break
+        save_file(tensors, out / shard, metadata={"format": "pt"})
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        total += size
+        weight_map.update(dict.fromkeys(tensors, shard))
+        del tensors
+        log(f"wrote {shard}: {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s")
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+
+
 def write_random_fp4_checkpoint(out: str | Path, config, tokenizer=None, seed: int = 0, log=print) -> Path:
     """Write ``config`` (a ``DeepseekV4Config``) with random weights to ``out``: one shard per decoder
     layer, then one for the embedding, final norm, hyper-connection head and output head; the index,
     config.json (``expert_dtype: fp4`` and the FP8 quantization_config, as ``save_fp4_checkpoint`` writes)
     and, when given, the tokenizer."""
-    import time
-
-    from safetensors.torch import save_file
-
     from evalgate.kernels.checkpoint import QUANTIZATION_CONFIG
 
     out = Path(out)
@@ -97,25 +119,19 @@ def write_random_fp4_checkpoint(out: str | Path, config, tokenizer=None, seed: i
     std = float(getattr(config, "initializer_range", 0.02))
     layers = config.num_hidden_layers
     n_shards = layers + 1
-    weight_map: dict[str, str] = {}
-    total = 0
-    for i in range(n_shards):
-        t0 = time.perf_counter()
-        shard = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
-        if i < layers:
-            tensors = _dense_tensors(model, i, gen, std, config.n_routed_experts)
-            tensors.update(_expert_tensors(i, config.n_routed_experts, config.hidden_size,
-                                           config.moe_intermediate_size, rng))
-        else:
-            tensors = _dense_tensors(model, None, gen, std, config.n_routed_experts)
-        save_file(tensors, out / shard, metadata={"format": "pt"})
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
-        total += size
-        weight_map.update(dict.fromkeys(tensors, shard))
-        del tensors
-        log(f"wrote {shard}: {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s")
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+
+    def shards():
+        for i in range(n_shards):
+            shard = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+            if i < layers:
+                tensors = _dense_tensors(model, i, gen, std, config.n_routed_experts)
+                tensors.update(_expert_tensors(i, config.n_routed_experts, config.hidden_size,
+                                               config.moe_intermediate_size, rng))
+            else:
+                tensors = _dense_tensors(model, None, gen, std, config.n_routed_experts)
+            yield shard, tensors
+
+    _write_shards(out, shards(), log)
     cfg = config.to_dict()
     cfg["architectures"] = ["DeepseekV4ForCausalLM"]
     cfg["dtype"] = "bfloat16"
@@ -298,10 +314,6 @@ def write_released_checkpoint(out: str | Path, config, tokenizer=None, seed: int
     int64 hash tables, the MTP layer (``mtp.0.*``, when ``mtp``), interleaved shards (``_released_shards``),
     the index, the released config.json (``released_config``) and, when given, the tokenizer. Peak memory is
     one shard's tensors."""
-    import time
-
-    from safetensors.torch import save_file
-
     from evalgate.kernels.fp8_blocks import BLOCK
 
     for name in ("hidden_size", "q_lora_rank", "o_lora_rank", "moe_intermediate_size", "index_head_dim"):
@@ -312,18 +324,7 @@ def write_released_checkpoint(out: str | Path, config, tokenizer=None, seed: int
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model = _model_with_mtp(config, mtp)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for shard, tensors in _released_shards(model, config, mtp, seed, meta=False):
-        t0 = time.perf_counter()
-        save_file(tensors, out / shard, metadata={"format": "pt"})
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
-        total += size
-        weight_map.update(dict.fromkeys(tensors, shard))
-        del tensors
-        log(f"wrote {shard}: {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s")
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    _write_shards(out, _released_shards(model, config, mtp, seed, meta=False), log)
     (out / "config.json").write_text(json.dumps(released_config(config, int(mtp)), indent=2, sort_keys=True,
                                                 default=str))
     if tokenizer is not None:
