@@ -8,6 +8,7 @@ Importing this module needs neither torch nor transformers.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass, field
@@ -17,6 +18,29 @@ from .recipe import Recipe
 from .tolerance import Tolerance
 
 DEVICES = ("cpu", "cuda")
+
+
+class LoadsLibrary:
+    """``require`` and ``load`` of a kernel's library, for any library record with a ``name``, an import
+    ``module`` and ``missing()`` (why this machine cannot run it, None when it can): the built-in real
+    kernels' (``real/library.py``) and the plugins' (``plugins.py``)."""
+
+    name: str
+    module: str
+
+    def missing(self) -> str | None:
+        raise NotImplementedError
+
+    def require(self) -> None:
+        reason = self.missing()
+        if reason is not None:
+            from evalgate.errors import UserError
+
+            raise UserError(f"{self.name} cannot run here: {reason}")
+
+    def load(self):
+        self.require()
+        return importlib.import_module(self.module)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from evalgate.errors import UserError
 
-from .contract import Capability, KernelSpec
+from .contract import Capability, KernelSpec, LoadsLibrary
 
 GROUP = "evalgate.kernels"
 
@@ -134,7 +134,7 @@ def require(name: str) -> None:
 
 
 @dataclass(frozen=True)
-class PluginLibrary:
+class PluginLibrary(LoadsLibrary):
     """A plugin kernel as ``Kernel.library``: what conformance asks of a kernel computed outside evalgate
     (it can run here; its identity for the run's manifest)."""
 
@@ -146,15 +146,6 @@ class PluginLibrary:
 
     def missing(self) -> str | None:
         return self.capability.missing_library()
-
-    def require(self) -> None:
-        reason = self.missing()
-        if reason is not None:
-            raise UserError(f"{self.name} cannot run here: {reason}")
-
-    def load(self):
-        self.require()
-        return importlib.import_module(self.module)
 
     def identity(self) -> dict:
         found = {}

@@ -8,13 +8,12 @@ manifest (docs/kernels.md#real-kernels).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from evalgate.errors import UserError
+from ..contract import LoadsLibrary
 
 
 def sha256_of(path: Path) -> str | None:
@@ -25,7 +24,7 @@ def sha256_of(path: Path) -> str | None:
 
 
 @dataclass(frozen=True)
-class RealLibrary:
+class RealLibrary(LoadsLibrary):
     name: str  # what the user installs, as they would name it
     module: str  # its import name
     arch: tuple[int, ...]  # CUDA compute capabilities (major) it runs on: (9,) SM90, (10,) SM100
@@ -51,15 +50,6 @@ class RealLibrary:
             wanted = " or ".join(f"SM{a}0" for a in self.arch)
             return f"it runs on {wanted} GPUs; this one is SM{major}{torch.cuda.get_device_capability()[1]}"
         return None
-
-    def require(self) -> None:
-        reason = self.missing()
-        if reason is not None:
-            raise UserError(f"{self.name} cannot run here: {reason}")
-
-    def load(self):
-        self.require()
-        return importlib.import_module(self.module)
 
     def identity(self) -> dict:
         """Library, version and build of the loaded module (recorded with the kernel's conformance)."""
