@@ -10,15 +10,15 @@ file                   model                                      kind (in messa
 ``gate.json``          :class:`VerdictRecord`                     gate verdict
 =====================  =========================================  ==================
 
-Versions. Every file written from now on carries ``"schema_version": 3`` (:data:`SCHEMA_VERSION`); this
+Versions. Every file evalgate writes carries ``"schema_version": 3`` (:data:`SCHEMA_VERSION`); this
 evalgate reads versions 1, 2 and 3 (:data:`READABLE_VERSIONS`). A file without the field is version 1: the
 format of evalgate 0.1.0 (kept in ``tests/fixtures/v1-baselines/``), which differs from version 2 only in
 lacking the field. Version 3 is version 2 plus what the early stop added: the run manifest's ``"status":
 "stopped_early"`` with ``early_stop`` / ``early_stop_history`` (:class:`EarlyStopInfo`), and ``gate.json``'s
 ``early_stop``. Each version's migration (:data:`MIGRATIONS`) brings a dict to the next version by setting the
 field, and nothing else; the file on disk is never rewritten. A version-2 manifest that holds
-``stopped_early`` is read, not refused: evalgate itself wrote such files between the early stop and version 3
-(they must still resume and gate), and the fields are typed alike in both. A file of any other version (a
+``stopped_early`` is read, not refused: such files exist (they must still resume and gate), and the fields
+are typed alike in both. A file of any other version (a
 newer evalgate's, or garbage such as ``"x"``) is refused with one line naming the file, the version found and
 the versions this evalgate reads; so is content of the wrong type. Both are
 :class:`~evalgate.errors.UserError`: the CLI prints the line and exits 2.

@@ -84,7 +84,7 @@ PROFILES = {
         description="built-in canary: 200 short GSM8K *train* items, zero-shot 'Question/Answer', strict '#### N'",
         settings={
             **_scoring("Question:", STRICT_LMEVAL), "split": "train",
-            "items": "canary: evalgate.model_adapters.canary.items",  # a label inside the hashed profile: kept as first written so the profile id (and stored baselines) stay valid
+            "items": "canary: evalgate.model_adapters.canary.items",  # a label hashed into the profile id, not an import path: changing it changes the id and orphans stored baselines
             "item_template": "Question: {question}\nAnswer:", "num_shots": 0,
         },
     ),
