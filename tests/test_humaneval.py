@@ -103,8 +103,7 @@ def test_profiles_hash_stably_across_processes():
 
 def test_profile_ids_are_pinned():
     # Changing a profile on purpose? Bump its version and update these: every stored baseline keys on them.
-    # The same on every Python (the sandbox's Python version left the id; runs recorded before are moved to
-    # these ids by evalgate.tasks.humaneval.profile_migration, test_profile_migration.py).
+    # The same on every Python (the sandbox's Python version is not part of the id).
     assert _profile_ids() == PINNED_PROFILE_IDS
 
 

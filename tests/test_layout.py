@@ -28,7 +28,7 @@ STAGES = [
     (5, ("evalgate.gate",)),
     (6, ("evalgate.report",)),
     (7, ("evalgate.plan", "evalgate.pipeline", "evalgate.api", "evalgate.explain")),
-    (8, ("evalgate.cli", "evalgate.sandbox", "evalgate.__main__")),
+    (8, ("evalgate.cli", "evalgate.__main__")),
 ]
 PACKAGE_ROOT = 9  # ``evalgate/__init__.py`` re-exports the notebook surface
 

@@ -272,7 +272,7 @@ def test_sample_groups_hand_over_whole_items_in_any_order():
 
 # the profile ids of the canary's stored greedy w4a8 baselines (evalgate/canary/baselines/deepseek_v4-…/
 # <profile>-<id[:12]>/w4a8): a greedy run must still find them. HumanEval's no longer hashes the sandbox's
-# Python version (test_humaneval.PINNED_PROFILE_IDS; older baselines: evalgate.tasks.humaneval.profile_migration)
+# Python version (test_humaneval.PINNED_PROFILE_IDS)
 CANARY_BASELINE_PROFILE_IDS = {
     "gsm8k": "479b86ce74d8e53f20d9cdf72a12294912590381f05b426cd155da0b8e8ab6aa",
     "humaneval": "983dfc0c3eb77332db6470e3710832367a2a22be03e078a7b00e6b38b090bbab",

@@ -3,8 +3,8 @@ solutions, shipped in DeepSeek-V4's FP4 checkpoint format. Its scores measure ke
 capability (see ``model/MODEL_CARD.md``).
 
 ``canary_path()`` is where the checkpoint lives; ``evalgate run`` and ``evalgate gate`` use it when no
-``--model`` is given. The training recipe is ``train.py`` beside this file; ``data.py`` builds the exact
-prompts and targets the canary profiles use. ``BASELINES`` holds its stored W4A8 baselines.
+``--model`` is given. Its training and packaging scripts live in the source repository's ``scripts/canary/``. ``BASELINES`` holds
+its stored W4A8 baselines.
 """
 
 from __future__ import annotations

@@ -148,8 +148,7 @@ def settings(limits: Limits = Limits()) -> dict:
     was kept (docs/humaneval-sandbox.md#profile-identity). The Python version the programs run
     under is not part of it: it is a recorded property of the run (the executor self-test's ``python``, in
     the manifest's ``tasks.humaneval.prepare``), and a comparison across Python minors warns instead of
-    refusing. Profile ids recorded while it was hashed (``"python": "3.11"`` here) are migrated by
-    ``evalgate.tasks.humaneval.profile_migration``.
+    refusing.
     """
     return {
         "interpreter_flags": ["-s", "-S"],

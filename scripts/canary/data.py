@@ -1,6 +1,6 @@
 """The canary's training examples, built with the canary profiles' own prompt code, and its tokenizer.
 
-``python -m evalgate.canary.data OUT_DIR --data-dir DIR`` writes ``examples.jsonl``
+``python scripts/canary/data.py OUT_DIR --data-dir DIR`` writes ``examples.jsonl``
 (prompt, target) and the tokenizer; ``train.py`` reads them (on a GPU machine without evalgate's data).
 Targets are what a correct greedy answer is: `` {answer}`` (GSM8K's full reference solution, ``#### N``
 included) or HumanEval's canonical solution, each followed by EOS.

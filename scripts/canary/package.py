@@ -1,6 +1,6 @@
 """Turn a training snapshot into the shipped canary: DeepSeek-V4 FP4 checkpoint format plus tokenizer.
 
-    python -m evalgate.canary.package SNAPSHOT.pt BUILD_DIR [OUT_DIR]
+    python scripts/canary/package.py SNAPSHOT.pt BUILD_DIR [OUT_DIR]
 
 The routed experts are written as int8 packed E2M1 nibbles with e8m0 scales, as in DeepSeek-V4-Flash, so
 the real loading path (transformers' FP8 quantizer, then the stored codes attached) is what runs.
@@ -21,8 +21,8 @@ def package(snapshot: Path, build_dir: Path, out_dir: Path = CANARY_DIR) -> Path
     from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
     from evalgate.kernels.checkpoint import save_fp4_checkpoint
-    from evalgate.canary.config import canary_config
-    from evalgate.canary.train import unpack_state
+    from config import canary_config
+    from train import unpack_state
 
     tokenizer = AutoTokenizer.from_pretrained(build_dir / "tokenizer")
     model = DeepseekV4ForCausalLM(canary_config(len(tokenizer))).to(torch.bfloat16)

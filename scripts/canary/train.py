@@ -1,8 +1,8 @@
 """Train the canary (seeded, reproducible; minutes on one H200).
 
-    python -m evalgate.canary.train BUILD_DIR OUT_DIR [--steps N] [--device cuda]
+    python scripts/canary/train.py BUILD_DIR OUT_DIR [--steps N] [--device cuda]
 
-BUILD_DIR comes from ``canary.data`` (examples + tokenizer). The routed experts are trained for FP4
+BUILD_DIR comes from ``data.py`` beside this script (examples + tokenizer). The routed experts are trained for FP4
 (quantization-aware: the forward pass uses the FP4 grid values of the expert weights, RCEIL scales per 32,
 ties to even — exactly what the shipped checkpoint stores — with a straight-through gradient); activations
 stay BF16-free FP32 during training.
@@ -310,7 +310,7 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
     import evalgate.kernels.catalogs  # noqa: F401  (registers the emulated kernels)
-    from evalgate.canary.config import canary_config
+    from config import canary_config
     from evalgate.model_adapters.tiny import fill_hash_routes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

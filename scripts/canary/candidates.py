@@ -1,6 +1,6 @@
 """Greedy runs of every kernel on candidate canary checkpoints, in parallel, and the verdict each would get.
 
-    python -m evalgate.canary.candidates MODEL_DIR [MODEL_DIR ...] --out DIR [--workers N]
+    python scripts/canary/candidates.py MODEL_DIR [MODEL_DIR ...] --out DIR [--workers N]
 
 Training (``train.py``) predicts verdicts teacher-forced on a GPU; this measures what ``evalgate`` itself
 sees: ``evalgate run`` with the canary profiles and canonical numerics (one thread per run, so N runs use N
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from evalgate.canary import PROFILES
 from evalgate.files import read_jsonl
-from evalgate.canary.train import FAULTY, HEALTHY, predicted_verdict
+from train import FAULTY, HEALTHY, predicted_verdict  # beside this script
 
 METRICS = {"gsm8k": "exact_match,strict-match", "humaneval": "pass@1"}
 KERNELS = ("w4a8",) + HEALTHY + FAULTY
