@@ -9,7 +9,6 @@ from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 
 from evalgate.gate.rule import TaskData, TaskRule, decide_overall, decide_task, gate_levels
-from evalgate.stats.margin import aa_margin_floor
 from evalgate.stats.multiplicity import holm, holm_adjusted
 from evalgate.stats.paired import (
     Counts,
@@ -425,44 +424,6 @@ def test_gate_levels_split_the_budget():
 
 
 # ---------------------------------------------------------------------------- A/A margin floor, never raising the margin (docs/gate.md#margins-are-never-raised)
-
-
-def union_false_fail(psi0, n, margin, share, alpha=0.05):
-    """P(McNemar p ≤ share or Tango L ≤ −margin) at Δ = 0, flip rate ψ₀: brute force over the trinomial."""
-    from scipy.stats import multinomial
-
-    total = 0.0
-    top = int(n * psi0) + 25  # P(b + c ≥ top) < 1e-9 for these cases
-    for b in range(top):
-        for c in range(top - b):
-            pmf = multinomial.pmf([b, c, n - b - c], n, [psi0 / 2, psi0 / 2, 1 - psi0])
-            if pmf < 1e-15:
-                continue
-            p = binomtest(b, b + c, 0.5, alternative="greater").pvalue if b + c else 1.0
-            if p <= share or tango_lower_bound(b, c, n, alpha) <= -margin:
-                total += pmf
-    return total
-
-
-@pytest.mark.parametrize("psi0, n", [(0.02, 164), (0.06, 164)])
-def test_aa_margin_floor_is_the_smallest_margin_within_the_share(psi0, n):
-    floor = aa_margin_floor(psi0, n, 0.05, 0.02)
-    assert union_false_fail(psi0, n, floor, 0.02) <= 0.02
-    assert union_false_fail(psi0, n, floor - 2e-6, 0.02) > 0.02  # minimal (to its 1e-6 rounding)
-
-
-def test_aa_margin_floor_values_and_edges():
-    # documented in thresholds.yaml
-    for psi0, n, expected in [(0.02, 1319, 1.54), (0.04, 1319, 2.12), (0.06, 1319, 2.58), (0.02, 164, 5.32),
-                              (0.04, 164, 6.65), (0.06, 164, 8.16)]:
-        assert 100 * aa_margin_floor(psi0, n, 0.05, 0.02) == pytest.approx(expected, abs=0.005)
-    # ψ₀ = 0: only b = c = 0, whose bound is −z²/(n + z²)
-    assert aa_margin_floor(0.0, 1319, 0.05, 0.02) == pytest.approx(0.00205, abs=1e-5)
-    # a larger share (fewer tasks) gives a smaller floor; more noise a larger one
-    assert aa_margin_floor(0.04, 1319, 0.05, 0.04) < aa_margin_floor(0.04, 1319, 0.05, 0.02)
-    assert aa_margin_floor(0.02, 1319) < aa_margin_floor(0.04, 1319) < aa_margin_floor(0.06, 1319)
-    with pytest.raises(ValueError):
-        aa_margin_floor(1.5, 100)
 
 
 HE_EXAMPLE = Counts(a=130, b=8, c=5, d=21, n=164)

@@ -6,7 +6,7 @@ Every decision of a stored pair — a gate, a round with more samples per item, 
 
 Two things keep a rerun from buying a PASS:
 
-- *Determinism.* A look is identified by its data (``data_digest``: both sides' per-item scores, flags and
+- *Determinism.* A look is identified by its data (``task_digest``: both sides' per-item scores, flags and
   sample counts). Data that reproduce an earlier look are that look and get its α, so its verdict. In-process
   runs on canonical numerics reproduce every sample (greedy, or keyed by item, sample index and the baseline's
   recorded seed), so the same candidate gets the same verdict however often it is rerun.
@@ -71,12 +71,6 @@ def task_digest(pairs) -> str:
     sides = [[pairs.scores(s), [float(x) for x in pairs.invalid(s)], [float(x) for x in pairs.truncated(s)],
               pairs.n_samples(s)] for s in ("base", "cand")]
     return hashlib.sha256(json.dumps([list(map(str, pairs.doc_ids)), sides], sort_keys=True).encode()).hexdigest()
-
-
-def data_digest(pairing, tasks=None) -> str:
-    """One digest over the tasks' digests (``task_digest``)."""
-    joined = json.dumps({t: task_digest(pairing.pairs[t]) for t in sorted(tasks or pairing.pairs)})
-    return hashlib.sha256(joined.encode()).hexdigest()
 
 
 def _packaged(path: Path) -> Path | None:

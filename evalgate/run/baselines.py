@@ -268,12 +268,6 @@ def _find(roots: list[Path], fingerprint: str, profile_id: str, kernel: str,
     return None
 
 
-def find_baseline(root: str | Path, fingerprint: str, profile_id: str, kernel: str) -> Path | None:
-    """The baseline under this one root, or None."""
-    found = _find([Path(root)], fingerprint, profile_id, kernel)
-    return found[0] if found else None
-
-
 def find_stored_baseline(roots: list[Path], fingerprint: str, profile_id: str, kernel: str) -> Path | None:
     """The first root's baseline (``lookup_roots`` order: a user's own baseline wins over the packaged one)."""
     found = _find(roots, fingerprint, profile_id, kernel)

@@ -125,16 +125,6 @@ def _fair_binomial(m: int) -> np.ndarray:
     return binom.pmf(np.arange(m + 1), m, 0.5)
 
 
-def steps_from_histogram(counts: Sequence[float], k: int) -> np.ndarray:
-    """The per-item steps (D_i·k) of a histogram over the lattice −k..k (the simulation's form of the data)."""
-    return np.repeat(np.arange(-k, k + 1), np.asarray(counts, dtype=int))
-
-
-def signflip_from_histogram(counts: Sequence[float], k: int) -> SignFlip:
-    """``signflip_pvalues`` of the items a histogram over the lattice −k..k describes."""
-    return signflip_pvalues(steps_from_histogram(counts, k))
-
-
 def signflip_pvalues(steps: Sequence[int]) -> SignFlip:
     """Exact sign-flip p-values for the observed S = Σ steps (D_i in lattice units). With all |steps| ≤ 1
     (binary scores) p_lower equals the exact one-sided McNemar P(X ≥ b | b + c), X ~ Binomial(b + c, ½)."""

@@ -139,11 +139,6 @@ def _checked_digest(got: str, expected: str, where: str) -> None:
         raise UserError(f"sha256 mismatch for {where}: got {got[:16]}…, expected {expected[:16]}…; the file is not the published dataset")
 
 
-def check_bytes(data: bytes, relpath: str, source: str) -> None:
-    """Bytes from another source (a wheel, the hub) must be exactly the published file."""
-    _checked(data, KNOWN_FILES[relpath], f"{relpath} from {source}")
-
-
 def parse_jsonl(data: bytes) -> list[dict]:
     if data[:2] == b"\x1f\x8b":
         data = gzip.decompress(data)

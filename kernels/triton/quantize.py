@@ -142,11 +142,6 @@ def quantize_rows(x: torch.Tensor, fmt: str, rule: ScaleRule, ties: str = "even"
     return q, b, hi, lo
 
 
-def quantize_e2m1(x: torch.Tensor, rule: ScaleRule, ties: str):
-    q, b, hi, lo = quantize_rows(x, "e2m1", rule, ties)
-    return q[0], b, hi, lo
-
-
 def twice_from_codes(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8 nibbles) -> twice their value as int8 (0x8, -0, gives 0)."""
     lut = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8, device=codes.device)

@@ -142,10 +142,6 @@ def _insn(code, k, jt=0, jf=0):
     return (code, jt, jf, k)
 
 
-def allowed_names():
-    return sorted(name for group in ALLOWED.values() for name in group.split()) + sorted(ARGUMENT_RULES)
-
-
 def assemble(machine=None):
     """The filter program as a list of (code, jt, jf, k); None where there is no table for this machine."""
     machine = machine or platform.machine()
