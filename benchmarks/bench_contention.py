@@ -55,7 +55,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still reaches the finally: the hog dies
 
     from evalgate.canary import PROFILES, canary_path
-    from evalgate.model_adapters.hf import HFAdapter
+    from evalgate.model_adapters.hf.adapter import HFAdapter
     from evalgate.cores import available_cores, generation_workers, intra_op_threads, request_threads
     from evalgate.tasks import get_task, resolve_profile
     from evalgate.tasks.data import resolve_data_dir

@@ -83,7 +83,7 @@ def connections(url: str) -> int:
 def run_once(mode: str, url: str, args, data_dir: str, out: Path) -> tuple[float, float]:
     """(wall of the run, of it loading the task data): the data is loaded first and handed to the run, as
     `evalgate gate` and `evalgate run` do before they reach a server, so the wall is the dispatch's."""
-    from evalgate.model_adapters.openai_client import OpenAIAdapter
+    from evalgate.model_adapters.server.openai_client import OpenAIAdapter
     from evalgate.run.progress import Progress
     from evalgate.run.runner import RunSpec, execute, load_tasks
 

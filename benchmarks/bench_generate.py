@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     cores.request_threads(args.threads)
     from evalgate.canary import BASELINES, PROFILES, canary_path
     from evalgate.cli.options import run_options  # noqa: F401  (the CLI's import cost, as the gate pays it)
-    from evalgate.model_adapters.hf import HFAdapter
+    from evalgate.model_adapters.hf.adapter import HFAdapter
     from evalgate.run.runner import RunSpec, load_task
 
     try:
@@ -165,7 +165,7 @@ def _stream(adapter, requests, batch_size: int, report: dict) -> int:
     from dataclasses import asdict
 
     from evalgate.cores import generation_workers
-    from evalgate.model_adapters.generation import decode_stream
+    from evalgate.model_adapters.hf.generation import decode_stream
 
     workers = generation_workers()[0]
     stats = []

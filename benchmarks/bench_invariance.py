@@ -32,7 +32,7 @@ import hashlib, json, os, resource, sys, time
 import torch
 items, batch, kernel, numerics = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 from evalgate.canary import canary_path, GSM8K_PROFILE, HUMANEVAL_PROFILE
-from evalgate.model_adapters.hf import HFAdapter
+from evalgate.model_adapters.hf.adapter import HFAdapter
 from evalgate.tasks import gsm8k
 from evalgate.tasks.data import resolve_data_dir
 from evalgate.tasks.humaneval import task as humaneval

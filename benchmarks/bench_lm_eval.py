@@ -12,7 +12,7 @@ run. Where it cannot be made (no venv module, no package index), the script says
 The canary is a DeepSeek-V4 with FP4 experts served by an evalgate kernel: ``--model hf pretrained=PATH``
 would load it without the kernel, the FP4 codes or evalgate's canonical numerics. So lm-eval's side is a
 small wrapper (this file, run with the venv's python and ``--lm-eval-side``) that loads the model with
-evalgate's own loader (``model_adapters.hf.load_model``: registers the kernel, re-attaches the FP4 codes) and
+evalgate's own loader (``model_adapters.hf.adapter.load_model``: registers the kernel, re-attaches the FP4 codes) and
 hands the instance to lm-eval's ``HFLM``, then calls ``lm_eval.simple_evaluate``. lm-eval reads the exact
 prompts evalgate sends (a one-task YAML over a JSONL of them, generate_until with the profile's stops and
 token limit). Each side times a whole run (reading the items, generating, scoring) after the model is loaded,
@@ -70,7 +70,7 @@ def lm_eval_side(args) -> None:
     from lm_eval.tasks import TaskManager
 
     from evalgate.canary import canary_path
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf.adapter import load_model
 
     model, tokenizer = load_model(canary_path(), args.kernel)  # the kernel, the FP4 codes, canonical numerics
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.batch_size, device="cpu")
@@ -148,7 +148,7 @@ def evalgate_side(kernel: str, batch_size: int, n_items: int, out: Path, repeat:
     """A whole in-process run (data, generation, scoring, records written), the model loaded beforehand as
     lm-eval's is: the best of ``repeat`` runs, and the texts."""
     from evalgate.canary import PROFILES, canary_path
-    from evalgate.model_adapters.hf import HFAdapter
+    from evalgate.model_adapters.hf.adapter import HFAdapter
     from evalgate.run.progress import Progress
     from evalgate.run.runner import RunSpec, execute
     from evalgate.run.store import load_run

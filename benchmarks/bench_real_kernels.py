@@ -48,7 +48,7 @@ def layer_stats(experts, tokens) -> dict:
 def measure_canary(names, prompts: int) -> None:
     from evalgate.canary import CANARY_DIR, PROFILES
     from evalgate.kernels.conformance import capture_routed_inputs, model_conformance
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf.adapter import load_model
     from evalgate.tasks import get_task, resolve_profile
     from evalgate.tasks.data import resolve_data_dir
 

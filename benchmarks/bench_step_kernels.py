@@ -88,7 +88,7 @@ def bench_attention(args, shape: dict) -> list[tuple]:
     import torch
 
     from evalgate.kernels.triton import availability
-    from evalgate.model_adapters import triton_attention as ta
+    from evalgate.model_adapters.fast import triton_attention as ta
 
     rows = []
     sms = availability.sm_count(args.device)
@@ -123,7 +123,7 @@ def bench_attention(args, shape: dict) -> list[tuple]:
 def bench_hyper(args) -> list[tuple]:
     import torch
 
-    from evalgate.model_adapters import triton_layers as layers
+    from evalgate.model_adapters.fast import triton_layers as layers
 
     hc, iters, eps = 4, 20, 1e-6
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from evalgate.kernels.triton import availability
-    from evalgate.model_adapters import triton_attention as ta
+    from evalgate.model_adapters.fast import triton_attention as ta
 
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         for layer, batch, split, us, diff in bench_attention(args, shape):
             print(f"{layer:8} {batch:5d} {split:>8} {us:9.2f} {diff:21.3g}")
     if "hyper" not in skip:
-        from evalgate.model_adapters.triton_layers import HYPER
+        from evalgate.model_adapters.fast.triton_layers import HYPER
 
         print(f"\nhyper_weights, hc 4, 20 Sinkhorn steps, FP32 (default HYPER: block {HYPER['block']}, "
               f"{HYPER['warps']} warps)")

@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 
 def _decode_s(model, tokenizer, prompts, device, repeat: int) -> float:
     from evalgate.kernels import witness
-    from evalgate.model_adapters.generation import decode
+    from evalgate.model_adapters.hf.generation import decode
 
     times = []
     for _ in range(repeat):
@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
 
     import evalgate.kernels.catalogs  # noqa: F401
     from evalgate.kernels import get_kernel, witness
-    from evalgate.model_adapters.hf import greedy_decoder, load_model
+    from evalgate.model_adapters.hf.adapter import greedy_decoder, load_model
 
     prompts = ["Question: Natalia sold clips to 48 of her friends in April, and then half as many in May. How many "
                "clips did she sell altogether?\nAnswer:", "Question: Weng earns $12 an hour for babysitting. "
@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
         sys.path.insert(0, str(HERE))
         from dsv4_flash_fullwidth import flash_config, tokenizer_for
 
-        from evalgate.model_adapters.random_fp4 import write_random_fp4_checkpoint
+        from random_fp4 import write_random_fp4_checkpoint
 
         path = Path(args.out)
         if not (path / "config.json").is_file():

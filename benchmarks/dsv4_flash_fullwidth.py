@@ -8,8 +8,8 @@ Steps: (1) the whole model's bytes from the released layout's headers (``--layou
 FP8 dense linears kept FP8 on a GPU, packed FP4 experts, the MTP layer on disk and not loaded; ``--layout
 bf16``: evalgate's own FP4 checkpoint, dense weights in BF16) and how many H200s it needs; (2) the layers to
 write: ``--layers``, else as many as fit on the visible devices and on the output disk; (3) write them shard
-by shard (``model_adapters/random_fp4.py``; never the whole model in memory); (4) load them streamed
-(``model_adapters/streamed.py``: planned first, experts kept packed, dense FP8 kept FP8 on a GPU); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's few-shot prompts) for
+by shard (``benchmarks/random_fp4.py``; never the whole model in memory); (4) load them streamed
+(``model_adapters/loading/streamed.py``: planned first, experts kept packed, dense FP8 kept FP8 on a GPU); (5) decode ``--items`` GSM8K test prompts (the default gsm8k profile's few-shot prompts) for
 ``--max-new-tokens`` tokens at batch ``--batch-size`` (``--items 0``: skip); (6) print tokens/s, the projected
 time of a 1,319-item GSM8K run, and peak memory per device against the packed expert bytes; (7) for each
 batch of ``--batches``: prefill that many GSM8K prompts (each prompt's prefill and one move into a slot timed,
@@ -117,8 +117,8 @@ def flash_config(layers: int | None = None, experts: int | None = None, scale: f
 
 def unit_bytes_of(config) -> dict[str, int]:
     """Placement unit -> loaded bytes, from the config alone (a meta model: shapes, no memory)."""
-    from evalgate.model_adapters.checkpoint_bytes import unit_of
-    from evalgate.model_adapters.random_fp4 import _meta_model
+    from evalgate.model_adapters.loading.checkpoint_bytes import unit_of
+    from random_fp4 import _meta_model
 
     model = _meta_model(config)
     sizes: dict[str, int] = {}
@@ -139,8 +139,8 @@ def released_unit_bytes(config, keep_fp8: bool = True) -> tuple[dict[str, int], 
     """(placement unit -> loaded bytes, stored bytes in all, stored bytes of the MTP layer) of ``config`` in the
     released layout, from the headers ``write_released_checkpoint`` would write (nothing written):
     ``keep_fp8`` counts FP8 dense weights as a GPU holds them, else dequantized to BF16."""
-    from evalgate.model_adapters.checkpoint_bytes import mtp_bytes, unit_bytes
-    from evalgate.model_adapters.random_fp4 import released_specs
+    from evalgate.model_adapters.loading.checkpoint_bytes import mtp_bytes, unit_bytes
+    from random_fp4 import released_specs
 
     specs = released_specs(config)
     return unit_bytes(specs, "bfloat16", keep_fp8), sum(t.nbytes for t in specs), mtp_bytes(specs)
@@ -148,7 +148,7 @@ def released_unit_bytes(config, keep_fp8: bool = True) -> tuple[dict[str, int], 
 
 def h200s_needed(sizes: dict[str, int], reserve) -> int:
     from evalgate.errors import UserError
-    from evalgate.model_adapters.placement import plan
+    from evalgate.model_adapters.loading.placement import plan
 
     for k in range(1, 65):
         try:
@@ -162,7 +162,7 @@ def h200s_needed(sizes: dict[str, int], reserve) -> int:
 def layers_that_fit(sizes_per_layer: int, fixed: int, devices: list[tuple[str, int]], reserve, disk_free: int,
                     total_layers: int) -> int:
     from evalgate.errors import UserError
-    from evalgate.model_adapters.placement import plan
+    from evalgate.model_adapters.loading.placement import plan
 
     best = 0
     for n in range(1, total_layers + 1):
@@ -187,7 +187,7 @@ def gsm8k_prompts(n: int) -> tuple[list[str], list[tuple[str, ...]]]:
 
 
 def tokenizer_for(out: Path):
-    from evalgate.model_adapters.tiny import build_tokenizer
+    from evalgate.model_adapters.hf.tiny import build_tokenizer
     from evalgate.tasks.gsm8k import load_split
 
     rows = load_split("train", None)[:2000]
@@ -398,7 +398,7 @@ def measure_batch(model, tokenizer, prompts: list[str], batch: int, steps: int, 
     static batch is prefilled), then ``steps`` greedy decoding steps: prefill tokens/s, the median step, its
     floor (the weights the step reads over ``bandwidth``: ``dense_step_bytes`` plus the experts its tokens are
     routed to) and the peak memory per device since the prefill began."""
-    from evalgate.model_adapters.generation import _prefill_in_parts
+    from evalgate.model_adapters.hf.generation import _prefill_in_parts
 
     first = devices[0]
     ids = _prompt_ids(tokenizer, prompts, batch)
@@ -433,8 +433,8 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     and how many steps ran again without the graph (``reruns``: the MoE's fast path left rows). ``profile``:
     a folder; one prompt's prefill and the smallest and the largest batch's steps, eager and graphed, are
     profiled into it (``profile_step``)."""
-    from evalgate.model_adapters.attention_slots import SlotCache
-    from evalgate.model_adapters.step_graphs import StepGraphs
+    from evalgate.model_adapters.fast.attention_slots import SlotCache
+    from evalgate.model_adapters.fast.step_graphs import StepGraphs
 
     first = devices[0]
     ids = _prompt_ids(tokenizer, prompts, max(batches))
@@ -568,7 +568,7 @@ def use_fused(model, choice: str) -> None:
     gathered attention)."""
     import types
 
-    from evalgate.model_adapters import triton_layers
+    from evalgate.model_adapters.fast import triton_layers
 
     if choice == "triton" and triton_layers.install(model):
         return
@@ -596,8 +596,8 @@ def print_table(rows: list[dict], bandwidth: float, device: str) -> None:
 def generate_items(model, tokenizer, placement, args, layers: int, total_layers: int, packed: int) -> dict:
     """Decode ``--items`` GSM8K prompts at ``--batch-size`` (``generation.decode``): tokens/s, the projected
     1,319-item GSM8K time, peak memory per device against the packed expert bytes."""
-    from evalgate.model_adapters.generation import decode
-    from evalgate.model_adapters.placement import gib
+    from evalgate.model_adapters.hf.generation import decode
+    from evalgate.model_adapters.loading.placement import gib
 
     figures = {}
     prompts, stops = gsm8k_prompts(args.items)
@@ -665,8 +665,8 @@ def fp8_linear_cost(model, device: str, rows: tuple[int, ...] = (1, 256)) -> lis
     calls each, device time."""
     import types
 
-    from evalgate.model_adapters import invariant
-    from evalgate.model_adapters.fp8_linear import is_fp8
+    from evalgate.model_adapters.canonical import invariant
+    from evalgate.model_adapters.canonical.fp8_linear import is_fp8
 
     layer = next(i for i, t in enumerate(model.config.layer_types) if t == "compressed_sparse_attention")
     mods = [(n, m) for n, m in model.model.layers[layer].named_modules() if is_fp8(m) and type(m).__name__.startswith("Fp8Linear")]
@@ -709,8 +709,8 @@ def canonical_aa(out: Path, args) -> dict:
     tokens each: the items whose token ids differ, and each side's time."""
     from gpu_batch_invariance import decode_all, first_difference, requests
 
-    from evalgate.model_adapters.hf import load_model
-    from evalgate.model_adapters.invariant import numerics
+    from evalgate.model_adapters.hf.adapter import load_model
+    from evalgate.model_adapters.canonical.invariant import numerics
 
     t0 = time.perf_counter()
     model, tokenizer = load_model(out, args.kernel, numerics="canonical", device_map=args.device_map)
@@ -775,12 +775,12 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"--fused {choice!r}: expected triton or torch")
 
     import evalgate.kernels.catalogs  # noqa: F401  (registers the kernels)
-    from evalgate.model_adapters import attention
-    from evalgate.model_adapters.hf import load_model
-    from evalgate.model_adapters.placement import gib
-    from evalgate.model_adapters.fp8_linear import is_fp8
-    from evalgate.model_adapters.random_fp4 import write_random_fp4_checkpoint, write_released_checkpoint
-    from evalgate.model_adapters.streamed import default_reserve, device_capacities, resolve_devices
+    from evalgate.model_adapters.fast import attention
+    from evalgate.model_adapters.hf.adapter import load_model
+    from evalgate.model_adapters.loading.placement import gib
+    from evalgate.model_adapters.canonical.fp8_linear import is_fp8
+    from random_fp4 import write_random_fp4_checkpoint, write_released_checkpoint
+    from evalgate.model_adapters.loading.streamed import default_reserve, device_capacities, resolve_devices
 
     out = Path(args.out)
     full = flash_config(experts=args.experts, scale=args.scale)

@@ -26,7 +26,7 @@ def main() -> None:
     import evalgate
     import evalgate.canary
     from evalgate.explain import summary_line
-    from evalgate.model_adapters.replay import teacher_forced
+    from evalgate.model_adapters.hf.replay import teacher_forced
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", help="a candidate run folder of the canary")

@@ -3,7 +3,7 @@ at batch 32 on the GPU, and this counts the items whose generated token sequence
 
     python benchmarks/gpu_batch_invariance.py                                  # cuda, w4a4_packed, both numerics
     python benchmarks/gpu_batch_invariance.py --limit 64 --numerics canonical --kernel w4a8
-    python -m evalgate.model_adapters.tiny /tmp/csa --compressed
+    python -m evalgate.model_adapters.hf.tiny /tmp/csa --compressed
     python benchmarks/gpu_batch_invariance.py --model /tmp/csa --numerics native   # compressed attention
 
 Prints numbers; not a test. For each numerics (``canonical``: evalgate's canonical forward pass, what the
@@ -37,7 +37,7 @@ def requests(limit: int | None):
 
 
 def decode_all(model, tokenizer, reqs, device: str, batch: int):
-    from evalgate.model_adapters.generation import decode_stream
+    from evalgate.model_adapters.hf.generation import decode_stream
 
     out = [None] * len(reqs)
     t0 = time.perf_counter()
@@ -65,7 +65,7 @@ def _alone(args_tuple):
     numerics, kernel, device, limit, share, model = args_tuple
     import torch
 
-    from evalgate.model_adapters.hf import HFAdapter
+    from evalgate.model_adapters.hf.adapter import HFAdapter
 
     torch.set_num_threads(1)
     adapter = HFAdapter(model, kernel, device=device, numerics=numerics)
@@ -82,8 +82,8 @@ class _Gen:
 def measure(numerics: str, args) -> dict:
     import torch
 
-    from evalgate.model_adapters.hf import HFAdapter
-    from evalgate.model_adapters.invariant import numerics as numerics_of
+    from evalgate.model_adapters.hf.adapter import HFAdapter
+    from evalgate.model_adapters.canonical.invariant import numerics as numerics_of
 
     adapter = HFAdapter(args.model, args.kernel, device=args.device, numerics=numerics)
     got = numerics_of(adapter.model)

@@ -1,7 +1,7 @@
 """Why an item flipped: where the two kernels' generations first part, and how close the model was to a tie.
 
 ``Explainer(pairing)`` loads the checkpoint once per kernel (baseline's and candidate's, canonical numerics)
-and replays an item's two generations teacher-forced (``model_adapters/replay.py``): the first token where
+and replays an item's two generations teacher-forced (``model_adapters/hf/replay.py``): the first token where
 they differ; there, each kernel's top-2 tokens with their log-probabilities and the margin between them;
 the KL divergence between the kernels' next-token distributions along the shared prefix; and, at the
 position that predicts the divergent token, each MoE layer's routed-experts output under both kernels:
@@ -267,7 +267,7 @@ class Explainer:
 
     def checkpoint(self) -> Path | None:
         """The checkpoint to replay, or None when there is none to use (a server run without ``model``)."""
-        from evalgate.model_adapters.fingerprint import model_fingerprint
+        from evalgate.model_adapters.hf.fingerprint import model_fingerprint
 
         info = self.pairing.candidate.manifest.get("model") or {}
         if self.model is not None:
@@ -302,7 +302,7 @@ class Explainer:
 
     def _loaded(self, path: Path):
         if not self._models:
-            from evalgate.model_adapters.hf import load_model
+            from evalgate.model_adapters.hf.adapter import load_model
 
             numerics = (self.pairing.candidate.manifest.get("model") or {}).get("numerics", "canonical")
             mode = "native" if numerics == "native" else "canonical"
@@ -375,7 +375,7 @@ class Explainer:
             notes.append("a run went through a server: its kernel is replayed by the in-process kernel of the same "
                          "name on the given checkpoint, which may not be the server's numerics")
         models = self._loaded(path)
-        from evalgate.model_adapters.replay import replay_pair
+        from evalgate.model_adapters.hf.replay import replay_pair
 
         replay = replay_pair({s: models[s] for s in SIDES}, models["tokenizer"], request.prompt, texts, request.stop,
                              request.max_new_tokens, self.device)
@@ -409,7 +409,7 @@ def _norm(t) -> float:
 def _from_replay(head: dict, replay, models: dict, notes: list[str]) -> Explanation:
     import torch
 
-    from evalgate.model_adapters.replay import experts_on
+    from evalgate.model_adapters.hf.replay import experts_on
 
     tokenizer = models["tokenizer"]
     notes = notes + replay.notes

@@ -61,7 +61,7 @@ def gate_out(kernel: str) -> Path:
 
 def local_fingerprint(model: str) -> str:
     """A local checkpoint's identity (config, headers, tokenizer: no weights loaded)."""
-    from evalgate.model_adapters.fingerprint import check_model_dir, model_fingerprint
+    from evalgate.model_adapters.hf.fingerprint import check_model_dir, model_fingerprint
 
     return model_fingerprint(check_model_dir(model))["fingerprint"]
 

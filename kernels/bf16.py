@@ -5,7 +5,7 @@ One guard: outside expert parallelism, transformers' grouped_mm path leaves the 
 (index E, or -1) uninitialised and sums them into the output (NaN in practice). Empty slots are turned
 into weight-0 slots of expert 0 first, which adds exact zeros: the same as skipping them.
 
-In a model with canonical numerics (``evalgate.model_adapters.invariant``) the same function is computed
+In a model with canonical numerics (``evalgate.model_adapters.canonical.invariant``) the same function is computed
 with canonical matmuls, SiLU and slot sums (``canonical_bf16_experts``), so that it is reproducible too."""
 
 import torch

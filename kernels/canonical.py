@@ -29,7 +29,7 @@ order, thread split and instruction set computes bit for bit (docs/kernels.md#ca
   PyTorch's own FP32 formulas, 1 / (1 + exp(-x)) and x / (1 + exp(-x)), over that exp.
 - ``topk``: a stable sort, ties to the lower index.
 
-Nothing here depends on transformers; ``evalgate.model_adapters.invariant`` builds the model's forward pass
+Nothing here depends on transformers; ``evalgate.model_adapters.canonical.invariant`` builds the model's forward pass
 from these, and the emulated kernels (``exact.py``) use exact dot products of their quantized operands.
 """
 

@@ -5,7 +5,7 @@ Format written by `save_fp4_checkpoint`:
   ``….scale``: float8_e8m0fnu, one byte per 32 K per row (names as transformers' reverse conversion
   mapping writes them, i.e. the DSV4-Flash names under the ``model.`` prefix);
 - everything else: as the model holds it (BF16). DSV4-Flash ships non-expert linears in FP8 128x128 (and
-  evalgate loads it so: ``model_adapters/released_layout.py``); this writer does not, because transformers
+  evalgate loads it so: ``model_adapters/loading/released_layout.py``); this writer does not, because transformers
   derives the FP8 block size from the scale grid, which is only right when every dimension is a multiple
   of 128 or below it, and a small canary model's dims are not. They are listed in
   ``modules_to_not_convert`` so a GPU load (no dequantization) leaves them BF16 as well;

@@ -28,7 +28,7 @@ def data_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, data_dir) -> Path:
     """A random 2-layer DeepSeek-V4 (hash layer + routed layer, 16 experts, top-6) with a BPE tokenizer."""
-    from evalgate.model_adapters.tiny import build_tiny_model
+    from evalgate.model_adapters.hf.tiny import build_tiny_model
 
     lines = (data_dir / "gsm8k" / "train.jsonl").read_text(encoding="utf-8").splitlines()[:2000]
     texts = [json.loads(line)["question"] + "\n" + json.loads(line)["answer"] for line in lines]
@@ -51,6 +51,6 @@ def _cli_choices_end_with_their_test():
     """`--device-map` is kept process-wide (the command's signature does not carry it); a CliRunner test that
     gives it must not hand it to the next test in the same worker."""
     yield
-    from evalgate.model_adapters.placement import request_device_map
+    from evalgate.model_adapters.loading.placement import request_device_map
 
     request_device_map(None)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from evalgate.errors import UserError
-from evalgate.model_adapters.generation import cut_at_stop, greedy_generate
-from evalgate.model_adapters.hf import HFAdapter, load_model
+from evalgate.model_adapters.hf.generation import cut_at_stop, greedy_generate
+from evalgate.model_adapters.hf.adapter import HFAdapter, load_model
 from evalgate.types import Request
 
 PROMPTS = [
@@ -92,7 +92,7 @@ def test_bad_model_dirs(tmp_path):
 
 
 def test_numerics_are_canonical_by_default_and_recorded(tiny_model):
-    from evalgate.model_adapters.invariant import numerics
+    from evalgate.model_adapters.canonical.invariant import numerics
 
     adapter = HFAdapter(tiny_model, "w4a4_packed", batch_size=2)
     assert adapter.info()["numerics"] == "canonical-v1"
@@ -109,7 +109,7 @@ def test_a_small_checkpoint_is_fingerprinted_by_its_weight_values(tmp_path):
     import shutil
 
     from evalgate.canary import canary_path
-    from evalgate.model_adapters.fingerprint import model_fingerprint
+    from evalgate.model_adapters.hf.fingerprint import model_fingerprint
 
     copy = tmp_path / "canary"
     shutil.copytree(canary_path(), copy)

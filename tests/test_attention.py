@@ -1,5 +1,5 @@
-"""Tiled DeepSeek-V4 attention (``model_adapters/attention.py``) against transformers' eager attention, and
-caches of rows prefilled apart stacked into one batch (``model_adapters/cache.py``), on a small model with
+"""Tiled DeepSeek-V4 attention (``model_adapters/fast/attention.py``) against transformers' eager attention, and
+caches of rows prefilled apart stacked into one batch (``model_adapters/hf/cache.py``), on a small model with
 all three attention kinds: sliding window, CSA (compressor + indexer top-k) and HCA."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalgate.model_adapters import attention, generation
-from evalgate.model_adapters.cache import model_stackable, stack_rows, stackable
-from evalgate.model_adapters.tiny import fill_hash_routes, tiny_config
+from evalgate.model_adapters.fast import attention
+from evalgate.model_adapters.hf import generation
+from evalgate.model_adapters.hf.cache import model_stackable, stack_rows, stackable
+from evalgate.model_adapters.hf.tiny import fill_hash_routes, tiny_config
 
 KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 VOCAB = 200
@@ -156,7 +157,7 @@ def test_indexer_scores_in_blocks_match_the_scorer():
 
 def test_canonical_models_are_left_alone():
     """A model with canonical numerics keeps its own attention: install changes nothing."""
-    from evalgate.model_adapters import invariant
+    from evalgate.model_adapters.canonical import invariant
 
     model = _model(layer_types=["sliding_attention"] * 2)
     invariant.install(model)

@@ -1,4 +1,4 @@
-"""Decoding from a KV cache preallocated per row (``model_adapters/attention_slots.py``): every row decodes
+"""Decoding from a KV cache preallocated per row (``model_adapters/fast/attention_slots.py``): every row decodes
 what it decodes alone through transformers (batch 1, no padding), whatever the other slots hold, for all
 three DeepSeek-V4 attention kinds; slots are written in place and reused."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalgate.model_adapters.attention_slots import SlotCache, top_entries
+from evalgate.model_adapters.fast.attention_slots import SlotCache, top_entries
 from test_attention import DEVICES, VOCAB, _model
 
 pytestmark = pytest.mark.slow
@@ -82,7 +82,7 @@ def with_a_broken_kernel(monkeypatch, module, kernel: str, failed: str, switch: 
     """Two rows decoded two steps from slots with ``switch`` (a ``SlotCache`` flag) off, then on with
     ``module.kernel`` raising ``message``: (the logits of each run, how often the kernel was called). The on
     run must warn once with the message."""
-    from evalgate.model_adapters import attention_slots
+    from evalgate.model_adapters.fast import attention_slots
 
     monkeypatch.setattr(attention_slots, failed, [])
     calls = []
@@ -170,7 +170,7 @@ def test_an_indexer_whose_top_k_covers_every_entry_keeps_no_state():
     keeps no indexer state and selects every closed entry: its rows decode as the rows of a cache one entry
     larger (top 17 of 18), whose indexer runs and also selects them all while a row holds at most 17, bit
     for bit (canonical numerics: the entries beyond a row's closed ones change no bit)."""
-    from evalgate.model_adapters import invariant
+    from evalgate.model_adapters.canonical import invariant
 
     model = _model(index_topk=17)
     invariant.install(model)
@@ -202,7 +202,7 @@ def test_decoding_from_slots_gives_each_prompt_its_tokens_alone(monkeypatch):
     """``generation.decode_stream`` over slots (what a GPU does for a DeepSeek-V4 model with PyTorch's
     numerics; forced here on the CPU): 5 prompts through 2 slots, refilled as rows finish, each with its own
     token limit: every prompt gets the tokens transformers gives it alone."""
-    from evalgate.model_adapters import generation
+    from evalgate.model_adapters.hf import generation
     from test_attention import _Tokenizer
 
     model = _model(index_topk=64)

@@ -45,7 +45,7 @@ def test_canary_ships_in_the_dsv4_fp4_format():
 
 @pytest.fixture(scope="module")
 def canary():
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf.adapter import load_model
 
     return load_model(canary_path(), "w4a4_packed")
 
@@ -61,7 +61,7 @@ def test_kernels_compute_with_the_stored_codes(canary):
 
 
 def test_cached_decoding_matches_a_full_forward(canary):
-    from evalgate.model_adapters.generation import greedy_generate
+    from evalgate.model_adapters.hf.generation import greedy_generate
 
     model, tok = canary
     prompt = "def add(a: int, b: int) -> int:\n    \"\"\"Add two numbers.\"\"\"\n"

@@ -19,7 +19,7 @@ FAULTY = sorted(n for n in kernel_names() if get_kernel(n).faulty)
 @pytest.fixture(scope="module")
 def tiny_loaded(tiny_model):
     """The tiny model as the adapter loads it, and the token ids of two task-like prompts."""
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf.adapter import load_model
 
     model, tokenizer = load_model(tiny_model, "w4a4_packed")
     texts = ["Question: Natalia sold clips to 48 of her friends in April, and then half as many in May. "

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from evalgate.model_adapters.generation import decode, decode_stream
-from evalgate.model_adapters.sampling import SampleKey, sample_seed
+from evalgate.model_adapters.hf.generation import decode, decode_stream
+from evalgate.model_adapters.hf.sampling import SampleKey, sample_seed
 
 PROMPTS = [
     "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
@@ -24,7 +24,7 @@ MAX_NEW = [9, 4, 12, 7, 1, 10, 6]
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf.adapter import load_model
 
     return load_model(tiny_model, "w4a8")
 
@@ -46,7 +46,7 @@ def _streamed(model, tok, stops, keys=None, **kw):
 def test_finished_rows_leave_the_batch_together_and_change_no_token(tiny, monkeypatch):
     """A finished row decodes a pad token until enough of the batch is done (leaving copies the whole KV
     cache); waiting changes no other row's tokens."""
-    from evalgate.model_adapters import generation
+    from evalgate.model_adapters.hf import generation
 
     model, tok = tiny
     stops = [("\n\n",)] * len(PROMPTS)
@@ -107,8 +107,8 @@ def test_sampled_rows_draw_at_their_own_positions_when_they_join_late(tiny):
 
 def test_a_native_model_keeps_static_batches(tiny_model):
     """PyTorch's own numerics are batch-dependent: its rows never leave or join a running batch."""
-    from evalgate.model_adapters.generation import _dynamic
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf.generation import _dynamic
+    from evalgate.model_adapters.hf.adapter import load_model
 
     model, tok = load_model(tiny_model, "w4a8", numerics="native")
     enc = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
@@ -119,7 +119,7 @@ def test_a_native_model_keeps_static_batches(tiny_model):
 
 def _kept(kv):
     from evalgate.kernels.canonical import fixed_operand
-    from evalgate.model_adapters.invariant import KeptOperands
+    from evalgate.model_adapters.canonical.invariant import KeptOperands
 
     return KeptOperands(fixed_operand(kv.transpose(-1, -2), "columns"), fixed_operand(kv, "rows"))
 

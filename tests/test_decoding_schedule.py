@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from evalgate.model_adapters import generation
-from evalgate.model_adapters.generation import Costs, _SharedQueue
+from evalgate.model_adapters.hf import generation
+from evalgate.model_adapters.hf.generation import Costs, _SharedQueue
 from evalgate.types import AdapterBase, Generation
 
 
@@ -63,7 +63,7 @@ def test_costs_use_the_expected_length_capped_by_the_limit_else_the_limit():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf.adapter import load_model
 
     return load_model(tiny_model, "w4a8")
 
@@ -78,7 +78,7 @@ MAX_NEW = [9, 4, 12, 7, 10]
 @pytest.mark.parametrize("expected", [[1, 30, None, 7, 2], [12, 12, 12, 12, 12]])
 def test_expected_lengths_change_no_token(tiny, expected):
     """Right, wrong or missing expected lengths: every row's tokens are those it gets alone."""
-    from evalgate.model_adapters.generation import decode, decode_stream
+    from evalgate.model_adapters.hf.generation import decode, decode_stream
 
     model, tok = tiny
     stops = [("\n\n",)] * len(PROMPTS)

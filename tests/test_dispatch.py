@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from evalgate.model_adapters.openai_client import OpenAIAdapter
+from evalgate.model_adapters.server.openai_client import OpenAIAdapter
 from evalgate.run.progress import Progress
 from evalgate.run.runner import RunSpec, execute
 from evalgate.run.store import RecordWriter, load_run
@@ -206,7 +206,7 @@ def test_a_kept_alive_connection_the_server_closed_while_idle_is_reopened_and_no
     import threading
     import time as _time
 
-    from evalgate.model_adapters.openai_client import Connections
+    from evalgate.model_adapters.server.openai_client import Connections
 
     seen = []
 

@@ -22,8 +22,8 @@ import pytest
 from evalgate.kernels import get_kernel
 import re
 
-from evalgate.model_adapters.engines import TABLE, W4A4_FLAG, Selection, Stack, find_row, version_tuple
-from evalgate.model_adapters.launcher import DEFAULT_PROGRAMS, plan_launch
+from evalgate.model_adapters.server.engines import TABLE, W4A4_FLAG, Selection, Stack, find_row, version_tuple
+from evalgate.model_adapters.server.launcher import DEFAULT_PROGRAMS, plan_launch
 
 HERE = Path(__file__).resolve().parent
 SITES = Path(os.environ.get("EVALGATE_ENGINE_SITES") or Path.home() / ".cache" / "evalgate" / "engines")

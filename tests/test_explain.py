@@ -1,4 +1,4 @@
-"""Explaining a flip (evalgate/explain.py, model_adapters/replay.py): the first divergent token, both kernels'
+"""Explaining a flip (evalgate/explain.py, model_adapters/hf/replay.py): the first divergent token, both kernels'
 top-2 margins there, the KL along the shared prefix, the MoE layer and expert, near-tie or divergence.
 
 The replay is checked against an independent computation: each kernel's greedy tokens from the decoding
@@ -40,7 +40,7 @@ def tiny_pair(tiny_model, tmp_path_factory):
 
 
 def _greedy_tokens(model, tokenizer, request) -> list[int]:
-    from evalgate.model_adapters.generation import decode
+    from evalgate.model_adapters.hf.generation import decode
 
     return decode(model, tokenizer, [request.prompt], [request.stop], [request.max_new_tokens])[0].token_ids
 
@@ -54,7 +54,7 @@ def _last_logprobs(model, ids: list[int]) -> torch.Tensor:
 @pytest.mark.slow
 def test_the_first_divergence_and_its_margins_are_what_decoding_and_a_fresh_forward_give(tiny_model, tiny_pair):
     from evalgate.kernels.checkpoint import experts_modules
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf.adapter import load_model
 
     cmp = tiny_pair
     p = cmp.pairs["gsm8k"]

@@ -92,7 +92,7 @@ def test_a_canary_gate_reads_each_input_once_and_nothing_it_wrote(tmp_path, monk
 def test_a_gate_through_evalgate_serve_reads_each_input_once(tiny_model, data_dir, tmp_path, monkeypatch):
     from gate_helpers import policy
 
-    from evalgate.model_adapters.launcher import free_port
+    from evalgate.model_adapters.server.launcher import free_port
     from evalgate.run.baselines import record
 
     port = free_port()

@@ -156,7 +156,7 @@ def test_exp_of_bf16_values_is_exp_bit_for_bit():
 
 
 def test_the_two_stream_sinkhorn_is_the_torch_loop_bit_for_bit():
-    from evalgate.model_adapters.invariant import _sinkhorn_2x2
+    from evalgate.model_adapters.canonical.invariant import _sinkhorn_2x2
 
     g = torch.Generator().manual_seed(5)
     eps = 1e-6
@@ -238,7 +238,7 @@ def test_an_emulated_token_does_not_depend_on_its_batch(name):
 MATRIX_CHILD = r"""
 import dataclasses, hashlib, json, sys, torch
 from evalgate.canary import canary_path, GSM8K_PROFILE, HUMANEVAL_PROFILE
-from evalgate.model_adapters.hf import HFAdapter
+from evalgate.model_adapters.hf.adapter import HFAdapter
 from evalgate.tasks import gsm8k
 from evalgate.tasks.data import resolve_data_dir
 from evalgate.tasks.humaneval import task as humaneval
@@ -329,7 +329,7 @@ def test_canary_generations_are_identical_across_batch_threads_and_instruction_s
 
 @pytest.fixture(scope="module")
 def canary_server(tmp_path_factory):
-    from evalgate.model_adapters.launcher import free_port
+    from evalgate.model_adapters.server.launcher import free_port
 
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"

@@ -1,4 +1,4 @@
-"""Canonical numerics for compressed attention (``model_adapters/invariant_compressed.py``): the CSA and HCA
+"""Canonical numerics for compressed attention (``model_adapters/canonical/invariant_compressed.py``): the CSA and HCA
 compressors, the indexer and its scorer compute transformers' function; decoded from per-row slots a row
 gives the logits of a prefill of its whole sequence bit for bit; generation is batch invariant."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalgate.model_adapters import generation, invariant
-from evalgate.model_adapters.attention_slots import SlotCache
+from evalgate.model_adapters.canonical import invariant
+from evalgate.model_adapters.hf import generation
+from evalgate.model_adapters.fast.attention_slots import SlotCache
 from test_attention import DEVICES, KINDS, VOCAB, _model, _Tokenizer
 
 
@@ -47,7 +48,7 @@ def test_the_canonical_forward_is_transformers_function(monkeypatch, index_topk)
 def test_without_its_canonical_compressor_the_forward_is_not_this_one(monkeypatch):
     """The comparison above can fail: the HCA layer's windows pooled without the position bias move the
     logits far beyond rounding."""
-    from evalgate.model_adapters import invariant_compressed
+    from evalgate.model_adapters.canonical import invariant_compressed
 
     model, native = _canonical(index_topk=64), _model(index_topk=64)
     ids = _prompt(37)[None]
@@ -129,8 +130,8 @@ def test_yarn_frequencies_are_transformers_correctly_rounded():
     transformers' to the last bits, and a model with them installs."""
     from transformers import DeepseekV4ForCausalLM
 
-    from evalgate.model_adapters.invariant_compressed import yarn_inv_freq
-    from evalgate.model_adapters.tiny import tiny_config
+    from evalgate.model_adapters.canonical.invariant_compressed import yarn_inv_freq
+    from evalgate.model_adapters.hf.tiny import tiny_config
 
     yarn = {"rope_type": "yarn", "rope_theta": 160000.0, "partial_rotary_factor": 0.5, "factor": 16.0,
             "original_max_position_embeddings": 512, "beta_fast": 32, "beta_slow": 1}
@@ -159,7 +160,7 @@ def test_auto_numerics_keep_the_graphed_path_for_compressed_attention_on_a_gpu(c
     is kept."""
     from types import SimpleNamespace
 
-    from evalgate.model_adapters.hf import resolved_numerics
+    from evalgate.model_adapters.hf.adapter import resolved_numerics
 
     compressed, sliding = _model(), _model(layer_types=["sliding_attention"] * 2)
     assert resolved_numerics(compressed, "auto") == "canonical"

@@ -130,7 +130,7 @@ def test_kernels_list_shows_where_each_kernel_comes_from(site, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_loaded(tiny_model):
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf.adapter import load_model
 
     model, tokenizer = load_model(tiny_model, "w4a4_packed")
     text = "Question: Weng earns $12 an hour for babysitting. Yesterday she did 50 minutes. How much?\nAnswer:"

@@ -1,4 +1,4 @@
-"""The kernel table (model_adapters/engines.py) row by row: for every engine version it covers, evalgate
+"""The kernel table (model_adapters/server/engines.py) row by row: for every engine version it covers, evalgate
 either selects and verifies each kernel or refuses it in one line, before a launch (preflight) and after
 start (the stand-in server behaving as that version, launched or given); and the verdict side: a
 contradicted server kernel gets no verdict, an unverified one is said in the verdict's notes."""
@@ -16,9 +16,9 @@ import pytest
 
 from engine_sites import site
 from evalgate.errors import NotComparable, UserError
-from evalgate.model_adapters.engines import TABLE, Stack, preflight
-from evalgate.model_adapters.launcher import served_adapter
-from evalgate.model_adapters.openai_client import OpenAIAdapter
+from evalgate.model_adapters.server.engines import TABLE, Stack, preflight
+from evalgate.model_adapters.server.launcher import served_adapter
+from evalgate.model_adapters.server.openai_client import OpenAIAdapter
 from fake_server import FakeServer
 
 HERE = Path(__file__).resolve().parent
@@ -63,7 +63,7 @@ STACKS = {
 
 
 def test_every_row_of_the_table_has_a_stack_here():
-    from evalgate.model_adapters.engines import find_row
+    from evalgate.model_adapters.server.engines import find_row
 
     assert {id(find_row(stack)) for stack, _ in STACKS.values()} == {id(row) for row in TABLE}
     assert all(row.source and set(row.kernels) == set(KERNELS) for row in TABLE)
@@ -348,7 +348,7 @@ def test_the_command_line_compares_across_serving_only_when_asked(tmp_path, cli_
 
 
 def test_the_probe_reads_versions_packed_build_and_gpu_in_the_servers_environment(tmp_path):
-    from evalgate.model_adapters.engines import probe_stack, server_python
+    from evalgate.model_adapters.server.engines import probe_stack, server_python
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -12,7 +12,7 @@ def _run(*args):
 
 
 def test_list_json_has_identity_serving_and_recipe():
-    from evalgate.model_adapters.engines import TABLE, Selection
+    from evalgate.model_adapters.server.engines import TABLE, Selection
 
     res = _run("list", "--json")
     assert res.exit_code == 0, res.output
@@ -63,7 +63,7 @@ def test_bad_input_is_one_line_exit_2(args, needle):
 
 @pytest.mark.slow
 def test_model_check_on_a_tiny_checkpoint(tmp_path, data_dir):
-    from evalgate.model_adapters.tiny import build_tiny_model
+    from evalgate.model_adapters.hf.tiny import build_tiny_model
 
     texts = [json.loads(line)["question"] for line in (data_dir / "gsm8k" / "train.jsonl").read_text().splitlines()[:300]]
     path = build_tiny_model(tmp_path / "m", texts, vocab_size=400)

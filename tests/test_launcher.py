@@ -15,8 +15,8 @@ import pytest
 
 from evalgate.errors import UserError
 from evalgate.kernels import Kernel, get_kernel
-from evalgate.model_adapters.engines import Stack
-from evalgate.model_adapters.launcher import ServerProcess, check_environment, free_port, plan_launch
+from evalgate.model_adapters.server.engines import Stack
+from evalgate.model_adapters.server.launcher import ServerProcess, check_environment, free_port, plan_launch
 from engine_sites import site
 
 HERE = Path(__file__).resolve().parent

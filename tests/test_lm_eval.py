@@ -21,7 +21,7 @@ from serve_helpers import running_server
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -e '.[test]' (lm-eval==0.4.13)")
 
-from evalgate.model_adapters.launcher import free_port  # noqa: E402
+from evalgate.model_adapters.server.launcher import free_port  # noqa: E402
 from evalgate.types import sha256_text  # noqa: E402
 
 KERNEL = "w4a8"

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 LOAD_DSV4 = """
 import sys
-from evalgate.model_adapters.hf import load_model
+from evalgate.model_adapters.hf.adapter import load_model
 import evalgate.kernels
 model, tok = load_model(sys.argv[1], "bf16")
 assert type(model).__name__ == "DeepseekV4ForCausalLM"

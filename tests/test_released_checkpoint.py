@@ -64,7 +64,7 @@ def released(tmp_path_factory) -> Path:
     the MTP layer) with a BPE tokenizer."""
     from dsv4_flash_fullwidth import tokenizer_for
 
-    from evalgate.model_adapters.random_fp4 import write_released_checkpoint
+    from random_fp4 import write_released_checkpoint
 
     out = tmp_path_factory.mktemp("released") / "model"
     return write_released_checkpoint(out, _small(), tokenizer_for(out), log=lambda s: None)
@@ -73,7 +73,7 @@ def released(tmp_path_factory) -> Path:
 def test_full_width_header_has_the_released_names_dtypes_and_shapes():
     from dsv4_flash_fullwidth import flash_config
 
-    from evalgate.model_adapters.random_fp4 import released_config, released_specs
+    from random_fp4 import released_config, released_specs
 
     config = flash_config(layers=4)
     specs = {t.key: t for t in released_specs(config)}
@@ -112,8 +112,8 @@ def test_full_width_header_has_the_released_names_dtypes_and_shapes():
 
 
 def test_written_header_is_what_the_specs_say(released):
-    from evalgate.model_adapters.checkpoint_bytes import stored_tensors
-    from evalgate.model_adapters.random_fp4 import released_specs
+    from evalgate.model_adapters.loading.checkpoint_bytes import stored_tensors
+    from random_fp4 import released_specs
 
     written = sorted((t.key, t.shard, t.dtype, t.shape, t.nbytes) for t in stored_tensors(released))
     planned = sorted((t.key, t.shard, t.dtype, t.shape, t.nbytes) for t in released_specs(_small()))
@@ -127,7 +127,7 @@ def test_fp8_block_dequantization_is_exact_in_bf16():
     """code x 2^e is a BF16 value: dequantizing to BF16, FP32 or float64 gives the same numbers, with or
     without partial blocks, and the GPU's broadcast form (``dequantize_fast``) gives them too."""
     from evalgate.kernels.fp8_blocks import dequantize, quantize, scale_grid, scale_values
-    from evalgate.model_adapters.fp8_linear import dequantize_fast
+    from evalgate.model_adapters.canonical.fp8_linear import dequantize_fast
 
     gen = torch.Generator().manual_seed(3)
     for shape in ((256, 384), (300, 200), (64, 128)):
@@ -174,7 +174,7 @@ MISLAID = {
 
 @pytest.mark.parametrize("case", sorted(MISLAID))
 def test_a_mislaid_checkpoint_is_refused_naming_the_tensor(case, released, tmp_path):
-    from evalgate.model_adapters.released_layout import check_layout
+    from evalgate.model_adapters.loading.released_layout import check_layout
 
     key, change, message = MISLAID[case]
     bad = _mislay(released, tmp_path / "bad", key, change)
@@ -187,8 +187,8 @@ def test_a_mislaid_checkpoint_is_refused_naming_the_tensor(case, released, tmp_p
 def test_streamed_load_equals_transformers_load_and_never_reads_the_mtp_layer(released, monkeypatch):
     import safetensors
 
-    from evalgate.model_adapters.hf import load_model
-    from evalgate.model_adapters.streamed import load_streamed
+    from evalgate.model_adapters.hf.adapter import load_model
+    from evalgate.model_adapters.loading.streamed import load_streamed
 
     reference, _ = load_model(released, "w4a8", numerics="native")
     read = []
@@ -224,7 +224,7 @@ def test_streamed_load_equals_transformers_load_and_never_reads_the_mtp_layer(re
 
 
 def test_resident_bytes_count_fp8_as_kept_and_leave_out_the_mtp_layer(released):
-    from evalgate.model_adapters.checkpoint_bytes import mtp_bytes, stored_tensors, unit_bytes
+    from evalgate.model_adapters.loading.checkpoint_bytes import mtp_bytes, stored_tensors, unit_bytes
 
     tensors = stored_tensors(released)
     on_gpu, on_cpu = unit_bytes(tensors, keep_fp8=True), unit_bytes(tensors, keep_fp8=False)
@@ -242,10 +242,10 @@ def test_fp8_kept_gives_the_dequantized_models_bits_canonical_and_native(release
     numerics; canonical numerics do not depend on the batch."""
     from dataclasses import replace
 
-    from evalgate.model_adapters import invariant
-    from evalgate.model_adapters.fp8_linear import is_fp8
-    from evalgate.model_adapters.hf import load_model
-    from evalgate.model_adapters.streamed import plan_load, stream_load
+    from evalgate.model_adapters.canonical import invariant
+    from evalgate.model_adapters.canonical.fp8_linear import is_fp8
+    from evalgate.model_adapters.hf.adapter import load_model
+    from evalgate.model_adapters.loading.streamed import plan_load, stream_load
 
     dequantized, tok = load_model(released, "w4a8", numerics="native")
     kept = stream_load(released, "w4a8", replace(plan_load(released, [("cpu", 64 << 30)]), keep_fp8=True))

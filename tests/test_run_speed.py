@@ -106,7 +106,7 @@ def test_the_console_entry_runs_atexit_handlers_and_keeps_exit_codes(tmp_path):
 def test_the_last_prompts_are_shared_between_the_decoding_workers():
     import multiprocessing
 
-    from evalgate.model_adapters.generation import _SharedQueue
+    from evalgate.model_adapters.hf.generation import _SharedQueue
 
     queue = _SharedQueue(list(range(200)), multiprocessing.get_context("fork"), workers=2)
     assert queue.take(64) == list(range(64))  # plenty left: full takes

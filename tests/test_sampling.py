@@ -16,9 +16,9 @@ import torch
 from scipy.stats import chi2
 
 from evalgate.errors import NotComparable, UserError
-from evalgate.model_adapters import sampling
-from evalgate.model_adapters.generation import decode, greedy_generate
-from evalgate.model_adapters.sampling import SampleKey, sample_seed
+from evalgate.model_adapters.hf import sampling
+from evalgate.model_adapters.hf.generation import decode, greedy_generate
+from evalgate.model_adapters.hf.sampling import SampleKey, sample_seed
 from evalgate.run.progress import Progress
 from evalgate.run.runner import RunSpec, execute
 from evalgate.run.samples import SampleGroups, Sampling
@@ -119,7 +119,7 @@ def test_the_sampler_draws_from_softmax_of_logits_over_temperature():
 
 
 def test_sample_seed_is_the_request_seed_the_client_sends():
-    from evalgate.model_adapters.openai_client import request_seed
+    from evalgate.model_adapters.server.openai_client import request_seed
 
     assert sample_seed(7, "HumanEval/3", 2) == request_seed(7, "HumanEval/3", 2) < 2**31
     assert len({sample_seed(0, d, j) for d in range(50) for j in range(8)}) == 400
@@ -130,7 +130,7 @@ def test_sample_seed_is_the_request_seed_the_client_sends():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf.adapter import load_model
 
     return load_model(tiny_model, "bf16")
 
@@ -157,7 +157,7 @@ def test_two_kernels_produce_the_same_samples_unless_the_kernel_moves_them():
     """The canary with w4a8 and w4a4_packed: the same keys give mostly the same sampled tokens, far more than
     the same kernels with other keys (an uncoupled sampler) agree on."""
     from evalgate.canary import GSM8K_PROFILE, canary_path
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf.adapter import load_model
     from evalgate.tasks import gsm8k
 
     items, resolved = gsm8k.TASK.load(gsm8k.PROFILES[GSM8K_PROFILE], None, 4)
@@ -329,7 +329,7 @@ def test_bad_sampling_options_are_one_line_and_exit_2(args, message, tmp_path):
 def test_a_sampled_server_run_sends_temperature_and_the_stream_seed_of_each_sample(data_dir, tmp_path):
     from fake_server import FakeServer
 
-    from evalgate.model_adapters.openai_client import OpenAIAdapter
+    from evalgate.model_adapters.server.openai_client import OpenAIAdapter
 
     spec = RunSpec(model="fake-model", kernel="w4a8", tasks=["gsm8k"], limit=2, batch_size=4, data_dir=str(data_dir),
                    samples=3, temperature=0.6, seed=9)
@@ -344,7 +344,7 @@ def test_a_sampled_server_run_sends_temperature_and_the_stream_seed_of_each_samp
 
 
 def test_evalgate_serve_samples_what_the_in_process_model_samples(tiny, tiny_model):
-    from evalgate.model_adapters.server import BadRequest, BatchingGenerator, OpenAIApp
+    from evalgate.model_adapters.server.serve import BadRequest, BatchingGenerator, OpenAIApp
 
     model, tok = tiny
     app = OpenAIApp(BatchingGenerator(model, tok, batch_size=4), tok, "model", {"model_path": str(tiny_model)})

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from evalgate.errors import UserError
-from evalgate.model_adapters.openai_client import OpenAIAdapter, ServerError, _parse_choice, normalize_url, request_seed
+from evalgate.model_adapters.server.openai_client import OpenAIAdapter, ServerError, _parse_choice, normalize_url, request_seed
 from evalgate.run.progress import Progress
 from evalgate.run.runner import RunSpec, execute
 from evalgate.run.store import load_run

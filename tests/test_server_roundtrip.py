@@ -15,7 +15,7 @@ import pytest
 from serve_helpers import running_server
 
 from evalgate.errors import UserError
-from evalgate.model_adapters.launcher import free_port
+from evalgate.model_adapters.server.launcher import free_port
 from evalgate.run.store import load_run
 
 KERNEL = "w4a8"
@@ -110,7 +110,7 @@ def test_the_server_describes_itself(served):
 
 
 def test_a_client_claiming_another_kernel_is_refused(served):
-    from evalgate.model_adapters.openai_client import OpenAIAdapter
+    from evalgate.model_adapters.server.openai_client import OpenAIAdapter
 
     with pytest.raises(UserError, match="reports kernel 'w4a8', not --kernel 'w4a4_packed'"):
         OpenAIAdapter(served, "w4a4_packed").info()

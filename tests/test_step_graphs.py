@@ -1,4 +1,4 @@
-"""Whole decoding steps per batch bucket (``model_adapters/step_graphs.py``) on the CPU: the body a CUDA graph
+"""Whole decoding steps per batch bucket (``model_adapters/fast/step_graphs.py``) on the CPU: the body a CUDA graph
 captures (padding rows in the spare slot, the MoE's deferred check) decodes every row as it decodes alone;
 a step run again from the same inputs (what a step whose MoE left rows does) leaves the same state; on a
 GPU the graphed step gives the eager step's bits (tests/test_triton.py)."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from evalgate.kernels.triton import moe
-from evalgate.model_adapters.attention_slots import SlotCache
-from evalgate.model_adapters.step_graphs import StepGraphs, bucket_of
+from evalgate.model_adapters.fast.attention_slots import SlotCache
+from evalgate.model_adapters.fast.step_graphs import StepGraphs, bucket_of
 from test_attention import _model
 from test_attention_slots import LENGTHS, _admit, _alone, _close, _prompts
 

@@ -12,7 +12,7 @@ import torch
 
 import evalgate.kernels.catalogs  # noqa: F401  (registers the kernels)
 from evalgate.errors import UserError
-from evalgate.model_adapters.placement import GiB, Reserve, parse_device_map, plan
+from evalgate.model_adapters.loading.placement import GiB, Reserve, parse_device_map, plan
 
 pytest.importorskip("accelerate")
 
@@ -90,7 +90,7 @@ def test_device_map_values():
 def test_plan_load_refuses_before_reading_any_tensor(tmp_path):
     """The canary against a device of 1 MiB: refused from its headers alone, one line, with the figures."""
     from evalgate.canary import canary_path
-    from evalgate.model_adapters.streamed import plan_load
+    from evalgate.model_adapters.loading.streamed import plan_load
 
     with pytest.raises(UserError) as exc:
         plan_load(canary_path(), [("cuda:0", 1 << 20)], reserve=Reserve(workspace=0))
@@ -128,7 +128,7 @@ class _Watch(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.fixture(scope="module")
 def canary_pair():
     from evalgate.canary import canary_path
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf.adapter import load_model
 
     ref, tok = load_model(canary_path(), "w4a4_packed")  # transformers' load (dequantized, codes attached)
     watch = _Watch()
@@ -166,7 +166,7 @@ def test_streamed_load_never_dequantizes_an_expert(canary_pair):
 
 
 def test_streamed_model_generates_the_same_tokens(canary_pair):
-    from evalgate.model_adapters.generation import decode
+    from evalgate.model_adapters.hf.generation import decode
     from evalgate.canary import PROFILES
     from evalgate.tasks import get_task, resolve_profile
 
@@ -183,7 +183,7 @@ def test_streamed_model_generates_the_same_tokens(canary_pair):
 
 def test_bf16_kernel_is_refused_with_a_device_map():
     from evalgate.canary import canary_path
-    from evalgate.model_adapters.hf import load_model
+    from evalgate.model_adapters.hf.adapter import load_model
 
     with pytest.raises(UserError, match="BF16 experts"):
         load_model(canary_path(), "bf16", device_map="cpu")
@@ -193,7 +193,7 @@ def test_cli_refuses_a_model_that_does_not_fit(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
     from evalgate.cli.main import main as cli
-    from evalgate.model_adapters import streamed
+    from evalgate.model_adapters.loading import streamed
 
     monkeypatch.setattr(streamed, "device_capacities", lambda devices: [(d, 1 << 20) for d in devices])
     result = CliRunner().invoke(cli, ["run", "--kernel", "w4a4_packed", "--device-map", "cpu", "--limit", "1",
@@ -240,7 +240,7 @@ def test_fullwidth_script_tiny(tmp_path, monkeypatch):
 def test_fullwidth_config_is_dsv4_flash(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import dsv4_flash_fullwidth as script
-    from evalgate.model_adapters.streamed import default_reserve
+    from evalgate.model_adapters.loading.streamed import default_reserve
 
     cfg = script.flash_config()
     assert (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
@@ -294,7 +294,7 @@ def test_floor_counts_the_experts_a_step_routes_to(monkeypatch):
     import dsv4_flash_fullwidth as script
     from transformers import DeepseekV4ForCausalLM
 
-    from evalgate.model_adapters.tiny import fill_hash_routes, tiny_config
+    from evalgate.model_adapters.hf.tiny import fill_hash_routes, tiny_config
 
     torch.manual_seed(0)
     model = DeepseekV4ForCausalLM(tiny_config(100, num_hidden_layers=2)).eval()

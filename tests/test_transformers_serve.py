@@ -20,7 +20,7 @@ for _module in ("fastapi", "uvicorn", "openai"):
     pytest.importorskip(_module, reason=f"transformers serve needs {_module}: pip install -e '.[test]' "
                                         "(transformers[serving])")
 
-from evalgate.model_adapters.launcher import free_port  # noqa: E402
+from evalgate.model_adapters.server.launcher import free_port  # noqa: E402
 from evalgate.run.store import load_run  # noqa: E402
 
 LIMIT, MAX_NEW = 4, 24
@@ -51,7 +51,7 @@ def test_a_run_against_transformers_serve_equals_the_in_process_bf16_run(transfo
                                                                         cli_env, tmp_path):
     import inspect
 
-    from evalgate.model_adapters.hf import HFAdapter
+    from evalgate.model_adapters.hf.adapter import HFAdapter
     from evalgate.run.progress import Progress
     from evalgate.run.runner import RunSpec, execute
 

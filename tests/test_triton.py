@@ -363,8 +363,8 @@ def test_whole_decoding_steps_give_the_eager_steps_bits(monkeypatch):
     GPU a CUDA graph of the whole step, captured on the bucket's second step; on a CPU the same body without
     a graph) gives, bit for bit, the logits of the eager step of the same rows (the same padding rows)."""
     from evalgate.kernels.tiny_model import tiny_deepseek_v4
-    from evalgate.model_adapters.attention_slots import SlotCache
-    from evalgate.model_adapters.step_graphs import StepGraphs
+    from evalgate.model_adapters.fast.attention_slots import SlotCache
+    from evalgate.model_adapters.fast.step_graphs import StepGraphs
 
     monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
     model = tiny_deepseek_v4(seed=2, layers=3).to(DEVICE)

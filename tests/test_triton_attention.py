@@ -1,5 +1,5 @@
 """A decoding step's attention as one Triton kernel, or with its keys split over several programs and merged
-(``model_adapters/triton_attention.py``), against the gathered form it replaces
+(``model_adapters/fast/triton_attention.py``), against the gathered form it replaces
 (``attention_slots._attend_gathered``: eager's ``_attend`` over the rows' ring keys and entries, joined, with
 an additive mask), under Triton's interpreter on a CPU (on a GPU where there is one). Each check runs in a
 fresh process (``triton_process``)."""
@@ -17,7 +17,7 @@ SETUP = """
 import types
 import torch
 from evalgate.kernels.triton import availability
-from evalgate.model_adapters import attention_slots, triton_attention
+from evalgate.model_adapters.fast import attention_slots, triton_attention
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -134,7 +134,7 @@ def test_the_split_follows_the_batch_and_the_sms():
     batch 16 four ways, and batch 64 and 256 not at all; programs_per_sm 0 never splits; force wins; off
     CUDA the SMs are availability.INTERPRETED_SMS."""
     from evalgate.kernels.triton import availability
-    from evalgate.model_adapters import triton_attention as ta
+    from evalgate.model_adapters.fast import triton_attention as ta
 
     assert [ta.key_splits(b, 64, 128, 512, 132) for b in (1, 2, 16, 64, 256)] == [16, 16, 4, 1, 1]
     assert ta.key_splits(1, 64, 128, 0, 132) == 4
@@ -176,7 +176,7 @@ def test_a_model_decodes_from_slots_with_the_kernel_as_without(split):
 def test_an_attention_kernel_that_fails_hands_the_step_back_to_the_gathered_form(monkeypatch):
     """A Triton failure in the slot step's attention: a warning once, the gathered form's logits then and
     after, and the kernel not tried again."""
-    from evalgate.model_adapters import triton_attention
+    from evalgate.model_adapters.fast import triton_attention
     from test_attention_slots import with_a_broken_kernel
 
     logits, calls = with_a_broken_kernel(monkeypatch, triton_attention, "decode_attention", "_ATTENTION_FAILED",

@@ -1,4 +1,4 @@
-"""A compressor's decoding step as one Triton kernel (``model_adapters/triton_compressor.py``) against the
+"""A compressor's decoding step as one Triton kernel (``model_adapters/fast/triton_compressor.py``) against the
 PyTorch step it replaces (``attention_slots._Compressed.step`` with transformers' pooling and RoPE), under
 Triton's interpreter on a CPU (on a GPU where there is one). Each check runs in a fresh process
 (``triton_process``)."""
@@ -14,7 +14,7 @@ pytestmark = needs_triton
 
 SETUP = """
 import torch
-from evalgate.model_adapters import attention_slots
+from evalgate.model_adapters.fast import attention_slots
 from test_attention import _model
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -104,7 +104,7 @@ def test_a_model_decodes_from_slots_with_the_compressor_kernel_as_without():
     bound (and the indexer's, top 3 of up to 16 entries) the logits are those of PyTorch's step within float
     rounding, the greedy tokens the same, and every compressor and indexer step went through the kernel."""
     out = _run("""
-        from evalgate.model_adapters import triton_compressor
+        from evalgate.model_adapters.fast import triton_compressor
         from test_attention_slots import agree_within_rounding, slot_logits_with_and_without
 
         model = _model(index_topk=3, device=DEVICE)
@@ -120,7 +120,7 @@ def test_a_model_decodes_from_slots_with_the_compressor_kernel_as_without():
 def test_a_compressor_kernel_that_fails_hands_the_step_back_to_pytorch(monkeypatch):
     """A Triton failure in the compressor's step: a warning once, PyTorch's step's logits bit for bit then
     and after, and the kernel not tried again."""
-    from evalgate.model_adapters import triton_compressor
+    from evalgate.model_adapters.fast import triton_compressor
     from test_attention_slots import with_a_broken_kernel
 
     logits, calls = with_a_broken_kernel(monkeypatch, triton_compressor, "compressor_step", "_COMPRESSOR_FAILED",

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 layers as Triton kernels (``model_adapters/triton_layers.py``: the hyper-connection weights,
+"""DeepSeek-V4 layers as Triton kernels (``model_adapters/fast/triton_layers.py``: the hyper-connection weights,
 the RMSNorms) against transformers' own forwards, under Triton's interpreter on a CPU (on a GPU where there
 is one). Each check runs in a fresh process (``triton_process``)."""
 
@@ -16,8 +16,8 @@ pytestmark = needs_triton
 SETUP = """
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
-from evalgate.model_adapters import triton_layers
-from evalgate.model_adapters.tiny import tiny_config
+from evalgate.model_adapters.fast import triton_layers
+from evalgate.model_adapters.hf.tiny import tiny_config
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """
 
@@ -136,7 +136,7 @@ def test_a_mixing_kernel_that_fails_leaves_transformers_expression():
     every later one (the decoder layer is not run again: its attention has written the cache)."""
     out = _run("""
         import warnings
-        from evalgate.model_adapters import triton_hyper_kernel
+        from evalgate.model_adapters.fast import triton_hyper_kernel
 
         class Broken:
             def __getitem__(self, grid):
@@ -165,8 +165,8 @@ def test_a_kernel_that_fails_hands_the_module_back_to_transformers(monkeypatch):
     call, and transformers' forward from then on."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 
-    from evalgate.model_adapters import triton_layers
-    from evalgate.model_adapters.tiny import tiny_config
+    from evalgate.model_adapters.fast import triton_layers
+    from evalgate.model_adapters.hf.tiny import tiny_config
 
     torch.manual_seed(0)
     module = DeepseekV4HyperConnection(tiny_config(64))
@@ -231,8 +231,8 @@ def test_decoding_from_slots_with_the_kernels_gives_transformers_logits():
     out = _run("""
         import copy
         from test_attention import _model, VOCAB
-        from evalgate.model_adapters import attention_slots
-        from evalgate.model_adapters.attention_slots import SlotCache
+        from evalgate.model_adapters.fast import attention_slots
+        from evalgate.model_adapters.fast.attention_slots import SlotCache
         plain = _model(index_topk=64, device=DEVICE)
         fused = copy.deepcopy(plain)
         assert triton_layers.install(fused, force=True)
@@ -282,7 +282,7 @@ def test_the_rope_kernel_is_transformers_rope():
 
 def test_a_rope_kernel_that_fails_hands_the_step_back_to_transformers(monkeypatch):
     """A Triton failure in the slot step's RoPE: a warning once, transformers' rotation then and after."""
-    from evalgate.model_adapters import attention_slots, triton_layers
+    from evalgate.model_adapters.fast import attention_slots, triton_layers
 
     monkeypatch.setattr(attention_slots, "_ROPE_FAILED", [])
     calls = []

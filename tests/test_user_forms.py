@@ -144,7 +144,7 @@ def test_baseline_list_shows_the_packaged_baselines_the_gate_would_use_and_find_
 def test_device_map_auto_without_a_gpu_says_it_places_the_model_on_the_cpu(capsys):
     import torch
 
-    from evalgate.model_adapters.streamed import resolve_devices
+    from evalgate.model_adapters.loading.streamed import resolve_devices
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: auto places the model on it")

@@ -81,7 +81,7 @@ def test_a_failed_witness_fails_the_conformance_record_it_joins():
 
 
 def test_on_a_cpu_the_witness_records_the_emulators_functions(tiny_model):
-    from evalgate.model_adapters.hf import greedy_decoder, load_model
+    from evalgate.model_adapters.hf.adapter import greedy_decoder, load_model
 
     model, tokenizer = load_model(tiny_model, "w4a4_te")
     w = watch(model, get_kernel("w4a4_te"), ["Question: 2 + 3?\nAnswer:", "Question: 7 - 1?\nAnswer:"],

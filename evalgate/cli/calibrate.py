@@ -55,7 +55,7 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
         prepare_out(runs / f"calibrate-{stamp}-{kernel.replace('/', '_')}-server", resume=False)
     log_dir = runs / f"calibrate-{stamp}-{kernel.replace('/', '_')}-server"
     from evalgate.errors import EnvironmentFailure
-    from evalgate.model_adapters.server_errors import RESUME_HINT, ServerError
+    from evalgate.model_adapters.server.errors import RESUME_HINT, ServerError
 
     try:
         with server_adapter(server, launch, model, kernel, log_dir, model_id, server_args, launch_timeout,

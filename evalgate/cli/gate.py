@@ -198,7 +198,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     with preflight.run_lock(run_out):
         prepare_ahead(loaded)  # the executor self-test runs beside the imports and the model's load
 
-        from evalgate.model_adapters.server_errors import RESUME_HINT, ServerError
+        from evalgate.model_adapters.server.errors import RESUME_HINT, ServerError
         from evalgate.pipeline import gate as run_gate  # imports torch: only when a model runs
         from evalgate.plan import plan_gate
 

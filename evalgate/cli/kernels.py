@@ -26,7 +26,7 @@ kernels_group = click.Group(
 
 def _kernel_rows(include_faulty: bool) -> list[dict]:
     from evalgate.kernels import KERNELS, kernel_names
-    from evalgate.model_adapters.engines import served_by
+    from evalgate.model_adapters.server.engines import served_by
 
     from evalgate.kernels.contract import Capability
 
@@ -212,8 +212,8 @@ def check(shape, tokens, model_path, tasks, limit, kernels, data_dir, seed, as_j
     else:
         if limit < 1:
             raise UserError(f"--limit must be at least 1 (got {limit})")
-        from evalgate.model_adapters.fingerprint import check_model_dir
-        from evalgate.model_adapters.hf import load_model
+        from evalgate.model_adapters.hf.fingerprint import check_model_dir
+        from evalgate.model_adapters.hf.adapter import load_model
 
         check_model_dir(model_path)
         pairs = task_pairs(_parse_list(tasks, "tasks"), limit, data_dir)

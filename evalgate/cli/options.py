@@ -101,7 +101,7 @@ def checked_device(ctx, param, value):
 
 def _request_device_map(ctx, param, value):
     """--device-map is kept process-wide like --threads; ``hf.load_model`` reads it."""
-    from evalgate.model_adapters.placement import request_device_map
+    from evalgate.model_adapters.loading.placement import request_device_map
 
     request_device_map(value)
     return value
@@ -246,7 +246,7 @@ def deterministic_choice() -> bool:
 def server_adapter(server, launch, model, kernel, out, model_id, server_args, launch_timeout, request_timeout,
                    concurrency, retries, batch_size, deterministic=None, resume_hint=True):
     """Context manager yielding the server adapter, or None for the in-process model."""
-    from evalgate.model_adapters.launcher import served_adapter
+    from evalgate.model_adapters.server.launcher import served_adapter
 
     if deterministic is None:
         deterministic = deterministic_choice()

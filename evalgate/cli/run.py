@@ -55,7 +55,7 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
     preflight.free_space(out, preflight.run_bytes(sum(len(t.items) for t in loaded.values()), spec.samples), "--out")
     with preflight.run_lock(out):
         prepare_out(out, resume)  # refuse a bad --out before the model loads or a server spends minutes starting
-        from evalgate.model_adapters.server_errors import RESUME_HINT, ServerError
+        from evalgate.model_adapters.server.errors import RESUME_HINT, ServerError
 
         note_resumable(out, f"--out {shlex.quote(str(out))} --resume")
         try:
@@ -72,7 +72,7 @@ def _refuse_another_run(previous: dict, spec, loaded, out: Path, served: bool) -
     --resume with another kernel, other items or profiles, or another local model."""
     diffs = []
     if not served:
-        from evalgate.model_adapters.fingerprint import check_model_dir, model_fingerprint
+        from evalgate.model_adapters.hf.fingerprint import check_model_dir, model_fingerprint
 
         if previous.get("model", {}).get("fingerprint") != model_fingerprint(check_model_dir(spec.model))["fingerprint"]:
             diffs.append("model fingerprint")

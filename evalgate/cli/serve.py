@@ -29,7 +29,7 @@ def serve(model, kernel, host, port, batch_size, batch_window_ms, device, dtype,
 
     if importlib.util.find_spec("uvicorn") is None:  # said before the model loads, not after
         raise UserError("evalgate serve needs uvicorn; pip install 'evalgate[serve]'")
-    from evalgate.model_adapters.server import build_app, serve as run_server
+    from evalgate.model_adapters.server.serve import build_app, serve as run_server
 
     app = build_app(resolve_model(model), kernel, device=device, dtype=dtype, batch_size=batch_size,
                     served_model=served_model_name, window_s=batch_window_ms / 1000)

@@ -178,7 +178,7 @@ def execute(spec: RunSpec, out: str | Path, resume: bool = False, adapter: Model
     loaded = tasks if tasks is not None else load_tasks(spec)  # all data checked before the (slow) model
 
     if adapter is None:
-        from evalgate.model_adapters.hf import HFAdapter
+        from evalgate.model_adapters.hf.adapter import HFAdapter
 
         adapter = HFAdapter(spec.model, spec.kernel, device=spec.device, dtype=spec.dtype, batch_size=spec.batch_size)
     model_info = adapter.info()

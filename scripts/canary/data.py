@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 from evalgate.canary import GSM8K_PROFILE, HUMANEVAL_PROFILE
-from evalgate.model_adapters.tiny import build_tokenizer
+from evalgate.model_adapters.hf.tiny import build_tokenizer
 
 VOCAB_SIZE = 4096
 CONTESTED = {"gsm8k": 10, "humaneval": 10}  # items per task given a wrong alternative (see the docstring)

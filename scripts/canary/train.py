@@ -311,7 +311,7 @@ def main(argv=None) -> None:
 
     import evalgate.kernels.catalogs  # noqa: F401  (registers the emulated kernels)
     from config import canary_config
-    from evalgate.model_adapters.tiny import fill_hash_routes
+    from evalgate.model_adapters.hf.tiny import fill_hash_routes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("build_dir")

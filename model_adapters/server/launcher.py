@@ -31,7 +31,7 @@ from pathlib import Path
 
 from evalgate.errors import UserError
 from evalgate.kernels.registry import Kernel
-from evalgate.model_adapters.engines import Selection, Stack, preflight, probe_stack, server_python, version_tuple
+from evalgate.model_adapters.server.engines import Selection, Stack, preflight, probe_stack, server_python, version_tuple
 
 ENGINES = ("sglang", "vllm")
 # EVALGATE_SGLANG_COMMAND / EVALGATE_VLLM_COMMAND replace the program part (a wrapper, another python, a stand-in).
@@ -356,7 +356,7 @@ def served_adapter(kernel: str, out: Path, server: str | None = None, launch: st
     Yields None when neither is asked for (the runner's in-process default). A server failure names the run
     folder to resume.
     """
-    from evalgate.model_adapters.openai_client import OpenAIAdapter, ServerError
+    from evalgate.model_adapters.server.openai_client import OpenAIAdapter, ServerError
 
     if server and launch:
         raise UserError("--server and --launch exclude each other: use a running server, or let evalgate start one")

@@ -8,7 +8,7 @@ import torch
 
 from evalgate.kernels import canonical
 from evalgate.kernels.canonical import FixedOperand, fixed_matmul, fixed_operand
-from evalgate.model_adapters.fp8_linear import is_fp8, weight_sources
+from evalgate.model_adapters.canonical.fp8_linear import is_fp8, weight_sources
 
 
 def weight_operand(owner, name: str, linears, build) -> FixedOperand:

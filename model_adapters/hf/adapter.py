@@ -17,9 +17,9 @@ import torch
 
 from evalgate.errors import UserError
 from evalgate.kernels import get_kernel
-from evalgate.model_adapters.fingerprint import check_model_dir, model_fingerprint
-from evalgate.model_adapters.generation import decode, decode_stream
-from evalgate.model_adapters.sampling import SampleKey
+from evalgate.model_adapters.hf.fingerprint import check_model_dir, model_fingerprint
+from evalgate.model_adapters.hf.generation import decode, decode_stream
+from evalgate.model_adapters.hf.sampling import SampleKey
 from evalgate.types import AdapterBase, Generation, Request
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -58,7 +58,7 @@ def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: s
     from evalgate.kernels.checkpoint import dequantizing_config, is_fp4_checkpoint
 
     if is_fp4_checkpoint(d):  # load on the CPU, dequantized, whatever GPU is present; codes re-attached below
-        from evalgate.model_adapters.released_layout import check_layout
+        from evalgate.model_adapters.loading.released_layout import check_layout
 
         check_layout(d)  # a mis-laid FP8 dense weight is refused here, in one line, not deep in transformers
         kwargs["quantization_config"] = dequantizing_config(d)
@@ -84,7 +84,7 @@ def resolved_numerics(model, numerics: str) -> str:
     BF16 bytes). ``canonical`` and ``native`` are what they say."""
     if numerics != "auto":
         return numerics
-    from evalgate.model_adapters.invariant_compressed import compressed_attention
+    from evalgate.model_adapters.canonical.invariant_compressed import compressed_attention
 
     if any(p.device.type == "cuda" for p in model.parameters()) and compressed_attention(model):
         print("evalgate: PyTorch's own numerics for compressed attention on a GPU (CUDA-graphed steps); outputs "
@@ -98,7 +98,7 @@ def _finish(model, numerics: str) -> None:
 
     configure_torch(getattr(model.config, "hidden_size", None))
     if resolved_numerics(model, numerics) == "canonical":
-        from evalgate.model_adapters import invariant
+        from evalgate.model_adapters.canonical import invariant
 
         try:
             invariant.install(model)
@@ -106,7 +106,7 @@ def _finish(model, numerics: str) -> None:
             print(f"evalgate: PyTorch's own numerics for this model, outputs may depend on the batch: {exc}",
                   file=sys.stderr)
     if any(p.device.type == "cuda" for p in model.parameters()):  # eager's score tensor does not fit a GPU
-        from evalgate.model_adapters import attention, triton_layers
+        from evalgate.model_adapters.fast import attention, triton_layers
 
         attention.install(model)
         triton_layers.install(model)  # PyTorch's numerics: hundreds of tiny kernels a layer become a dozen
@@ -116,7 +116,7 @@ def streamed_device_map(d: Path, kernel, device: str, device_map: str | None) ->
     """The device map to stream with, or None for transformers' loader: ``device_map`` (else the CLI's
     ``--device-map``) when given; an FP4 checkpoint on a GPU with an emulated kernel streams onto ``device``."""
     from evalgate.kernels.checkpoint import is_fp4_checkpoint
-    from evalgate.model_adapters.placement import requested_device_map
+    from evalgate.model_adapters.loading.placement import requested_device_map
 
     device_map = device_map or requested_device_map()
     if device_map is not None:
@@ -130,7 +130,7 @@ def streamed_device_map(d: Path, kernel, device: str, device_map: str | None) ->
 def _load_streamed(d: Path, kernel, device_map: str, dtype: str | None, numerics: str):
     from transformers import AutoTokenizer
 
-    from evalgate.model_adapters.streamed import dispatch, load_streamed
+    from evalgate.model_adapters.loading.streamed import dispatch, load_streamed
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(d)
@@ -176,7 +176,7 @@ class HFAdapter(AdapterBase):
         numerics are not comparable (docs/kernels.md#canonical-numerics)."""
         import transformers
 
-        from evalgate.model_adapters.invariant import numerics
+        from evalgate.model_adapters.canonical.invariant import numerics
 
         return {
             "adapter": self.kind,

@@ -23,8 +23,8 @@ import torch
 
 from evalgate.kernels import canonical
 from evalgate.kernels.canonical import fixed_operand
-from evalgate.model_adapters.canonical_blocks import attend as canonical_attend
-from evalgate.model_adapters.canonical_blocks import fused_linear
+from evalgate.model_adapters.canonical.blocks import attend as canonical_attend
+from evalgate.model_adapters.canonical.blocks import fused_linear
 
 
 def compressed_attention(model) -> bool:

@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from evalgate.kernels.triton import dispatch, moe
-from evalgate.model_adapters.attention_slots import SlotCache
+from evalgate.model_adapters.fast.attention_slots import SlotCache
 
 ENABLED = True  # a switch for comparisons (benchmarks/dsv4_flash_fullwidth.py runs both)
 
@@ -40,7 +40,7 @@ def why_not(cache: SlotCache) -> str | None:
     device = cache.positions.device
     if device.type != "cuda":
         return "not on a GPU"
-    from evalgate.model_adapters.invariant import numerics
+    from evalgate.model_adapters.canonical.invariant import numerics
 
     if numerics(cache.model) != "native":  # its correctly rounded functions decide some elements on the host
         return "canonical numerics synchronise with the host"

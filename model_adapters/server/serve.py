@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from evalgate.model_adapters.sampling import MAX_SEED, SampleKey
+from evalgate.model_adapters.hf.sampling import MAX_SEED, SampleKey
 from evalgate.version import __version__
 
 MAX_BODY = 8 * 1024 * 1024
@@ -60,7 +60,7 @@ class BatchingGenerator:
         return await job.future
 
     def _loop(self) -> None:
-        from evalgate.model_adapters.generation import decode
+        from evalgate.model_adapters.hf.generation import decode
 
         while True:
             batch = [self._jobs.get()]
@@ -246,7 +246,7 @@ async def _http_error(request, exc):
 def build_app(model_path: str, kernel_name: str, device: str = "cpu", dtype: str | None = None,
               batch_size: int = 8, served_model: str | None = None, window_s: float = 0.005) -> OpenAIApp:
     """Load the model with ``kernel_name`` and wrap it; the info endpoint names kernel and model fingerprint."""
-    from evalgate.model_adapters.hf import HFAdapter
+    from evalgate.model_adapters.hf.adapter import HFAdapter
     from evalgate.kernels.environment import dg_environment
 
     adapter = HFAdapter(model_path, kernel_name, device=device, dtype=dtype, batch_size=batch_size)

@@ -86,7 +86,7 @@ def fill_hash_routes(model, seed: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m evalgate.model_adapters.tiny OUT_DIR``: a random tiny checkpoint to try evalgate on."""
+    """``python -m evalgate.model_adapters.hf.tiny OUT_DIR``: a random tiny checkpoint to try evalgate on."""
     import argparse
     import json
 

@@ -4,7 +4,7 @@ A small loop of our own instead of ``model.generate``: every row gets explicit p
 attention mask (so left padding never shifts positions), each row stops on its own stop strings or EOS,
 and the loop ends when all rows are done. Only the last position's logits are computed, and the next
 token is their argmax (the lowest index among equal maxima). A row given a ``SampleKey`` samples instead:
-argmax(logits / T + Gumbel noise keyed by its stream seed and position), ``evalgate.model_adapters.sampling``;
+argmax(logits / T + Gumbel noise keyed by its stream seed and position), ``evalgate.model_adapters.hf.sampling``;
 its tokens depend on its prompt, seed and temperature alone, like a greedy row's on its prompt.
 
 With canonical numerics (``invariant.install``, what ``hf.load_model`` does by default) what a row produces
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalgate.model_adapters.sampling import SampleKey, next_tokens
+from evalgate.model_adapters.hf.sampling import SampleKey, next_tokens
 from evalgate.model_adapters.stops import cut_at_stop
 
 
@@ -216,7 +216,7 @@ def _slot_decoding(model, device) -> bool:
     There rows join and leave, and a row's compressor windows follow its own positions, not a padded
     batch's (with canonical numerics a left-padded sliding-window batch stays as it is: its rows are
     already their own)."""
-    from evalgate.model_adapters.invariant_compressed import compressed_attention
+    from evalgate.model_adapters.canonical.invariant_compressed import compressed_attention
 
     if _canonical(model):
         return compressed_attention(model)
@@ -230,8 +230,8 @@ def _decode_slots(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
     padding) into a free slot, every step decodes one token for each slot in use, a finished row's slot takes
     the next prompt once ``refill`` slots are free. On one GPU a step runs as a CUDA graph of the whole step
     for its batch bucket (``step_graphs.StepGraphs``)."""
-    from evalgate.model_adapters.attention_slots import SlotCache
-    from evalgate.model_adapters.step_graphs import StepGraphs
+    from evalgate.model_adapters.fast.attention_slots import SlotCache
+    from evalgate.model_adapters.fast.step_graphs import StepGraphs
 
     n = len(enc)
     spent = DecodeStats()
@@ -526,7 +526,7 @@ def _like_lengths(take: list[int], enc) -> list[list[int]]:
 
 def _canonical(model) -> bool:
     """Whether the model's rows are batch-invariant (``invariant.install``): only then may rows leave and join."""
-    from evalgate.model_adapters.invariant import numerics
+    from evalgate.model_adapters.canonical.invariant import numerics
 
     return numerics(model) != "native"
 
@@ -540,7 +540,7 @@ def _prefill_in_parts(model, ids: list[list[int]], pad_id: int, device):
     """``_prefill`` of a static batch, a few rows per call when all of them would exceed ``PREFILL_TOKENS``:
     every call is left-padded to the batch's width, so the calls' caches share one timeline and stack into
     the cache one call would have built (``cache.stack_rows``)."""
-    from evalgate.model_adapters.cache import model_stackable, stack_rows
+    from evalgate.model_adapters.hf.cache import model_stackable, stack_rows
 
     width = max(len(e) for e in ids)
     rows = max(1, PREFILL_TOKENS // width)
@@ -656,7 +656,7 @@ def _join(state, new):
     """Two states side by side along the batch, the shorter one left-padded (masked keys: exact zeros)."""
     past, mask, last_pos, last_tok = state
     past2, mask2, last_pos2, _ = new
-    from evalgate.model_adapters.invariant import stack_left_padded
+    from evalgate.model_adapters.canonical.invariant import stack_left_padded
 
     t = max(mask.shape[-1], mask2.shape[-1])
     mask = stack_left_padded(mask, mask2, 1, t, 0)

@@ -40,8 +40,8 @@ def compressor_step(state, module, rows: torch.Tensor, positions: torch.Tensor, 
     """``_Compressed.step`` (``state``, the compressor ``module``) for one token per row: kv, gate [b, feed]
     at ``positions`` [b] of slots ``rows`` [b]. Returns how many entries each row has now [b] (int64).
     A row that closes no window writes no entry (the PyTorch step writes its spare column, never read)."""
-    from evalgate.model_adapters.triton_compressor_kernel import compressor_step_kernel
-    from evalgate.model_adapters.triton_layers import _on_device
+    from evalgate.model_adapters.fast.triton_compressor_kernel import compressor_step_kernel
+    from evalgate.model_adapters.fast.triton_layers import _on_device
 
     b = rows.shape[0]
     count = torch.empty(b, dtype=torch.long, device=positions.device)

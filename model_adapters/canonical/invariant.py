@@ -36,10 +36,10 @@ from torch import nn
 
 from evalgate.kernels import canonical
 from evalgate.kernels.canonical import FixedOperand, fixed_matmul, fixed_operand, ordered_sum
-from evalgate.model_adapters.canonical_blocks import attend as _attend
-from evalgate.model_adapters.canonical_blocks import fused_linear as _fused_linear
-from evalgate.model_adapters.canonical_blocks import weight_operand as _weight_operand
-from evalgate.model_adapters.fp8_linear import is_fp8
+from evalgate.model_adapters.canonical.blocks import attend as _attend
+from evalgate.model_adapters.canonical.blocks import fused_linear as _fused_linear
+from evalgate.model_adapters.canonical.blocks import weight_operand as _weight_operand
+from evalgate.model_adapters.canonical.fp8_linear import is_fp8
 
 NUMERICS = canonical.VERSION
 ATTENTION = "evalgate_canonical"
@@ -433,7 +433,7 @@ def register_attention() -> None:
 def _forwards():
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
 
-    from evalgate.model_adapters import invariant_compressed as c
+    from evalgate.model_adapters.canonical import invariant_compressed as c
 
     return [  # subclasses before their bases (GroupedLinear is an nn.Linear)
         (m.DeepseekV4HCACompressor, c.hca_compressor_forward),
@@ -494,7 +494,7 @@ def install(model) -> None:
 
 
 def _canonical_rope(rotary) -> None:
-    from evalgate.model_adapters.invariant_compressed import yarn_inv_freq
+    from evalgate.model_adapters.canonical.invariant_compressed import yarn_inv_freq
 
     for layer_type in rotary.layer_types:
         kind = rotary.rope_type[layer_type]

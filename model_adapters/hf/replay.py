@@ -151,7 +151,7 @@ def replay_pair(models: dict, tokenizer, prompt: str, texts: dict[str, str], sto
 
 
 def _decoded(model, tokenizer, prompt, stops, max_new_tokens, device):
-    from evalgate.model_adapters.generation import decode
+    from evalgate.model_adapters.hf.generation import decode
 
     return decode(model, tokenizer, [prompt], [stops], [max_new_tokens], device)[0]
 

@@ -52,7 +52,7 @@ def check_layout(path: str | Path, tensors=None) -> None:
     """Refuse, in one line naming the tensor, a checkpoint whose FP8 dense linears are not laid out as
     released: a weight without its ``.scale`` (or a scale in another shard), a BF16 weight where config.json
     declares FP8, a scale that is not UE8M0 or whose grid is not one per 128 x 128 block."""
-    from evalgate.model_adapters.checkpoint_bytes import stored_tensors
+    from evalgate.model_adapters.loading.checkpoint_bytes import stored_tensors
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from evalgate.model_adapters.engines import (FUSE_SHARED_ENV, NOT_A_RECIPE, TABLE, VLLM_NO_FUSION_ENV, W4A4_KERNELS,
+from evalgate.model_adapters.server.engines import (FUSE_SHARED_ENV, NOT_A_RECIPE, TABLE, VLLM_NO_FUSION_ENV, W4A4_KERNELS,
                                              Selection, Stack, find_row, in_range, version_tuple)
 
 VERIFIED, CONTRADICTED, UNVERIFIED = "verified", "contradicted", "unverified"

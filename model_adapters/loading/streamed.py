@@ -213,7 +213,7 @@ def _set_fp8(model, key: str, codes: torch.Tensor, scale: torch.Tensor, device, 
     """An FP8 dense weight: kept FP8 with its block scales (``fp8_linear.keep_fp8``), or dequantized exactly to
     ``dtype`` (transformers' CPU load)."""
     from evalgate.kernels.fp8_blocks import dequantize
-    from evalgate.model_adapters.fp8_linear import keep_fp8
+    from evalgate.model_adapters.canonical.fp8_linear import keep_fp8
 
     module_name, _, name = key.rpartition(".")
     if name != "weight":

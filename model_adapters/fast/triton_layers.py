@@ -265,7 +265,7 @@ def _mix_failed(exc: Exception) -> None:
 def hyper_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """``(pre[..., None] * streams).sum(-2).to(streams.dtype)``: pre [..., hc] FP32, streams [..., hc, D]."""
     if _mixes_on_triton(streams):
-        from evalgate.model_adapters.triton_hyper_kernel import hyper_collapse_kernel
+        from evalgate.model_adapters.fast.triton_hyper_kernel import hyper_collapse_kernel
 
         flat, hc, d, grid, block = _token_streams(streams)
         out = torch.empty(flat.shape[0], d, dtype=streams.dtype, device=streams.device)
@@ -286,7 +286,7 @@ def hyper_mix(post: torch.Tensor, comb: torch.Tensor, output: torch.Tensor, stre
     [..., hc, D]. The kernel's fallback is this expression, not the layer's forward: the layer's attention
     has written its cache by then."""
     if _mixes_on_triton(streams):
-        from evalgate.model_adapters.triton_hyper_kernel import hyper_mix_kernel
+        from evalgate.model_adapters.fast.triton_hyper_kernel import hyper_mix_kernel
 
         flat, hc, d, grid, block = _token_streams(streams)
         out = torch.empty_like(flat)
@@ -316,7 +316,7 @@ def decoder_layer_forward(self, hidden_states, input_ids=None, **kwargs):
 def usable(model) -> str | None:
     """Why ``install`` leaves ``model`` alone, or None when it binds the kernel."""
     from evalgate.kernels.triton.availability import unavailable_reason
-    from evalgate.model_adapters.invariant import numerics
+    from evalgate.model_adapters.canonical.invariant import numerics
 
     if not ENABLED:
         return "disabled"

@@ -36,8 +36,8 @@ import types
 
 import torch
 
-from evalgate.model_adapters import invariant_compressed
-from evalgate.model_adapters.attention import _attend
+from evalgate.model_adapters.canonical import invariant_compressed
+from evalgate.model_adapters.fast.attention import _attend
 
 
 def native_pool(module, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ _ROPE_FAILED: list[str] = []  # why the Triton RoPE could not run here, once it 
 
 def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
     """The same as one Triton kernel (``triton_layers.rope_step``), or transformers' rotation where it fails."""
-    from evalgate.model_adapters.triton_layers import rope_step
+    from evalgate.model_adapters.fast.triton_layers import rope_step
 
     return _triton_or(_ROPE_FAILED, "RoPE on transformers' rotation", lambda: rope_step(x, cos, sin, sign),
                       lambda: transformers_rope(x, cos, sin, sign))
@@ -126,7 +126,7 @@ class _Compressed:
     def fused_step(self, module, rows, positions, kv, gate) -> torch.Tensor:
         """``step`` with PyTorch's numerics as one Triton kernel (``triton_compressor``), which pools only the
         rows that close a window."""
-        from evalgate.model_adapters import triton_compressor
+        from evalgate.model_adapters.fast import triton_compressor
 
         if self.rope_table is None:
             self.rope_table = triton_compressor.rope_table(module, self.entries, self.capacity)
@@ -207,7 +207,7 @@ class SlotCache:
     NO_MASK = {"slots": None}  # transformers then builds no mask: each row's own state says what it sees
 
     def __init__(self, model, slots: int, max_length: int, spare: int = 0):
-        from evalgate.model_adapters.invariant import numerics
+        from evalgate.model_adapters.canonical.invariant import numerics
 
         install(model)
         self.model = model
@@ -300,7 +300,7 @@ def _attend_step(self, cache: SlotCache, q, state: _LayerSlots, rows, positions,
     """The step's attention, [b, H, 1, D]: one Triton kernel (``triton_attention.decode_attention``, reading
     the ring and the entries in place) where the cache follows the Triton mark and the head fits its tile
     (else, and from a Triton failure on, with a warning, the gathered form)."""
-    from evalgate.model_adapters import triton_attention
+    from evalgate.model_adapters.fast import triton_attention
 
     def gathered():
         return _attend_gathered(self, cache, q, state, rows, positions, chosen)
@@ -357,7 +357,7 @@ def _window_step(cache: SlotCache, state: _Compressed, module, rows, positions, 
     """A compressor's (or indexer's) step from the rows' hidden states ``flat`` [b, hidden]: one Triton kernel
     where the cache follows the Triton mark and the width fits it (else, and from a Triton failure on,
     PyTorch's operations). Returns each row's entry count [b]."""
-    from evalgate.model_adapters import triton_compressor
+    from evalgate.model_adapters.fast import triton_compressor
 
     kv, gate = module.kv_proj(flat), module.gate_proj(flat)
 

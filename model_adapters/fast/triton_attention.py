@@ -78,8 +78,8 @@ def decode_attention(query: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor
         chosen = chosen.contiguous().view(torch.uint8) if chosen.dtype == torch.bool else chosen.contiguous()
     if b:
         from evalgate.kernels.triton.availability import interpreted, sm_count
-        from evalgate.model_adapters.triton_attention_kernel import decode_attention_kernel
-        from evalgate.model_adapters.triton_layers import _on_device
+        from evalgate.model_adapters.fast.triton_attention_kernel import decode_attention_kernel
+        from evalgate.model_adapters.fast.triton_layers import _on_device
 
         w = ring.shape[1]
         split = key_splits(b, h, w, c, sm_count(q.device))
@@ -98,7 +98,7 @@ def decode_attention(query: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor
 
 def _split_attention(q, ring, rows, positions, entries, chosen, sinks, out, scaling: float, split: int, common: dict):
     """The keys over ``split`` programs a row, into FP32 partials in one scratch buffer, then merged."""
-    from evalgate.model_adapters.triton_attention_kernel import decode_attention_split_kernel, merge_splits_kernel
+    from evalgate.model_adapters.fast.triton_attention_kernel import decode_attention_split_kernel, merge_splits_kernel
 
     b, h, d = q.shape
     parts = b * h * split

@@ -42,8 +42,8 @@ from evalgate.version import __version__
 from evalgate.errors import UserError
 from evalgate.model_adapters.stops import cut_at_stop
 from evalgate.model_adapters.sample_seeds import SEED_RULE, sample_seed
-from evalgate.model_adapters.server_errors import RESUME_HINT, ServerError  # noqa: F401  (raised here)
-from evalgate.model_adapters.verification import CONTRADICTED, UNVERIFIED, check_kernel
+from evalgate.model_adapters.server.errors import RESUME_HINT, ServerError  # noqa: F401  (raised here)
+from evalgate.model_adapters.server.verification import CONTRADICTED, UNVERIFIED, check_kernel
 from evalgate.types import AdapterBase, Generation, Request
 
 # Server settings that can change numerics; hashed into the fingerprint. Ports, seeds, paths of logs and

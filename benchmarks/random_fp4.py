@@ -183,7 +183,7 @@ def _released_dense(model, layer: int | None, seed: int, std: float, num_experts
     hyper-connection weights and router bias, int64 hash tables, BF16 the rest. ``rename_layer``: the prefix
     that replaces ``layers.N`` (the MTP layer). ``meta``: shapes and dtypes only."""
     from evalgate.kernels.fp8_blocks import quantize, scale_grid
-    from evalgate.model_adapters.released_layout import FP8_LINEAR, released_key
+    from evalgate.model_adapters.loading.released_layout import FP8_LINEAR, released_key
 
     gen = torch.Generator().manual_seed(seed)
     if meta:
@@ -294,7 +294,7 @@ def _model_with_mtp(config, mtp: bool):
 def released_specs(config, mtp: bool = True) -> list:
     """The ``checkpoint_bytes.StoredTensor`` of every tensor ``write_released_checkpoint`` would write, from
     shapes alone (nothing drawn, nothing written): the whole model's bytes without writing it."""
-    from evalgate.model_adapters.checkpoint_bytes import StoredTensor
+    from evalgate.model_adapters.loading.checkpoint_bytes import StoredTensor
 
     names = {torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64", torch.int8: "I8",
              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0"}

@@ -146,7 +146,7 @@ def install(model, budget: int | None = None, gather: bool | None = None) -> boo
     """Route a DeepSeek-V4 model with PyTorch's numerics through tiled attention and indexer scores (``budget``
     and ``gather``: ``tiled_attention``'s, for every layer). Returns False (and changes nothing) for a model
     with canonical numerics or of another architecture."""
-    from evalgate.model_adapters.invariant import numerics
+    from evalgate.model_adapters.canonical.invariant import numerics
 
     if numerics(model) != "native" or getattr(model.config, "model_type", None) != "deepseek_v4":
         return False
