@@ -1,5 +1,5 @@
 """The names and seeds of coupled sampling, without torch: what a run's decoding settings record and what a
-request to a server carries (the sampler itself is ``model_adapters/sampling.py``)."""
+request to a server carries (the sampler itself is ``model_adapters/hf/sampling.py``)."""
 
 from __future__ import annotations
 
