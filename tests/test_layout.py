@@ -3,7 +3,8 @@
 spec → adapter → task → runner → store → compare → decide → report, with the command line on top. The
 graph counts every import statement in a module, function-level ones included (a lazy import is still a
 dependency). Modules are named as installed: ``kernels/`` is ``evalgate.kernels`` and ``model_adapters/``
-is ``evalgate.model_adapters``.
+is ``evalgate.model_adapters``. Inside ``model_adapters/`` the sub-packages are layered in turn
+(``ADAPTER_LAYERS``): numerics, loading and the fast path under the in-process adapter, the server path on top.
 """
 
 from __future__ import annotations
@@ -148,6 +149,70 @@ def test_kernels_stand_alone():
     outside = sorted(f"{a} -> {b}" for a, targets in _graph().items() if a.startswith("evalgate.kernels")
                      for b in targets if not b.startswith("evalgate.kernels") and b != "evalgate.errors")
     assert outside == []
+
+
+# ``model_adapters/`` by concern, lowest first: a sub-package may import its own layer or lower ones. The two
+# modules at its top (stop strings, sample seeds) are what both adapters share; they import no sub-package.
+ADAPTERS = "evalgate.model_adapters"
+ADAPTER_LAYERS = ["canonical", "loading", "fast", "hf", "server"]
+ADAPTER_SHARED = ("stops", "sample_seeds")
+
+
+def _adapter_layer(module: str) -> int:
+    rest = module[len(ADAPTERS) + 1:].split(".")
+    if module == ADAPTERS or (len(rest) == 1 and rest[0] in ADAPTER_SHARED):
+        return -1
+    if rest[0] in ADAPTER_LAYERS:
+        return ADAPTER_LAYERS.index(rest[0])
+    raise AssertionError(f"{module} belongs to no sub-package of model_adapters; add it to ADAPTER_LAYERS")
+
+
+def _against_adapter_layers(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() if a.startswith(ADAPTERS)
+                  for b in targets if b.startswith(ADAPTERS) and _adapter_layer(a) < _adapter_layer(b))
+
+
+def _adapter_packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The imports between model_adapters' sub-packages (and its shared modules), modules collapsed."""
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:3])
+
+    out: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        if a.startswith(ADAPTERS + "."):
+            out.setdefault(package(a), set()).update(
+                package(b) for b in targets if b.startswith(ADAPTERS + ".") and package(b) != package(a))
+    return out
+
+
+def test_model_adapters_is_split_by_concern():
+    modules = [m for m in _modules() if m.startswith(ADAPTERS)]
+    assert {m.split(".")[2] for m in modules if m != ADAPTERS} == set(ADAPTER_LAYERS) | set(ADAPTER_SHARED)
+    for module in modules:
+        _adapter_layer(module)  # raises for a module outside every layer
+
+
+def test_adapter_subpackages_import_downward():
+    assert _against_adapter_layers(_graph()) == []
+
+
+def test_no_import_cycles_between_adapter_subpackages():
+    packages = _adapter_packages(_graph())
+    # the layers do use each other (lazy imports included): the in-process adapter its numerics and loader,
+    # the server the in-process adapter it serves
+    assert f"{ADAPTERS}.canonical" in packages[f"{ADAPTERS}.hf"]
+    assert f"{ADAPTERS}.loading" in packages[f"{ADAPTERS}.hf"]
+    assert f"{ADAPTERS}.hf" in packages[f"{ADAPTERS}.server"]
+    assert _cycles(packages) == []
+
+
+def test_the_adapter_checks_see_an_import_against_the_layers():
+    graph = {f"{ADAPTERS}.canonical.invariant": {f"{ADAPTERS}.server.errors", f"{ADAPTERS}.canonical.blocks"},
+             f"{ADAPTERS}.server.errors": {f"{ADAPTERS}.canonical.invariant"}, f"{ADAPTERS}.canonical.blocks": set()}
+    assert _against_adapter_layers(graph) == [f"{ADAPTERS}.canonical.invariant -> {ADAPTERS}.server.errors"]
+    assert _cycles(_adapter_packages(graph)) == [[f"{ADAPTERS}.canonical", f"{ADAPTERS}.server"]]
+    with pytest.raises(AssertionError, match="no sub-package"):
+        _adapter_layer(f"{ADAPTERS}.flat_module")
 
 
 def test_stats_holds_only_numbers():
