@@ -54,7 +54,7 @@ def start_server(lo: float, hi: float) -> tuple[subprocess.Popen, str]:
         except OSError:
             if time.monotonic() > deadline:
                 proc.kill()
-                raise SystemExit("the stand-in server did not start")
+                raise SystemExit("the stand-in server did not start") from None
             time.sleep(0.05)
 
 

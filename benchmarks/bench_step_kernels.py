@@ -99,7 +99,7 @@ def bench_attention(args, shape: dict) -> list[tuple]:
             c = shape["entries"] if with_entries else 0
             auto = ta.key_splits(batch, shape["heads"], shape["window"], c, sms)
 
-            def run(split: int):
+            def run(split: int, inputs=inputs):
                 saved = ta.SPLIT["force"]
                 ta.SPLIT["force"] = split  # 0: the automatic choice
                 try:

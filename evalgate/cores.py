@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 ENV_THREADS = "EVALGATE_THREADS"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -44,7 +45,7 @@ def affinity_cores() -> int:
 
 def _own_cgroup_paths(proc_cgroup: Path) -> dict[str, str]:
     """controller ("" for cgroup v2) -> this process's cgroup path, from /proc/self/cgroup."""
-    paths = {}
+    paths: dict[str, str] = {}
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -148,7 +149,7 @@ def intra_op_threads(hidden_size: int | None = None) -> tuple[int, str]:
     return cores, "available cores"
 
 
-def configure_torch(hidden_size: int | None = None) -> dict:
+def configure_torch(hidden_size: int | None = None) -> dict[str, Any]:
     """Set PyTorch's intra-op threads for a model of ``hidden_size``; returns what was chosen and why."""
     import torch
 

@@ -7,6 +7,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from evalgate.errors import UserError
 
@@ -14,7 +15,7 @@ from evalgate.errors import UserError
 RERUN = "restore it, or rerun into a new --out"
 
 
-def parse_lines(data: bytes, source: str, remedy: str = RERUN) -> tuple[list, list[bytes]]:
+def parse_lines(data: bytes, source: str, remedy: str = RERUN) -> tuple[list[Any], list[bytes]]:
     """The records of a JSONL file's bytes and their lines, by the project's one rule: a last line without
     its newline is a torn write (the writer died mid-append) and is left out; any other line that is not JSON
     is damage, refused in one line naming it and ``remedy`` (what a record must hold is the record models' to say)."""
@@ -29,7 +30,7 @@ def parse_lines(data: bytes, source: str, remedy: str = RERUN) -> tuple[list, li
     return records, lines
 
 
-def read_jsonl(path: Path) -> list:
+def read_jsonl(path: Path) -> list[Any]:
     """The records of a JSONL file (``parse_lines``' rule); a missing file holds none."""
     return parse_lines(path.read_bytes(), repr(str(path)))[0] if path.exists() else []
 

@@ -23,7 +23,8 @@ MANIFEST = "manifest.json"
 
 def _run_id(folder: Path) -> str | None:
     try:
-        return json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("run_id")
+        run_id = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("run_id")
+        return run_id if isinstance(run_id, str) else None
     except (OSError, ValueError, AttributeError):
         return None
 

@@ -19,7 +19,7 @@ THIRD_PARTY_NOISE = {
 
 
 class _DropNoise(logging.Filter):
-    def __init__(self, pattern: re.Pattern):
+    def __init__(self, pattern: re.Pattern[str]):
         super().__init__()
         self.pattern = pattern
 

@@ -179,7 +179,8 @@ def test_the_early_check_leaves_a_possible_match_to_the_profile_id():
 
     fingerprint, roots = local_fingerprint(str(canary_path())), [BASELINES]
 
-    def could(task, kernel="w4a8", limit=None, sampling=Sampling(1, 0.0, 0), max_new_tokens=None):
+    def could(task, kernel="w4a8", limit=None, sampling=None, max_new_tokens=None):
+        sampling = Sampling(1, 0.0, 0) if sampling is None else sampling
         spec = RunSpec(model=str(canary_path()), kernel=kernel, tasks=[task], max_new_tokens=max_new_tokens)
         profile = with_overrides(resolve_profile(get_task(task), PROFILES[task]), spec)
         return baselines.could_be_stored(roots, fingerprint, kernel, task, profile, limit, sampling)

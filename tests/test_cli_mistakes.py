@@ -10,7 +10,6 @@ tests/test_cli_interrupt.py.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import subprocess

@@ -327,7 +327,6 @@ def test_runs_served_with_and_without_the_fused_shared_expert_are_not_comparable
 
 
 def test_the_command_line_compares_across_serving_only_when_asked(tmp_path, cli_env):
-    import subprocess
     import sys
 
     from gate_helpers import policy

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from evalgate.errors import UserError
-from evalgate.kernels import Kernel, get_kernel
+from evalgate.kernels import get_kernel
 from evalgate.model_adapters.server.engines import Stack
 from evalgate.model_adapters.server.launcher import ServerProcess, check_environment, free_port, plan_launch
 from engine_sites import site

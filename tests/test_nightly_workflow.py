@@ -216,7 +216,7 @@ def test_a_night_uploads_the_reports_and_ends_as_its_verdict_says(verdict, concl
     assert set(job.uploaded) == REPORTS  # uploaded whatever the exit code
     assert json.loads(job.uploaded["gate-report/gate.json"])["verdict"] == verdict
     assert job.junit is not None and job.junit.tag == "testsuites"
-    assert job.summary.startswith(f"# evalgate: ") and verdict in job.summary.splitlines()[0]
+    assert job.summary.startswith("# evalgate: ") and verdict in job.summary.splitlines()[0]
     # the first night records the baseline (calibrate), then gates on two GPUs with the default kernel
     commands = [c[0] for c in calls]
     assert commands == ["baseline", "calibrate", "gate"], calls

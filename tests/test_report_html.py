@@ -15,6 +15,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from click.testing import CliRunner
@@ -24,6 +25,9 @@ from evalgate.cli.main import main as cli
 from evalgate.gate.decide import gate_runs
 from gate_helpers import policy
 from synthetic_runs import expected_flips, write_pair
+
+if TYPE_CHECKING:
+    from evalgate.report.explained import FlipExplanations
 
 pytestmark = pytest.mark.slow  # end to end: each test takes more than a few seconds
 
@@ -269,7 +273,7 @@ def test_report_cli_writes_html_and_exits_with_the_verdict(tmp_path):
 # --- flips tagged by `evalgate gate --explain`: sortable by kind, task and margin, offline --------------------
 
 
-def _explained(verdict, margins: dict) -> "FlipExplanations":
+def _explained(verdict, margins: dict) -> FlipExplanations:
     """Explanations of the first flips of each task, each with a chosen margin (None: not replayed)."""
     from evalgate.explain import NEAR_TIE_NATS, NOT_REPLAYED, Explanation, KernelChoice, TopToken, explained_flips
 

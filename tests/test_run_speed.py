@@ -4,7 +4,6 @@ exit after the command (atexit handlers still run)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

@@ -15,7 +15,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from evalgate.errors import NotComparable, UserError
+from evalgate.errors import NotComparable
 from evalgate.model_adapters.hf import sampling
 from evalgate.model_adapters.hf.generation import decode, greedy_generate
 from evalgate.model_adapters.hf.sampling import SampleKey, sample_seed

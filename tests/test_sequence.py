@@ -16,7 +16,7 @@ from evalgate.gate.policy import load_thresholds
 from evalgate.gate.sequence import MAX_LOOKS
 from evalgate.stats.exact_ni import critical_value
 from evalgate.stats.paired import tango_z
-from synthetic_runs import manifest, write_run
+from synthetic_runs import write_run
 
 POLICY = """alpha: 0.05
 tasks:

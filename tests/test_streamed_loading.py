@@ -4,7 +4,6 @@ full-width DeepSeek-V4-Flash benchmark script at a tiny scale."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest

@@ -6,7 +6,6 @@ EnvironmentFailure (exit 4) for a folder that cannot be written or a disk too fu
 
 from __future__ import annotations
 
-import errno
 import http.client
 import json
 import os

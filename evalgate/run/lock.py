@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def _refusal(out: Path) -> UserError:
 
 
 @contextmanager
-def run_lock(out: str | Path):
+def run_lock(out: str | Path) -> Iterator[Path]:
     """Hold an exclusive lock on the run folder ``out`` (created if missing) while a command writes it; a
     second command on the same folder is refused at once (exit 2), naming the holder's pid. The folder is
     removed again when the command leaves it empty (it stopped before writing anything)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 
 def _shipped(path: Path) -> bool:
@@ -17,7 +18,7 @@ def _shipped(path: Path) -> bool:
         return False
 
 
-def as_installed(path: Path, manifest: dict) -> dict:
+def as_installed(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """``manifest`` of the run at ``path``; for a baseline shipped with evalgate, its model paths (recorded on
     the machine that made it) replaced by this install's canary folder. Other runs are returned as stored."""
     if not _shipped(path):

@@ -98,7 +98,7 @@ class ProgramGroups:
             return cls([], [f"no control groups: {exc}"])
         wanted = {"memory"}  # (processes: RLIMIT_NPROC of the program's own uid bounds them already, and each
         # hierarchy joined is one more cgroup migration, which waits for an RCU grace period, on every program)
-        for fstype, point, root, options in mounts:  # v2 first: it can kill a group in one write
+        for fstype, point, root, _options in mounts:  # v2 first: it can kill a group in one write
             if fstype != "cgroup2" or "" not in own:
                 continue
             try:
