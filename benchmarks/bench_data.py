@@ -32,12 +32,12 @@ REFERENCE = '''
 import os
 if os.environ.get("BENCH_DATA_REFERENCE") == "1":
     from evalgate.tasks import source
-    from evalgate.tasks.data import KNOWN_FILES, parse_jsonl, read_verified
+    from evalgate.tasks.data import parse_jsonl, read_verified
 
     def _published_split(self, name):
-        rel = self.files[name]
-        rows = [{f: row[f] for f in self.fields} for row in parse_jsonl(read_verified(self.data_dir, rel))]
-        return source.Split(rows, {rel: KNOWN_FILES[rel]}, {"source": "reference", "split": name, "rows": len(rows)})
+        file = self.files[name]
+        rows = [{f: row[f] for f in self.fields} for row in parse_jsonl(read_verified(self.data_dir, file))]
+        return source.Split(rows, {file.path: file.sha256}, {"source": "reference", "split": name, "rows": len(rows)})
 
     source.TaskData._published_split = _published_split
 '''

@@ -30,7 +30,7 @@ from evalgate.report.html import ItemView, comparison_html, display_question
 from evalgate.records import load_verdict
 from evalgate.run.baselines import aa_for_baseline, assemble
 from evalgate.run.store import MANIFEST, Run, load_run
-from evalgate.tasks.humaneval.runtime import python_warnings
+from evalgate.tasks import comparison_notes
 
 SUMMARY_COLUMNS = ["task", "n", "baseline", "candidate", "delta", "ci_low", "ci_high", "b", "c", "p", "verdict"]
 
@@ -145,7 +145,7 @@ class Comparison(Pairing):
         names = [task] * len(df) if task is not None else list(df["task"]) if len(df) else []
         if len(df):
             records = {t: {str(d): r for d, r in zip(p.doc_ids, p.base)} for t, p in self.pairs.items()}
-            df["question"] = [display_question(records[t][str(d)]) for t, d in zip(names, df["doc_id"])]
+            df["question"] = [display_question(t, records[t][str(d)]) for t, d in zip(names, df["doc_id"])]
         if explain:
             found = [self.explain(t, d) for t, d in zip(names, df["doc_id"])]
             df["explanation"] = [x.kind for x in found]
@@ -342,7 +342,7 @@ def compare(baseline, candidate=None, tasks: list[str] | None = None, metrics: d
     except NotComparable as exc:
         hint = _subset_hint(base, cand, names) if items is None else ""
         raise NotComparable(f"{exc}{hint}") from None
-    notes += python_warnings(base.manifest, cand.manifest, list(pairing.pairs))
+    notes += comparison_notes(base.manifest, cand.manifest, list(pairing.pairs))
     differs = serving_difference(base, cand) if across_serving else None
     if differs:
         notes.append(f"compared across a serving difference, as asked: {differs}")

@@ -4,8 +4,8 @@
 file                   model                                      kind (in messages)
 =====================  =========================================  ==================
 ``manifest.json``      :class:`RunManifest`                       run manifest
-``<task>.jsonl`` line  :class:`Gsm8kRecord`, :class:`HumanEvalRecord`
-                       (:class:`ItemRecord` for any other task)   per-item record
+``<task>.jsonl`` line  its task's ``record_model``: an            per-item record
+                       :class:`ItemRecord` with the task's fields
 ``aa.json``            :class:`AARecord`                          A/A record
 ``gate.json``          :class:`VerdictRecord`                     gate verdict
 =====================  =========================================  ==================
@@ -243,7 +243,8 @@ class RunManifest(Record):
 
 
 class ItemRecord(Record):
-    """One line of ``<task>.jsonl``: the fields every task writes; task-specific ones are allowed."""
+    """One line of ``<task>.jsonl``: the fields every task writes; task-specific ones are allowed. A task's
+    ``record_model`` subclasses it with its own fields (``evalgate.tasks.get_task(name).record_model``)."""
 
     KIND: ClassVar[str] = "per-item record"
 
@@ -256,61 +257,6 @@ class ItemRecord(Record):
     n_prompt_tokens: int | None = None
     n_tokens: int | None = None
     latency_s: float | None = None
-
-
-class Gsm8kRecord(ItemRecord):
-    """A GSM8K item: both filters' answers, and flat ``"exact_match,<filter>"`` / ``"invalid,<filter>"`` keys."""
-
-    doc_id: int
-    profile: str | None = None
-    doc_hash: str | None = None
-    question: str | None = None
-    target: str | None = None
-    target_hash: str | None = None
-    shot_ids: list[int] | None = None
-    filtered_resps: dict[str, str] | None = None
-    extracted: dict[str, str | None] | None = None
-    exact_match: dict[str, float] | None = None
-    numeric_match: dict[str, bool] | None = None
-    numeric_disagrees: bool | None = None
-    exact_match_strict: float | None = Field(default=None, alias="exact_match,strict-match")
-    exact_match_flexible: float | None = Field(default=None, alias="exact_match,flexible-extract")
-    invalid_strict: bool | None = Field(default=None, alias="invalid,strict-match")
-    invalid_flexible: bool | None = Field(default=None, alias="invalid,flexible-extract")
-
-
-class HumanEvalRecord(ItemRecord):
-    """A HumanEval problem: the program that ran and its outcome; n samples add ``pass@k`` and ``samples``."""
-
-    doc_id: str
-    task_id: str | None = None
-    entry_point: str | None = None
-    filtered_resps: str | list[str] | None = None
-    program: str | None = None
-    program_sha256: str | None = None
-    passed: bool | None = None
-    failure_class: str | None = None
-    result: str | None = None
-    exception: str | None = None
-    stdout: str | None = None
-    stderr: str | None = None
-    duration_s: float | None = None
-    timeout_s: float | None = None
-    network_isolation: str | None = None
-    pass_at_1: float | None = Field(default=None, alias="pass@1")
-    n: int | None = None
-    c: int | None = None
-    invalid: bool | None = None
-    truncated: bool | None = None
-    samples: list[dict[str, Any]] | None = None
-
-
-# task name -> its record model; any other task's records are read as ItemRecord
-ITEM_MODELS: dict[str, type[ItemRecord]] = {"gsm8k": Gsm8kRecord, "humaneval": HumanEvalRecord}
-
-
-def item_model(task: str) -> type[ItemRecord]:
-    return ITEM_MODELS.get(task, ItemRecord)
 
 
 # --- A/A record (aa.json next to a baseline) --------------------------------------------------------------
@@ -545,10 +491,6 @@ def load_verdict(path: str | Path) -> VerdictRecord:
     return record
 
 
-def parse_item(task: str, data: Any, source: str) -> ItemRecord:
-    return parse(item_model(task), data, source)
-
-
 def to_jsonable(obj: Any) -> Any:
     """``obj`` as JSON would give it back: tuples as lists, sets sorted, numpy scalars as numbers, other as str."""
     def default(o):
@@ -575,10 +517,6 @@ def dump(model: type[R], data: dict | R) -> dict:
 
 def dump_manifest(data: dict | RunManifest) -> dict:
     return dump(RunManifest, data)
-
-
-def dump_item(task: str, data: dict | ItemRecord) -> dict:
-    return dump(item_model(task), data)
 
 
 def dump_aa(data: dict | AARecord) -> dict:

@@ -1,9 +1,5 @@
-"""The project's small shared vocabulary: profiles, requests and generations, and the two interfaces the
-runner drives — ``Task`` (dataset, prompting, scoring) and ``ModelAdapter`` (a model that generates).
-
-A task keeps dataset, prompting and scoring apart (the inspect_ai split): ``load`` reads items,
-``requests`` turns them into prompts with stops and token limits, ``score_batch`` turns responses into
-per-item records. The runner, store and gate know nothing task-specific beyond this.
+"""The project's small shared vocabulary: profiles, requests and generations, and the interface of a model
+that generates (``ModelAdapter``). What a task is lives with the tasks (``evalgate.tasks.base.Task``).
 
 Scoring profiles hold every input that affects prompts, generation, extraction or scoring, hashed: two runs
 compare only if their profiles hash the same (docs/scoring.md#profiles-and-profile-ids). The profile id is
@@ -18,7 +14,6 @@ import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator, Literal, Protocol
 
 
@@ -113,38 +108,6 @@ class Generation:
     n_tokens: int = 0  # completion tokens
     latency_s: float = 0.0
     extra: dict = field(default_factory=dict)
-
-
-class Task(Protocol):
-    """What the runner calls on a task. Every method is required (no optional hooks found by reflection)."""
-
-    name: str
-    profiles: dict[str, Profile]
-    default_profile: str
-    gate_metric: str  # record field the gate scores, e.g. "exact_match,strict-match" or "pass@1"
-
-    def load(self, profile: Profile, data_dir: Path | None, limit: int | None,
-             dataset: dict | None = None) -> tuple[list[dict], ResolvedProfile]:
-        """Items (each with ``doc_id``) in stable order, and the profile resolved against them; ``dataset`` is
-        the task's ``--dataset`` choice ({"source", "columns"}), else the data dir or the packaged data."""
-
-    def requests(self, items: list[dict], resolved: ResolvedProfile) -> list[Request]:
-        """One request per item, in item order."""
-
-    def prepare_ahead(self, resolved: ResolvedProfile, data_dir: Path | None) -> None:
-        """Start ``prepare``'s work in the background, now (before the model loads); ``prepare`` then takes its
-        result. Never raises: what goes wrong is ``prepare``'s to report. A no-op when there is nothing."""
-
-    def prepare(self, resolved: ResolvedProfile, data_dir: Path | None) -> dict:
-        """What must hold before any item is scored (HumanEval: the executor self-test); stored in the
-        manifest. Raises UserError to refuse the run; ``{}`` when a task needs nothing."""
-
-    def score_batch(self, items: list[dict], requests: list[Request], generations: list[Generation],
-                    resolved: ResolvedProfile) -> list[dict]:
-        """One per-item record per generation, lm-eval field names where they exist (docs/runs.md)."""
-
-    def is_invalid(self, record: dict, metric: str) -> bool:
-        """An answer the scorer could not use (the validity-rate checks of the gate)."""
 
 
 Serving = Literal["batches", "stream", "dispatch"]

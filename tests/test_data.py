@@ -18,12 +18,14 @@ import pytest
 
 from evalgate.errors import UserError
 from evalgate.tasks import data
-from evalgate.tasks.data import (DATA_DIR_ENV, KNOWN_FILES, PACKAGED_FILES, packaged_data_dir, parse_jsonl,
-                                 read_verified, resolve_data_dir, sha256_file)
+from evalgate.tasks.data import DATA_DIR_ENV, packaged_data_dir, parse_jsonl, read_verified, resolve_data_dir, sha256_file
+from evalgate.tasks.gsm8k import FILES as GSM8K_FILES
+from evalgate.tasks.humaneval.problems import PUBLISHED as HUMANEVAL_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 EVALGATE = [sys.executable, "-m", "evalgate"]
 HUMANEVAL = "humaneval/HumanEval.jsonl.gz"
+PACKAGED = [f for f in (*GSM8K_FILES.values(), HUMANEVAL_FILE) if f.packaged]  # the files evalgate ships
 # Profile ids from before GSM8K was packaged (read from a data dir then); stored baselines are keyed by them.
 PROFILE_IDS = {
     ("gsm8k-lmeval-v3", None): "95143ea2c8c4e6cfcb3f32427355368a7af0a6c03e6a0b6381abd30598384f9c",
@@ -63,15 +65,16 @@ def _error_lines(stderr: str) -> list[str]:
 
 # ---- the packaged copy ----
 
-@pytest.mark.parametrize("relpath", PACKAGED_FILES)
-def test_packaged_files_match_their_published_sha256(relpath):
-    assert sha256_file(packaged_data_dir() / relpath) == KNOWN_FILES[relpath]
+@pytest.mark.parametrize("file", PACKAGED, ids=lambda f: f.path)
+def test_packaged_files_match_their_published_sha256(file):
+    assert sha256_file(packaged_data_dir() / file.path) == file.sha256
 
 
 def test_packaged_gsm8k_is_the_whole_of_both_splits_with_its_licence():
     folder = packaged_data_dir() / "gsm8k"
-    assert len(parse_jsonl(read_verified(None, "gsm8k/test.jsonl"))) == 1319
-    assert len(parse_jsonl(read_verified(None, "gsm8k/train.jsonl"))) == 7473
+    assert [f.path for f in PACKAGED] == ["gsm8k/test.jsonl", "gsm8k/train.jsonl"]
+    assert len(parse_jsonl(read_verified(None, GSM8K_FILES["test"]))) == 1319
+    assert len(parse_jsonl(read_verified(None, GSM8K_FILES["train"]))) == 7473
     licence = (folder / "LICENSE").read_text(encoding="utf-8")
     assert licence.startswith("MIT License") and "Copyright (c) 2021 OpenAI" in licence
 
@@ -100,9 +103,10 @@ def test_no_data_dir_means_the_packaged_copy(no_override, monkeypatch, tmp_path)
 
 
 def test_humaneval_is_not_packaged_and_comes_from_the_wheel():
-    assert HUMANEVAL not in PACKAGED_FILES and not (packaged_data_dir() / HUMANEVAL).exists()
-    from_wheel = read_verified(None, HUMANEVAL)
-    assert read_verified(packaged_data_dir(), HUMANEVAL) == from_wheel
+    assert HUMANEVAL_FILE.path == HUMANEVAL and not HUMANEVAL_FILE.packaged
+    assert not (packaged_data_dir() / HUMANEVAL).exists()
+    from_wheel = read_verified(None, HUMANEVAL_FILE)
+    assert read_verified(packaged_data_dir(), HUMANEVAL_FILE) == from_wheel
     assert len(parse_jsonl(from_wheel)) == 164
 
 
@@ -120,8 +124,8 @@ def test_an_override_copy_gives_the_same_items_and_ids(no_override, tmp_path):
     from evalgate.tasks.gsm8k import PROFILES, TASK
 
     (tmp_path / "gsm8k").mkdir()
-    for rel in PACKAGED_FILES:
-        shutil.copyfile(packaged_data_dir() / rel, tmp_path / rel)
+    for file in PACKAGED:
+        shutil.copyfile(packaged_data_dir() / file.path, tmp_path / file.path)
     packaged = TASK.load(PROFILES["gsm8k-lmeval-v3"], resolve_data_dir(None), 5)
     override = TASK.load(PROFILES["gsm8k-lmeval-v3"], resolve_data_dir(tmp_path), 5)
     assert packaged[0] == override[0] and packaged[1].profile_id == override[1].profile_id
@@ -131,8 +135,8 @@ def test_an_override_copy_gives_the_same_items_and_ids(no_override, tmp_path):
 
 def _tampered_copy(tmp_path: Path) -> Path:
     (tmp_path / "gsm8k").mkdir(parents=True)
-    for rel in PACKAGED_FILES:
-        shutil.copyfile(packaged_data_dir() / rel, tmp_path / rel)
+    for file in PACKAGED:
+        shutil.copyfile(packaged_data_dir() / file.path, tmp_path / file.path)
     test = tmp_path / "gsm8k/test.jsonl"
     test.write_bytes(test.read_bytes().replace(b"Janet", b"Jane", 1))
     return tmp_path
@@ -141,13 +145,13 @@ def _tampered_copy(tmp_path: Path) -> Path:
 def test_a_tampered_copy_in_a_data_dir_is_refused_in_one_line(tmp_path):
     folder = _tampered_copy(tmp_path)
     with pytest.raises(UserError, match="sha256 mismatch") as err:
-        read_verified(folder, "gsm8k/test.jsonl")
+        read_verified(folder, GSM8K_FILES["test"])
     assert "\n" not in str(err.value) and str(folder / "gsm8k/test.jsonl") in str(err.value)
 
 
 def test_a_missing_file_in_a_data_dir_is_not_taken_from_elsewhere(tmp_path):
     with pytest.raises(UserError, match="missing data file") as err:
-        read_verified(tmp_path, HUMANEVAL)  # the wheel has it, but an override must hold every file it is asked for
+        read_verified(tmp_path, HUMANEVAL_FILE)  # the wheel has it, but an override must hold every file it is asked for
     assert "\n" not in str(err.value) and DATA_DIR_ENV in str(err.value)
 
 
@@ -155,11 +159,11 @@ def test_a_broken_install_is_one_line(monkeypatch, tmp_path):
     tampered = _tampered_copy(tmp_path / "tampered").resolve()
     monkeypatch.setattr(data, "PACKAGED_DIR", (tmp_path / "empty").resolve())
     with pytest.raises(UserError, match="reinstall evalgate") as err:
-        read_verified(None, "gsm8k/test.jsonl")
+        read_verified(None, GSM8K_FILES["test"])
     assert "\n" not in str(err.value)
     monkeypatch.setattr(data, "PACKAGED_DIR", tampered)
     with pytest.raises(UserError, match="sha256 mismatch"):
-        read_verified(None, "gsm8k/test.jsonl")
+        read_verified(None, GSM8K_FILES["test"])
 
 
 # ---- the command line, with no data dir and no hub ----
@@ -172,7 +176,7 @@ def test_run_without_a_data_dir_works_offline(tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["spec"]["data_dir"] is None
-    assert manifest["tasks"]["gsm8k"]["dataset_sha256"] == {k: KNOWN_FILES[k] for k in PACKAGED_FILES}
+    assert manifest["tasks"]["gsm8k"]["dataset_sha256"] == {f.path: f.sha256 for f in PACKAGED}
     assert len((out / "gsm8k.jsonl").read_text().splitlines()) == 2
 
 

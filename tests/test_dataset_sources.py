@@ -20,8 +20,10 @@ import pytest
 from evalgate.errors import UserError
 from evalgate.run.runner import RunSpec, load_tasks
 from evalgate.tasks import source
-from evalgate.tasks.data import DATA_DIR_ENV, KNOWN_FILES, packaged_data_dir, parse_jsonl, read_verified
-from evalgate.tasks.source import KNOWN_ITEMS, items_sha256, parse_dataset_options
+from evalgate.tasks.data import DATA_DIR_ENV, packaged_data_dir, parse_jsonl, read_verified
+from evalgate.tasks.gsm8k import FILES as GSM8K_FILES
+from evalgate.tasks.humaneval.problems import PUBLISHED as HUMANEVAL_FILE
+from evalgate.tasks.source import items_sha256, parse_dataset_options
 
 datasets = pytest.importorskip("datasets")
 
@@ -31,12 +33,14 @@ CANARY = {"gsm8k": "gsm8k-canary-v1", "humaneval": "humaneval-canary-v1"}
 CANARY_IDS = {"gsm8k": "479b86ce74d8e53f20d9cdf72a12294912590381f05b426cd155da0b8e8ab6aa",
               "humaneval": "983dfc0c3eb77332db6470e3710832367a2a22be03e078a7b00e6b38b090bbab"}
 HUMANEVAL = "humaneval/HumanEval.jsonl.gz"
+PUBLISHED = {f.path: f for f in (*GSM8K_FILES.values(), HUMANEVAL_FILE)}  # every file the tasks declare
+TRAIN = PUBLISHED["gsm8k/train.jsonl"]
 FIELDS = {"gsm8k/test.jsonl": ("question", "answer"), "gsm8k/train.jsonl": ("question", "answer"),
           HUMANEVAL: ("task_id", "prompt", "canonical_solution", "test", "entry_point")}
 
 
 def _published_rows(rel: str) -> list[dict]:
-    return parse_jsonl(read_verified(None, rel))
+    return parse_jsonl(read_verified(None, PUBLISHED[rel]))
 
 
 @pytest.fixture(scope="session")
@@ -95,9 +99,9 @@ def no_connections(monkeypatch):
 
 # ---- the packaged files through datasets ----
 
-@pytest.mark.parametrize("rel", sorted(KNOWN_ITEMS))
+@pytest.mark.parametrize("rel", sorted(PUBLISHED))
 def test_published_items_hash_is_the_hand_parsed_rows(rel):
-    assert items_sha256(_published_rows(rel), FIELDS[rel]) == KNOWN_ITEMS[rel]
+    assert items_sha256(_published_rows(rel), FIELDS[rel]) == PUBLISHED[rel].items_sha256
 
 
 def test_packaged_rows_read_by_datasets_equal_the_jsonl_lines(no_override):
@@ -114,9 +118,9 @@ def test_packaged_canary_keeps_its_baselines_ids_and_records_what_it_read(no_ove
     assert {t: lt.profile_id for t, lt in loaded.items()} == CANARY_IDS
     record = loaded["gsm8k"].resolved.summary()["data"]["train"]
     assert record["source"] == "packaged" and record["rows"] == 7473
-    assert record["items_sha256"] == KNOWN_ITEMS["gsm8k/train.jsonl"]
-    assert record["files"] == {"gsm8k/train.jsonl": KNOWN_FILES["gsm8k/train.jsonl"]}
-    assert loaded["humaneval"].resolved.data["test"]["items_sha256"] == KNOWN_ITEMS[HUMANEVAL]
+    assert record["items_sha256"] == TRAIN.items_sha256
+    assert record["files"] == {"gsm8k/train.jsonl": TRAIN.sha256}
+    assert loaded["humaneval"].resolved.data["test"]["items_sha256"] == HUMANEVAL_FILE.items_sha256
 
 
 @pytest.mark.slow
@@ -146,7 +150,7 @@ def test_a_copy_in_any_format_has_the_packaged_profile_ids(gsm8k, humaneval, cop
     loaded = _load(datasets_choice=choice)
     assert {t: lt.profile_id for t, lt in loaded.items()} == CANARY_IDS
     record = loaded["gsm8k"].resolved.data["train"]
-    assert record["source"] == "local" and record["items_sha256"] == KNOWN_ITEMS["gsm8k/train.jsonl"]
+    assert record["source"] == "local" and record["items_sha256"] == TRAIN.items_sha256
     assert record["files"] and all(len(h) == 64 for h in record["files"].values())  # the copy's own files
     lmeval = _load(["gsm8k"], {"gsm8k": "gsm8k-lmeval-v3"}, {"gsm8k": choice["gsm8k"]}, limit=3)["gsm8k"]
     packaged = _load(["gsm8k"], {"gsm8k": "gsm8k-lmeval-v3"}, limit=3)["gsm8k"]
@@ -254,7 +258,7 @@ def test_a_reachable_hub_id_loads_through_load_dataset(monkeypatch, copies, no_o
     assert loaded["gsm8k"].profile_id == CANARY_IDS["gsm8k"]
     assert loaded["gsm8k"].resolved.data["train"] | {"rows": 0} == {
         "source": "hub", "id": "openai/gsm8k", "config": "main", "revision": "e53f048", "split": "train",
-        "rows": 0, "items_sha256": KNOWN_ITEMS["gsm8k/train.jsonl"]}
+        "rows": 0, "items_sha256": TRAIN.items_sha256}
 
 
 @pytest.mark.slow

@@ -21,6 +21,9 @@ from evalgate.canary import BASELINES as PACKAGED
 from evalgate.errors import UserError
 from evalgate.run import baselines
 from evalgate.run.store import load_run
+from evalgate.tasks import record_model
+from evalgate.tasks.gsm8k import Gsm8kRecord
+from evalgate.tasks.humaneval.task import HumanEvalRecord
 from evalgate.types import AdapterBase
 
 # The canary baselines as an evalgate before schema versions recorded them (version 1, kept byte for byte):
@@ -69,17 +72,17 @@ def test_committed_baseline_loads_as_version_1_with_the_same_dicts(run_dir):
         lines = _jsonl(run_dir / f"{task}.jsonl")
         assert run.records[task] == lines and len(lines) == summary.n_items
         items = run.items(task)
-        assert all(type(r) is records.item_model(task) and r.read_version == 1 for r in items)
+        assert all(type(r) is record_model(task) and r.read_version == 1 for r in items)
         assert [r.doc_id for r in items] == [line["doc_id"] for line in lines]
     assert _tree_digest(run_dir) == before  # reading never touches a stored run
 
 
 def test_committed_task_records_are_typed():
     gsm8k = load_run(next(d for d in BASELINE_DIRS if (d / "gsm8k.jsonl").is_file())).items("gsm8k")[0]
-    assert isinstance(gsm8k, records.Gsm8kRecord) and isinstance(gsm8k.doc_id, int)
+    assert isinstance(gsm8k, Gsm8kRecord) and isinstance(gsm8k.doc_id, int)
     assert gsm8k.exact_match_strict == gsm8k.exact_match["strict-match"] and gsm8k.invalid_strict is False
     humaneval = load_run(next(d for d in BASELINE_DIRS if (d / "humaneval.jsonl").is_file())).items("humaneval")[0]
-    assert isinstance(humaneval, records.HumanEvalRecord) and humaneval.doc_id.startswith("HumanEval/")
+    assert isinstance(humaneval, HumanEvalRecord) and humaneval.doc_id.startswith("HumanEval/")
     assert humaneval.pass_at_1 in (0.0, 1.0) and humaneval.n == 1 and isinstance(humaneval.passed, bool)
 
 
@@ -145,7 +148,7 @@ def test_a_packaged_baseline_loads_as_version_2_with_the_same_dicts(run_dir):
         lines = _jsonl(run_dir / f"{task}.jsonl")
         assert run.records[task] == lines and len(lines) == summary.n_items
         items = run.items(task)
-        assert all(type(r) is records.item_model(task) and r.read_version == 2 for r in items)
+        assert all(type(r) is record_model(task) and r.read_version == 2 for r in items)
         assert [r.to_dict() for r in items] == [{**line, "schema_version": 3} for line in lines]
     if (run_dir / "aa.json").is_file():
         raw_aa = json.loads((run_dir / "aa.json").read_text(encoding="utf-8"))

@@ -113,10 +113,10 @@ DATASETS_KEY = "evalgate.datasets"
 def _remember_datasets(ctx, param, value):
     """--dataset is kept on the click context like --deterministic (the commands' signatures do not carry
     it); ``dataset_choice`` reads it into the RunSpec."""
-    from evalgate.tasks import TASKS
+    from evalgate.tasks import task_names
     from evalgate.tasks.source import parse_dataset_options
 
-    ctx.meta[DATASETS_KEY] = parse_dataset_options(value or (), list(TASKS))
+    ctx.meta[DATASETS_KEY] = parse_dataset_options(value or (), task_names())
     return value
 
 

@@ -349,8 +349,8 @@ class Pairing:
             if bs == cs or doc_id in p.imputed:  # a flip is observed: never an item the candidate did not run
                 continue
             row = {"doc_id": doc_id, "direction": "lost" if bs > cs else "gained",
-                   "question": item_question(br), "gold": item_gold(br),
-                   "base_extracted": _extracted(br), "cand_extracted": _extracted(cr),
+                   "question": item_question(task, br), "gold": item_gold(task, br),
+                   "base_extracted": _extracted(task, br), "cand_extracted": _extracted(task, cr),
                    "base_correct": bs, "cand_correct": cs,
                    "base_finish_reason": br.get("finish_reason"), "cand_finish_reason": cr.get("finish_reason"),
                    "base_failure_class": br.get("failure_class"), "cand_failure_class": cr.get("failure_class"),
@@ -373,7 +373,7 @@ class Pairing:
         if task not in self.pairs:
             raise UserError(f"no task {task!r} in this comparison; it has: {', '.join(self.pairs)}")
         p = self.pairs[task]
-        rows = [{"doc_id": d, "flipped": bs != cs, "base_extracted": _extracted(b), "cand_extracted": _extracted(c),
+        rows = [{"doc_id": d, "flipped": bs != cs, "base_extracted": _extracted(task, b), "cand_extracted": _extracted(task, c),
                  "base_response": b.get("resps"), "cand_response": c.get("resps")}
                 for d, b, c, bs, cs in zip(p.doc_ids, p.base, p.cand, p.scores("base"), p.scores("cand"))
                 if d not in p.imputed and b.get("resps") != c.get("resps")]
@@ -392,35 +392,25 @@ FLIP_COLUMNS = ["doc_id", "direction", "question", "gold", "base_extracted", "ca
                 "cand_failure_class", "flips_in_aa", "base_response", "cand_response"]
 
 
-def item_question(record: dict) -> str | None:
-    """What a flip row names the item by: GSM8K's question; for HumanEval the id and the function's
-    signature line (the prompt's ``def <entry_point>(...)``), read from the stored program."""
-    if record.get("question"):
-        return record["question"]
-    task_id, entry = record.get("task_id"), record.get("entry_point")
-    signature = next((line.strip() for line in (record.get("program") or "").splitlines()
-                      if entry and line.startswith(f"def {entry}(")), None)
-    return f"{task_id}: {signature}" if task_id and signature else task_id
+def item_question(task: str, record: dict) -> str | None:
+    """What a flip row names the item by (the task's ``item_title``: GSM8K's question, HumanEval's id and
+    signature line)."""
+    return get_task(task).item_title(record)
 
 
-def item_gold(record: dict) -> str | None:
-    """What the item is checked against: GSM8K's target; for HumanEval the test call on the entry point."""
-    if record.get("target") is not None:
-        return record["target"]
-    return f"check({record['entry_point']})" if record.get("entry_point") else None
+def item_gold(task: str, record: dict) -> str | None:
+    """What the item is checked against (the task's ``item_gold``)."""
+    return get_task(task).item_gold(record)
 
 
-def extracted_answer(record: dict):
-    """The answer the scorer read from a response (GSM8K: the strict-match filter's); None when none."""
-    ex = record.get("extracted")
-    if isinstance(ex, dict):
-        return ex.get("strict-match", next(iter(ex.values()), None))
-    return ex
+def extracted_answer(task: str, record: dict):
+    """The answer the scorer read from a response (the task's ``item_answer``); None when none."""
+    return get_task(task).item_answer(record)
 
 
-def _extracted(record: dict):
+def _extracted(task: str, record: dict):
     """What a flip table shows as the answer: the extracted one, else why there is none (HumanEval)."""
-    answer = extracted_answer(record)
+    answer = extracted_answer(task, record)
     return answer if answer is not None else record.get("failure_class")
 
 

@@ -21,7 +21,7 @@ from evalgate.run.baselines import StoredBaseline, load_baseline
 from evalgate.run.store import Run, load_run
 from evalgate.stats.margin import pooled_psi
 from evalgate.stats.unpaired import unpaired_two_proportion
-from evalgate.tasks.humaneval.runtime import python_warnings
+from evalgate.tasks import comparison_notes
 
 CONFORMANCE_UNCHECKED = ("kernel conformance not checked: the candidate's kernel ran outside evalgate (a server) or "
                          "its run predates the check; decided on accuracy alone")
@@ -186,8 +186,8 @@ def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = 
         subset_notes.append(f"compared across a serving difference, as asked (--across-serving): {differs}; the "
                             "verdict covers the kernel and that difference together")
     verdict = decide(pairing, policy, aa=stored.aa, require_aa=not allow_uncalibrated)
-    # runs whose HumanEval programs ran under different Python minors: compared, said in the verdict (gate.json)
-    notes = [*subset_notes, *verdict.notes, *python_warnings(base_run.manifest, cand_run.manifest, tasks)]
+    # what the tasks note about the two runs (HumanEval: programs run under different Python minors), in gate.json
+    notes = [*subset_notes, *verdict.notes, *comparison_notes(base_run.manifest, cand_run.manifest, tasks)]
     verdict = replace(verdict, baseline_dirs=[str(d) for d in dirs], notes=notes)
     if pairing.stopped_early:  # decided on its best completion: certain FAIL, or no verdict at all
         from evalgate.gate.stopped import check_stopped_verdict, summary

@@ -14,10 +14,11 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from evalgate.gate.compare import extracted_answer, item_gold, item_question
+from evalgate.gate.compare import extracted_answer, item_gold
 from evalgate.gate.verdict import run_identity as verdict_identity
 from evalgate.report.rows import (alpha_text, conformance_line, early_stop_lines, paired_rows, task_rows,
                                   verdict_reason)
+from evalgate.tasks import get_task
 
 TEMPLATES = Path(__file__).parent / "templates"
 STDERR_LINES = 25  # the end of a traceback says what went wrong
@@ -103,43 +104,16 @@ def response_text(record: dict) -> str:
 
 
 
-def humaneval_heading(record: dict) -> str | None:
-    """A HumanEval item in one line: the entry point's signature and the first line of its docstring, read
-    from the stored program (the prompt is its beginning); None when the record is not HumanEval's."""
-    entry = record.get("entry_point")
-    lines = (record.get("program") or "").splitlines()
-    start = next((i for i, line in enumerate(lines) if entry and line.startswith(f"def {entry}(")), None)
-    if start is None:
-        return None
-    end = next((j for j in range(start, min(start + 8, len(lines))) if lines[j].rstrip().endswith(":")), start)
-    signature = " ".join(line.strip() for line in lines[start:end + 1])
-    doc = None
-    for line in lines[end + 1:end + 6]:
-        text = line.strip()
-        for quote in ('"""', "'''"):
-            if text.startswith(quote):
-                text = text[len(quote):].strip().removesuffix(quote).strip()
-                break
-        if text:
-            doc = text
-            break
-    return f"{signature} {doc}" if doc else signature
+def display_question(task: str, record: dict) -> str | None:
+    """What a row names the item by: the task's ``item_heading`` (GSM8K's question; HumanEval's signature
+    and docstring line, its id being in a column of its own)."""
+    return get_task(task).item_heading(record)
 
 
-def display_question(record: dict) -> str | None:
-    """What a row names the item by: GSM8K's question; HumanEval's signature and docstring line (its id is
-    in a column of its own)."""
-    return humaneval_heading(record) or item_question(record)
-
-
-def prompt_of(record: dict) -> str | None:
-    """The prompt when the record holds it; for HumanEval, the program before the completion."""
-    if record.get("prompt"):
-        return str(record["prompt"])
-    program, completion = record.get("program"), response_text(record)
-    if program and completion and completion in program:
-        return program[: program.index(completion)]
-    return None
+def prompt_of(task: str, record: dict) -> str | None:
+    """The prompt, when the record holds it (the task's ``item_prompt``; HumanEval's program before the
+    completion)."""
+    return get_task(task).item_prompt(record)
 
 
 def stderr_excerpt(record: dict) -> str | None:
@@ -155,7 +129,7 @@ def item_data(task: str, doc_id, base: dict, cand: dict, metric: str, flips_in_a
     left, right = diff_segments(response_text(base), response_text(cand))
     sides = {}
     for name, record, segments in (("base", base, left), ("cand", cand, right)):
-        answer = extracted_answer(record)
+        answer = extracted_answer(task, record)
         sides[name] = {
             "score": float(record.get(metric, 0.0)), "extracted": answer,
             "finish_reason": record.get("finish_reason"), "failure_class": record.get("failure_class"),
@@ -164,8 +138,8 @@ def item_data(task: str, doc_id, base: dict, cand: dict, metric: str, flips_in_a
             "segments": mark_span(segments, answer_span(response_text(record), answer)),
         }
     bs, cs = sides["base"]["score"], sides["cand"]["score"]
-    return {"task": task, "doc_id": doc_id, "question": display_question(base), "gold": item_gold(base),
-            "prompt": prompt_of(base), "metric": metric, "flips_in_aa": flips_in_aa,
+    return {"task": task, "doc_id": doc_id, "question": display_question(task, base), "gold": item_gold(task, base),
+            "prompt": prompt_of(task, base), "metric": metric, "flips_in_aa": flips_in_aa,
             "direction": "lost" if bs > cs else "gained" if cs > bs else "same",
             "same_text": response_text(base) == response_text(cand), "base": sides["base"], "cand": sides["cand"]}
 

@@ -17,7 +17,8 @@ from evalgate.files import write_bytes_atomic
 from evalgate.run.observer import RunObserver
 from evalgate.run.store import MANIFEST, RecordWriter, Run, load_run, write_manifest
 from evalgate.tasks import get_task, resolve_profile
-from evalgate.types import ModelAdapter, Request, ResolvedProfile, Task
+from evalgate.tasks.base import Task
+from evalgate.types import ModelAdapter, Request, ResolvedProfile
 
 
 @dataclass

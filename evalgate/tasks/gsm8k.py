@@ -1,36 +1,35 @@
 """GSM8K, prompted and scored as lm-evaluation-harness does (docs/scoring.md#gsm8k).
 
-Two profiles:
+Its profiles are data, in ``gsm8k_profiles.yaml`` beside this module:
 - ``gsm8k-lmeval-v3``: lm-eval ``gsm8k`` v3.0, 5 shots sampled from train with ``random.Random(1234)``;
-- ``gsm8k-cot-8shot``: lm-eval ``gsm8k_cot`` v3.0, the 8 chain-of-thought exemplars of Wei et al. (2022).
+- ``gsm8k-cot-8shot``: lm-eval ``gsm8k_cot`` v3.0, the 8 chain-of-thought exemplars of Wei et al. (2022);
+- ``gsm8k-canary-v1``: the built-in canary's 200 short train items, zero-shot.
 
-Both record strict-match and flexible-extract per item; the gate scores strict-match. The numeric verdict
+All record strict-match and flexible-extract per item; the gate scores strict-match. The numeric verdict
 (``Decimal`` comparison) is recorded next to the string verdict and never changes the score.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from evalgate.tasks.source import TaskData
+from pydantic import Field
+
 from evalgate.errors import UserError
+from evalgate.records import ItemRecord
+from evalgate.tasks.base import TaskBase, load_profiles
+from evalgate.tasks.data import DataFile
+from evalgate.tasks.source import TaskData
 from evalgate.types import Generation, Profile, Request, ResolvedProfile, sha256_text
 
-INVALID = "[invalid]"
-SCORER_VERSION = "gsm8k-scorer-1"
+PROFILES = load_profiles(Path(__file__).with_name("gsm8k_profiles.yaml"), "gsm8k")
+INVALID = "[invalid]"  # lm-eval's fallback when a filter finds nothing (every profile's "fallback")
+IGNORE = PROFILES["gsm8k-lmeval-v3"].settings["ignore"]  # every profile's normalisation, in order
 
-# lm-eval filters: (regex, group_select). strict takes the first match, flexible the last.
-STRICT_LMEVAL = r"#### (\-?[0-9\.\,]+)"
-STRICT_COT = r"The answer is (\-?[0-9\.\,]+)."  # the final "." is an unescaped wildcard, kept on purpose
-FLEXIBLE = r"(-?[$0-9.,]{2,})|(-?[0-9]+)"
-# exact_match's regexes_to_ignore, applied in this order to prediction and reference, then lower-case
-IGNORE = [",", r"\$", r"(?s).*#### ", r"\.$"]
-
-COT_EXEMPLARS = [  # lm-eval gsm8k-cot.yaml fewshot samples, in order (sampler first_n)
+COT_EXEMPLARS = [  # lm-eval gsm8k-cot.yaml fewshot samples, in order (sampler first_n); the profile hashes them
     ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, there will be 21 trees. How many trees did the grove workers plant today?",
      "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have been 21 - 15 = 6. The answer is 6."),
     ("If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?",
@@ -49,46 +48,26 @@ COT_EXEMPLARS = [  # lm-eval gsm8k-cot.yaml fewshot samples, in order (sampler f
      "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars left. 23 - 15 is 8. The answer is 8."),
 ]
 
-def _scoring(stop_marker: str, strict: str) -> dict:
-    """Settings every GSM8K profile shares: completion mode, lm-eval's stops, filters and normalisation."""
-    return {
-        "api_mode": "completion", "target_delimiter": " ", "fewshot_delimiter": "\n\n",
-        "stop": [stop_marker, "</s>", "<|im_end|>"], "max_new_tokens": 256,
-        "strict": {"regex": strict, "group_select": 0},
-        "flexible": {"regex": FLEXIBLE, "group_select": -1},
-        "fallback": INVALID, "ignore": IGNORE, "ignore_case": True, "scorer": SCORER_VERSION,
-    }
 
+class Gsm8kRecord(ItemRecord):
+    """A GSM8K item: both filters' answers, and flat ``"exact_match,<filter>"`` / ``"invalid,<filter>"`` keys."""
 
-PROFILES = {
-    "gsm8k-lmeval-v3": Profile(
-        name="gsm8k-lmeval-v3", task="gsm8k", version="3.0",
-        description="lm-eval gsm8k v3.0: 5 random train shots (seed 1234), strict '#### N' first match",
-        settings={
-            **_scoring("Question:", STRICT_LMEVAL), "split": "test", "shot_split": "train",
-            "item_template": "Question: {question}\nAnswer:", "shot_target": "answer",
-            "num_shots": 5, "shot_sampler": "random.Random(1234).sample per doc in order", "shot_seed": 1234,
-        },
-    ),
-    "gsm8k-cot-8shot": Profile(
-        name="gsm8k-cot-8shot", task="gsm8k", version="3.0",
-        description="lm-eval gsm8k_cot v3.0: 8 fixed CoT exemplars, strict 'The answer is N' first match",
-        settings={
-            **_scoring("Q:", STRICT_COT), "split": "test",
-            "item_template": "Q: {question}\nA:", "shot_target": "exemplar", "num_shots": 8,
-            "shot_sampler": "first_n", "exemplars_sha256": sha256_text(json.dumps(COT_EXEMPLARS)),
-        },
-    ),
-    "gsm8k-canary-v1": Profile(
-        name="gsm8k-canary-v1", task="gsm8k", version="1",
-        description="built-in canary: 200 short GSM8K *train* items, zero-shot 'Question/Answer', strict '#### N'",
-        settings={
-            **_scoring("Question:", STRICT_LMEVAL), "split": "train",
-            "items": "canary: evalgate.model_adapters.canary.items",  # a label hashed into the profile id, not an import path: changing it changes the id and orphans stored baselines
-            "item_template": "Question: {question}\nAnswer:", "num_shots": 0,
-        },
-    ),
-}
+    doc_id: int
+    profile: str | None = None
+    doc_hash: str | None = None
+    question: str | None = None
+    target: str | None = None
+    target_hash: str | None = None
+    shot_ids: list[int] | None = None
+    filtered_resps: dict[str, str] | None = None
+    extracted: dict[str, str | None] | None = None
+    exact_match: dict[str, float] | None = None
+    numeric_match: dict[str, bool] | None = None
+    numeric_disagrees: bool | None = None
+    exact_match_strict: float | None = Field(default=None, alias="exact_match,strict-match")
+    exact_match_flexible: float | None = Field(default=None, alias="exact_match,flexible-extract")
+    invalid_strict: bool | None = Field(default=None, alias="invalid,strict-match")
+    invalid_flexible: bool | None = Field(default=None, alias="invalid,flexible-extract")
 
 
 # ---- extraction and scoring (public: a notebook can call these) ----
@@ -139,11 +118,20 @@ def gold_answer(answer: str) -> str:
 # ---- data ----
 
 FIELDS = ("question", "answer")  # the columns every GSM8K source must hold (or map: --dataset gsm8k.FIELD=COLUMN)
-FILES = {"test": "gsm8k/test.jsonl", "train": "gsm8k/train.jsonl"}  # the published splits, by data-dir path
+# the published splits, shipped with evalgate (MIT licence); their sha256 is part of every profile id
+FILES = {
+    "test": DataFile("gsm8k/test.jsonl", packaged=True,
+                     sha256="3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
+                     items_sha256="b6c9d9547ec974d3c064a2f101ebf67e74257536d8c5e22a9758f2893a9e03a4"),
+    "train": DataFile("gsm8k/train.jsonl", packaged=True,
+                      sha256="17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
+                      items_sha256="419386f7702aae71e33d2ce12db2170fc893004227b082354443fa5873b378bb"),
+}
+HUB_CONFIGS = {"openai/gsm8k": "main"}  # the hub copy holds two configs; "main" is the one lm-eval reads
 
 
 def task_data(splits, data_dir: Path | None, dataset: dict | None = None) -> TaskData:
-    return TaskData("gsm8k", FIELDS, FILES, data_dir, dataset, splits)
+    return TaskData("gsm8k", FIELDS, FILES, data_dir, dataset, splits, HUB_CONFIGS)
 
 
 def load_split(split: str, data_dir: Path | None, dataset: dict | None = None) -> list[dict]:
@@ -154,12 +142,14 @@ def load_split(split: str, data_dir: Path | None, dataset: dict | None = None) -
 
 # ---- the task ----
 
-class GSM8K:
+class GSM8K(TaskBase):
     name = "gsm8k"
     profiles = PROFILES
     default_profile = "gsm8k-lmeval-v3"
     gate_metric = "exact_match,strict-match"
     invalid_field = "invalid,strict-match"
+    record_model = Gsm8kRecord
+    data_files = tuple(FILES.values())
 
     def is_invalid(self, record: dict, metric: str = "exact_match,strict-match") -> bool:
         """No answer under the gated filter (lm-eval's ``[invalid]``)."""
@@ -221,11 +211,12 @@ class GSM8K:
         return [Request(doc_id=item["doc_id"], prompt=self.prompt(item, resolved.profile), stop=tuple(s["stop"]),
                         max_new_tokens=s["max_new_tokens"]) for item in items]
 
-    def prepare_ahead(self, resolved: ResolvedProfile, data_dir: Path | None) -> None:
-        pass  # nothing to prepare
-
-    def prepare(self, resolved: ResolvedProfile, data_dir: Path | None) -> dict:
-        return {}  # scoring is pure text: nothing to check before it
+    def item_answer(self, record: dict):
+        """The strict-match filter's answer (the gated one); None when it found none."""
+        extracted = record.get("extracted")
+        if isinstance(extracted, dict):
+            return extracted.get("strict-match", next(iter(extracted.values()), None))
+        return extracted
 
     def score_batch(self, items: list[dict], requests: list[Request], generations: list,
                     resolved: ResolvedProfile) -> list[dict]:
@@ -302,8 +293,7 @@ def short_train_items(train_rows: list[dict], n: int = 200, max_answer_chars: in
     return sorted(random.Random(seed).sample(short, n))
 
 
-# Item subsets a profile may name in settings["items"]; the name is part of the hashed profile, so it is
-# kept exactly as first written (it once named the module that computed the subset).
+# Item subsets a profile may name in settings["items"]; the name is a label hashed into the profile id.
 ITEM_SUBSETS = {"canary: evalgate.model_adapters.canary.items": short_train_items}
 
 

@@ -6,7 +6,7 @@ Sources, per task, the first that applies:
    file (Parquet, JSONL, JSON, CSV, Arrow; ``load_dataset``), or a hub id ``OWNER/NAME[:CONFIG][@REVISION]``
    when the hub is reachable. ``--dataset TASK.FIELD=COLUMN`` maps a column whose name differs from the task's.
 2. ``--data-dir`` / ``EVALGATE_DATA_DIR``, else the packaged files (evalgate/tasks/data.py): the published
-   files, each checked against its sha256, then loaded through ``datasets``' JSON builder.
+   files the task declares (``DataFile``), each checked against its sha256, then loaded through ``datasets``.
 
 Identity: a split's rows (the task's columns, in order) hash to ``items_sha256``. Rows equal to a published
 split's are named in the profile by that file's sha256, as before ``datasets`` read them, so the stored
@@ -31,17 +31,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from evalgate.errors import UserError
-from evalgate.tasks.data import DATA_DIR_ENV, KNOWN_FILES, is_packaged_dir, sha256_file, verified_path
+from evalgate.tasks.data import DATA_DIR_ENV, DataFile, is_packaged_dir, sha256_file, verified_path
 from evalgate.types import canonical_json, sha256_text
 
-# published file -> sha256 of its rows' task columns (``items_sha256``); tests/test_data.py recomputes them
-KNOWN_ITEMS = {
-    "gsm8k/test.jsonl": "b6c9d9547ec974d3c064a2f101ebf67e74257536d8c5e22a9758f2893a9e03a4",
-    "gsm8k/train.jsonl": "419386f7702aae71e33d2ce12db2170fc893004227b082354443fa5873b378bb",
-    "humaneval/HumanEval.jsonl.gz": "3c3148615a7e25da87784ec03b5f3bc3d168e8b129d72dcbfe05380056182f53",
-}
-# a hub id's config when none is given: openai/gsm8k holds two ("main" is the one lm-eval reads)
-HUB_DEFAULT_CONFIG = {"openai/gsm8k": "main"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?(@[\w./-]+)?$")
 HUB_TIMEOUT_S = 3.0  # the reachability probe: an offline machine answers in this time, not after retries
 BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
@@ -83,38 +75,44 @@ class Split:
     """One split's rows (the task's fields only, in dataset order), their identity and where they came from."""
 
     rows: list
-    identity: dict  # the profile's dataset_sha256 entry: {published file: its sha256} or {task/split: items hash}
+    identity: dict  # the profile's dataset_sha256 entry: {published file: its sha256} or {task/split: ITEMS + hash}
     record: dict  # the manifest's: source, items_sha256, rows, files
 
     @property
     def published(self) -> bool:
-        return all(k in KNOWN_FILES for k in self.identity)
+        return not any(str(v).startswith(ITEMS) for v in self.identity.values())
 
 
 def items_sha256(rows: list, fields) -> str:
     return sha256_text(canonical_json([{f: row[f] for f in fields} for row in rows]))
 
 
-def _identity(task: str, split: str, rows: list, fields, published: str | None) -> tuple[dict, str]:
-    """(the profile's dataset_sha256 entry, the items hash): rows equal to a published split's are named by
-    that file's sha256 (``published``: the file they were read from, when they were), any others by their hash."""
+ITEMS = "items-sha256:"  # the identity of rows no published file holds
+
+
+def _identity(task: str, split: str, rows: list, fields, files, read_from: DataFile | None) -> tuple[dict, str]:
+    """(the profile's dataset_sha256 entry, the items hash): rows equal to those of one of the task's published
+    ``files`` are named by that file's sha256 (``read_from``: the file they were read from, when they were),
+    any others by their hash."""
     digest = items_sha256(rows, fields)
-    for rel, known in KNOWN_ITEMS.items():
-        if rel.startswith(f"{task}/") and digest == known and (published is None or rel == published):
-            return {rel: KNOWN_FILES[rel]}, digest
-    return {f"{task}/{split}": f"items-sha256:{digest}"}, digest
+    for file in files:
+        if digest == file.items_sha256 and (read_from is None or file == read_from):
+            return {file.path: file.sha256}, digest
+    return {f"{task}/{split}": f"{ITEMS}{digest}"}, digest
 
 
 class TaskData:
     """The rows of one task, from its ``--dataset`` choice, else the data dir, else the packaged files.
 
-    ``files``: split -> the published file of the data-dir layout (``gsm8k/test.jsonl``); ``fields``: the
-    task's columns, checked and mapped; ``splits``: every split the profile reads (a single-split source can
-    serve only a profile that reads one).
+    ``files``: split -> the task's published file (``DataFile``); ``fields``: the task's columns, checked and
+    mapped; ``splits``: every split the profile reads (a single-split source can serve only a profile that
+    reads one); ``hub_configs``: a hub id's config when ``--dataset`` names none (openai/gsm8k holds two).
     """
 
-    def __init__(self, task: str, fields, files: dict, data_dir: Path | None, choice: dict | None, splits):
+    def __init__(self, task: str, fields, files: dict[str, DataFile], data_dir: Path | None, choice: dict | None,
+                 splits, hub_configs: dict[str, str] | None = None):
         self.task, self.fields, self.files, self.data_dir = task, tuple(fields), files, data_dir
+        self.hub_configs = dict(hub_configs or {})
         self.choice = DatasetChoice(choice["source"], dict(choice.get("columns") or {})) if choice else None
         self.splits = tuple(dict.fromkeys(splits))
         self._loaded = None  # the choice's Dataset or DatasetDict, loaded once
@@ -127,14 +125,14 @@ class TaskData:
     # ---- the published files (packaged, or a data dir laid out like them) ----
 
     def _published_split(self, name: str) -> Split:
-        rel = self.files[name]
-        path = verified_path(self.data_dir, rel)
-        dataset = _load_files(_builder(path), str(path), f"{rel} ({path})")
-        rows = _rows(dataset, self.task, self.fields, {}, f"{rel} ({path})")
-        identity, digest = _identity(self.task, name, rows, self.fields, rel)
+        file = self.files[name]
+        path = verified_path(self.data_dir, file)
+        dataset = _load_files(_builder(path), str(path), f"{file.path} ({path})")
+        rows = _rows(dataset, self.task, self.fields, {}, f"{file.path} ({path})")
+        identity, digest = _identity(self.task, name, rows, self.fields, self.files.values(), file)
         source = "data-dir" if self.data_dir is not None and not is_packaged_dir(self.data_dir) else "packaged"
         return Split(rows, identity, {"source": source, "path": str(path), "split": name, "rows": len(rows),
-                                      "items_sha256": digest, "files": {rel: KNOWN_FILES[rel]}})
+                                      "items_sha256": digest, "files": {file.path: file.sha256}})
 
     # ---- --dataset TASK=SOURCE ----
 
@@ -143,7 +141,7 @@ class TaskData:
         dataset, record = self._load_choice(where)
         part = _pick_split(dataset, name, self.splits, where, self.task)
         rows = _rows(part, self.task, self.fields, self.choice.columns, where)
-        identity, digest = _identity(self.task, name, rows, self.fields, None)
+        identity, digest = _identity(self.task, name, rows, self.fields, self.files.values(), None)
         return Split(rows, identity, {**record, "split": name, "rows": len(rows), "items_sha256": digest,
                                       **({"columns": self.choice.columns} if self.choice.columns else {})})
 
@@ -155,7 +153,7 @@ class TaskData:
                 self._loaded = (_load_local(path, where), {"source": "local", "path": str(path.resolve()),
                                                            "files": _file_hashes(path)})
             elif HUB_ID.match(source):
-                self._loaded = _load_hub(source, self.task, where)
+                self._loaded = _load_hub(source, self.task, where, self.hub_configs)
             else:
                 raise UserError(f"{where}: no such file or folder, and not a hub id (OWNER/NAME[:CONFIG][@REVISION])")
         return self._loaded
@@ -222,10 +220,10 @@ def _load(where: str, load):
         raise UserError(f"{where}: datasets could not load it ({type(e).__name__}: {message[:300]})") from None
 
 
-def _load_hub(source: str, task: str, where: str):
+def _load_hub(source: str, task: str, where: str, hub_configs: dict[str, str]):
     name, _, revision = source.partition("@")
     repo, _, config = name.partition(":")
-    config = config or HUB_DEFAULT_CONFIG.get(repo)
+    config = config or hub_configs.get(repo)
     alternatives = (f"use the data shipped with evalgate (drop --dataset {task}=...), --data-dir DIR / "
                     f"{DATA_DIR_ENV}, or --dataset {task}=PATH with a local copy (a save_to_disk folder, Parquet "
                     "or JSONL files)")

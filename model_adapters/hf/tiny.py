@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     import json
 
     from evalgate.tasks.data import parse_jsonl, read_verified, resolve_data_dir
+    from evalgate.tasks.gsm8k import FILES
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("out_dir")
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="one layer of each DeepSeek-V4 attention kind (COMPRESSED), not sliding windows only")
     args = parser.parse_args(argv)
     data_dir = resolve_data_dir(args.data_dir)
-    rows = parse_jsonl(read_verified(data_dir, "gsm8k/train.jsonl"))[:2000]
+    rows = parse_jsonl(read_verified(data_dir, FILES["train"]))[:2000]
     path = build_tiny_model(args.out_dir, [r["question"] + "\n" + r["answer"] for r in rows], seed=args.seed,
                             **(COMPRESSED if args.compressed else {}))
     print(json.dumps({"model": str(path)}))

@@ -33,10 +33,3 @@ def python_warning(task: str, base_summary: dict | None, cand_summary: dict | No
     return (f"{task}: the baseline's programs ran under Python {minor(b)}, the candidate's under {minor(c)}; "
             "compared anyway (a program's result can depend on the Python version), re-record the baseline "
             f"under Python {minor(c)} to rule that out")
-
-
-def python_warnings(base_manifest: dict, cand_manifest: dict, tasks=None) -> list[str]:
-    """``python_warning`` for every task both runs hold (or ``tasks``)."""
-    bt, ct = base_manifest.get("tasks") or {}, cand_manifest.get("tasks") or {}
-    names = tasks if tasks is not None else [t for t in ct if t in bt]
-    return [w for t in names if (w := python_warning(t, bt.get(t), ct.get(t)))]

@@ -1,9 +1,10 @@
 """HumanEval, prompted as Codex / simple-evals did and scored by running each program in the sandbox.
 
-Profiles (docs/scoring.md#humaneval):
+Profiles (docs/scoring.md#humaneval), as data in ``profiles.yaml`` beside this module:
 - ``humaneval-completion-codex``: the prompt verbatim, Codex stops, 1024 new tokens, greedy;
 - ``humaneval-chat-simpleevals``: one user message (simple-evals' instruction + prompt), its fenced-code
-  extractor with its known defects kept, 2048 tokens.
+  extractor with its known defects kept, 2048 tokens;
+- ``humaneval-canary-v1``: the codex profile with a 320-token limit (the built-in canary's).
 
 Either way the program is ``prompt + completion + "\\n" + test + "\\n" + "check(<entry_point>)"``.
 Scoring refuses to start until the executor self-test (``evalgate.tasks.humaneval.selftest``) has passed in this process.
@@ -13,62 +14,63 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
-from evalgate.tasks.humaneval import sandbox
+from pydantic import Field
+
 from evalgate.errors import UserError
+from evalgate.records import ItemRecord
+from evalgate.tasks.base import TaskBase, load_profiles
+from evalgate.tasks.humaneval import sandbox
 from evalgate.tasks.humaneval.passk import pass_at_k
-from evalgate.tasks.humaneval.problems import (DATA_FILE, N_PROBLEMS, PROGRAM_TEMPLATE, TIMEOUT_POLICY,  # noqa: F401 (public)
-                                              build_program, load_problem_split, load_problems)
+from evalgate.tasks.humaneval.problems import (  # noqa: F401 (public)
+    DATA_FILE,
+    N_PROBLEMS,
+    PROGRAM_TEMPLATE,
+    PUBLISHED,
+    TIMEOUT_POLICY,
+    build_program,
+    load_problem_split,
+    load_problems,
+)
+from evalgate.tasks.humaneval.runtime import python_warning
 from evalgate.tasks.humaneval.selftest import require_selftest, start_selftest
 from evalgate.types import Generation, Profile, Request, ResolvedProfile, sha256_text
 
-SCORER_VERSION = "humaneval-scorer-1"
-CODEX_STOPS = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
-CHAT_INSTRUCTION = ("Read the following function signature and docstring, and fully implement the function "
-                    "described. Your response should only contain the code for this function.\n")
-FENCE_REGEX = r"```python\n(.*?)```"  # re.DOTALL; the first block, else the whole reply
-SIGNATURE_CUT = ":\n    "  # drop up to and including ":\n" (find + 2); -1 + 2 drops the first character
+PROFILES = load_profiles(Path(__file__).with_name("profiles.yaml"), "humaneval")
+# what the extractors read, from the profiles that name them
+CODEX_STOPS = PROFILES["humaneval-completion-codex"].settings["stop"]
+_CHAT = PROFILES["humaneval-chat-simpleevals"].settings
+CHAT_INSTRUCTION = _CHAT["user_template"].removesuffix("{prompt}")
+FENCE_REGEX = _CHAT["extractor"]["regex"]  # re.DOTALL; the first block, else the whole reply
+SIGNATURE_CUT = _CHAT["extractor"]["cut"]  # drop up to and including ":\n" (find + 2); -1 + 2 drops the first character
 INVALID_CLASSES = ("no_code", "failed:syntax")  # the validity-rate gate's indicator (docs/gate.md#rate-checks)
 
 
-def _sandbox_settings() -> dict:
-    return {**sandbox.settings(), "timeout_policy": TIMEOUT_POLICY}
+class HumanEvalRecord(ItemRecord):
+    """A HumanEval problem: the program that ran and its outcome; n samples add ``pass@k`` and ``samples``."""
 
-
-PROFILES = {
-    "humaneval-completion-codex": Profile(
-        name="humaneval-completion-codex", task="humaneval", version="1",
-        description="Codex/lm-eval HumanEval: prompt verbatim, Codex stops, 1024 tokens, greedy, pass@1",
-        settings={
-            "api_mode": "completion", "prompt_template": "{prompt}", "stop": CODEX_STOPS,
-            "max_new_tokens": 1024, "extractor": {"name": "cut-at-first-stop", "stop": CODEX_STOPS},
-            "no_code": "completion blank after extraction", "program_template": PROGRAM_TEMPLATE,
-            "scorer": SCORER_VERSION, "sandbox": _sandbox_settings(),
-        },
-    ),
-    "humaneval-chat-simpleevals": Profile(
-        name="humaneval-chat-simpleevals", task="humaneval", version="1",
-        description="openai/simple-evals humaneval_eval.py @ ee3b031: instruction + prompt, first ```python block",
-        settings={
-            "api_mode": "chat", "user_template": CHAT_INSTRUCTION + "{prompt}", "stop": [],
-            "max_new_tokens": 2048,
-            "extractor": {"name": "simple-evals-find_code", "regex": FENCE_REGEX, "flags": "DOTALL",
-                          "match": "first, else whole reply", "cut": SIGNATURE_CUT, "cut_offset": 2,
-                          "then": "appended to prompt"},
-            "no_code": "completion blank after extraction", "program_template": PROGRAM_TEMPLATE,
-            "scorer": SCORER_VERSION, "sandbox": _sandbox_settings(),
-        },
-    ),
-}
-# The canary's profile: the codex completion profile with a 320-token limit (its memorised canonical
-# solutions are at most ~260 tokens); keeps CPU runs short.
-PROFILES["humaneval-canary-v1"] = Profile(
-    name="humaneval-canary-v1", task="humaneval", version="1",
-    description="built-in canary: the codex completion profile with a 320-token limit",
-    settings={**PROFILES["humaneval-completion-codex"].settings, "max_new_tokens": 320},
-)
-
-
+    doc_id: str
+    task_id: str | None = None
+    entry_point: str | None = None
+    filtered_resps: str | list[str] | None = None
+    program: str | None = None
+    program_sha256: str | None = None
+    passed: bool | None = None
+    failure_class: str | None = None
+    result: str | None = None
+    exception: str | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+    duration_s: float | None = None
+    timeout_s: float | None = None
+    network_isolation: str | None = None
+    pass_at_1: float | None = Field(default=None, alias="pass@1")
+    n: int | None = None
+    c: int | None = None
+    invalid: bool | None = None
+    truncated: bool | None = None
+    samples: list[dict[str, Any]] | None = None
 
 
 # ---- extraction and programs (public: a notebook can call these) ----
@@ -100,12 +102,14 @@ def extract_completion(text: str, profile: Profile) -> str:
 
 # ---- the task ----
 
-class HumanEval:
+class HumanEval(TaskBase):
     name = "humaneval"
     profiles = PROFILES
     default_profile = "humaneval-completion-codex"
     gate_metric = "pass@1"
     invalid_field = "invalid"
+    record_model = HumanEvalRecord
+    data_files = (PUBLISHED,)
 
     def __init__(self):
         self._data_dir: Path | None = None  # where the self-test reads the problems from
@@ -156,6 +160,41 @@ class HumanEval:
     def is_invalid(self, record: dict, metric: str = "pass@1") -> bool:
         """No code, or code that does not parse: the answer could not be used (docs/gate.md#validity-checks)."""
         return record.get("failure_class") in INVALID_CLASSES
+
+    # ---- how reports show an item: read from the stored program (the prompt is its beginning) ----
+
+    def item_title(self, record: dict) -> str | None:
+        """The problem's id and the function's signature line (``def <entry_point>(...)``)."""
+        task_id, entry = record.get("task_id"), record.get("entry_point")
+        signature = next((line.strip() for line in (record.get("program") or "").splitlines()
+                          if entry and line.startswith(f"def {entry}(")), None)
+        return f"{task_id}: {signature}" if task_id and signature else task_id
+
+    def item_heading(self, record: dict) -> str | None:
+        """The entry point's signature and the first line of its docstring (the report shows the id in a
+        column of its own)."""
+        return program_heading(record.get("program") or "", record.get("entry_point")) or self.item_title(record)
+
+    def item_gold(self, record: dict) -> str | None:
+        """The test call on the entry point."""
+        return f"check({record['entry_point']})" if record.get("entry_point") else None
+
+    def item_answer(self, record: dict):
+        return None  # a program passes or fails: there is no answer to read (the failure class says why)
+
+    def item_prompt(self, record: dict) -> str | None:
+        """The program before the completion."""
+        program, resps = record.get("program"), record.get("resps")
+        while isinstance(resps, list) and resps:  # several samples: the first
+            resps = resps[0]
+        if program and isinstance(resps, str) and resps and resps in program:
+            return program[: program.index(resps)]
+        return None
+
+    def comparison_notes(self, base_summary: dict | None, cand_summary: dict | None) -> list[str]:
+        """One line when the two runs' programs ran under different Python minors (compared anyway)."""
+        note = python_warning(self.name, base_summary, cand_summary)
+        return [note] if note else []
 
     def score(self, item: dict, request: Request, generation: Generation | list[Generation],
               resolved: ResolvedProfile) -> dict:
@@ -235,6 +274,28 @@ def _sample_record(item: dict, generation: Generation, completion: str, ran) -> 
             "exception": outcome.exception, "stdout": outcome.stdout, "stderr": outcome.stderr,
             "duration_s": outcome.duration_s, "timeout_s": timeout,
             "network_isolation": outcome.network_isolation, "finish_reason": generation.finish_reason}
+
+
+def program_heading(program: str, entry: str | None) -> str | None:
+    """A program's function in one line: its signature and the first line of its docstring; None when the
+    program holds no ``def <entry>(``."""
+    lines = program.splitlines()
+    start = next((i for i, line in enumerate(lines) if entry and line.startswith(f"def {entry}(")), None)
+    if start is None:
+        return None
+    end = next((j for j in range(start, min(start + 8, len(lines))) if lines[j].rstrip().endswith(":")), start)
+    signature = " ".join(line.strip() for line in lines[start:end + 1])
+    doc = None
+    for line in lines[end + 1:end + 6]:
+        text = line.strip()
+        for quote in ('"""', "'''"):
+            if text.startswith(quote):
+                text = text[len(quote):].strip().removesuffix(quote).strip()
+                break
+        if text:
+            doc = text
+            break
+    return f"{signature} {doc}" if doc else signature
 
 
 TASK = HumanEval()
