@@ -42,7 +42,7 @@ _registered: dict[str, Task] = {}
 
 @lru_cache(maxsize=1)
 def _entry_points() -> dict:
-    found = {}
+    found: dict[str, importlib.metadata.EntryPoint] = {}
     for ep in importlib.metadata.entry_points(group=GROUP):
         if ep.name not in BUILTIN:
             found.setdefault(ep.name, ep)  # the first on sys.path wins, as for imports
@@ -57,9 +57,9 @@ def task_names() -> list[str]:
 
 def register_task(task: Task) -> Task:
     """Make ``task`` known to this process by its name (a notebook's or a test's own task); returns it."""
-    _check(task, "register_task")
-    if task.name in BUILTIN:
+    if getattr(task, "name", None) in BUILTIN:
         raise UserError(f"register_task: {task.name!r} is evalgate's own task; give yours another name")
+    _check(task, "register_task")
     _registered[task.name] = task
     return task
 

@@ -38,8 +38,14 @@ class Task(Protocol):
     profiles: dict[str, Profile]
     default_profile: str
     gate_metric: str  # record field the gate scores, e.g. "exact_match,strict-match" or "pass@1"
-    record_model: type[ItemRecord]  # its per-item records (one line of ``<task>.jsonl``)
-    data_files: tuple[DataFile, ...]  # the published files its profiles may read
+
+    @property
+    def record_model(self) -> type[ItemRecord]:
+        """The model of its per-item records (one line of ``<task>.jsonl``): ``ItemRecord`` and its fields."""
+
+    @property
+    def data_files(self) -> tuple[DataFile, ...]:
+        """The published files its profiles may read."""
 
     def load(self, profile: Profile, data_dir: Path | None, limit: int | None,
              dataset: dict | None = None) -> tuple[list[dict], ResolvedProfile]:

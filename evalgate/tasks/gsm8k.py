@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
@@ -225,7 +226,7 @@ class GSM8K(TaskBase):
         return [self.score_samples(i, r, g, resolved) if isinstance(g, (list, tuple)) else self.score(i, r, g, resolved)
                 for i, r, g in zip(items, requests, generations)]
 
-    def score_samples(self, item: dict, request: Request, generations: list[Generation],
+    def score_samples(self, item: dict, request: Request, generations: Sequence[Generation],
                       resolved: ResolvedProfile) -> dict:
         """The record of an item with k samples (docs/scoring.md#k-samples): ``exact_match`` and its flat
         ``"exact_match,<filter>"`` keys are the mean over the samples (what the gate scores), ``n_samples``
