@@ -82,6 +82,7 @@ class Witness:
     held: bool = False  # False: recorded only (a CPU, or symbols not on file)
     missing: int = 0  # layer calls in which the expected symbols did not run
     foreign: dict = field(default_factory=dict)  # GEMMs outside the allowed ones -> count
+    matched: dict = field(default_factory=dict)  # the named kernel's symbols seen -> count: the evidence itself
     ok: bool = True
     seconds: float = 0.0
 
@@ -92,7 +93,9 @@ class Witness:
         if not self.held:
             return f"execution witness ({self.device}): recorded what ran in {where}; {self.expected or 'nothing held'}"
         if self.ok:
-            return f"execution witness: {self.expected.split(' (')[0]} ran in all {where}, no other GEMM path"
+            seen = ", ".join(f"{n[:60]} x{c}" for n, c in list(self.matched.items())[:2])
+            return (f"execution witness: {self.expected.split(' (')[0]} ran in all {where}"
+                    f"{f' ({seen})' if seen else ''}, no other GEMM path")
         problems = []
         if self.missing:
             problems.append(f"the named kernel's symbols did not run in {self.missing} of {self.layer_calls} MoE "
@@ -125,6 +128,7 @@ def hold(witness: Witness, calls: list[Counter], expect: Expectation) -> Witness
     required, allowed = re.compile(expect.required), re.compile(expect.allowed or expect.required)
     witness.held = True
     witness.missing = sum(1 for c in calls if not any(required.search(n) for n in c))
+    witness.matched = _top(Counter({n: k for n, k in total.items() if required.search(n)}))
     witness.foreign = _top(Counter({n: k for n, k in total.items() if GEMM.search(n) and not allowed.search(n)}))
     witness.ok = witness.missing == 0 and not witness.foreign
     return witness

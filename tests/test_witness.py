@@ -25,12 +25,13 @@ def _witness(name: str, calls: list[list[str]]) -> Witness:
 def test_the_library_kernel_in_every_layer_call_and_no_other_gemm_passes():
     w = _witness("deepgemm/fp8_block128", [[DG, DG, *GLUE]] * 3)
     assert w.ok and w.held and w.layer_calls == 3 and w.ran[DG] == 6 and not w.missing and not w.foreign
+    assert w.matched == {DG: 6}  # the evidence is kept by name even when glue kernels crowd it out of `ran`
     assert "ran in all 3 MoE layer calls" in w.summary()
 
 
 def test_a_silent_fallback_to_another_gemm_fails_and_so_does_a_layer_without_the_library():
     fallback = _witness("faulty/deepgemm/fp8_block128-fallback", [[CUBLAS, CUBLAS, *GLUE]] * 2)
-    assert not fallback.ok and fallback.missing == 2 and fallback.foreign == {CUBLAS: 4}
+    assert not fallback.ok and fallback.missing == 2 and fallback.foreign == {CUBLAS: 4} and not fallback.matched
     assert "another GEMM path ran" in fallback.summary() and "did not run in 2 of 2" in fallback.summary()
     one_layer = _witness("deepgemm/fp8_block128", [[DG, DG, *GLUE], [CUBLAS, *GLUE]])
     assert not one_layer.ok and one_layer.missing == 1
