@@ -644,6 +644,24 @@ def _median_call(fn, device: str, repeat: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def use_local_hf_fp8_kernel(path: str) -> None:
+    """Hand transformers a local copy of the Hub's ``kernels-community/finegrained-fp8`` Python package (its
+    ``torch-ext/finegrained_fp8`` folder) for a machine without the Hub. DeepGEMM's linear is switched off, as
+    transformers fetches that one from the Hub too: its FP8 path then runs the Triton kernel."""
+    import importlib.util
+    import os
+
+    from transformers.integrations import hub_kernels
+
+    init = Path(path) / "__init__.py"
+    spec = importlib.util.spec_from_file_location("finegrained_fp8", init, submodule_search_locations=[path])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["finegrained_fp8"] = module
+    spec.loader.exec_module(module)
+    hub_kernels._KERNEL_MODULE_MAPPING["finegrained-fp8"] = module
+    os.environ["TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR"] = "1"
+
+
 def _transformers_fp8(module):
     """transformers' own FP8 linear for an FP8-kept module (``FP8Linear``'s call: activations quantized per 128,
     an FP8 GEMM; DeepGEMM or its Triton kernel from the Hub), or the reason it cannot run here."""
@@ -767,6 +785,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "and at --aa-batch with canonical numerics and count the items whose tokens differ")
     p.add_argument("--aa-batch", type=int, default=256)
     p.add_argument("--aa-tokens", type=int, default=16, help="new tokens per A/A item")
+    p.add_argument("--hf-fp8-kernel", default=None, help="with --fp8-cost on a machine without the Hub: a local "
+                   "copy of kernels-community/finegrained-fp8's Python package (torch-ext/finegrained_fp8) for "
+                   "transformers' FP8 path (needs the `kernels` package installed)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
     fused = tuple(f.strip() for f in args.fused.split(",") if f.strip())
@@ -894,6 +915,8 @@ def main(argv: list[str] | None = None) -> dict:
                        batches=rows)
         print_table(rows, bandwidth, device)
     if args.fp8_cost:
+        if args.hf_fp8_kernel:
+            use_local_hf_fp8_kernel(args.hf_fp8_kernel)
         figures["fp8_linear_cost"] = fp8_linear_cost(model, placement.devices[0])
     if args.aa:
         del model
