@@ -3,7 +3,7 @@ and again beside one busy-loop process, and the ratio (target: at most 2x).
 
     python benchmarks/bench_contention.py [--items 40] [--batch-size 128] [--kernel w4a4_packed] [--threads N]
 
-The model loads once, with the thread count evalgate chooses at load (``model_adapters/threads.py``:
+The model loads once, with the thread count evalgate chooses at load (``evalgate/cores.py``:
 --threads, else OMP_NUM_THREADS, else the cores this process may use, capped by the model's size);
 ``--threads N`` measures another choice (``--threads 2`` on a 2-core machine is PyTorch's own default).
 The machine may be shared: the load average is printed before each phase, and the outputs of the two
