@@ -40,13 +40,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from evalgate.errors import UserError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION: Final = 3
 # 1: no "schema_version" field (evalgate 0.1.0); 2: before the early stop (the packaged canary baselines); 3: now
 READABLE_VERSIONS = (1, 2, 3)
 
@@ -510,9 +510,9 @@ def dump(model: type[R], data: dict | R) -> dict:
     """
     if isinstance(data, model):
         return data.to_dict()
-    data = to_jsonable(data)
-    version = version_of(data, f"{model.KIND} to write", model.KIND)
-    return model.model_validate(migrate(data, version)).to_dict()
+    plain = to_jsonable(data)
+    version = version_of(plain, f"{model.KIND} to write", model.KIND)
+    return model.model_validate(migrate(plain, version)).to_dict()
 
 
 def dump_manifest(data: dict | RunManifest) -> dict:

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Triton reads TRITON_INTERPRET once, when it is first imported (collecting other test modules imports it through
+# transformers): on a machine without CUDA it is set here, before anything can, so tests/test_triton.py runs its
+# kernels under the interpreter in the test workers instead of in one fresh process. (The product only takes
+# the Triton path on a CPU when asked to: EVALGATE_KERNEL_BACKEND=triton.)
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

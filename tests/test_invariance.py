@@ -309,12 +309,12 @@ def _matrix_run(capability: str, threads: int, kernels, batches, max_new) -> dic
 @pytest.mark.slow
 def test_canary_generations_are_identical_across_batch_threads_and_instruction_set():
     """The CI subset of the matrix in docs/kernels.md#canonical-numerics: w4a8 and w4a4_packed, a GSM8K and a
-    HumanEval item at batch 1, 16 and 32, one thread at the lowest instruction set and two at the highest
+    HumanEval item at batch 1 and 32, one thread at the lowest instruction set and two at the highest
     (every other level this CPU has, with one thread)."""
     levels = _capabilities()
     assert "default" in levels
     runs = [("default", 1)] + [(level, 1) for level in levels[1:-1]] + [(levels[-1], 2)]
-    results = [_matrix_run(cap, threads, ["w4a8", "w4a4_packed"], [1, 16, 32], 12) for cap, threads in runs]
+    results = [_matrix_run(cap, threads, ["w4a8", "w4a4_packed"], [1, 32], 12) for cap, threads in runs]
     assert {r["numerics"] for r in results} == {canonical.VERSION}
     assert len({r["capability"] for r in results}) == len(levels)
     for r in results:

@@ -757,14 +757,14 @@ def test_pass_fail_is_human_evals_on_honest_programs():
 
     from evalgate.tasks.humaneval.problems import load_problems
 
-    problems = load_problems()[::3]
+    problems = load_problems()[::6]
     cases = honest_completions(problems)
     ours = run_programs([humaneval_program(p, c) for p, c in cases], 10.0, workers=2)
     with ThreadPoolExecutor(4) as pool:
         theirs = list(pool.map(lambda pc: check_correctness(pc[0], pc[1], 10.0), cases))
     differ = [(p["task_id"], c[:80], o.result, t["result"]) for (p, c), o, t in zip(cases, ours, theirs)
               if o.passed != t["passed"]]
-    assert len(cases) > 300 and not differ, differ[:5]
+    assert len(cases) > 200 and not differ, differ[:5]
     assert sum(o.passed for o in ours) >= len(problems)
 
 

@@ -121,8 +121,8 @@ class EarlyStop:
     def should_stop(self) -> dict | None:
         from evalgate.run.store import Run
 
-        manifest = self._manifest
-        if manifest is None or self.why_not(manifest):
+        manifest, path = self._manifest, self._path
+        if manifest is None or path is None or self.why_not(manifest):
             return None
         totals = {t: int(s["n_items"]) for t, s in manifest["tasks"].items()}
         try:
@@ -145,7 +145,7 @@ class EarlyStop:
             return None  # every item since the last decision ran as its best completion: the same verdict
         tasks = list(totals)
         try:
-            candidate = Run(path=self._path, manifest=manifest, records=records)
+            candidate = Run(path=path, manifest=manifest, records=records)
             verdict = best_completion_verdict(self.baseline.run, candidate, self.policy, self.baseline.aa,
                                               self.require_aa, self.across_serving)
         except (NotComparable, UserError, ValueError, KeyError):

@@ -281,9 +281,10 @@ def load_stored_baseline(roots: list[Path], fingerprint: str, profile_ids: dict[
     names = profile_names or {}
     found = {task: _find(roots, fingerprint, pid, kernel, names.get(task)) for task, pid in profile_ids.items()}
     missing = [t for t, f in found.items() if f is None]
+    hits = [f for f in found.values() if f is not None]
     if missing:
         return None, missing
-    return load_baseline([d for d, _ in found.values()], {d: m for d, m in found.values()}), []
+    return load_baseline([d for d, _ in hits], dict(hits)), []
 
 
 def answer_lengths(run: Run) -> dict[str, dict]:
@@ -366,8 +367,8 @@ class StoredBaseline:
 def load_baseline(dirs: list[str | Path] | str | Path, manifests: dict[Path, RunManifest] | None = None) -> StoredBaseline:
     """Read the baseline folder(s) once: manifests (unless a lookup already read them), records and A/A
     records (UserError when unreadable)."""
-    dirs = tuple(Path(d) for d in (dirs if isinstance(dirs, (list, tuple)) else [dirs]))
-    return StoredBaseline(dirs, assemble(list(dirs), manifests), aa_for_baseline(list(dirs)))
+    folders = tuple(Path(d) for d in (dirs if isinstance(dirs, (list, tuple)) else [dirs]))
+    return StoredBaseline(folders, assemble(list(folders), manifests), aa_for_baseline(list(folders)))
 
 
 def could_be_stored(roots: list[Path], fingerprint: str, kernel: str, task: str, profile, limit: int | None,

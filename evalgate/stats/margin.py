@@ -154,7 +154,7 @@ def project_samples(mde: float, margin: float, psi: float, k: int, within: float
     Returns (K or None when even k_max does not reach the margin, the MDE as k → ∞, whether K is a bound).
     """
     bound = within is None
-    w = k * psi if bound else max(float(within), 0.0)
+    w = k * psi if within is None else max(float(within), 0.0)
     b = max(psi - w / k, 0.0)
     if psi <= 0 or mde <= margin:
         return (k if mde <= margin else None), (mde if psi <= 0 else mde * math.sqrt(b / psi)), bound

@@ -125,14 +125,14 @@ def _fair_binomial(m: int) -> np.ndarray:
     return binom.pmf(np.arange(m + 1), m, 0.5)
 
 
-def signflip_pvalues(steps: Sequence[int]) -> SignFlip:
+def signflip_pvalues(steps: Sequence[int] | np.ndarray) -> SignFlip:
     """Exact sign-flip p-values for the observed S = Σ steps (D_i in lattice units). With all |steps| ≤ 1
     (binary scores) p_lower equals the exact one-sided McNemar P(X ≥ b | b + c), X ~ Binomial(b + c, ½)."""
-    steps = np.asarray(steps, dtype=np.int64)
-    pmf, total = signflip_null(steps)
+    lattice = np.asarray(steps, dtype=np.int64)
+    pmf, total = signflip_null(lattice)
     if total == 0:
         return SignFlip(1.0, 1.0, 1.0, 1.0)
-    s = int(steps.sum())
+    s = int(lattice.sum())
     at = s + total  # index of S* = s
     lower = float(min(1.0, pmf[: at + 1].sum()))
     upper = float(min(1.0, pmf[at:].sum()))

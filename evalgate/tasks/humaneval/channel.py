@@ -54,7 +54,7 @@ class Opaque:
 
 # ---- encoding (the sandbox side; also the judge's arguments) ------------------------------------------
 
-_DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
+_DICT_VIEWS: tuple[type, ...] = (type({}.keys()), type({}.values()), type({}.items()))
 
 
 def encode(value):

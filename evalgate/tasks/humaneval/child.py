@@ -1038,10 +1038,12 @@ def _receive():
 def _streams():
     """Fresh stdin/stdout/stderr on fds 0-2, as a new interpreter has them (buffered: a write past
     RLIMIT_FSIZE raises, as it would there)."""
-    sys.stdin = sys.__stdin__ = io.open(0, "r", encoding="utf-8", closefd=False)
-    sys.stdout = sys.__stdout__ = io.open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.open(2, "wb", closefd=False), encoding="utf-8",
-                                                   errors="backslashreplace", line_buffering=True)
+    # (typeshed marks sys.__std*__ final; a fresh interpreter's are what these replace)
+    sys.stdin = sys.__stdin__ = io.open(0, "r", encoding="utf-8", closefd=False)  # type: ignore[misc]
+    sys.stdout = sys.__stdout__ = io.open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # type: ignore[misc]
+    err = io.TextIOWrapper(io.open(2, "wb", closefd=False), encoding="utf-8", errors="backslashreplace",
+                           line_buffering=True)
+    sys.stderr = sys.__stderr__ = err  # type: ignore[misc]
 
 
 def _flush():

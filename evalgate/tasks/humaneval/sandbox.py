@@ -320,8 +320,8 @@ class Executor:
     def __init__(self, uid_block: UidBlock | None):
         self.uid_block = uid_block
         self.lock = threading.Lock()
-        self.proc = None
-        self.ctl = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ctl: socket.socket | None = None
         self.info: dict = {}
         self.files: list[str] = []
         self.dirs: list[str] = []
@@ -381,6 +381,7 @@ class Executor:
                 if not self.alive():
                     self.stop()
                     self.start()
+                assert self.ctl is not None  # start() opened it
                 try:
                     socket.send_fds(self.ctl, [marshal.dumps(header)], [job.fileno()])
                     return
@@ -589,7 +590,7 @@ def _run_one(program: Program, timeout: float, limits: dict) -> Outcome:
     finally:
         near.close()
         far.close()
-        if uid is not None:
+        if uid is not None and ex.uid_block is not None:  # (a uid comes from the block)
             ex.uid_block.give_back(uid)
     if "infrastructure_error" in result:
         raise SandboxError(result["infrastructure_error"])
