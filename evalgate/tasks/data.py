@@ -76,7 +76,7 @@ def resolve_data_dir(data_dir: str | Path | None) -> Path:
 def is_packaged_dir(data_dir: Path) -> bool:
     """Whether ``data_dir`` is the data shipped with evalgate (not an override)."""
     try:
-        return Path(data_dir).resolve() == PACKAGED_DIR
+        return data_dir.resolve() == PACKAGED_DIR
     except OSError:
         return False
 
@@ -102,7 +102,7 @@ def _locate(data_dir: Path | None, file: DataFile) -> tuple[Path, str]:
     """(the file, how messages name it) from the override folder, the package or the installed source."""
     if data_dir is None or is_packaged_dir(data_dir):
         return _builtin(file)
-    path = Path(data_dir) / file.path
+    path = data_dir / file.path
     if not path.is_file():
         raise UserError(f"missing data file {str(path)!r}: the data dir overrides the data shipped with evalgate "
                         f"and must hold {file.path}; add it, or unset --data-dir / {DATA_DIR_ENV}")

@@ -28,6 +28,7 @@ import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from evalgate.errors import UserError
@@ -115,12 +116,12 @@ class TaskData:
         self.hub_configs = dict(hub_configs or {})
         self.choice = DatasetChoice(choice["source"], dict(choice.get("columns") or {})) if choice else None
         self.splits = tuple(dict.fromkeys(splits))
-        self._loaded = None  # the choice's Dataset or DatasetDict, loaded once
+        self._loaded: tuple[Any, dict] | None = None  # the choice's Dataset or DatasetDict and its record, loaded once
 
     def split(self, name: str) -> Split:
         if self.choice is None:
             return self._published_split(name)
-        return self._chosen_split(name)
+        return self._chosen_split(name, self.choice)
 
     # ---- the published files (packaged, or a data dir laid out like them) ----
 
@@ -136,18 +137,18 @@ class TaskData:
 
     # ---- --dataset TASK=SOURCE ----
 
-    def _chosen_split(self, name: str) -> Split:
-        where = f"--dataset {self.task}={self.choice.source}"
-        dataset, record = self._load_choice(where)
+    def _chosen_split(self, name: str, choice: DatasetChoice) -> Split:
+        where = f"--dataset {self.task}={choice.source}"
+        dataset, record = self._load_choice(where, choice)
         part = _pick_split(dataset, name, self.splits, where, self.task)
-        rows = _rows(part, self.task, self.fields, self.choice.columns, where)
+        rows = _rows(part, self.task, self.fields, choice.columns, where)
         identity, digest = _identity(self.task, name, rows, self.fields, self.files.values(), None)
         return Split(rows, identity, {**record, "split": name, "rows": len(rows), "items_sha256": digest,
-                                      **({"columns": self.choice.columns} if self.choice.columns else {})})
+                                      **({"columns": choice.columns} if choice.columns else {})})
 
-    def _load_choice(self, where: str):
+    def _load_choice(self, where: str, choice: DatasetChoice) -> tuple[Any, dict]:
         if self._loaded is None:
-            source = self.choice.source
+            source = choice.source
             path = Path(source).expanduser()
             if path.exists():
                 self._loaded = (_load_local(path, where), {"source": "local", "path": str(path.resolve()),
@@ -223,7 +224,7 @@ def _load(where: str, load):
 def _load_hub(source: str, task: str, where: str, hub_configs: dict[str, str]):
     name, _, revision = source.partition("@")
     repo, _, config = name.partition(":")
-    config = config or hub_configs.get(repo)
+    chosen_config = config or hub_configs.get(repo)
     alternatives = (f"use the data shipped with evalgate (drop --dataset {task}=...), --data-dir DIR / "
                     f"{DATA_DIR_ENV}, or --dataset {task}=PATH with a local copy (a save_to_disk folder, Parquet "
                     "or JSONL files)")
@@ -234,8 +235,8 @@ def _load_hub(source: str, task: str, where: str, hub_configs: dict[str, str]):
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     if not _reachable(endpoint):
         raise UserError(f"{where}: the hub ({endpoint}) is not reachable from here; {alternatives}")
-    dataset = _load(where, lambda ds: ds.load_dataset(repo, config, revision=revision or None))
-    return dataset, {"source": "hub", "id": repo, "config": config, "revision": revision or None}
+    dataset = _load(where, lambda ds: ds.load_dataset(repo, chosen_config, revision=revision or None))
+    return dataset, {"source": "hub", "id": repo, "config": chosen_config, "revision": revision or None}
 
 
 def _reachable(endpoint: str) -> bool:

@@ -58,12 +58,12 @@ def _summarise(outcomes, problems, expect_pass: bool) -> dict:
     }
 
 
-def selftest_humaneval(data_dir: str | Path | None = None, workers: int | None = None,
+def selftest_humaneval(data_dir: Path | None = None, workers: int | None = None,
                        problems: list[dict] | None = None) -> dict:
     """Run the self-test now (uncached) and return counts, timings, isolation and calibrated timeouts; on the
     published problems unless ``problems`` (a --dataset's) are given."""
     if problems is None:
-        problems = load_problems(Path(data_dir) if data_dir is not None else None)
+        problems = load_problems(data_dir)
     workers = workers or sandbox.default_workers()
     started = time.perf_counter()
 
@@ -93,7 +93,7 @@ def selftest_humaneval(data_dir: str | Path | None = None, workers: int | None =
         "forgery_probes": _summarise(probes, [problems[0]] * len(probes), expect_pass=False),
     }
     everything = canonical + empty + passes + probes
-    slowest = max(canonical_s, key=canonical_s.get)
+    slowest = max(canonical_s, key=lambda task_id: canonical_s[task_id])
     return {
         "ok": all(r["n_unexpected"] == 0 for r in results.values()),
         **results,
@@ -129,7 +129,7 @@ def failure_line(result: dict) -> str:
             + " — refusing to score; run `evalgate selftest humaneval` and fix the sandbox first")
 
 
-def start_selftest(data_dir: str | Path | None = None) -> None:
+def start_selftest(data_dir: Path | None = None) -> None:
     """Run the self-test in a fresh interpreter (``evalgate selftest humaneval --json``), waited on by a
     background thread that holds the cache's lock until the result is cached, so ``require_selftest`` takes
     it (or waits for it). A child keeps the self-test's Python work and forks off this process, which may be
@@ -180,7 +180,7 @@ def _cache_key(problems: list[dict] | None) -> str:
     return f"humaneval:{items_sha256(problems, FIELDS)}"
 
 
-def require_selftest(data_dir: str | Path | None = None, workers: int | None = None,
+def require_selftest(data_dir: Path | None = None, workers: int | None = None,
                      problems: list[dict] | None = None) -> dict:
     """The cached self-test result of this process; raises ``UserError`` (exit 2) unless it passed."""
     key = _cache_key(problems)
