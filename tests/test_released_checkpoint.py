@@ -143,6 +143,25 @@ def test_fp8_block_dequantization_is_exact_in_bf16():
         dequantize(codes, torch.cat([scale, scale], dim=1))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-pass Triton dequantization runs on a GPU")
+def test_the_gpu_dequantization_gives_the_exact_bits_over_every_scale_and_code():
+    """The Triton kernel a GPU forward reads a kept FP8 weight through (``kernels/triton/fp8_dequant.py``): the
+    same BF16 bits as ``fp8_blocks.dequantize`` for every non-NaN E4M3 code under every UE8M0 scale (products
+    that are BF16 subnormals or overflow included), with partial blocks."""
+    from evalgate.kernels.fp8_blocks import dequantize, scale_grid, scale_values
+    from evalgate.model_adapters.canonical.fp8_linear import dequantize_fast
+
+    gen = torch.Generator().manual_seed(5)
+    for shape in ((256, 256), (300, 200), (4096, 1024)):
+        raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        raw[(raw & 0x7F) == 0x7F] = 0x00  # E4M3's NaN codes have no single value to compare
+        codes = raw.view(torch.float8_e4m3fn)
+        scale = torch.randint(0, 255, scale_grid(shape), generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        want = dequantize(codes, scale, torch.bfloat16)
+        got = dequantize_fast(codes.cuda(), scale_values(scale, torch.float32).cuda(), torch.bfloat16).cpu()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 # --- loading it as released -------------------------------------------------------------------------
 
 

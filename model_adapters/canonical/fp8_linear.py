@@ -55,9 +55,22 @@ def weight_sources(module) -> tuple[torch.Tensor, ...]:
     return (module.weight_fp8, module.weight_scale_inv) if is_fp8(module) else (module.weight,)
 
 
+def _triton_dequantize():
+    """The one-pass GPU kernel (``kernels/triton/fp8_dequant.py``), or None where Triton is not installed."""
+    try:
+        from evalgate.kernels.triton.fp8_dequant import dequantize_bf16
+    except ImportError:
+        return None
+    return dequantize_bf16
+
+
 def dequantize_fast(codes: torch.Tensor, scale_f32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``fp8_blocks.dequantize`` from FP32 block scales, broadcast over each block without expanding them
-    (exact: a code has 4 significant bits, a scale is a power of two)."""
+    (exact: a code has 4 significant bits, a scale is a power of two, so every path gives the same bits)."""
+    if codes.is_cuda and dtype == torch.bfloat16 and codes.is_contiguous() and scale_f32.is_contiguous():
+        kernel = _triton_dequantize()
+        if kernel is not None:
+            return kernel(codes, scale_f32)
     n, k = codes.shape
     gn, gk = scale_f32.shape
     if n == gn * BLOCK and k == gk * BLOCK:
