@@ -82,6 +82,12 @@ def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: floa
                       lambda: transformers_rope(x, cos, sin, sign))
 
 
+# ``SlotCache.prefill``: tokens of one row a call, and of all rows a call (pads included); the attention's
+# scores of a call are [rows, heads, chunk, window + chunk + entries]
+PREFILL_CHUNK = 256
+PREFILL_BUDGET = 8192
+
+
 class _Compressed:
     """One compressor's (or indexer's) state for every slot: ``rate`` raw keys and gates of the window being
     filled, ``capacity`` entries (+1 column where rows that close no window write), and for an overlapping
@@ -122,6 +128,64 @@ class _Compressed:
             if prior is not None:
                 self.prev_kv[slot, (count + 1) % 2] = prior[0].to(self.prev_kv.dtype)
                 self.prev_gate[slot, (count + 1) % 2] = layer.overlap_gate[name][0].to(self.prev_gate.dtype)
+
+    def reset(self, slot: int) -> None:
+        """No window closed yet (a row starting at position 0): no previous Ca (zero keys, -inf gates)."""
+        if self.overlap:
+            self.prev_kv[slot] = 0
+            self.prev_gate[slot] = float("-inf")
+
+    def copy(self, src: int, dst: int) -> None:
+        for t in self._tensors():
+            t[dst] = t[src]
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [self.kv, self.gate, self.entries] + ([self.prev_kv, self.prev_gate] if self.overlap else [])
+
+    def chunk(self, module, rows, start, counts, kv, gate, pool=native_pool) -> None:
+        """Write each row's next ``counts`` tokens (kv, gate [b, C, feed], the first at position ``start``, [b])
+        and pool every window they close, as ``step`` would one token at a time: the row's timeline from the
+        start of its open window (the ring's tokens, then the chunk's) cut into windows of ``rate`` absolute
+        positions, each closed one pooled (CSA: with the previous window's Ca) into the entry of its index."""
+        b, width = kv.shape[:2]
+        rate, feed = self.rate, kv.shape[-1]
+        offset, first = start % rate, start // rate  # tokens of the open window in the ring; its index
+        n = (rate - 1 + width) // rate + 1  # windows the timeline can touch, one spare
+        t = torch.arange(n * rate, device=kv.device).unsqueeze(0)
+        at = torch.where(t < offset.unsqueeze(1), t, rate + t - offset.unsqueeze(1)).clamp(max=rate + width - 1)
+        at = at.unsqueeze(-1).expand(-1, -1, feed)
+        line_kv = torch.cat([self.kv[rows], kv.to(self.kv.dtype)], 1).gather(1, at).view(b, n, rate, feed)
+        raw_gate = torch.cat([self.gate[rows], gate.to(self.gate.dtype)], 1).gather(1, at).view(b, n, rate, feed)
+        line_gate = raw_gate + module.position_bias
+        window_kv, window_gate = line_kv, line_gate
+        if self.overlap:  # window w: the Ca of window w - 1 (the stored one for the first), then its own Cb
+            d = self.width
+            parity = (first - 1) % 2
+            prior_kv = self.prev_kv[rows, parity].unsqueeze(1).to(line_kv.dtype)
+            prior_gate = self.prev_gate[rows, parity].unsqueeze(1).to(line_gate.dtype)
+            ca_kv = torch.cat([prior_kv, line_kv[:, :-1, :, :d]], 1)
+            ca_gate = torch.cat([prior_gate, line_gate[:, :-1, :, :d]], 1)
+            window_kv = torch.cat([ca_kv, line_kv[..., d:]], 2)
+            window_gate = torch.cat([ca_gate, line_gate[..., d:]], 2)
+        entry = pool(module, window_kv, window_gate)  # [b, n, D]
+        index = first.unsqueeze(1) + torch.arange(n, device=kv.device).unsqueeze(0)  # each window's entry
+        cos, sin = module.rotary_emb(entry, position_ids=index * rate, layer_type=module.rope_layer_type)
+        entry = transformers_rope(entry.unsqueeze(1), cos, sin).squeeze(1)
+        closed = (torch.arange(1, n + 1, device=kv.device).unsqueeze(0) * rate) <= (offset + counts).unsqueeze(1)
+        where = torch.where(closed, index, torch.full_like(index, self.capacity))
+        self.entries[rows.unsqueeze(1).expand(-1, n), where] = entry.to(self.entries.dtype)
+        last = (offset + counts) // rate  # the window left open: its tokens so far go back into the ring
+        row = torch.arange(b, device=kv.device)
+        self.kv[rows] = line_kv[row, last]
+        self.gate[rows] = raw_gate[row, last]
+        if self.overlap:  # the Ca of the last window closed here, at the parity of its index
+            shut = (last - 1).clamp(min=0)
+            parity = (first + last - 1) % 2
+            keep = (last >= 1).view(-1, 1, 1)
+            self.prev_kv[rows, parity] = torch.where(keep, line_kv[row, shut, :, :d].to(self.prev_kv.dtype),
+                                                     self.prev_kv[rows, parity])
+            self.prev_gate[rows, parity] = torch.where(keep, line_gate[row, shut, :, :d].to(self.prev_gate.dtype),
+                                                       self.prev_gate[rows, parity])
 
     def fused_step(self, module, rows, positions, kv, gate) -> torch.Tensor:
         """``step`` with PyTorch's numerics as one Triton kernel (``triton_compressor``), which pools only the
@@ -187,6 +251,18 @@ class _LayerSlots:
             if indexer is not None and capacity + 1 > indexer.index_topk:
                 self.indexer = _Compressed(indexer, slots, capacity, device)
 
+    def parts(self) -> list:
+        return [x for x in (self.compressor, self.indexer) if x is not None]
+
+    def reset(self, slot: int) -> None:
+        for x in self.parts():
+            x.reset(slot)
+
+    def copy(self, src: int, dst: int) -> None:
+        self.keys[dst] = self.keys[src]
+        for x in self.parts():
+            x.copy(src, dst)
+
     def admit(self, slot: int, layer, length: int) -> None:
         kept = layer.keys[0, 0]  # the last min(length, window - 1) keys
         at = torch.arange(length - kept.shape[0], length, device=self.keys.device) % self.window
@@ -221,6 +297,8 @@ class SlotCache:
         self.lengths = [0] * (slots + spare)  # the positions on the host: checked without a sync
         self.slots, self.max_length = slots, max_length
         self.rows: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None  # during ``prefill``: each row's tokens in the call
+        self.prefill_calls = self.prefill_tokens = 0  # what ``prefill`` computed (pads included)
 
     def follow_model(self) -> None:
         """RoPE, the compressors' steps and attention as Triton kernels where ``triton_layers.install`` marked
@@ -240,6 +318,78 @@ class SlotCache:
             state.admit(slot, layer, length)
         self.positions[slot] = length
         self.lengths[slot] = length
+
+    def start(self, slot: int) -> None:
+        """``slot`` holds a row at position 0 (``prefill`` feeds its prompt from there)."""
+        for state in self.layers:
+            state.reset(slot)
+        self.positions[slot] = 0
+        self.lengths[slot] = 0
+
+    def copy(self, src: int, dst: int) -> None:
+        """``dst`` holds what ``src`` holds: a prompt's shared prefix, or a whole prompt, computed once."""
+        for state in self.layers:
+            state.copy(src, dst)
+        self.positions[dst] = self.positions[src]
+        self.lengths[dst] = self.lengths[src]
+
+    def prefill(self, rows: list[int], prompts: list[list[int]], chunk: int | None = None,
+                budget: int | None = None) -> torch.Tensor:
+        """Feed each slot of ``rows`` its tokens of ``prompts`` from the slot's position on (0 after ``start``,
+        a prefix's length after ``copy``), many rows a call: up to ``chunk`` tokens of each row and ``budget``
+        tokens (pads included) a call, rows of like length together. Returns the logits [len(rows), V] after
+        each row's last token. With canonical numerics a token's logits and state are those of a prefill of
+        the row's whole sequence alone, bit for bit, whatever was fed beside it and in what chunks."""
+        chunk, budget = chunk or PREFILL_CHUNK, budget or PREFILL_BUDGET
+        if any(not p for p in prompts):
+            raise ValueError("a slot's prefill needs at least one token")
+        if len(set(rows)) != len(rows):
+            raise ValueError("a slot appears twice in one prefill")
+        for r, p in zip(rows, prompts):
+            if self.lengths[r] + len(p) >= self.max_length:
+                raise ValueError(f"a prompt of {self.lengths[r] + len(p)} tokens leaves no room in slots of "
+                                 f"{self.max_length}")
+        fed, logits = [0] * len(rows), [None] * len(rows)
+        while True:
+            todo = sorted((j for j in range(len(rows)) if fed[j] < len(prompts[j])),
+                          key=lambda j: fed[j] - len(prompts[j]))
+            if not todo:
+                return torch.stack(logits)
+            while todo:
+                width = min(chunk, len(prompts[todo[0]]) - fed[todo[0]])
+                group, todo = todo[:max(1, budget // width)], todo[max(1, budget // width):]
+                parts = [prompts[j][fed[j]:fed[j] + width] for j in group]
+                out = self.forward_chunk([rows[j] for j in group], parts)
+                self.prefill_calls += 1
+                self.prefill_tokens += len(group) * width
+                for j, part, row_logits in zip(group, parts, out):
+                    fed[j] += len(part)
+                    if fed[j] == len(prompts[j]):
+                        logits[j] = row_logits
+
+    def forward_chunk(self, rows: list[int], parts: list[list[int]]) -> torch.Tensor:
+        """One call of ``prefill``: each slot's tokens ``parts`` (right-padded to the longest) at its own next
+        positions; the slots move on by their tokens. Returns the logits [b, V] after each row's last token."""
+        device = self.positions.device
+        width = max(map(len, parts))
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for j, part in enumerate(parts):
+            ids[j, :len(part)] = torch.tensor(part, dtype=torch.long)
+        counts = torch.tensor(list(map(len, parts)), device=device)
+        rows_t = torch.tensor(rows, device=device)
+        positions = self.positions[rows_t].unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)
+        self.rows, self.counts = rows_t, counts
+        try:
+            hidden = self.model.model(input_ids=ids.to(device), position_ids=positions, attention_mask=self.NO_MASK,
+                                      past_key_values=self, use_cache=True).last_hidden_state
+        finally:
+            self.counts = None
+        last = hidden[torch.arange(len(rows), device=hidden.device), counts.to(hidden.device) - 1]
+        logits = self.model.lm_head(last.unsqueeze(1))[:, 0]
+        self.positions[rows_t] += counts
+        for r, part in zip(rows, parts):
+            self.lengths[r] += len(part)
+        return logits
 
     def decode_step(self, tokens: torch.Tensor, rows) -> torch.Tensor:
         """One token for each slot of ``rows`` ([b] long tensor, or a list): the logits [b, V] of the next
@@ -291,6 +441,70 @@ def _step_attention(self, hidden_states, position_embeddings, position_ids, cach
     out = cache.rope(out, cos, sin, -1.0)
     grouped = out.transpose(1, 2).reshape(b, 1, self.config.o_groups, -1)
     return self.o_b_proj(self.o_a_proj(grouped).flatten(2)), None
+
+
+def _chunk_attention(self, hidden_states, position_embeddings, position_ids, cache: SlotCache):
+    """DeepseekV4Attention.forward for a chunk of tokens per row (``SlotCache.prefill``): hidden_states
+    [b, C, hidden], row i's first ``cache.counts[i]`` of them real, at positions ``position_ids`` [b, C] that
+    go on from the row's slot. A query attends to the keys of its window (the ring's, read before this
+    chunk's are written, then the chunk's own up to it) and to the entries its position has closed (CSA: the
+    indexer's top k of them), which are exactly the keys a prefill of the row's whole sequence opens to it."""
+    state = cache.layers[self.layer_idx]
+    rows, counts = cache.rows.to(position_ids.device), cache.counts.to(position_ids.device)
+    start = position_ids[:, 0]
+    b, width = hidden_states.shape[:2]
+    hidden_shape = (b, width, -1, self.head_dim)
+    cos, sin = position_embeddings[self.rope_layer_type]
+    q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
+    q = self.q_b_norm(self.q_b_proj(q_residual).view(*hidden_shape).transpose(1, 2))
+    q = transformers_rope(q, cos, sin)
+    kv = self.kv_norm(self.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2)
+    kv = transformers_rope(kv, cos, sin)[:, 0]  # [b, C, D]
+    window = state.window
+    ring = state.keys[rows]  # before this chunk writes: the row's last ``window`` keys
+    slot = torch.arange(window, device=rows.device).unsqueeze(0)
+    held = start.unsqueeze(1) - 1 - (start.unsqueeze(1) - 1 - slot) % window  # the position each ring slot holds
+    open_ = [(held.unsqueeze(1) >= 0) & (held.unsqueeze(1) > position_ids.unsqueeze(2) - window)]
+    j = torch.arange(width, device=rows.device)
+    mine = (j.unsqueeze(0) <= j.unsqueeze(1)) & (j.unsqueeze(0) > j.unsqueeze(1) - window)  # the chunk's own keys
+    open_.append(mine.unsqueeze(0).expand(b, -1, -1))
+    keys = [ring, kv.to(ring.dtype)]
+    if self.compressor is not None:
+        chosen = _compressed_chunk(self, cache, state, rows, start, counts, hidden_states, q_residual, position_ids)
+        keys.append(state.compressor.entries[rows].to(ring.dtype))
+        open_.append(chosen)
+    # the chunk's keys into the ring: each row's last ``window`` real ones (a position's slot is written once)
+    write = (j.unsqueeze(0) < counts.unsqueeze(1)) & (j.unsqueeze(0) >= counts.unsqueeze(1) - window)
+    where = write.nonzero(as_tuple=True)
+    state.keys[rows[where[0]], position_ids[where] % window] = kv[where].to(state.keys.dtype)
+    open_ = torch.cat(open_, dim=-1)
+    mask = torch.zeros(open_.shape, dtype=q.dtype, device=q.device).masked_fill_(~open_, torch.finfo(q.dtype).min)
+    out = cache.attend(self, q, torch.cat(keys, dim=1).unsqueeze(1), mask.unsqueeze(1))  # [b, H, C, D]
+    out = transformers_rope(out, cos, sin, -1.0)
+    grouped = out.transpose(1, 2).reshape(b, width, self.config.o_groups, -1)
+    return self.o_b_proj(self.o_a_proj(grouped).flatten(2)), None
+
+
+def _compressed_chunk(self, cache: SlotCache, state, rows, start, counts, hidden_states, q_residual, position_ids):
+    """The compressor's (and CSA's indexer's) chunk: which of the row's entries each query attends to,
+    [b, C, capacity + 1] bool: those its position has closed, for CSA the indexer's top k of them."""
+    compressor = self.compressor
+    kv, gate = compressor.kv_proj(hidden_states), compressor.gate_proj(hidden_states)
+    state.compressor.chunk(compressor, rows, start, counts, kv, gate, cache.pool)
+    index = state.compressor.index.view(1, 1, -1)
+    closed = index < ((position_ids + 1) // compressor.compress_rate).unsqueeze(2)
+    if state.indexer is None:
+        return closed
+    indexer = compressor.indexer
+    kv, gate = indexer.kv_proj(hidden_states), indexer.gate_proj(hidden_states)
+    state.indexer.chunk(indexer, rows, start, counts, kv, gate, cache.pool)
+    b, width = hidden_states.shape[:2]
+    cos, sin = indexer.rotary_emb(hidden_states, position_ids=position_ids, layer_type=indexer.rope_layer_type)
+    q = indexer.q_b_proj(q_residual).view(b, width, -1, indexer.head_dim).transpose(1, 2)
+    q = transformers_rope(q, cos, sin).transpose(1, 2)
+    scores = indexer.scorer(q, state.indexer.entries[rows], hidden_states)  # [b, C, capacity + 1]
+    top = top_entries(scores.flatten(0, 1), closed.flatten(0, 1), indexer.index_topk)
+    return top.view(b, width, -1)
 
 
 _ATTENTION_FAILED: list[str] = []  # why the Triton attention could not run here, once it failed
@@ -391,6 +605,8 @@ def install(model) -> None:
 
         def forward(self, hidden_states, position_embeddings, position_ids, attention_mask, past_key_values=None,
                     _native=native, **kwargs):
+            if isinstance(past_key_values, SlotCache) and past_key_values.counts is not None:
+                return _chunk_attention(self, hidden_states, position_embeddings, position_ids, past_key_values)
             if isinstance(past_key_values, SlotCache):
                 return _step_attention(self, hidden_states, position_embeddings, position_ids, past_key_values)
             return _native(hidden_states, position_embeddings, position_ids, attention_mask, past_key_values, **kwargs)
