@@ -18,7 +18,8 @@ decoding steps (median) from each cache of ``--cache`` (transformers'; per-row s
 CUDA graph of the whole step; the slots' steps once per ``--fused`` choice of hyper-connection, RMSNorm, RoPE,
 compressor and attention forwards), and hold each step against its weight-read floor (``step_floor``), with
 the copy bandwidth of the device measured in this run; then
-project a full GSM8K + HumanEval gate of the whole model on 2 and 4 H200s (``project_gate``); (8) ``--fp8-cost``:
+project the whole gate (GSM8K + HumanEval, the rounds at ``--psi``, one-time costs) of the whole model on 2
+and 4 H200s (``project_rows``, ``gate_projection.py``); (8) ``--fp8-cost``:
 each dense FP8 linear of a CSA layer timed at 1 and 256 rows in canonical numerics, in PyTorch's (dequantized
 when read, then a BF16 matmul) and through transformers' own FP8 path where it can run (``fp8_linear_cost``);
 (9) ``--aa N``: the model loaded again with canonical numerics decodes N canary GSM8K items at batch 1 and at
@@ -518,13 +519,18 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
             for mode in modes:
                 if mode == "slots":
                     step_s = _median_step(step, steps, first)
-                else:
-                    step_s = _median_step(graphed, steps, first, warmup=2)
+                else:  # a bucket's first step runs eagerly (compiling), its second captures: once a run, timed apart
+                    t = _Timer(first)
+                    graphed()
+                    graphed()
+                    capture_s = t.seconds()
+                    step_s = _median_step(graphed, steps, first, warmup=0)
                 row = _row(model, step, mode, batch, prefilled, prefill_s, step_s, devices, bandwidth)
                 row["cache"] += "" if choice == "triton" else f"/{choice}"
                 row["warmup_s"] = round(warmup_s, 2)
                 row.update(figures)
                 if mode == "graphs":  # the step is idempotent until the rows advance: graph and eager, same inputs
+                    row["capture_s"] = round(max(0.0, capture_s - 2 * step_s), 3)  # beyond two plain steps
                     got = graphs.logits(tokens[:batch], listed)
                     row["graph_bits_equal"] = bool(torch.equal(got, cache.forward(tokens[:batch], slots)))
                     row["reruns"] = graphs.stats["reruns"]
@@ -538,27 +544,82 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
 
 
 SLOW_FIRST = 3  # a first prefill over this many times its second paid a one-time cost (printed as a count)
-HUMANEVAL_ITEMS, HUMANEVAL_TOKENS = 164, 1024  # the default humaneval profile (humaneval-completion-codex)
-GSM8K_TOKENS, HUMANEVAL_PROMPT_TOKENS = 256, 150  # the default gsm8k profile's limit; a HumanEval prompt, about
+def project_rows(rows: list[dict], figures: dict, tokenizer, args, layers: int, total_layers: int) -> dict:
+    """The whole gate priced from each row (``gate_projection``): its tasks' real prompts in this tokenizer,
+    the rounds a healthy kernel needs at ``--psi`` (simulated through the gate's own decision path), early
+    stop's last check, and the one-time costs measured here. Each row gets ``gate_min_{2,4}_h200``: the gate
+    (expected answer lengths, the baseline's samples stored by ``calibrate``, the prefix cache where the row
+    measured one); the row the gate would run at (the most tokens/s) gets the whole table, printed."""
+    import os
+
+    import gate_projection as gp
+
+    tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    tasks = gp.task_loads(tokenize, args.projection_items, {"gsm8k": args.gsm8k_profile} if args.gsm8k_profile else None)
+    rounds = gp.gate_rounds(args.psi, args.gate_reps, workers=os.cpu_count() or 1, moves=args.gate_moves)
+    check_s = gp.early_stop_check_s()
+    per_replica = max(1, figures["h200s_needed"])
+    out = {"tasks": [dataclasses.asdict(t) for t in tasks], "rounds": dataclasses.asdict(rounds),
+           "early_stop_check_s": round(check_s, 2), "per_replica": per_replica, "conformance_s": figures.get("conformance_s")}
+    for line in gp.describe_inputs(tasks, rounds):
+        print("projection: " + line, flush=True)
+    best = max(rows, key=lambda r: r["tokens_per_s"], default=None)
+    for row in rows:
+        m = measured_for(row, figures, layers, check_s)
+        cached = m.cached_prefill_tokens_per_s is not None
+        for gpus in (2, 4):
+            p = gp.project(tasks, rounds, m, total_layers, per_replica, gpus, "expected", cached)
+            row[f"gate_min_{gpus}_h200"] = round(p.minutes(), 1)
+            row[f"gate_tokens_per_s_per_gpu_{gpus}_h200"] = round(p.tokens_per_s_per_gpu())
+        if row is best:
+            lines, table = gp.table(tasks, rounds, m, total_layers, per_replica, (False, True) if cached else (False,))
+            print(f"projected gate of the whole model ({total_layers} layers, {per_replica} H200(s) a copy) from "
+                  f"{row['cache']} at batch {row['batch']}: greedy = the candidate's greedy pass alone; gate = with "
+                  f"the rounds, the baseline's samples stored by calibrate; +base = the baseline kernel sampled in "
+                  f"the gate; once = load, compilation, graph capture, conformance + witness; calibrate = once a "
+                  f"baseline (A/A and the rounds' samples)", flush=True)
+            for line in [gp.describe_once(m, total_layers), *lines]:
+                print("  " + line, flush=True)
+            out.update(row={"cache": row["cache"], "batch": row["batch"]}, measured=dataclasses.asdict(m), table=table)
+    return out
 
 
-def project_gate(row: dict, layers: int, total_layers: int, per_replica: int, gpus: int, gsm8k_prompt: float) -> float:
-    """Seconds of a full GSM8K + HumanEval gate of the whole model on ``gpus`` H200s, from one batch's figures
-    for ``layers`` layers: every item runs to its profile's token limit (an upper bound: real answers stop
-    earlier), items in static batches of ``row['batch']``, each step of the whole model ``total_layers /
-    layers`` of the measured one (its layers run one device after another), prefill at the measured rate
-    likewise, ``gpus // per_replica`` copies of the model taking a share of the items each, and once the
-    first prefill's compilation (``warmup_s``, where measured; the copies compile side by side). Where the
-    prompts were prefilled a second time (``prefill_again_tokens_per_s``), prefill runs at that rate and what
-    their first prefills cost more (``prefill_once_s``: kernels compiled for new shapes, the allocator
-    growing) is paid once, scaled to the whole model."""
-    replicas = max(1, gpus // per_replica)
-    scale, batch = total_layers / layers, row["batch"]
-    steps = math.ceil(GSM8K_ITEMS / batch) * GSM8K_TOKENS + math.ceil(HUMANEVAL_ITEMS / batch) * HUMANEVAL_TOKENS
-    prefill_tokens = GSM8K_ITEMS * gsm8k_prompt + HUMANEVAL_ITEMS * HUMANEVAL_PROMPT_TOKENS
-    rate = row.get("prefill_again_tokens_per_s", row["prefill_tokens_per_s"])
-    seconds = steps * row["step_ms"] / 1e3 * scale + prefill_tokens / rate * scale
-    return seconds / replicas + row.get("warmup_s", 0.0) + row.get("prefill_once_s", 0.0) * scale
+def measured_for(row: dict, figures: dict, layers: int, check_s: float):
+    """A row's figures as the projection takes them: prefill at the second pass's rate where the prompts were
+    prefilled twice (the first pass's extra paid once), the prefix cache's rate where measured
+    (``prefix_cache_tokens_per_s``: tokens computed per second with the cache), graph capture once per batch
+    bucket up to the row's batch."""
+    import gate_projection as gp
+
+    buckets = int(math.log2(row["batch"])) + 1  # step_graphs' power-of-two buckets a shrinking batch goes through
+    return gp.Measured(layers=layers, batch=row["batch"], step_s=row["step_ms"] / 1e3,
+                       prefill_tokens_per_s=row.get("prefill_again_tokens_per_s", row["prefill_tokens_per_s"]),
+                       cached_prefill_tokens_per_s=row.get("prefix_cache_tokens_per_s"),
+                       load_s=figures.get("load_s", 0.0), compile_s=row.get("warmup_s", 0.0),
+                       prefill_once_s=row.get("prefill_once_s", 0.0), capture_s=row.get("capture_s", 0.0) * buckets,
+                       conformance_s=figures.get("conformance_s") or 0.0, check_s=check_s)
+
+
+def conformance_seconds(model, tokenizer, kernel: str, prompts: list[str], device: str) -> float | None:
+    """Seconds of what a run does before generating (``HFAdapter.conformance``): the kernel's conformance on the
+    first prompts' hidden states and the execution witness. None (and why, printed) where it cannot run here."""
+    from evalgate.kernels import get_kernel
+    from evalgate.kernels.checkpoint import experts_modules
+    from evalgate.kernels.conformance import model_conformance
+    from evalgate.kernels.witness import watch
+    from evalgate.model_adapters.hf.adapter import greedy_decoder
+
+    t = _Timer(device)
+    try:
+        ids = [tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts]
+        model_conformance(model, kernel, ids)
+        if experts_modules(model):
+            watch(model, get_kernel(kernel), prompts, device, greedy_decoder(model, tokenizer, device))
+    except Exception as exc:  # noqa: BLE001  (priced as nothing, and said so)
+        print(f"conformance + witness: not measured ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+              flush=True)
+        return None
+    return t.seconds()
 
 
 def use_fused(model, choice: str) -> None:
@@ -788,6 +849,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hf-fp8-kernel", default=None, help="with --fp8-cost on a machine without the Hub: a local "
                    "copy of kernels-community/finegrained-fp8's Python package (torch-ext/finegrained_fp8) for "
                    "transformers' FP8 path (needs the `kernels` package installed)")
+    p.add_argument("--psi", type=float, default=0.06, help="the projected gate: a healthy kernel's flip rate ψ, "
+                   "for the rounds of samples it needs")
+    p.add_argument("--gate-reps", type=int, default=16, help="the projected gate: simulated gates averaged for the "
+                   "rounds' samples per item (0: the greedy pass only)")
+    p.add_argument("--gate-moves", default="independent", choices=("independent", "persistent"), help="the projected "
+                   "gate: how the healthy kernel's answers move (simulate_gate's worlds)")
+    p.add_argument("--gsm8k-profile", default=None, help="the projected gate's GSM8K profile [default: the gate's]")
+    p.add_argument("--projection-items", type=int, default=None, help="count the prompts of only the first N items "
+                   "of each task (a smoke run; the item counts stay the tasks')")
+    p.add_argument("--no-conformance", dest="conformance", action="store_false", help="do not time the kernel "
+                   "conformance + execution witness a run does before generating (the projection prices it)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
     fused = tuple(f.strip() for f in args.fused.split(",") if f.strip())
@@ -904,13 +976,11 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{cache} cache: out of memory: {str(exc).splitlines()[0]}", flush=True)
                 figures.setdefault("out_of_memory", []).append(cache)
                 torch.cuda.empty_cache()
-        rows = []
-        for row in measured:
-            for gpus in (2, 4):
-                row[f"gate_min_{gpus}_h200"] = round(project_gate(row, layers, full.num_hidden_layers,
-                                                                  max(1, figures["h200s_needed"]), gpus,
-                                                                  gsm8k_prompt) / 60, 1)
-            rows.append(row)
+        rows = measured
+        if args.conformance:
+            c = conformance_seconds(model, tokenizer, args.kernel, prompts[:2], first)
+            figures["conformance_s"] = None if c is None else round(c, 2)
+        figures["gate_projection"] = project_rows(rows, figures, tokenizer, args, layers, full.num_hidden_layers)
         figures.update(copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), gsm8k_prompt_tokens=round(gsm8k_prompt, 1),
                        batches=rows)
         print_table(rows, bandwidth, device)
