@@ -128,9 +128,10 @@ class Comparison(Pairing):
             row["delta"] = row["candidate"] - row["baseline"]
             dec = decision.tasks.get(task) if decision is not None else None
             if dec is not None:
-                row.update(ci_low=dec.tango_ci[0], ci_high=dec.tango_ci[1], lower_bound=dec.gate_lower,
-                           p=dec.p_degradation, p_adjusted=dec.p_degradation_adjusted, margin=dec.margin,
-                           verdict=dec.verdict)
+                stats = dec.statistics
+                row.update(ci_low=stats.tango_ci[0], ci_high=stats.tango_ci[1], lower_bound=stats.gate_lower,
+                           p=stats.p_degradation, p_adjusted=dec.outcome.p_degradation_adjusted, margin=dec.rule.margin,
+                           verdict=dec.outcome.verdict)
             rows.append(row)
         columns = SUMMARY_COLUMNS + [k for k in rows[0] if k not in SUMMARY_COLUMNS] if rows else SUMMARY_COLUMNS
         return pd.DataFrame(rows, columns=columns)

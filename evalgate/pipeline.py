@@ -33,7 +33,8 @@ def run_or_resume(spec: RunSpec, out: Path, adapter: ModelAdapter | None = None,
     ``observer``: the gate's early stop (``evalgate.gate.early_stop.EarlyStop``; None: every item runs). A
     run the gate stopped early is resumed like an interrupted one — to completion without it, or until it
     stops the run (at once, when what is stored already decides). ``expected_tokens``: the baselines' answer
-    lengths, for the decoding schedule only."""
+    lengths, for the decoding schedule only. ``options``: how the in-process model loads (--device-map,
+    --threads)."""
     if (out / MANIFEST).is_file():
         meta = load_manifest(out / MANIFEST)  # the status first: the records are read once, by whoever needs them
         if meta.as_read.get("status") == "complete":
@@ -62,7 +63,8 @@ def gate(plan: GatePlan, adapter: ModelAdapter | None = None) -> Verdict:
         observer = (EarlyStop(plan.baseline, plan.policy, plan.allow_uncalibrated, plan.stop_on_conformance,
                               plan.across_serving, look_of=lambda manifest: _next_look(plan, manifest))
                     if plan.early_stop else None)
-        candidate = run_or_resume(plan.spec, plan.out, adapter, observer, plan.tasks, plan.baseline.answer_lengths)
+        candidate = run_or_resume(plan.spec, plan.out, adapter, observer, plan.tasks, plan.baseline.answer_lengths,
+                                  plan.options)
     verdict = decide_look(plan, plan.baseline, candidate)
     if plan.spec is None or verdict.decision is None or verdict.verdict != "INCONCLUSIVE":
         return verdict
@@ -96,7 +98,7 @@ def decide_look(plan: GatePlan, baseline, candidate: Run, round_note: str = "") 
     from evalgate.gate.door import decide_pair
 
     return decide_pair(baseline, candidate, plan.policy, plan.allow_uncalibrated, plan.items, plan.across_serving,
-                       sequence_of=plan.baseline, round_note=round_note)
+                       sequence_of=plan.baseline, round_note=round_note, baselines_root=plan.baselines_root)
 
 
 def next_samples(k: int, open_decisions, max_samples: int) -> int | None:
@@ -105,8 +107,8 @@ def next_samples(k: int, open_decisions, max_samples: int) -> int | None:
     if k >= max_samples:
         return None
     proposal = 4 if k == 1 else 2 * k
-    measured = [d.samples_needed for d in open_decisions
-                if d.samples_needed is not None and not d.samples_needed_is_bound]
+    measured = [d.resolution.samples_needed for d in open_decisions
+                if d.resolution.samples_needed is not None and not d.resolution.samples_needed_is_bound]
     if measured:
         proposal = max(proposal, max(measured))
     return min(proposal, max_samples)
@@ -152,8 +154,8 @@ def _rounds(plan: GatePlan, adapter, verdict: Verdict) -> Verdict:
     tasks = dict(verdict.decision.tasks)
     looks = list(verdict.sequence["looks"]) if verdict.sequence else []
     notes = list(verdict.notes)
-    while overall_verdict(d.verdict for d in tasks.values()) == "INCONCLUSIVE":
-        open_tasks = [t for t, d in tasks.items() if d.verdict == "INCONCLUSIVE"]
+    while overall_verdict(d.outcome.verdict for d in tasks.values()) == "INCONCLUSIVE":
+        open_tasks = [t for t, d in tasks.items() if d.outcome.verdict == "INCONCLUSIVE"]
         k_next = next_samples(k, [tasks[t] for t in open_tasks], plan.max_samples)
         if k_next is None:
             break
@@ -177,16 +179,18 @@ def _rounds(plan: GatePlan, adapter, verdict: Verdict) -> Verdict:
         for task in open_tasks:
             tasks[task] = round_verdict.decision.tasks[task]
         k = k_next
-    final = overall_verdict(d.verdict for d in tasks.values())
+    final = overall_verdict(d.outcome.verdict for d in tasks.values())
     if len(looks) > 1:
         decided_at = {t: next((x["look"] for x in reversed(looks) if t in x["tasks"]), 0) for t in tasks}
         notes.append("decided in rounds: " + "; ".join(
-            f"{t} {d.verdict} at look {decided_at[t] + 1} (k = {d.n_samples})" for t, d in tasks.items()))
+            f"{t} {d.outcome.verdict} at look {decided_at[t] + 1} (k = {d.statistics.n_samples})" for t, d in tasks.items()))
     old = verdict.decision
-    reasons = tuple(f"{t}: {r}" for t, d in tasks.items() if d.verdict == final for r in d.reasons) or old.reasons
+    reasons = tuple(f"{t}: {r}" for t, d in tasks.items() if d.outcome.verdict == final for r in d.outcome.reasons) \
+        or old.reasons
     if final == "PASS":
         reasons = (f"all {len(tasks)} task(s) passed",)
-    decision = OverallDecision(final, tasks, reasons, tuple(f"{t}: {w}" for t, d in tasks.items() for w in d.warnings),
+    decision = OverallDecision(final, tasks, reasons,
+                               tuple(f"{t}: {w}" for t, d in tasks.items() for w in d.outcome.warnings),
                                old.alpha, old.multiple_comparisons)
     sequence = {**(verdict.sequence or {}), "looks": looks}
     return replace(verdict, verdict=final if verdict.verdict != "FAIL" else "FAIL",
@@ -232,7 +236,8 @@ def calibrate(spec: RunSpec, root: Path | None = None, runs_dir: Path = Path("re
     size in-process, or half the concurrency on a server). Records the first run as the baseline if none is
     stored, then stores ψ0, Δ̂0, the flip set and the A/A verdict next to each task's baseline.
 
-    ``adapter`` (a server adapter) runs both on that server: the second run reversed, as in-process."""
+    ``adapter`` (a server adapter) runs both on that server: the second run reversed, as in-process.
+    ``options``: how the in-process model loads (--device-map, --threads)."""
     import copy
 
     from evalgate.gate.policy import load_thresholds
@@ -269,8 +274,9 @@ def calibrate(spec: RunSpec, root: Path | None = None, runs_dir: Path = Path("re
         # an item flips when its score moves (k > 1: the mean over its samples, not "all samples right")
         flips = [d for d, b, c in zip(cmp.pairs[task].doc_ids, cmp.pairs[task].scores("base"),
                                       cmp.pairs[task].scores("cand")) if b != c]
-        entry = {"psi0": dec.flip_rate, "delta0": dec.delta, "n": dec.counts.n, "b": dec.counts.b,
-                 "c": dec.counts.c, "flips": flips, "verdict": dec.verdict, "reasons": list(dec.reasons),
+        stats = dec.statistics
+        entry = {"psi0": stats.flip_rate, "delta0": stats.delta, "n": stats.counts.n, "b": stats.counts.b,
+                 "c": stats.counts.c, "flips": flips, "verdict": dec.outcome.verdict, "reasons": list(dec.outcome.reasons),
                  "second_run": {"path": str(second.path), **second_run},
                  "first_batch_size": base.manifest.get("spec", {}).get("batch_size")}
         entry = _with_earlier_runs(entry, read_aa(base_dir), task)

@@ -29,7 +29,9 @@ without a schema change. A field the code starts to read, or a change in the mea
 new version: bump :data:`SCHEMA_VERSION`, add a migration from the previous one, keep reading the old ones.
 A field no longer written whose number another field holds is not: both evalgates still read both files.
 So ``gate.json``'s ``margin_requested`` and ``margin_enforced`` (always equal to ``margin``; no longer
-written) are read, in a file of any version, as its one ``margin`` (:class:`TaskDecisionRecord`).
+written) are read, in a file of any version, as its one ``margin``; and a task decision written as one flat
+dict (before its parts) is read in the parts written now, every value as it was (:class:`TaskDecisionRecord`,
+:func:`nested_task_decision`).
 
 Reading keeps the file's own dict too (:attr:`Record.as_read`), so code that reads records as dicts sees
 exactly what is on disk. This module imports only pydantic, the standard library and ``evalgate.errors``.
@@ -304,31 +306,87 @@ class ThresholdsRef(Part):
     ci_method: str
 
 
-class TaskDecisionRecord(Part):
-    """``decision.tasks[task]``: the rule's numbers for one task (open), its verdict and reasons (typed)."""
+# gate.json's task decision in parts (``evalgate.gate.verdict.TaskDecision``): which flat field goes to which part
+_DECISION_PARTS = {
+    "rule": ("margin", "alpha", "ci_method", "alpha_split", "alpha_validity", "min_rise_items"),
+    "statistics": ("counts", "n_samples", "delta", "flip_rate", "p_degradation", "p_mid", "p_two_sided", "tango_ci",
+                   "tango_lower", "newcombe_ci", "newcombe_lower", "wald_ci", "p_inferior", "p_pass", "exact_lower",
+                   "gate_lower"),
+    "checks": ("invalid", "truncation", "tokens"),
+    "resolution": ("mde", "mde_power", "mde_method", "samples_needed", "samples_needed_is_bound", "mde_limit",
+                   "within_variance", "aa_psi0", "aa_psi0_upper", "aa_n", "aa_mde", "resolves_margin"),
+    "outcome": ("verdict", "reasons", "warnings", "look", "n_tasks", "multiple_comparisons", "alpha_accuracy",
+                "p_degradation_adjusted", "p_inferior_adjusted", "degraded", "inferior", "spec_degraded",
+                "non_inferior", "spec_verdict"),
+}
 
-    verdict: str
-    task: str | None = None
-    reasons: list[str] = Field(default_factory=list)
-    warnings: list[str] | None = None
+
+def nested_task_decision(flat: dict) -> dict:
+    """A task decision as gate.json held it before its parts (one flat dict, the policy's settings copied into
+    it) in the parts it is written in now, each value as it was. The rule's rate limits and token band, which
+    the flat form kept only inside its checks, are read from them; a field no part names stays at the top."""
+    data = dict(flat)
+    if "margin_requested" in data or "margin_enforced" in data:  # before issue 28: the margin three times, equal
+        old = [data.pop(key) for key in ("margin_enforced", "margin_requested") if key in data]
+        data.setdefault("margin", old[0])
+    out: dict[str, Any] = {"task": data.pop("task")} if "task" in data else {}
+    for part, keys in _DECISION_PARTS.items():
+        out[part] = {key: data.pop(key) for key in keys if key in data}
+    if "inconclusive_enabled" in data:
+        out["rule"]["inconclusive"] = data.pop("inconclusive_enabled")
+    for key, check in (("max_invalid_rise", "invalid"), ("max_truncation_rise", "truncation")):
+        if isinstance(out["checks"].get(check), dict) and "limit" in out["checks"][check]:
+            out["rule"][key] = out["checks"][check]["limit"]
+    if isinstance(out["checks"].get("tokens"), dict) and "band" in out["checks"]["tokens"]:
+        out["rule"]["token_ratio_band"] = out["checks"]["tokens"]["band"]
+    if "data_warnings" in data:
+        out["checks"]["input_warnings"] = data.pop("data_warnings")
+    return {**out, **data}
+
+
+class DecisionRule(Part):
+    """A task decision's ``rule``: the policy's settings it was decided under (α: its look's)."""
+
     margin: float | None = None  # the margin gated on, a fraction
-    # what the data can resolve (issue 14; absent in older gate.json files)
+
+
+class DecisionStatistics(Part):
     n_samples: int | None = None  # k, samples per item
+
+
+class DecisionResolution(Part):
+    """What the data can resolve (absent in gate.json files written before it was reported)."""
+
     mde: float | None = None  # minimum detectable effect at 80% power, a fraction
     aa_psi0: float | None = None  # the A/A flip structure ψ₀ and its one-sided upper bound
     aa_psi0_upper: float | None = None
     aa_n: int | None = None  # items the A/A calibration rests on
 
+
+class DecisionOutcome(Part):
+    verdict: str
+    reasons: list[str] = Field(default_factory=list)
+    warnings: list[str] | None = None
+
+
+class TaskDecisionRecord(Part):
+    """``decision.tasks[task]``: one task's decision in its parts (``TaskDecision.to_dict``): the rule, the
+    statistics, the checks, the resolution and the outcome; the numbers open, the verdict and reasons typed."""
+
+    task: str | None = None
+    rule: DecisionRule = Field(default_factory=DecisionRule)
+    statistics: DecisionStatistics = Field(default_factory=DecisionStatistics)
+    checks: dict[str, Any] = Field(default_factory=dict)
+    resolution: DecisionResolution = Field(default_factory=DecisionResolution)
+    outcome: DecisionOutcome
+
     @model_validator(mode="before")
     @classmethod
-    def _one_margin(cls, data: Any) -> Any:
-        """gate.json files written before issue 28 carry the margin three times (``margin``,
-        ``margin_requested``, ``margin_enforced``; always equal): read as the one ``margin``."""
-        if not isinstance(data, dict) or not {"margin_requested", "margin_enforced"} & data.keys():
-            return data
-        data = dict(data)
-        old = [data.pop(key) for key in ("margin_enforced", "margin_requested") if key in data]
-        data.setdefault("margin", old[0])
+    def _in_parts(cls, data: Any) -> Any:
+        """gate.json files written before the parts hold one flat dict per task (its verdict at the top):
+        read in parts (``nested_task_decision``), every value as it was."""
+        if isinstance(data, dict) and "outcome" not in data and "verdict" in data:
+            return nested_task_decision(data)
         return data
 
 
@@ -491,16 +549,18 @@ def load_verdict(path: str | Path) -> VerdictRecord:
     return record
 
 
+def json_default(o: Any) -> Any:
+    """``json.dumps``'s ``default`` for what a writer may hold: sets sorted, numpy scalars as numbers, other as str."""
+    if isinstance(o, (set, frozenset)):
+        return sorted(o, key=str)
+    if hasattr(o, "item"):  # numpy scalars
+        return o.item()
+    return str(o)
+
+
 def to_jsonable(obj: Any) -> Any:
     """``obj`` as JSON would give it back: tuples as lists, sets sorted, numpy scalars as numbers, other as str."""
-    def default(o):
-        if isinstance(o, (set, frozenset)):
-            return sorted(o, key=str)
-        if hasattr(o, "item"):  # numpy scalars
-            return o.item()
-        return str(o)
-
-    return json.loads(json.dumps(obj, default=default, ensure_ascii=False))
+    return json.loads(json.dumps(obj, default=json_default, ensure_ascii=False))
 
 
 def dump(model: type[R], data: dict | R) -> dict:

@@ -86,7 +86,7 @@ def test_aa_on_the_canary_passes_with_no_flips(tmp_path, data_dir):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     gate = json.loads((out / "gate/gate.json").read_text())
     assert gate["flips"]["gsm8k"] == [] and gate["verdict"] == "PASS"
-    assert gate["decision"]["tasks"]["gsm8k"]["counts"]["n"] == 200
+    assert gate["decision"]["tasks"]["gsm8k"]["statistics"]["counts"]["n"] == 200
 
 
 def test_a_fault_injected_kernel_stops_before_generating_and_no_early_stop_measures_its_accuracy(tmp_path, data_dir):
@@ -108,10 +108,11 @@ def test_a_fault_injected_kernel_stops_before_generating_and_no_early_stop_measu
     assert proc.returncode == 1, proc.stdout + proc.stderr
     gate = json.loads((out / "gate/gate.json").read_text())
     task = gate["decision"]["tasks"]["gsm8k"]
-    assert gate["early_stop"] is None and task["counts"]["n"] == 200
+    assert gate["early_stop"] is None and task["statistics"]["counts"]["n"] == 200
     # its accuracy is measured: worse than the baseline, never shown within the margin (FAIL itself needs
     # "shown worse than M" on gsm8k alone; the gate FAILs on conformance)
-    assert task["verdict"] != "PASS" and task["counts"]["b"] > task["counts"]["c"]
+    counts = task["statistics"]["counts"]
+    assert task["outcome"]["verdict"] != "PASS" and counts["b"] > counts["c"]
     assert gate["verdict"] == "FAIL" and gate["conformance"]["ok"] is False
     assert {f["direction"] for f in gate["flips"]["gsm8k"]} >= {"lost"}
     manifest = json.loads((out / "manifest.json").read_text())

@@ -55,7 +55,7 @@ def test_a_limited_stored_run_is_told_to_add_items_candidate_and_then_decided(cl
     done = subprocess.run([*gate, *added], env=cli_env, capture_output=True, text=True, timeout=300)
     assert done.returncode in (0, 1, 3), done.stderr
     verdict = json.loads((limited / "gate" / "gate.json").read_text())
-    assert verdict["decision"]["tasks"]["gsm8k"]["counts"]["n"] == 60  # the smaller n decides
+    assert verdict["decision"]["tasks"]["gsm8k"]["statistics"]["counts"]["n"] == 60  # the smaller n decides
     assert any("60 of the baseline's 200 items" in n for n in verdict["notes"])
     recorded = next(root.rglob("manifest.json")).parent
     report = subprocess.run([sys.executable, "-m", "evalgate", "report", "--baseline", str(recorded), "--candidate",

@@ -100,7 +100,7 @@ def test_aa_record_marks_noise_flips_and_is_used(tmp_path):
     flips = cmp.flips("gsm8k")
     assert set(flips.loc[flips["flips_in_aa"], "doc_id"]) == set(lost_ids)
     _ = cmp.summary  # renders
-    assert cmp.decision.tasks["gsm8k"].aa_psi0 == 0.05
+    assert cmp.decision.tasks["gsm8k"].resolution.aa_psi0 == 0.05
     assert not any("A/A" in n for n in cmp.notes)
 
 
@@ -112,7 +112,7 @@ def test_the_gate_decision_is_kept_and_report_html_written(runs, tmp_path):
     decision = verdict.decision
     cmp = evalgate.compare(runs[0], runs[1], thresholds=path)
     first = cmp.decision
-    assert cmp.summary.set_index("task").loc["gsm8k", "p"] == decision.tasks["gsm8k"].p_degradation
+    assert cmp.summary.set_index("task").loc["gsm8k", "p"] == decision.tasks["gsm8k"].statistics.p_degradation
     assert cmp.decision is first  # decided once, then kept
     paths = write_outputs(verdict, tmp_path / "rep")
     page = paths["html"].read_text(encoding="utf-8")

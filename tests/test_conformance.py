@@ -116,7 +116,7 @@ def test_a_non_conforming_kernel_fails_the_gate_whatever_its_accuracy(tmp_path):
     _with_conformance(cand, ok=False)
     v = gate_runs(base, cand, pol, allow_uncalibrated=True)
     assert (v.verdict, v.exit_code) == ("FAIL", 1)
-    assert v.decision.tasks["gsm8k"].verdict == "PASS"  # accuracy alone still passes: the kernel fails it
+    assert v.decision.tasks["gsm8k"].outcome.verdict == "PASS"  # accuracy alone still passes: the kernel fails it
     out = v.to_dict()
     assert out["conformance"]["ok"] is False
     from evalgate.report.rows import verdict_reason

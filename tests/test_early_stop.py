@@ -551,7 +551,7 @@ def test_the_aa_noise_warning_of_a_stopped_early_task_looks_at_the_items_run(tmp
         cand = _run("cand", {"gsm8k": [(i >= lost, False, False) if i < 12 else None for i in range(40)],
                              "humaneval": [(True, False, False)] * 20}, "stopped_early")
         pairing = compare(base, cand, metrics={t: policy.task(t).metric for t in ("gsm8k", "humaneval")}, aa_flips={})
-        warnings = [w for w in decide(pairing, policy, aa=aa).decision.tasks["gsm8k"].warnings if noise in w]
+        warnings = [w for w in decide(pairing, policy, aa=aa).decision.tasks["gsm8k"].outcome.warnings if noise in w]
         if lost:
             assert len(warnings) == 1 and "ψ = 16.67% on the 12 items run" in warnings[0]
         else:
@@ -599,7 +599,7 @@ def test_a_kernel_that_fails_its_conformance_check_stops_before_its_first_item(s
     assert (verdict.verdict, verdict.exit_code) == ("FAIL", 1) and verdict.conformance["ok"] is False
     assert headline(verdict.early_stop) == ("stopped before generating any of its 60 items — the FAIL holds "
                                             "whatever the remaining items give")
-    assert {t: d.verdict for t, d in verdict.decision.tasks.items()} == {"gsm8k": "PASS", "humaneval": "PASS"}  # at best
+    assert {t: d.outcome.verdict for t, d in verdict.decision.tasks.items()} == {"gsm8k": "PASS", "humaneval": "PASS"}  # at best
     manifest["kernel"]["conformance"]["ok"] = True  # a kernel that conforms: nothing run decides nothing
     (cand_dir / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(NotComparable, match="complete it first"):

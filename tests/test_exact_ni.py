@@ -34,7 +34,7 @@ def test_the_canary_cell_that_passed_a_kernel_3pp_worse_does_not_pass():
     assert tango_lower_bound(2, 0, 200) > -0.03
     rule = TaskRule.from_policy(load_thresholds(CANARY_POLICY), "gsm8k")
     dec = decide_task(TaskData.from_counts("gsm8k", Counts(a=194, b=2, c=0, d=4, n=200)), rule)
-    assert dec.verdict != "PASS" and dec.gate_lower <= -0.03
+    assert dec.outcome.verdict != "PASS" and dec.statistics.gate_lower <= -0.03
     b, c, pmf = trinomial(200, 0.03, 0.0)
     assert pmf[tango_lower_bound(b, c, 200) > -0.03].sum() > 0.05  # the liberal cell, measured
     assert pmf[exact_lower_bound(b, c, 200, 0.03) > -0.03].sum() <= 0.05

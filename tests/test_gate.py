@@ -52,7 +52,7 @@ def test_identical_runs_pass_and_write_every_output(tiny_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "verdict: PASS" in proc.stdout
     gate = json.loads((tmp_path / "rep/gate.json").read_text())
-    assert gate["verdict"] == "PASS" and gate["decision"]["tasks"]["gsm8k"]["counts"]["b"] == 0
+    assert gate["verdict"] == "PASS" and gate["decision"]["tasks"]["gsm8k"]["statistics"]["counts"]["b"] == 0
     assert gate["flips"]["gsm8k"] == []
     suite = ET.parse(tmp_path / "rep/junit.xml").getroot()
     cases = suite.findall(".//testcase")
@@ -72,7 +72,7 @@ def test_broken_items_fail_with_the_reason_and_the_flips(tiny_run, tmp_path):
                          str(policy(tmp_path, margin=10.0, rate=1.0)), "--allow-uncalibrated", "--report-dir", str(rep)], tmp_path)
     assert proc.returncode == 1, proc.stderr
     gate = json.loads((rep / "gate.json").read_text())
-    reasons = " ".join(gate["decision"]["tasks"]["gsm8k"]["reasons"])
+    reasons = " ".join(gate["decision"]["tasks"]["gsm8k"]["outcome"]["reasons"])
     assert "shown worse than the margin" in reasons and "invalid rate" in reasons
     flips = gate["flips"]["gsm8k"]
     assert len(flips) == 12 and {f["direction"] for f in flips} == {"lost"} and [f["doc_id"] for f in flips] == list(range(12))
@@ -300,7 +300,7 @@ def test_min_aa_runs_is_enforced_and_several_runs_are_pooled(tmp_path):
     proc = evalgate_cli(["gate", "--candidate", str(cand), "--baseline", str(base), "--report-dir", str(rep)], tmp_path)
     assert proc.returncode in (0, 1, 3), proc.stderr
     gsm = json.loads((rep / "gate.json").read_text())["decision"]["tasks"]["gsm8k"]
-    assert gsm["aa_psi0"] == pytest.approx(0.03) and gsm["aa_n"] == 400
+    assert gsm["resolution"]["aa_psi0"] == pytest.approx(0.03) and gsm["resolution"]["aa_n"] == 400
 
 
 def test_the_aa_mde_of_a_k_sample_task_uses_the_k_sample_formula():
@@ -313,6 +313,6 @@ def test_the_aa_mde_of_a_k_sample_task_uses_the_k_sample_formula():
     base = rng.integers(0, 5, 164) / 4
     cand = np.clip(base + rng.choice([-0.25, 0, 0.25], 164, p=[0.05, 0.9, 0.05]), 0, 1)
     dec = decide_task(TaskData("humaneval", base, cand, n_samples=4, aa_psi0=0.01, aa_n=164), TaskRule(margin=0.05))
-    assert dec.n_samples == 4 and dec.mde_method == "score"
-    expected = (norm.ppf(0.95) + norm.ppf(0.8)) * np.sqrt(dec.aa_psi0_upper / 164)
-    assert dec.aa_mde == pytest.approx(expected)
+    assert dec.statistics.n_samples == 4 and dec.resolution.mde_method == "score"
+    expected = (norm.ppf(0.95) + norm.ppf(0.8)) * np.sqrt(dec.resolution.aa_psi0_upper / 164)
+    assert dec.resolution.aa_mde == pytest.approx(expected)

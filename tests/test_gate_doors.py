@@ -37,7 +37,7 @@ def _doors(base: list[Path], cand: Path, cwd: Path, thresholds: Path | None) -> 
                                          "--report-dir", str(cwd / "gate")], catch_exceptions=False)
     record = json.loads((cwd / "gate" / "gate.json").read_text())
     out["gate --candidate"] = (record["verdict"], record["sequence"]["looks"][0]["look"],
-                               {t: d["alpha"] for t, d in record["decision"]["tasks"].items()})
+                               {t: d["rule"]["alpha"] for t, d in record["decision"]["tasks"].items()})
     assert gated.exit_code == {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}[record["verdict"]], gated.output
     reported = runner.invoke(evalgate_cli, ["report", *bases, "--candidate", str(cand), *policy, "--allow-uncalibrated",
                                             "--html", str(cwd / "report.html")], catch_exceptions=False)
@@ -45,7 +45,7 @@ def _doors(base: list[Path], cand: Path, cwd: Path, thresholds: Path | None) -> 
     for name, verdict in (("evalgate.decide()", evalgate.decide(base, cand, thresholds, allow_uncalibrated=True)),
                           ("Comparison.verdict", evalgate.compare(base, cand, thresholds=thresholds).verdict)):
         out[name] = (verdict.verdict, verdict.sequence["looks"][0]["look"],
-                     {t: d.alpha for t, d in verdict.decision.tasks.items()})
+                     {t: d.rule.alpha for t, d in verdict.decision.tasks.items()})
     said = re.search(r"verdict: (\w+) .*look (\d+) at α = ([\d.e-]+)\)", reported.output)
     assert said, reported.output
     alphas = {t: float(said[3]) for t in out["gate --candidate"][2]}

@@ -20,7 +20,9 @@ def rounds(tmp_path):
     base, cand = write_pair(tmp_path / "runs", 30, 12, lost_every=29, gained_every=31)
     verdict = gate_runs(base, cand, str(policy(tmp_path, margin=5.0, rate=50.0)), allow_uncalibrated=True)
     first = verdict.decision.tasks["gsm8k"]
-    later = replace(first, n_samples=8, delta=-0.05, alpha=first.alpha / 2, verdict="FAIL")
+    later = replace(first, rule=replace(first.rule, alpha=first.rule.alpha / 2),
+                    statistics=replace(first.statistics, n_samples=8, delta=-0.05),
+                    outcome=replace(first.outcome, verdict="FAIL"))
     tasks = {**verdict.decision.tasks, "gsm8k": later}
     return replace(verdict, decision=replace(verdict.decision, tasks=tasks)), first
 
@@ -36,7 +38,7 @@ def test_a_task_decided_at_a_later_look_shows_that_looks_numbers_only(rounds):
     md = markdown(verdict)
     (line,) = [l for l in md.splitlines() if l.startswith("| gsm8k |")]
     assert "| — | — | -5.00 |" in line  # no first-look score beside the later look's Δ
-    assert f"α = {first.alpha / 2:.4g} (gsm8k)" in md
+    assert f"α = {first.rule.alpha / 2:.4g} (gsm8k)" in md
     said = [l for l in verdict_lines(verdict) if l.startswith("gsm8k: the row's")]
     assert said and "k = 8" in said[0] and "first look (k = 1)" in said[0]
     assert "flipped item(s) at the first look (k = 1)" in md

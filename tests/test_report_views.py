@@ -36,7 +36,7 @@ def test_an_inconclusive_verdict_has_its_own_badge_not_pass_or_fail_colours(inco
         css = html[html.index(rule):].split("}")[0]
         assert "#fff8c5" in css and "#dafbe1" not in css and "#ffebe9" not in css
     charts = re.findall(r'<svg class="ci".*?</svg>', html, re.S)
-    inconclusive_charts = [c for c, r in zip(charts, inconclusive.decision.tasks.values()) if r.verdict == "INCONCLUSIVE"]
+    inconclusive_charts = [c for c, r in zip(charts, inconclusive.decision.tasks.values()) if r.outcome.verdict == "INCONCLUSIVE"]
     assert inconclusive_charts and all(VERDICT_COLORS["INCONCLUSIVE"] in c for c in inconclusive_charts)
     assert all(VERDICT_COLORS["FAIL"] not in c.split("−M")[-1] for c in inconclusive_charts)
 
@@ -87,7 +87,7 @@ def test_the_terminal_table_in_a_log_is_one_line_per_task_and_reasons_are_not_wr
     assert all(len(line) <= LOG_WIDTH and line == line.rstrip() for line in table)
     for task, decision in inconclusive.decision.tasks.items():
         (row,) = [line for line in table if line.split()[:1] == [task]]  # exactly one table line per task
-        assert row.split()[-1] == decision.verdict
+        assert row.split()[-1] == decision.outcome.verdict
     assert len(table) == 3 + len(inconclusive.decision.tasks)  # title, header, rule, one row per task
 
 

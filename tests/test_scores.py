@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy.stats import beta, binomtest, norm
 
-from evalgate.gate.rule import TaskData, TaskRule, decide_overall, decide_task, gate_levels
+from evalgate.gate.rule import GateRule, TaskData, TaskRule, decide_overall, decide_task, gate_levels
 from evalgate.stats.margin import mde_binary, mde_normal, mde_score, project_samples, pooled_psi, psi_upper_bound
 from evalgate.stats.paired import (Counts, mcnemar_exact_one_sided, mcnemar_exact_two_sided, mcnemar_mid_p_one_sided,
                                    tango_interval, tango_lower_bound, tango_upper_bound)
@@ -70,9 +70,9 @@ def test_greedy_decisions_pinned():
     for n, margin in ((1319, 0.015), (164, 0.05)):
         for b, c in itertools.product(range(0, 60, 7), range(0, 40, 6)):
             dec = decide("t", counts=Counts(a=n - b - c, b=b, c=c, d=0, n=n), margin=margin)
-            assert dec.p_degradation == mcnemar_exact_one_sided(b, c)  # bit for bit
-            assert dec.tango_lower == tango_lower_bound(b, c, n, 0.05)
-            assert dec.verdict == independent_rule(b, c, n, margin), (n, b, c)
+            assert dec.statistics.p_degradation == mcnemar_exact_one_sided(b, c)  # bit for bit
+            assert dec.statistics.tango_lower == tango_lower_bound(b, c, n, 0.05)
+            assert dec.outcome.verdict == independent_rule(b, c, n, margin), (n, b, c)
             # from per-item vectors, the same decision, field for field
             base = np.array([1] * b + [0] * c + [1] * (n - b - c))
             cand = np.array([0] * b + [1] * c + [1] * (n - b - c))
@@ -86,7 +86,7 @@ def test_original_rule_decisions_pinned():
         for b, c in itertools.product(range(0, 60, 9), range(0, 40, 9)):
             dec = decide("t", counts=Counts(a=n - b - c, b=b, c=c, d=0, n=n), margin=margin, **spec)
             fail = mcnemar_exact_one_sided(b, c) <= 0.05 or tango_lower_bound(b, c, n) <= -margin
-            assert dec.verdict == ("FAIL" if fail else "PASS") == dec.spec_verdict
+            assert dec.outcome.verdict == ("FAIL" if fail else "PASS") == dec.spec_verdict
 
 
 def test_stored_greedy_runs_are_decided_as_their_aa_record_says():
@@ -108,10 +108,10 @@ def test_stored_greedy_runs_are_decided_as_their_aa_record_says():
     for task, dec in verdict.decision.tasks.items():
         stored = json.loads((next(d for d in dirs if d.name == "w4a8" and (d / f"{task}.jsonl").exists())
                              / "aa.json").read_text())["tasks"][task]
-        assert (dec.counts.b, dec.counts.c, dec.counts.n) == (stored["b"], stored["c"], stored["n"])
-        assert f"L = {100 * dec.tango_lower:+.2f} pp" in stored["reasons"][0]
-        assert dec.n_samples == 1 and dec.aa_n == stored["n"] and dec.aa_psi0 == 0.0
-        assert dec.aa_psi0_upper == pytest.approx(1 - 0.05 ** (1 / stored["n"]))  # CP bound with 0 flips
+        assert (dec.statistics.counts.b, dec.statistics.counts.c, dec.statistics.counts.n) == (stored["b"], stored["c"], stored["n"])
+        assert f"L = {100 * dec.statistics.tango_lower:+.2f} pp" in stored["reasons"][0]
+        assert dec.statistics.n_samples == 1 and dec.resolution.aa_n == stored["n"] and dec.resolution.aa_psi0 == 0.0
+        assert dec.resolution.aa_psi0_upper == pytest.approx(1 - 0.05 ** (1 / stored["n"]))  # CP bound with 0 flips
 
 
 # ---------------------------------------------------------------------------- per-item means over k samples
@@ -168,16 +168,16 @@ def test_k_sample_decision_aggregates_per_item():
     base, cand = yb.mean(axis=1), yc.mean(axis=1)
     dec = decide("humaneval", base, cand, n_samples=k, base_samples=yb, cand_samples=yc, margin=0.05)
     diffs = cand - base
-    assert dec.n_samples == k and dec.mde_method == "score"
-    assert dec.delta == pytest.approx(diffs.mean()) and dec.flip_rate == pytest.approx(np.mean(diffs ** 2))
-    assert dec.counts.b == np.sum(diffs < 0) and dec.counts.c == np.sum(diffs > 0) and dec.counts.n == n
-    assert dec.tango_lower == pytest.approx(score_lower_bound(diffs, alpha=0.05))
-    assert dec.p_degradation == pytest.approx(signflip_pvalues(lattice_steps(diffs, k)).p_lower)
-    assert dec.newcombe_ci is None and dec.within_variance == pytest.approx(np.mean(np.var(yc - yb, axis=1, ddof=1)))
-    assert dec.verdict in ("PASS", "INCONCLUSIVE") and "k = 4 samples per item" in dec.reasons[0]
+    assert dec.statistics.n_samples == k and dec.resolution.mde_method == "score"
+    assert dec.statistics.delta == pytest.approx(diffs.mean()) and dec.statistics.flip_rate == pytest.approx(np.mean(diffs ** 2))
+    assert dec.statistics.counts.b == np.sum(diffs < 0) and dec.statistics.counts.c == np.sum(diffs > 0) and dec.statistics.counts.n == n
+    assert dec.statistics.tango_lower == pytest.approx(score_lower_bound(diffs, alpha=0.05))
+    assert dec.statistics.p_degradation == pytest.approx(signflip_pvalues(lattice_steps(diffs, k)).p_lower)
+    assert dec.statistics.newcombe_ci is None and dec.resolution.within_variance == pytest.approx(np.mean(np.var(yc - yb, axis=1, ddof=1)))
+    assert dec.outcome.verdict in ("PASS", "INCONCLUSIVE") and "k = 4 samples per item" in dec.outcome.reasons[0]
     # items, not samples, are the unit: the same data as n·k "items" would claim far more precision
     flat = decide("humaneval", yb.ravel(), yc.ravel(), margin=0.05)
-    assert flat.tango_ci[1] - flat.tango_ci[0] < dec.tango_ci[1] - dec.tango_ci[0]
+    assert flat.statistics.tango_ci[1] - flat.statistics.tango_ci[0] < dec.statistics.tango_ci[1] - dec.statistics.tango_ci[0]
     with pytest.raises(ValueError, match="multiple of 1/3"):
         decide("humaneval", base, cand, n_samples=3, margin=0.05)
 
@@ -190,15 +190,15 @@ def test_fractional_rate_checks():
     scores = np.ones(n)
     dec = decide("gsm8k", scores, scores, n_samples=4, margin=0.03, base_invalid=base, cand_invalid=cand,
                       base_truncated=base, cand_truncated=base)
-    assert dec.invalid.cand_count == pytest.approx(20.0) and dec.invalid.over_limit and dec.invalid.significant
-    assert dec.verdict == "FAIL" and "score test (k samples) of rise ≤ limit" in dec.reasons[0]
-    assert dec.invalid.p_over_limit < 1e-6 and dec.invalid.p < dec.invalid.p_over_limit  # shown above 1 pp too
+    assert dec.checks.invalid.cand_count == pytest.approx(20.0) and dec.checks.invalid.over_limit and dec.checks.invalid.significant
+    assert dec.outcome.verdict == "FAIL" and "score test (k samples) of rise ≤ limit" in dec.outcome.reasons[0]
+    assert dec.checks.invalid.p_over_limit < 1e-6 and dec.checks.invalid.p < dec.checks.invalid.p_over_limit  # shown above 1 pp too
     # the same rise within the limit (4 items' worth of 200, 2 pp limit): significant, not a FAIL
     small = np.zeros(n)
     small[:8] = 0.5
     within = decide("gsm8k", scores, scores, n_samples=4, margin=0.03, base_invalid=base, cand_invalid=small,
                     base_truncated=base, cand_truncated=base, max_invalid_rise=0.02)
-    assert within.invalid.p < 0.01 and not within.invalid.failed and within.verdict == "PASS"
+    assert within.checks.invalid.p < 0.01 and not within.checks.invalid.failed and within.outcome.verdict == "PASS"
 
 
 # ---------------------------------------------------------------------------- coverage and error rates, simulated
@@ -357,8 +357,8 @@ def test_samples_needed_projection():
 
 def test_inconclusive_message_names_the_samples_needed():
     dec = decide("humaneval", counts=Counts(a=130, b=8, c=5, d=21, n=164), margin=0.05)
-    assert not dec.resolves_margin and dec.samples_needed == 2 and dec.samples_needed_is_bound
-    overall = decide_overall([dec])
+    assert not dec.resolves_margin and dec.resolution.samples_needed == 2 and dec.resolution.samples_needed_is_bound
+    overall = decide_overall([dec], GateRule())
     assert overall.exit_code == 3 and "use k ≥ 2 samples per item" in overall.reasons[0]
 
 
@@ -407,12 +407,13 @@ def test_stored_k_sample_runs_gate_end_to_end(tmp_path):
     assert pairs.invalid("cand") == [0.0] * 60  # fractions of samples, not the first sample's flag
     verdict = gate_runs(base, cand, str(policy(tmp_path, margin=20.0)), allow_uncalibrated=True)
     dec = verdict.decision.tasks["gsm8k"]
-    assert dec.n_samples == 4 and dec.delta == pytest.approx(np.mean(yc.mean(axis=1) - yb.mean(axis=1)))
-    assert dec.within_variance is not None and not dec.samples_needed_is_bound
+    assert dec.statistics.n_samples == 4 and dec.statistics.delta == pytest.approx(np.mean(yc.mean(axis=1) - yb.mean(axis=1)))
+    assert dec.resolution.within_variance is not None and not dec.resolution.samples_needed_is_bound
     paths = write_outputs(verdict, tmp_path / "rep")
     record = load_verdict(paths["json"]) if "json" in paths else load_verdict(tmp_path / "rep" / "gate.json")
     task = record.decision.tasks["gsm8k"]
-    assert task.n_samples == 4 and task.mde == pytest.approx(dec.mde) and task.margin == pytest.approx(0.2)
+    assert task.statistics.n_samples == 4 and task.resolution.mde == pytest.approx(dec.resolution.mde)
+    assert task.rule.margin == pytest.approx(0.2)
     assert "MDE (80% power)" in markdown(verdict) and "(k = 4)" in markdown(verdict)
 
 
@@ -462,9 +463,9 @@ def test_the_samples_advised_are_for_the_next_looks_alpha():
     larger = 0
     for b in range(4, 20):
         dec = decide("humaneval", counts=Counts(130, b, 2, 32 - b, 164), margin=0.05, alpha=0.025)
-        at_this_look, _, _ = project_samples(dec.mde, dec.margin, dec.flip_rate, 1, None)
-        assert dec.samples_needed == project_samples(dec.mde * next_look_factor(0.025), dec.margin, dec.flip_rate,
+        at_this_look, _, _ = project_samples(dec.resolution.mde, dec.rule.margin, dec.statistics.flip_rate, 1, None)
+        assert dec.resolution.samples_needed == project_samples(dec.resolution.mde * next_look_factor(0.025), dec.rule.margin, dec.statistics.flip_rate,
                                                      1, None)[0]
-        assert at_this_look is not None and dec.samples_needed >= at_this_look
-        larger += dec.samples_needed > at_this_look
+        assert at_this_look is not None and dec.resolution.samples_needed >= at_this_look
+        larger += dec.resolution.samples_needed > at_this_look
     assert larger >= 3

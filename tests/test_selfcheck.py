@@ -18,7 +18,7 @@ FAULTY = "faulty/w4a4_packed-drop-slot"
 
 
 def fake_verdict(overall: str, conformance: dict | None = None, **tasks: str):
-    decision = SimpleNamespace(tasks={t: SimpleNamespace(verdict=v) for t, v in tasks.items()})
+    decision = SimpleNamespace(tasks={t: SimpleNamespace(outcome=SimpleNamespace(verdict=v)) for t, v in tasks.items()})
     return SimpleNamespace(verdict=overall, decision=decision, conformance=conformance)
 
 
@@ -169,4 +169,4 @@ def test_selfcheck_on_the_canary_for_real(tmp_path, data_dir):
         assert headline(stop) in (faulty / "gate" / "report.html").read_text()
         assert 'name="early_stop"' in (faulty / "gate" / "junit.xml").read_text()
     else:  # on GSM8K alone the accuracy is not shown worse than M: every item runs
-        assert stop is None and gate["decision"]["tasks"]["gsm8k"]["counts"]["n"] == 200
+        assert stop is None and gate["decision"]["tasks"]["gsm8k"]["statistics"]["counts"]["n"] == 200

@@ -81,15 +81,15 @@ def test_a_rerun_with_the_same_data_is_the_same_look_and_new_data_the_next(tmp_p
     base, cand = _pair(tmp_path, lost=6)
     monkeypatch.chdir(tmp_path)
     first = gate(_plan(tmp_path, cand, base))
-    assert first.sequence["looks"][0]["look"] == 0 and first.decision.tasks["humaneval"].alpha == 0.025
-    assert first.decision.tasks["humaneval"].look == 0
+    assert first.sequence["looks"][0]["look"] == 0 and first.decision.tasks["humaneval"].rule.alpha == 0.025
+    assert first.decision.tasks["humaneval"].outcome.look == 0
     again = gate(_plan(tmp_path, cand, base))  # the same stored candidate: the same data
     assert again.sequence["looks"][0] == {**first.sequence["looks"][0], "repeated": True}
-    assert again.verdict == first.verdict and again.decision.tasks["humaneval"].alpha == 0.025
+    assert again.verdict == first.verdict and again.decision.tasks["humaneval"].rule.alpha == 0.025
     _, other = _pair(tmp_path, lost=2, name="cand-rerun")  # the same kernel again, other data
     later = gate(_plan(tmp_path, other, base))
-    assert later.sequence["looks"][0]["look"] == 1 and later.decision.tasks["humaneval"].alpha == 0.0125
-    assert later.decision.tasks["humaneval"].look == 1
+    assert later.sequence["looks"][0]["look"] == 1 and later.decision.tasks["humaneval"].rule.alpha == 0.0125
+    assert later.decision.tasks["humaneval"].outcome.look == 1
     # recorded with the baseline, not under the working directory
     assert not (tmp_path / "results").exists()
     # GSM8K's data repeat (every item right on both sides): only HumanEval's new data took look 1
@@ -121,7 +121,7 @@ def test_no_reset_of_ordinary_use_starts_the_sequence_again(tmp_path, monkeypatc
         if attempt == 3:
             other = Path(shutil.move(other, tmp_path / "renamed"))
         verdict = decide_pair([base], other, policy, allow_uncalibrated=True)
-        seen.append((verdict.sequence["looks"][0]["look"], verdict.decision.tasks["humaneval"].alpha))
+        seen.append((verdict.sequence["looks"][0]["look"], verdict.decision.tasks["humaneval"].rule.alpha))
     assert seen == [(0, 0.025), (1, 0.0125), (2, 0.00625), (3, 0.003125)]
 
 
@@ -150,7 +150,7 @@ def test_a_rebuilt_kernel_is_another_candidate_and_a_subset_check_its_own_sequen
     m["tasks"]["gsm8k"]["n_items"] = 100
     (part / "manifest.json").write_text(json.dumps(m))
     sub = decide_pair([base], part, _policy(tmp_path), allow_uncalibrated=True, items="candidate")
-    assert sub.sequence["looks"][0]["look"] == 0 and sub.decision.tasks["gsm8k"].counts.n == 100
+    assert sub.sequence["looks"][0]["look"] == 0 and sub.decision.tasks["gsm8k"].statistics.counts.n == 100
     _, again = _pair(tmp_path, lost=6, name="again")
     _lose_gsm8k_item(again, 0)  # new GSM8K data for the full gate
     assert decide_pair([base], again, _policy(tmp_path), allow_uncalibrated=True).sequence["looks"][0]["look"] == 1
@@ -210,8 +210,9 @@ def test_a_gate_past_its_last_look_is_refused(tmp_path):
 def test_next_samples_uses_the_measured_within_item_variance():
     from evalgate.pipeline import next_samples
 
-    measured = SimpleNamespace(samples_needed=6, samples_needed_is_bound=False)
-    bound = SimpleNamespace(samples_needed=40, samples_needed_is_bound=True)  # greedy: a lower bound, not used
+    measured = SimpleNamespace(resolution=SimpleNamespace(samples_needed=6, samples_needed_is_bound=False))
+    # greedy: a lower bound, not used
+    bound = SimpleNamespace(resolution=SimpleNamespace(samples_needed=40, samples_needed_is_bound=True))
     assert next_samples(1, [bound], 8) == 4
     assert next_samples(4, [], 16) == 8 and next_samples(4, [measured], 16) == 8
     assert next_samples(2, [measured], 16) == 6
@@ -279,7 +280,7 @@ def test_an_undecided_task_gets_rounds_until_decided(tmp_path, monkeypatch, max_
     assert looks[1]["k"] == 4 and looks[1]["look"] == 1 and looks[1]["tasks"] == {"humaneval": "PASS"}
     assert calls[1:] == [("w4a8", 4, ("humaneval",)), ("w4a4_packed", 4, ("humaneval",))]
     he = verdict.decision.tasks["humaneval"]
-    assert he.n_samples == 4 and he.alpha == 0.0125 and verdict.decision.tasks["gsm8k"].n_samples == 1
+    assert he.statistics.n_samples == 4 and he.rule.alpha == 0.0125 and verdict.decision.tasks["gsm8k"].statistics.n_samples == 1
     assert any("humaneval PASS at look 2 (k = 4)" in n for n in verdict.notes)
 
 
@@ -301,3 +302,34 @@ def test_a_look_is_its_data_on_both_sides(tmp_path):
     m = load_run(cand).manifest
     assert candidate_identity({**m, "run_id": "elsewhere"}) == candidate_identity(m)
     assert candidate_identity({**m, "model": {**m["model"], "fingerprint": "other weights"}}) != candidate_identity(m)
+
+
+def test_the_canarys_look_records_go_under_the_baselines_root_given(tmp_path):
+    """The packaged canary baselines are read-only: their look records live under the user's baselines root,
+    the one --baselines-root names (not ./results/baselines, nor $EVALGATE_BASELINES)."""
+    import os
+    import subprocess
+    import sys
+
+    from evalgate.canary import BASELINES
+    from evalgate.gate.sequence import looks_home
+
+    base = next(Path(BASELINES).glob("*/gsm8k-*/w4a8"))
+    root, cwd, elsewhere = tmp_path / "root", tmp_path / "cwd", tmp_path / "env-root"
+    cwd.mkdir()
+    root.mkdir()
+    inside = base.relative_to(BASELINES)
+    assert looks_home(base, root) == root / "looks" / "canary" / inside
+    assert looks_home(tmp_path / "mine", root) == tmp_path / "mine" / "looks"  # a user's baseline: its own folder
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("EVALGATE_")},
+           "EVALGATE_BASELINES": str(elsewhere)}
+    other = next(Path(BASELINES).glob("*/humaneval-*/w4a8"))  # the A/A run holds both tasks
+    proc = subprocess.run([sys.executable, "-m", "evalgate", "gate", "--candidate", str(base / "aa"), "--baseline",
+                           str(base), "--baseline", str(other), "--baselines-root", str(root), "--report-dir",
+                           str(tmp_path / "report")],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (0, 1, 3), proc.stdout + proc.stderr
+    ledgers = list((root / "looks" / "canary" / inside).glob("*/gsm8k.json"))
+    assert len(ledgers) == 1 and json.loads(ledgers[0].read_text())["looks"][0]["look"] == 0
+    assert not (cwd / "results").exists() and not elsewhere.exists()
+    assert not (base / "looks").exists() and not (other / "looks").exists()  # the packaged folders: never written

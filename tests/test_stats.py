@@ -8,7 +8,7 @@ from scipy.stats import binomtest, norm
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 
-from evalgate.gate.rule import TaskData, TaskRule, decide_overall, decide_task, gate_levels
+from evalgate.gate.rule import GateRule, TaskData, TaskRule, decide_overall, decide_task, gate_levels
 from evalgate.stats.multiplicity import holm, holm_adjusted
 from evalgate.stats.paired import (
     Counts,
@@ -32,6 +32,11 @@ def decide(task, base=None, cand=None, **kwargs):
     """decide_task on ``TaskData(task, base, cand, ...)`` and ``TaskRule(...)``, the keywords split between them."""
     rule = TaskRule(**{k: v for k, v in kwargs.items() if k in RULE_FIELDS})
     return decide_task(TaskData(task, base, cand, **{k: v for k, v in kwargs.items() if k not in RULE_FIELDS}), rule)
+
+
+def combine(decisions, **gate):
+    """decide_overall under the gate-wide settings ``gate`` (GateRule's fields; the others are ignored)."""
+    return decide_overall(decisions, GateRule(**{k: v for k, v in gate.items() if k in GateRule.__dataclass_fields__}))
 
 
 # ---------------------------------------------------------------------------- counts
@@ -229,38 +234,38 @@ def test_unpaired_fallback_is_labelled_and_wider():
 
 def test_worked_example_gsm8k_pass():
     dec = decide("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015)
-    assert 100 * dec.delta == pytest.approx(-0.38, abs=0.005)
-    assert dec.p_degradation == pytest.approx(0.295, abs=5e-4)
-    assert 100 * dec.tango_lower == pytest.approx(-1.33, abs=0.005)
-    assert dec.verdict == "PASS" and not dec.degraded and dec.non_inferior
+    assert 100 * dec.statistics.delta == pytest.approx(-0.38, abs=0.005)
+    assert dec.statistics.p_degradation == pytest.approx(0.295, abs=5e-4)
+    assert 100 * dec.statistics.tango_lower == pytest.approx(-1.33, abs=0.005)
+    assert dec.outcome.verdict == "PASS" and not dec.outcome.degraded and dec.non_inferior
 
 
 def test_worked_example_humaneval_is_inconclusive():
     # docs/gate.md#worked-examples: L = −5.84 pp ≤ −5 pp, but McNemar p = 0.29: the data show neither
     # non-inferiority at 5 pp nor a degradation, and n = 164 greedy at ψ = 7.9% cannot resolve 5 pp
     dec = decide("humaneval", counts=Counts(a=130, b=8, c=5, d=21, n=164), margin=0.05)
-    assert 100 * dec.delta == pytest.approx(-1.83, abs=0.005)
-    assert dec.p_degradation == pytest.approx(0.291, abs=5e-4)
-    assert 100 * dec.tango_lower == pytest.approx(-5.84, abs=0.005)
-    assert dec.verdict == "INCONCLUSIVE" and not dec.degraded and not dec.non_inferior
-    assert dec.margin == 0.05  # never raised
-    assert not dec.resolves_margin and dec.mde == pytest.approx(aa_mde_exact(13 / 164, 164), abs=1e-6)
-    reason = dec.reasons[0]
-    assert reason.startswith("inconclusive: non-inferiority not shown") and f"{100 * dec.gate_lower:.2f} pp" in reason
+    assert 100 * dec.statistics.delta == pytest.approx(-1.83, abs=0.005)
+    assert dec.statistics.p_degradation == pytest.approx(0.291, abs=5e-4)
+    assert 100 * dec.statistics.tango_lower == pytest.approx(-5.84, abs=0.005)
+    assert dec.outcome.verdict == "INCONCLUSIVE" and not dec.outcome.degraded and not dec.non_inferior
+    assert dec.rule.margin == 0.05  # never raised
+    assert not dec.resolves_margin and dec.resolution.mde == pytest.approx(aa_mde_exact(13 / 164, 164), abs=1e-6)
+    reason = dec.outcome.reasons[0]
+    assert reason.startswith("inconclusive: non-inferiority not shown") and f"{100 * dec.statistics.gate_lower:.2f} pp" in reason
     assert "not shown worse than the margin" in reason
     # the MDE is an estimate from this run's own ψ̂, and the line says so
     assert "estimated not to resolve 5.00 pp at n = 164, k = 1 (greedy) and ψ = 7.93%" in reason
-    assert f"MDE ≈ {100 * dec.mde:.2f} pp at 80% power (exact at ψ̂)" in reason
+    assert f"MDE ≈ {100 * dec.resolution.mde:.2f} pp at 80% power (exact at ψ̂)" in reason
     assert "use k ≥ 2 samples per item" in reason
-    overall = decide_overall([
+    overall = combine([
         decide("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015), dec])
     assert overall.verdict == "INCONCLUSIVE" and overall.exit_code == 3
-    assert overall.tasks["gsm8k"].verdict == "PASS"
+    assert overall.tasks["gsm8k"].outcome.verdict == "PASS"
     assert overall.reasons[0].startswith("humaneval: inconclusive")
     # the original rule (two outcomes) fails it for lack of evidence, as docs/gate.md's worked example says
     spec = decide("humaneval", counts=Counts(a=130, b=8, c=5, d=21, n=164), margin=0.05, **SPEC_RULE)
-    assert spec.verdict == "FAIL" and spec.reasons[0].startswith("non-inferiority not shown")
-    assert dec.spec_verdict == "FAIL" and any("the original rule" in w for w in dec.warnings)
+    assert spec.outcome.verdict == "FAIL" and spec.outcome.reasons[0].startswith("non-inferiority not shown")
+    assert dec.spec_verdict == "FAIL" and any("the original rule" in w for w in dec.outcome.warnings)
 
 
 def aa_mde_exact(psi, n, margin=0.05):
@@ -275,14 +280,14 @@ def test_fail_means_shown_worse_than_the_margin():
     # and not shown within M". 20 lost, 4 gained of 164: McNemar p = 0.0008 (worse than the baseline), but a
     # loss of 9.8 pp is not shown beyond 5 pp: INCONCLUSIVE, with a warning (the rule before FAILed it)
     within = decide("humaneval", counts=Counts(a=120, b=20, c=4, d=20, n=164), margin=0.05)
-    assert within.degraded and not within.non_inferior and not within.inferior
-    assert within.verdict == "INCONCLUSIVE" and 0.04 < within.p_inferior < 0.1
-    assert any(w.startswith("worse than the baseline, not shown worse than the margin") for w in within.warnings)
+    assert within.outcome.degraded and not within.non_inferior and not within.outcome.inferior
+    assert within.outcome.verdict == "INCONCLUSIVE" and 0.04 < within.statistics.p_inferior < 0.1
+    assert any(w.startswith("worse than the baseline, not shown worse than the margin") for w in within.outcome.warnings)
     # 30 lost, 4 gained: shown worse than 5 pp (exact p = 0.0006): FAIL (exit 1)
     dec = decide("humaneval", counts=Counts(a=110, b=30, c=4, d=20, n=164), margin=0.05)
-    assert dec.inferior and not dec.non_inferior and dec.verdict == "FAIL"
-    assert dec.reasons[0].startswith("shown worse than the margin: exact unconditional test of Δ ≥ -M: p = ")
-    overall = decide_overall([dec, decide("gsm8k", counts=Counts(a=1170, b=0, c=0, d=149, n=1319),
+    assert dec.outcome.inferior and not dec.non_inferior and dec.outcome.verdict == "FAIL"
+    assert dec.outcome.reasons[0].startswith("shown worse than the margin: exact unconditional test of Δ ≥ -M: p = ")
+    overall = combine([dec, decide("gsm8k", counts=Counts(a=1170, b=0, c=0, d=149, n=1319),
                                                margin=0.015)])
     assert overall.verdict == "FAIL" and overall.exit_code == 1
 
@@ -290,11 +295,11 @@ def test_fail_means_shown_worse_than_the_margin():
 def test_degradation_within_the_margin_passes_with_a_warning():
     # n = 1319, 40 lost / 15 gained: Δ̂ = −1.9 pp, significantly worse (p = 0.0006) but L = −2.8 pp > −4 pp
     dec = decide("gsm8k", counts=Counts(a=1150, b=40, c=15, d=114, n=1319), margin=0.04)
-    assert dec.degraded and dec.non_inferior and dec.verdict == "PASS"
-    assert any(w.startswith("worse than the baseline, not shown worse than the margin") for w in dec.warnings)
+    assert dec.outcome.degraded and dec.non_inferior and dec.outcome.verdict == "PASS"
+    assert any(w.startswith("worse than the baseline, not shown worse than the margin") for w in dec.outcome.warnings)
     # the original rule fails it
     assert decide("gsm8k", counts=Counts(a=1150, b=40, c=15, d=114, n=1319), margin=0.04,
-                       **SPEC_RULE).verdict == "FAIL"
+                       **SPEC_RULE).outcome.verdict == "FAIL"
 
 
 def test_decide_task_from_vectors_equals_from_counts():
@@ -312,16 +317,15 @@ def test_holm_turns_a_single_task_failure_into_inconclusive():
     bad = Counts(a=1250, b=30, c=6, d=33, n=1319)
     clean = Counts(a=140, b=3, c=3, d=18, n=164)
     alone = decide("gsm8k", counts=bad, margin=0.01)
-    assert 0.025 < alone.p_inferior <= 0.04
-    assert alone.inferior and not alone.non_inferior and alone.verdict == "FAIL"
-    overall = decide_overall([alone, decide("humaneval", counts=clean, margin=0.10)])
+    assert 0.025 < alone.statistics.p_inferior <= 0.04
+    assert alone.outcome.inferior and not alone.non_inferior and alone.outcome.verdict == "FAIL"
+    overall = combine([alone, decide("humaneval", counts=clean, margin=0.10)])
     gsm = overall.tasks["gsm8k"]
-    assert not gsm.inferior and gsm.verdict == "INCONCLUSIVE" and overall.verdict == "INCONCLUSIVE"
-    assert gsm.p_inferior_adjusted == pytest.approx(2 * alone.p_inferior)
-    assert gsm.n_tasks == 2 and gsm.multiple_comparisons == "holm"
+    assert not gsm.outcome.inferior and gsm.outcome.verdict == "INCONCLUSIVE" and overall.verdict == "INCONCLUSIVE"
+    assert gsm.outcome.p_inferior_adjusted == pytest.approx(2 * alone.statistics.p_inferior)
+    assert gsm.outcome.n_tasks == 2 and gsm.outcome.multiple_comparisons == "holm"
     # with no correction the same data fail, and the reason says which rule was applied
-    none = decide_overall([alone, decide("humaneval", counts=clean, margin=0.10)],
-                          multiple_comparisons="none")
+    none = combine([alone, decide("humaneval", counts=clean, margin=0.10)], multiple_comparisons="none")
     assert none.verdict == "FAIL" and "Δ ≥ -M" in none.reasons[0] and "K = 2" in none.reasons[0]
 
 
@@ -345,22 +349,22 @@ def test_rate_gates_limit_and_significance():
     rest = dict(counts=counts, margin=0.015, base_invalid=base_invalid, base_truncated=flags(n, []),
                 cand_truncated=flags(n, []))
     spec = decide("gsm8k", cand_invalid=flags(n, range(24)), **rest, **SPEC_RULE)
-    assert spec.verdict == "FAIL" and spec.invalid.over_raw_limit and spec.invalid.significant_at_alpha
-    assert spec.invalid.p == pytest.approx(2.0**-14)
+    assert spec.outcome.verdict == "FAIL" and spec.checks.invalid.over_raw_limit and spec.checks.invalid.significant_at_alpha
+    assert spec.checks.invalid.p == pytest.approx(2.0**-14)
     dec = decide("gsm8k", cand_invalid=flags(n, range(24)), **rest)
-    assert dec.verdict == "PASS" and dec.invalid.over_limit and not dec.invalid.significant
-    assert dec.invalid.p_over_limit == pytest.approx(0.448, abs=1e-3)
-    assert any("not shown above 1.00 pp" in w for w in dec.warnings)
+    assert dec.outcome.verdict == "PASS" and dec.checks.invalid.over_limit and not dec.checks.invalid.significant
+    assert dec.checks.invalid.p_over_limit == pytest.approx(0.448, abs=1e-3)
+    assert any("not shown above 1.00 pp" in w for w in dec.outcome.warnings)
     # +24 items = +1.82 pp: shown above the limit at the check's share of α (p = 0.0045 ≤ 0.005)
     dec = decide("gsm8k", cand_invalid=flags(n, range(34)), **rest)
-    assert dec.verdict == "FAIL" and dec.invalid.significant and dec.invalid.failed
-    assert any(r.startswith("invalid rate shown risen by more than the limit") for r in dec.reasons)
-    assert not dec.truncation.failed
+    assert dec.outcome.verdict == "FAIL" and dec.checks.invalid.significant and dec.checks.invalid.failed
+    assert any(r.startswith("invalid rate shown risen by more than the limit") for r in dec.outcome.reasons)
+    assert not dec.checks.truncation.failed
     # exactly the limit (1 of 100 items) is allowed; flags that move but do not rise pass
     dec = decide("t", counts=Counts(90, 0, 0, 10, 100), margin=0.05, base_invalid=flags(100, []),
                       cand_invalid=flags(100, [0]), base_truncated=flags(100, [1, 2]),
                       cand_truncated=flags(100, [3, 4]), **SPEC_RULE)
-    assert not dec.invalid.failed and not dec.truncation.failed and dec.verdict == "PASS"
+    assert not dec.checks.invalid.failed and not dec.checks.truncation.failed and dec.outcome.verdict == "PASS"
 
 
 def test_rate_significance_uses_its_share_of_alpha():
@@ -371,26 +375,26 @@ def test_rate_significance_uses_its_share_of_alpha():
     kwargs = dict(counts=counts, margin=0.015, base_truncated=flags(n, []), cand_truncated=flags(n, range(5)),
                   base_invalid=flags(n, range(10)), cand_invalid=flags(n, range(10)))
     spec = decide("gsm8k", **kwargs, **SPEC_RULE)
-    assert spec.verdict == "FAIL" and spec.truncation.significant_at_alpha and not spec.truncation.over_limit
-    assert any(r.startswith("truncation rate rose significantly") for r in spec.reasons)
+    assert spec.outcome.verdict == "FAIL" and spec.checks.truncation.significant_at_alpha and not spec.checks.truncation.over_limit
+    assert any(r.startswith("truncation rate rose significantly") for r in spec.outcome.reasons)
     dec = decide("gsm8k", **kwargs)
-    assert dec.truncation.alpha == pytest.approx(0.005) and not dec.truncation.significant
-    assert dec.verdict == "PASS"
+    assert dec.checks.truncation.alpha == pytest.approx(0.005) and not dec.checks.truncation.significant
+    assert dec.outcome.verdict == "PASS"
     # the spec check is still reported, and a warning says the original rule (docs/gate.md#the-original-rule) would fail
-    assert dec.truncation.significant_at_alpha and dec.spec_verdict == "FAIL"
-    assert any("the original rule (docs/gate.md#the-original-rule)" in w and "truncation McNemar p = 0.03125" in w for w in dec.warnings)
-    overall = decide_overall([dec, decide("humaneval", counts=Counts(140, 0, 0, 24, 164), margin=0.05,
+    assert dec.checks.truncation.significant_at_alpha and dec.spec_verdict == "FAIL"
+    assert any("the original rule (docs/gate.md#the-original-rule)" in w and "truncation McNemar p = 0.03125" in w for w in dec.outcome.warnings)
+    overall = combine([dec, decide("humaneval", counts=Counts(140, 0, 0, 24, 164), margin=0.05,
                                                base_invalid=flags(164, []), cand_invalid=flags(164, []),
                                                base_truncated=flags(164, []), cand_truncated=flags(164, []))])
-    assert overall.tasks["gsm8k"].truncation.alpha == pytest.approx(0.0025)
+    assert overall.tasks["gsm8k"].checks.truncation.alpha == pytest.approx(0.0025)
     assert overall.verdict == "PASS" and overall.spec_verdict == "FAIL"
     # a rise within the limit never FAILs, however significant: +12 items (0.91 pp), McNemar p = 2^-12
     within = decide("gsm8k", **{**kwargs, "cand_truncated": flags(n, range(12))})
-    assert within.truncation.p == pytest.approx(2.0**-12) and within.verdict == "PASS"
-    assert any("within the 1.00 pp limit (not a FAIL)" in w for w in within.warnings)
+    assert within.checks.truncation.p == pytest.approx(2.0**-12) and within.outcome.verdict == "PASS"
+    assert any("within the 1.00 pp limit (not a FAIL)" in w for w in within.outcome.warnings)
     # one shown above the limit FAILs: +40 items (3.03 pp)
     big = decide("gsm8k", **{**kwargs, "cand_truncated": flags(n, range(40))})
-    assert big.truncation.significant and big.truncation.over_limit and big.verdict == "FAIL"
+    assert big.checks.truncation.significant and big.checks.truncation.over_limit and big.outcome.verdict == "FAIL"
 
 
 def test_rate_limit_at_humaneval_size():
@@ -399,20 +403,20 @@ def test_rate_limit_at_humaneval_size():
     kwargs = dict(counts=Counts(140, 0, 0, 24, 164), margin=0.05, base_invalid=flags(164, []),
                   base_truncated=flags(164, []), cand_truncated=flags(164, []))
     spec = decide("humaneval", cand_invalid=flags(164, [0, 1]), **kwargs, **SPEC_RULE)
-    assert spec.invalid.over_limit and not spec.invalid.significant and spec.verdict == "FAIL"
+    assert spec.checks.invalid.over_limit and not spec.checks.invalid.significant and spec.outcome.verdict == "FAIL"
     dec = decide("humaneval", cand_invalid=flags(164, [0, 1]), **kwargs)
-    assert dec.invalid.limit_items == 4 and not dec.invalid.over_limit and dec.invalid.over_raw_limit
-    assert dec.verdict == "PASS" and dec.spec_verdict == "FAIL"
+    assert dec.checks.invalid.limit_items == 4 and not dec.checks.invalid.over_limit and dec.checks.invalid.over_raw_limit
+    assert dec.outcome.verdict == "PASS" and dec.spec_verdict == "FAIL"
     four = decide("humaneval", cand_invalid=flags(164, range(4)), **kwargs)
-    assert four.verdict == "PASS"
+    assert four.outcome.verdict == "PASS"
     # issue 32, finding 1: the absolute limit has no level, so under one α it warns; the exact test on the
     # discordant flags against the limit decides (5 new, 0 gone: p of "rise ≤ 1 pp" = 0.052 > α_validity/2)
     five = decide("humaneval", cand_invalid=flags(164, range(5)), **kwargs)
-    assert five.invalid.over_limit and not five.invalid.significant and five.verdict == "PASS"
-    assert any("invalid rate rose by more than the limit" in w and "not a FAIL" in w for w in five.warnings)
+    assert five.checks.invalid.over_limit and not five.checks.invalid.significant and five.outcome.verdict == "PASS"
+    assert any("invalid rate rose by more than the limit" in w and "not a FAIL" in w for w in five.outcome.warnings)
     # shown above the limit at its share (9 new: p = 0.0036): FAIL
     many = decide("humaneval", cand_invalid=flags(164, range(9)), **kwargs)
-    assert many.invalid.significant and many.verdict == "FAIL"
+    assert many.checks.invalid.significant and many.outcome.verdict == "FAIL"
 
 
 def test_gate_levels_split_the_budget():
@@ -436,25 +440,26 @@ def test_the_margin_is_never_raised_and_the_aa_noise_is_reported_with_its_bound(
     from scipy.stats import beta
 
     dec = decide("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.04, aa_n=164)
-    assert dec.margin == 0.05
-    assert dec.verdict == "INCONCLUSIVE"
+    assert dec.rule.margin == 0.05
+    assert dec.outcome.verdict == "INCONCLUSIVE"
     x = 0.04 * 164
-    assert dec.aa_psi0_upper == pytest.approx(beta.ppf(0.95, x + 1, 164 - x)) and dec.aa_n == 164
-    assert dec.aa_mde == pytest.approx(aa_mde_exact(round(dec.aa_psi0_upper, 9), 164))
-    out = decide_overall([decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319),
+    assert dec.resolution.aa_psi0_upper == pytest.approx(beta.ppf(0.95, x + 1, 164 - x)) and dec.resolution.aa_n == 164
+    assert dec.resolution.aa_mde == pytest.approx(aa_mde_exact(round(dec.resolution.aa_psi0_upper, 9), 164))
+    out = combine([decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319),
                           dec]).to_dict()["tasks"]["humaneval"]
-    for key in ("margin", "mde", "aa_psi0", "aa_psi0_upper", "aa_n", "n_samples"):
-        assert key in out
+    for part, key in (("rule", "margin"), ("resolution", "mde"), ("resolution", "aa_psi0"),
+                      ("resolution", "aa_psi0_upper"), ("resolution", "aa_n"), ("statistics", "n_samples")):
+        assert key in out[part]
     assert "margin_requested" not in out and "margin_enforced" not in out  # one margin (issue 28)
     assert "margin_floor" not in out and "margin_raised_because" not in out
     # the verdict is the same with any ψ₀, or none: it never depends on the A/A estimate
     for psi0 in (None, 0.0, 0.01, 0.2):
         assert decide("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=psi0,
-                           aa_n=None if psi0 is None else 164).verdict == "INCONCLUSIVE"
+                           aa_n=None if psi0 is None else 164).outcome.verdict == "INCONCLUSIVE"
     # a candidate that moves far more items than the A/A noise is named
     quiet = decide("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.0, aa_n=164)
     assert any("moves more items than the baseline's own noise" in w and "(164 A/A items)" in w
-               for w in quiet.warnings)
+               for w in quiet.outcome.warnings)
 
 
 def test_a_stopped_early_candidate_is_compared_with_the_aa_noise_on_the_items_it_ran():
@@ -465,33 +470,33 @@ def test_a_stopped_early_candidate_is_compared_with_the_aa_noise_on_the_items_it
     run = [True] * 10 + [False] * 30
     noise = "moves more items than the baseline's own noise"
     everything = decide("gsm8k", base, cand, margin=0.03, aa_psi0=0.0, aa_n=200)
-    assert any(noise in w for w in everything.warnings)
+    assert any(noise in w for w in everything.outcome.warnings)
     on_run = decide("gsm8k", base, cand, margin=0.03, aa_psi0=0.0, aa_n=200, items_run=run)
-    assert not any(noise in w for w in on_run.warnings)
-    assert on_run.verdict == everything.verdict  # a warning only: the verdict never depends on it
+    assert not any(noise in w for w in on_run.outcome.warnings)
+    assert on_run.outcome.verdict == everything.outcome.verdict  # a warning only: the verdict never depends on it
     # a flip among the items run is still named, with the items it rests on
     moved = decide("gsm8k", [0.0] + base[1:], cand, margin=0.03, aa_psi0=0.0, aa_n=200, items_run=run)
-    assert any(noise in w and "ψ = 10.00% on the 10 items run" in w for w in moved.warnings)
+    assert any(noise in w and "ψ = 10.00% on the 10 items run" in w for w in moved.outcome.warnings)
     with pytest.raises(ValueError, match="items_run has 3 entries for 40 items"):
         decide("gsm8k", base, cand, margin=0.03, aa_psi0=0.0, aa_n=200, items_run=[True] * 3)
 
 
 def test_without_aa_data_nothing_changes_but_the_report():
     dec = decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015)
-    assert dec.margin == 0.015
-    assert dec.aa_psi0 is None and dec.aa_psi0_upper is None and dec.aa_mde is None
-    assert dec.verdict == decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319).verdict
+    assert dec.rule.margin == 0.015
+    assert dec.resolution.aa_psi0 is None and dec.resolution.aa_psi0_upper is None and dec.resolution.aa_mde is None
+    assert dec.outcome.verdict == decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319).outcome.verdict
     dec = decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1000)
-    assert any("A/A calibration covered 1000 items" in w for w in dec.warnings)
+    assert any("A/A calibration covered 1000 items" in w for w in dec.outcome.warnings)
 
 
 def test_spec_rule_reproduces_section_4_8_exactly():
     # with the split off, two outcomes and no item floor, both worked examples and their numbers are docs/gate.md#the-decision-rule's
     gsm = decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015, aa_psi0=0.04, aa_n=1319, **SPEC_RULE)
     he = decide("humaneval", counts=HE_EXAMPLE, margin=0.05, aa_psi0=0.04, aa_n=164, **SPEC_RULE)
-    assert gsm.verdict == "PASS" and gsm.alpha_accuracy == 0.05 and gsm.margin == 0.015
-    assert he.verdict == "FAIL" and he.margin == 0.05
-    overall = decide_overall([gsm, he])
+    assert gsm.outcome.verdict == "PASS" and gsm.outcome.alpha_accuracy == 0.05 and gsm.rule.margin == 0.015
+    assert he.outcome.verdict == "FAIL" and he.rule.margin == 0.05
+    overall = combine([gsm, he], **SPEC_RULE)
     assert overall.verdict == overall.spec_verdict == "FAIL"
     assert overall.reasons[0].startswith("humaneval: non-inferiority not shown")
 
@@ -499,20 +504,22 @@ def test_spec_rule_reproduces_section_4_8_exactly():
 def test_decision_policies_must_agree_across_tasks():
     a = decide("t", counts=Counts(1, 0, 0, 0, 1), margin=0.01)
     b = decide("u", counts=Counts(1, 0, 0, 0, 1), margin=0.01, alpha_validity=0.02)
-    with pytest.raises(ValueError, match="α budgets or outcomes"):
-        decide_overall([a, b])
+    with pytest.raises(ValueError, match="another policy than the gate's"):
+        combine([a, b])
+    with pytest.raises(ValueError, match="another policy than the gate's"):
+        combine([a], alpha_validity=0.02)  # the gate's own policy decides, not the one read back from a task
 
 
 def test_missing_flags_warn_and_tokens_warn_but_never_fail():
     counts = Counts(a=1170, b=30, c=25, d=94, n=1319)
     dec = decide("gsm8k", counts=counts, margin=0.015, base_tokens=[100] * 10, cand_tokens=[115] * 10)
-    assert dec.verdict == "PASS"
-    assert dec.invalid is None and dec.truncation is None
-    assert any("mean generated tokens" in w and "115.0%" in w for w in dec.warnings)
-    assert any("invalid rate not checked" in w for w in dec.warnings)
+    assert dec.outcome.verdict == "PASS"
+    assert dec.checks.invalid is None and dec.checks.truncation is None
+    assert any("mean generated tokens" in w and "115.0%" in w for w in dec.outcome.warnings)
+    assert any("invalid rate not checked" in w for w in dec.outcome.warnings)
     dec = decide("gsm8k", counts=counts, margin=0.015, base_tokens=[100] * 10, cand_tokens=[108] * 10)
-    assert dec.tokens.ratio == pytest.approx(1.08) and not dec.tokens.warn
-    overall = decide_overall([dec])
+    assert dec.checks.tokens.ratio == pytest.approx(1.08) and not dec.checks.tokens.warn
+    overall = combine([dec])
     assert overall.verdict == "PASS" and overall.exit_code == 0 and overall.warnings
 
 
@@ -520,11 +527,13 @@ def test_decision_serialises():
     dec = decide("gsm8k", counts=Counts(a=1170, b=30, c=25, d=94, n=1319), margin=0.015,
                       base_invalid=flags(1319, [1]), cand_invalid=flags(1319, [1, 2]),
                       base_truncated=flags(1319, []), cand_truncated=flags(1319, []))
-    out = decide_overall([dec]).to_dict()
+    out = combine([dec]).to_dict()
     assert out["verdict"] == "PASS"
     task = out["tasks"]["gsm8k"]
-    assert task["counts"] == {"a": 1170, "b": 30, "c": 25, "d": 94, "n": 1319}
-    assert task["invalid"]["rise"] == pytest.approx(1 / 1319)
+    assert list(task) == ["task", "rule", "statistics", "checks", "resolution", "outcome"]
+    assert task["statistics"]["counts"] == {"a": 1170, "b": 30, "c": 25, "d": 94, "n": 1319}
+    assert task["checks"]["invalid"]["rise"] == pytest.approx(1 / 1319)
+    assert task["rule"] == {**TaskRule(margin=0.015).to_dict(), "margin": 0.015} and task["outcome"]["verdict"] == "PASS"
 
 
 def test_newcombe_is_reported_never_gated_on():
@@ -533,8 +542,8 @@ def test_newcombe_is_reported_never_gated_on():
     with pytest.raises(ValueError, match="reported only"):
         TaskRule(margin=0.015, ci_method="newcombe")
     dec = decide("gsm8k", counts=counts, margin=0.015)
-    assert dec.newcombe_ci == newcombe_interval(1170, 30, 25, 94, 0.05)
-    assert dec.newcombe_lower == newcombe_interval(1170, 30, 25, 94, 0.10)[0] and dec.gate_lower == dec.exact_lower
+    assert dec.statistics.newcombe_ci == newcombe_interval(1170, 30, 25, 94, 0.05)
+    assert dec.statistics.newcombe_lower == newcombe_interval(1170, 30, 25, 94, 0.10)[0] and dec.statistics.gate_lower == dec.statistics.exact_lower
 
 
 def test_decide_rejects_misuse():
@@ -545,9 +554,11 @@ def test_decide_rejects_misuse():
     a = decide("t", counts=Counts(1, 0, 0, 0, 1), margin=0.01, alpha=0.05)
     b = decide("u", counts=Counts(1, 0, 0, 0, 1), margin=0.01, alpha=0.10)
     with pytest.raises(ValueError, match="α"):
-        decide_overall([a, b])
+        combine([a, b])
+    with pytest.raises(ValueError, match="α = 0.05"):
+        combine([b])
     with pytest.raises(ValueError, match="duplicate"):
-        decide_overall([a, a])
+        combine([a, a])
     for bad in (dict(alpha_validity=0.05), dict(min_rise_items=-1), dict(margin=-0.01), dict(ci_method="wald"),
                 dict(alpha=1.5)):
         with pytest.raises(ValueError):
@@ -577,7 +588,7 @@ def test_decide_task_takes_the_data_and_one_rule():
     assert rule.original() == TaskRule(**{**policy.decision_kwargs("humaneval"), **SPEC_RULE})
     # from counts and from the equivalent vectors: the same decision, with the hand-computed numbers
     by_counts = decide_task(TaskData.from_counts("humaneval", HE_EXAMPLE), TaskRule(margin=0.05))
-    assert 100 * by_counts.tango_lower == pytest.approx(-5.84, abs=0.005) and by_counts.verdict == "INCONCLUSIVE"
+    assert 100 * by_counts.statistics.tango_lower == pytest.approx(-5.84, abs=0.005) and by_counts.outcome.verdict == "INCONCLUSIVE"
     base = [1.0] * 138 + [0.0] * 26
     cand = [1.0] * 130 + [0.0] * 8 + [1.0] * 5 + [0.0] * 21
     assert decide_task(TaskData("humaneval", base, cand), TaskRule(margin=0.05)) == by_counts
@@ -586,45 +597,57 @@ def test_decide_task_takes_the_data_and_one_rule():
 def test_a_task_decision_carries_each_number_once():
     from dataclasses import fields
 
-    from evalgate.gate.verdict import TaskDecision
+    from evalgate.gate.verdict import Checks, Outcome, Resolution, Statistics, TaskDecision
 
-    names = {f.name for f in fields(TaskDecision)}
-    assert "margin" in names and not names & {"margin_requested", "margin_enforced", "spec_non_inferior"}
+    parts = {"rule": TaskRule, "statistics": Statistics, "checks": Checks, "resolution": Resolution, "outcome": Outcome}
+    assert [f.name for f in fields(TaskDecision)] == ["task", *parts]
+    names = [f.name for part in parts.values() for f in fields(part)]
+    assert len(names) == len(set(names))  # no field in two parts
+    assert "margin" in names and not set(names) & {"margin_requested", "margin_enforced", "spec_non_inferior"}
+    # the policy's settings are the rule, once: not copied beside the statistics
+    assert not set(names) & {"inconclusive_enabled", "data_warnings"}
     # what follows from other fields is derived, and still written for gate.json's readers
-    assert not names & {"gate_lower", "non_inferior", "resolves_margin"}
+    assert not set(names) & {"gate_lower", "non_inferior", "resolves_margin"}
     dec = decide("gsm8k", counts=GSM_EXAMPLE, margin=0.015)
+    assert dec.rule == TaskRule(margin=0.015)
     out = dec.to_dict()
-    assert out["gate_lower"] == dec.exact_lower and out["non_inferior"] is True and out["resolves_margin"] is True
-    assert out["margin"] == 0.015 and "margin_requested" not in out
+    assert out["statistics"]["gate_lower"] == dec.statistics.exact_lower
+    assert out["outcome"]["non_inferior"] is True and out["resolution"]["resolves_margin"] is True
+    assert out["rule"]["margin"] == 0.015 and "margin_requested" not in out["rule"]
 
 
 def test_an_old_gate_json_with_three_margins_still_loads(tmp_path):
     import json
+    from pathlib import Path
 
     from evalgate.records import load_verdict, verdict_json
 
-    dec = decide("humaneval", counts=HE_EXAMPLE, margin=0.05)
-    new = {"verdict": "INCONCLUSIVE", "exit_code": 3,
-           "thresholds": {"alpha": 0.05, "multiple_comparisons": "holm", "ci_method": "tango"},
-           "decision": decide_overall([dec]).to_dict()}
-    old = json.loads(json.dumps(new, default=list))
+    # a flat gate.json as evalgate wrote it (tests/fixtures/gate-json-flat), with the margin three times as
+    # evalgate wrote it before issue 28
+    old = json.loads((Path(__file__).parent / "fixtures" / "gate-json-flat" / "gate.json").read_text())
     task = old["decision"]["tasks"]["humaneval"]
-    task.update(margin_requested=0.05, margin_enforced=0.05)  # as evalgate wrote them before issue 28
+    task.update(margin_requested=0.05, margin_enforced=0.05)
     for version in (None, 2, 3):
-        data = dict(old) if version is None else {**old, "schema_version": version}
+        data = {k: v for k, v in old.items() if k != "schema_version"} if version is None else \
+            {**old, "schema_version": version}
         (tmp_path / "gate.json").write_text(json.dumps(data))
         record = load_verdict(tmp_path / "gate.json")
         read = record.decision.tasks["humaneval"]
-        assert read.margin == 0.05 and read.verdict == "INCONCLUSIVE"
-        assert "margin_requested" not in read.model_dump() and "margin_enforced" not in read.model_dump()
+        assert read.rule.margin == 0.05 and read.outcome.verdict == "INCONCLUSIVE"
+        assert "margin_requested" not in str(read.model_dump()) and "margin_enforced" not in str(read.model_dump())
         assert record.as_read == data  # the file as it is on disk
     # a file with only the old fields: its margin is theirs
     del task["margin"]
     (tmp_path / "gate.json").write_text(json.dumps(old))
-    assert load_verdict(tmp_path / "gate.json").decision.tasks["humaneval"].margin == 0.05
-    # what is written now: one margin
+    assert load_verdict(tmp_path / "gate.json").decision.tasks["humaneval"].rule.margin == 0.05
+    # what is written now: one margin, in the rule
+    dec = decide("humaneval", counts=HE_EXAMPLE, margin=0.05)
+    new = {"verdict": "INCONCLUSIVE", "exit_code": 3,
+           "thresholds": {"alpha": 0.05, "multiple_comparisons": "holm", "ci_method": "tango"},
+           "decision": combine([dec]).to_dict()}
     written = json.loads(verdict_json(new))["decision"]["tasks"]["humaneval"]
-    assert written["margin"] == 0.05 and "margin_requested" not in written and "margin_enforced" not in written
+    assert written["rule"]["margin"] == 0.05 and "margin_requested" not in str(written)
+    assert "margin_enforced" not in str(written)
 
 
 @pytest.mark.slow
@@ -642,8 +665,8 @@ def test_flag_noise_alone_fails_a_healthy_task_at_most_the_checks_share():
             dec = decide("humaneval", counts=Counts(140, 0, 0, 24, n), margin=0.05, base_invalid=flags(n, range(gone)),
                          cand_invalid=flags(n, range(gone, gone + new)), base_truncated=flags(n, []),
                          cand_truncated=flags(n, []))
-            fail += mass * (dec.verdict == "FAIL")
-            limit += mass * dec.invalid.over_limit
+            fail += mass * (dec.outcome.verdict == "FAIL")
+            limit += mass * dec.checks.invalid.over_limit
     assert fail <= 0.005 and limit > 0.07
 
 
@@ -654,7 +677,7 @@ def test_a_rise_within_the_limit_fails_at_most_its_alpha():
     n = 1319
     dec = decide("gsm8k", counts=Counts(1100, 30, 20, 169, n), margin=0.015, base_invalid=flags(n, []),
                  cand_invalid=flags(n, range(10)), base_truncated=flags(n, []), cand_truncated=flags(n, []))
-    assert dec.invalid.p < 0.005 and not dec.invalid.significant and dec.verdict != "FAIL"
+    assert dec.checks.invalid.p < 0.005 and not dec.checks.invalid.significant and dec.outcome.verdict != "FAIL"
     from evalgate.gate.rule import _rate_check
 
     from evalgate.gate.rule import _rate_check

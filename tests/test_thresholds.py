@@ -42,8 +42,9 @@ def test_every_policy_setting_reaches_the_decision(tmp_path):
     path = tmp_path / "policy.yaml"
     path.write_text(text)
     dec = gate_runs(base, cand, path, allow_uncalibrated=True).decision.tasks["gsm8k"]
-    assert (dec.alpha_split, dec.inconclusive_enabled, dec.min_rise_items, dec.alpha_validity) == (False, False, 3, 0.02)
-    assert dec.margin == pytest.approx(0.075)
+    rule = dec.rule
+    assert (rule.alpha_split, rule.inconclusive, rule.min_rise_items, rule.alpha_validity) == (False, False, 3, 0.02)
+    assert rule.margin == pytest.approx(0.075)
 
 
 def test_new_keys_default_when_absent(tmp_path):

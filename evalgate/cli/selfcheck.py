@@ -76,7 +76,7 @@ def check(kernels: list[str], gate_one: Callable[[str], tuple[object, Path]],
             on_row(row)
             continue
         stopped = getattr(verdict, "early_stop", None)
-        tasks = {t: _task_cell(t, d.verdict, stopped) for t, d in verdict.decision.tasks.items()} if verdict.decision \
+        tasks = {t: _task_cell(t, d.outcome.verdict, stopped) for t, d in verdict.decision.tasks.items()} if verdict.decision \
             else {}
         row = Row(kernel, expected(kernel), verdict.verdict, tasks, round(time.perf_counter() - t0, 1), str(run_dir),
                   conformance=conformance_cell(getattr(verdict, "conformance", None)),

@@ -15,7 +15,7 @@ from pathlib import Path
 from evalgate.errors import NotComparable, UserError
 from evalgate.gate.compare import Pairing, compare, serving_difference
 from evalgate.gate.policy import Thresholds, load_thresholds
-from evalgate.gate.rule import TaskData, TaskRule, decide_overall, decide_task
+from evalgate.gate.rule import GateRule, TaskData, TaskRule, decide_overall, decide_task
 from evalgate.gate.verdict import EXIT_CODES, Verdict
 from evalgate.run.baselines import StoredBaseline, load_baseline
 from evalgate.run.store import Run, load_run
@@ -110,7 +110,7 @@ def decide(pairing: Pairing, thresholds: Thresholds, aa: dict | None = None, req
             items_run=pairs.observed() if pairs.imputed else None,
         )
         decisions.append(decide_task(data, TaskRule.from_policy(thresholds, task)))
-    overall = decide_overall(decisions, alpha=thresholds.alpha, multiple_comparisons=thresholds.multiple_comparisons)
+    overall = decide_overall(decisions, GateRule.from_policy(thresholds))
     notes = [] if aa else ["decided without an A/A calibration (--allow-uncalibrated)"]
     aa_out = {t: {**a, **_aa_bound(overall.tasks.get(t))} for t, a in aa.items()}
     return Verdict(overall.verdict, overall.exit_code, overall, scored, thresholds, aa=aa_out, notes=notes)
@@ -127,9 +127,9 @@ def _pooled(entry: dict) -> dict:
 
 def _aa_bound(dec) -> dict:
     """What the verdict adds to a task's A/A record: ψ₀'s one-sided upper bound and the MDE at it."""
-    if dec is None or dec.aa_psi0_upper is None:
+    if dec is None or dec.resolution.aa_psi0_upper is None:
         return {}
-    return {"psi0_upper": dec.aa_psi0_upper, "mde_at_psi0_upper": dec.aa_mde}
+    return {"psi0_upper": dec.resolution.aa_psi0_upper, "mde_at_psi0_upper": dec.resolution.aa_mde}
 
 
 def decide_unpaired(baseline: Run, candidate: Run, thresholds: Thresholds) -> Verdict:

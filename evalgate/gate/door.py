@@ -31,11 +31,13 @@ def items_digest(run) -> str:
 
 
 def decide_pair(baseline, candidate, thresholds=None, allow_uncalibrated: bool = False, items: str = "all",
-                across_serving: bool = False, sequence_of=None, round_note: str = "") -> Verdict:
+                across_serving: bool = False, sequence_of=None, round_note: str = "",
+                baselines_root=None) -> Verdict:
     """The verdict on a stored pair, at the candidate's look (docs/gate.md#reruns). ``baseline``: a
     ``StoredBaseline`` or its folder(s); ``candidate``: a ``Run`` or its folder; ``thresholds``: a policy, a
     file, or None (resolved). ``sequence_of``: the baseline whose record holds the looks (a round's sampled
-    baseline belongs to the gate's baseline; default ``baseline``)."""
+    baseline belongs to the gate's baseline; default ``baseline``). ``baselines_root``: the user's baselines
+    root (--baselines-root), where the packaged canary's look records go."""
     from evalgate.gate.decide import gate_runs
     from evalgate.gate.sequence import decide_at_look
     from evalgate.run.baselines import StoredBaseline, load_baseline
@@ -49,4 +51,4 @@ def decide_pair(baseline, candidate, thresholds=None, allow_uncalibrated: bool =
     subset = items_digest(cand) if items == "candidate" else None
     tasks = [t for t in cand.tasks if t in stored.run.manifest.get("tasks", {})] or list(cand.tasks)
     return decide_at_look(lambda p: gate_runs(stored, cand, p, allow_uncalibrated, items, across_serving), policy,
-                          home.dirs, cand.manifest, tasks, subset, round_note)
+                          home.dirs, cand.manifest, tasks, subset, round_note, baselines_root)

@@ -7,24 +7,25 @@ rule and why it departs from the textbook one.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from evalgate.gate.reasons import spec_failures, verdict_and_reasons
-from evalgate.gate.verdict import OverallDecision, RateCheck, TaskDecision, TokenCheck, overall_verdict
+from evalgate.gate.settings import GateRule, TaskRule
+from evalgate.gate.verdict import (Checks, Outcome, OverallDecision, RateCheck, Resolution, Statistics, TaskDecision,
+                                   TokenCheck, overall_verdict)
 from evalgate.stats.exact_ni import critical_value, exact_lower_bound, exact_pvalues
 from evalgate.stats.margin import mde_binary, mde_score, project_samples, psi_upper_bound
-from evalgate.stats.multiplicity import MULTIPLE_COMPARISONS, adjusted_pvalues
-from evalgate.stats.paired import (Counts, _as_bool_vector, _check_alpha, mcnemar_exact_one_sided,
+from evalgate.stats.multiplicity import adjusted_pvalues
+from evalgate.stats.paired import (Counts, _as_bool_vector, mcnemar_exact_one_sided,
                                    mcnemar_exact_two_sided, mcnemar_mid_p_one_sided, newcombe_interval,
                                    paired_counts, tango_interval, tango_lower_bound, wald_interval)
 from evalgate.stats.scores import (as_score_vector, histogram, lattice_steps, score_interval, score_lower_bound,
                                    score_z, second_moment, signflip_pvalues, symmetrised, wald_interval_scores)
 from scipy.stats import norm
 
-if TYPE_CHECKING:
-    from evalgate.gate.policy import Thresholds
+__all__ = ["GateRule", "TaskData", "TaskRule", "decide_overall", "decide_task", "gate_levels"]
 
 # --------------------------------------------------------------------------------------------------------
 # One α for the whole gate (docs/gate.md#one-alpha)
@@ -115,37 +116,28 @@ def _judge_rate(check: RateCheck, alpha_check: float, alpha: float) -> RateCheck
 NOISE_WARNING = "the candidate moves more items than the baseline's own noise"
 
 
-def _finalise(dec: TaskDecision, *, n_tasks: int, n_rate_checks: int, multiple_comparisons: str,
-              degraded: bool, p_adjusted: float, spec_degraded: bool, inferior: bool,
-              p_inferior_adjusted: float) -> TaskDecision:
+def _finalise(dec: TaskDecision, *, gate: GateRule, n_tasks: int, n_rate_checks: int, degraded: bool,
+              p_adjusted: float, spec_degraded: bool, inferior: bool, p_inferior_adjusted: float) -> TaskDecision:
     """Apply the levels for K tasks and J rate checks: rate significance, verdict, reasons.
 
     decide_task calls this with K = 1 (the task alone); decide_overall redoes it with the real K and J.
     """
-    alpha_acc, alpha_rate = gate_levels(dec.alpha, dec.alpha_split, dec.alpha_validity, n_tasks, n_rate_checks)
-    warnings = list(dec.data_warnings)
-    checks = {}
-    for key in ("invalid", "truncation"):
-        check = getattr(dec, key)
-        checks[key] = None if check is None else _judge_rate(check, alpha_rate, dec.alpha)
-    updated = replace(
-        dec,
-        alpha_accuracy=alpha_acc,
-        degraded=degraded,
-        p_degradation_adjusted=p_adjusted,
-        spec_degraded=spec_degraded,
-        inferior=inferior,
-        p_inferior_adjusted=p_inferior_adjusted,
-        multiple_comparisons=multiple_comparisons,
-        n_tasks=n_tasks,
-        **checks,
-    )
+    alpha_acc, alpha_rate = gate_levels(gate.alpha, gate.alpha_split, gate.alpha_validity, n_tasks, n_rate_checks)
+    warnings = list(dec.checks.input_warnings)
+    checks = replace(dec.checks, **{key: None if check is None else _judge_rate(check, alpha_rate, gate.alpha)
+                                    for key, check in (("invalid", dec.checks.invalid),
+                                                       ("truncation", dec.checks.truncation))})
+    outcome = replace(dec.outcome, n_tasks=n_tasks, multiple_comparisons=gate.multiple_comparisons,
+                      alpha_accuracy=alpha_acc, p_degradation_adjusted=p_adjusted,
+                      p_inferior_adjusted=p_inferior_adjusted, degraded=degraded, inferior=inferior,
+                      spec_degraded=spec_degraded)
+    updated = replace(dec, checks=checks, outcome=outcome)
     verdict, reasons, more = verdict_and_reasons(updated)
     warnings.extend(more)
     if verdict != "FAIL" and updated.spec_verdict == "FAIL":
         warnings.append("the original rule (docs/gate.md#the-original-rule) (every check at α, two outcomes, raw rate "
                         "limit) would FAIL: " + "; ".join(spec_failures(updated)) + " — not gated under this policy")
-    return replace(updated, verdict=verdict, reasons=reasons, warnings=tuple(warnings))
+    return replace(updated, outcome=replace(outcome, verdict=verdict, reasons=reasons, warnings=tuple(warnings)))
 
 
 def _binary_statistics(counts: Counts, alpha: float, margin: float) -> dict:
@@ -216,48 +208,6 @@ def within_item_variance(base_samples, cand_samples) -> float | None:
 # --------------------------------------------------------------------------------------------------------
 # The inputs: one task's paired data, and the policy's settings for it
 # --------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TaskRule:
-    """The policy's settings for one task (docs/gate.md#the-decision-rule): what ``decide_task`` gates on.
-
-    ``margin``, ``max_invalid_rise`` and ``max_truncation_rise`` are fractions (1.5 pp = 0.015).
-    ``alpha_split=False, inconclusive=False, min_rise_items=0`` is docs/gate.md#the-original-rule exactly
-    (:meth:`original`). Checked when built: a bad setting is a ValueError here, not in the middle of a decision.
-    """
-
-    margin: float
-    alpha: float = 0.05
-    ci_method: str = "tango"  # the bound gated on: Tango's at the exact critical value (its k-sample generalisation when k > 1)
-    max_invalid_rise: float = 0.01
-    max_truncation_rise: float = 0.01
-    token_ratio_band: tuple[float, float] = (0.9, 1.1)  # WARN (never FAIL) outside it
-    alpha_split: bool = True  # α_acc = α − α_validity for accuracy, α_validity shared by the rate checks
-    alpha_validity: float = 0.01
-    min_rise_items: int = 4  # the item floor of a rate check's absolute limit
-    inconclusive: bool = True  # the third outcome (False: FAIL whenever non-inferiority is not shown)
-
-    def __post_init__(self):
-        _check_alpha(self.alpha)
-        if self.margin < 0:
-            raise ValueError(f"margin must be ≥ 0 (a fraction), got {self.margin}")
-        if self.ci_method != "tango":  # Newcombe's bound runs above α at the margin: reported, never gated
-            raise ValueError(f"ci_method must be 'tango' (Newcombe's interval is reported only), got {self.ci_method!r}")
-        if self.alpha_split and not 0.0 <= self.alpha_validity < self.alpha:
-            raise ValueError(f"alpha_validity must be in [0, alpha = {self.alpha}), got {self.alpha_validity}")
-        if self.min_rise_items < 0:
-            raise ValueError(f"min_rise_items must be ≥ 0, got {self.min_rise_items}")
-        object.__setattr__(self, "token_ratio_band", tuple(self.token_ratio_band))
-
-    @classmethod
-    def from_policy(cls, thresholds: Thresholds, task: str) -> TaskRule:
-        """The rule a policy (thresholds.yaml) sets for ``task``."""
-        return cls(**thresholds.decision_kwargs(task))
-
-    def original(self) -> TaskRule:
-        """The same settings under docs/gate.md#the-original-rule: every test at α, two outcomes, no item floor."""
-        return replace(self, alpha_split=False, inconclusive=False, min_rise_items=0)
 
 
 @dataclass(frozen=True)
@@ -440,82 +390,72 @@ def decide_task(data: TaskData, rule: TaskRule) -> TaskDecision:
 
     p = stats["p_degradation"]
     decision = TaskDecision(
-        task=data.task, counts=counts, margin=rule.margin, alpha=rule.alpha, ci_method=ci_method,
-        p_degradation_adjusted=p, degraded=False, invalid=checks["invalid"], truncation=checks["truncation"],
-        tokens=tokens, multiple_comparisons="holm", n_tasks=1, verdict="PASS", reasons=(), n_samples=k,
-        mde_power=POWER, samples_needed=needed, samples_needed_is_bound=is_bound, mde_limit=limit,
-        within_variance=within, aa_psi0=data.aa_psi0, aa_psi0_upper=aa_upper, aa_n=data.aa_n, aa_mde=aa_mde,
-        alpha_split=rule.alpha_split, alpha_validity=rule.alpha_validity, min_rise_items=rule.min_rise_items,
-        inconclusive_enabled=rule.inconclusive, data_warnings=tuple(warnings),
-        **{key: stats[key] for key in ("delta", "flip_rate", "p_degradation", "p_mid", "p_two_sided", "tango_ci",
-                                       "tango_lower", "newcombe_ci", "newcombe_lower", "wald_ci", "mde",
-                                       "mde_method", "p_pass", "p_inferior", "exact_lower")},
+        task=data.task, rule=rule,
+        statistics=Statistics(counts=counts, n_samples=k, **{key: stats[key] for key in (
+            "delta", "flip_rate", "p_degradation", "p_mid", "p_two_sided", "tango_ci", "tango_lower", "newcombe_ci",
+            "newcombe_lower", "wald_ci", "p_pass", "p_inferior", "exact_lower")}),
+        checks=Checks(invalid=checks["invalid"], truncation=checks["truncation"], tokens=tokens,
+                      input_warnings=tuple(warnings)),
+        resolution=Resolution(mde=stats["mde"], mde_power=POWER, mde_method=stats["mde_method"], samples_needed=needed,
+                              samples_needed_is_bound=is_bound, mde_limit=limit, within_variance=within,
+                              aa_psi0=data.aa_psi0, aa_psi0_upper=aa_upper, aa_n=data.aa_n, aa_mde=aa_mde),
+        outcome=Outcome(verdict="PASS", reasons=()),
     )
     n_rate_checks = sum(check is not None for check in checks.values())
     alpha_acc, _ = gate_levels(rule.alpha, rule.alpha_split, rule.alpha_validity, 1, n_rate_checks)
-    return _finalise(decision, n_tasks=1, n_rate_checks=n_rate_checks, multiple_comparisons="holm",
+    return _finalise(decision, gate=GateRule.of(rule), n_tasks=1, n_rate_checks=n_rate_checks,
                      degraded=p <= alpha_acc, p_adjusted=p, spec_degraded=p <= rule.alpha,
                      inferior=stats["p_inferior"] <= alpha_acc, p_inferior_adjusted=stats["p_inferior"])
 
 
-def decide_overall(
-    decisions: Sequence[TaskDecision] | Mapping[str, TaskDecision],
-    alpha: float | None = None,
-    multiple_comparisons: str = "holm",
-) -> OverallDecision:
-    """Combine per-task decisions (docs/gate.md#several-tasks): FAIL if any task fails, else INCONCLUSIVE if
-    any task is, else PASS; one α budget for the whole gate.
+def decide_overall(decisions: Sequence[TaskDecision] | Mapping[str, TaskDecision], gate: GateRule) -> OverallDecision:
+    """Combine per-task decisions (docs/gate.md#several-tasks) under the gate's policy ``gate``: FAIL if any
+    task fails, else INCONCLUSIVE if any task is, else PASS; one α budget for the whole gate.
 
     Every task's decision is redone for K tasks and J rate checks: the degradation tests are corrected
     across tasks (Holm by default) at α_acc; each rate check gets α_validity/J. The non-inferiority bounds
     stay at level α per task: requiring non-inferiority on every task is an intersection–union test for
     passing a bad kernel (Berger 1982, Technometrics 24:295–300); the union of failures of a good kernel is
     what the budget controls. ``multiple_comparisons="none"`` gives up that control for the degradation tests.
-    ``alpha`` defaults to the tasks' own α, which must all be equal (their bounds were computed with it).
+    Every task must have been decided under this policy (its rule's α, budget and outcomes are the gate's).
     """
-    if multiple_comparisons not in MULTIPLE_COMPARISONS:
-        raise ValueError(f"multiple_comparisons must be one of {sorted(MULTIPLE_COMPARISONS)}")
     items = list(decisions.values()) if isinstance(decisions, Mapping) else list(decisions)
     if not items:
         raise ValueError("no task decisions to combine")
     names = [dec.task for dec in items]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate task names: {names}")
-    alphas = {dec.alpha for dec in items}
-    if alpha is None and len(alphas) == 1:
-        alpha = alphas.pop()
-    if alphas and alphas != {alpha}:
-        raise ValueError(f"task decisions were computed at α = {sorted(alphas)}, not at α = {alpha}")
-    policies = {(dec.alpha_split, dec.alpha_validity, dec.inconclusive_enabled) for dec in items}
-    if len(policies) != 1:
-        raise ValueError("task decisions use different α budgets or outcomes (alpha_split, alpha_validity, "
-                         f"inconclusive): {sorted(policies)}")
-    alpha_split, alpha_validity, _ = policies.pop()
+    other = sorted({(d.task, d.rule.alpha, d.rule.alpha_split, d.rule.alpha_validity, d.rule.inconclusive)
+                    for d in items if not gate.agrees_with(d.rule)})
+    if other:
+        raise ValueError(f"task decisions made under another policy than the gate's (α = {gate.alpha}, "
+                         f"alpha_split = {gate.alpha_split}, alpha_validity = {gate.alpha_validity}, inconclusive = "
+                         f"{gate.inconclusive}): (task, α, alpha_split, alpha_validity, inconclusive) {other}")
     k = len(items)
-    n_rate_checks = sum(check is not None for dec in items for check in (dec.invalid, dec.truncation))
-    alpha_acc, _ = gate_levels(alpha, alpha_split, alpha_validity, k, n_rate_checks)
-    pvalues = {dec.task: dec.p_degradation for dec in items}
-    rejected, adjusted = adjusted_pvalues(pvalues, alpha_acc, multiple_comparisons)
-    spec_rejected, _ = adjusted_pvalues(pvalues, alpha, multiple_comparisons)
+    n_rate_checks = sum(check is not None for dec in items for check in (dec.checks.invalid, dec.checks.truncation))
+    alpha_acc, _ = gate_levels(gate.alpha, gate.alpha_split, gate.alpha_validity, k, n_rate_checks)
+    pvalues = {dec.task: dec.statistics.p_degradation for dec in items}
+    rejected, adjusted = adjusted_pvalues(pvalues, alpha_acc, gate.multiple_comparisons)
+    spec_rejected, _ = adjusted_pvalues(pvalues, gate.alpha, gate.multiple_comparisons)
     # the accuracy FAIL: "shown worse than M", corrected across tasks like the degradation test
-    inferior, inferior_adjusted = adjusted_pvalues({dec.task: dec.p_inferior for dec in items}, alpha_acc,
-                                                   multiple_comparisons)
+    inferior, inferior_adjusted = adjusted_pvalues({dec.task: dec.statistics.p_inferior for dec in items}, alpha_acc,
+                                                   gate.multiple_comparisons)
 
     tasks: dict[str, TaskDecision] = {}
     for dec in items:
-        tasks[dec.task] = _finalise(dec, n_tasks=k, n_rate_checks=n_rate_checks,
-                                    multiple_comparisons=multiple_comparisons, degraded=rejected[dec.task],
-                                    p_adjusted=adjusted[dec.task], spec_degraded=spec_rejected[dec.task],
-                                    inferior=inferior[dec.task], p_inferior_adjusted=inferior_adjusted[dec.task])
+        tasks[dec.task] = _finalise(dec, gate=gate, n_tasks=k, n_rate_checks=n_rate_checks,
+                                    degraded=rejected[dec.task], p_adjusted=adjusted[dec.task],
+                                    spec_degraded=spec_rejected[dec.task], inferior=inferior[dec.task],
+                                    p_inferior_adjusted=inferior_adjusted[dec.task])
 
-    verdict = overall_verdict(dec.verdict for dec in tasks.values())
+    verdict = overall_verdict(dec.outcome.verdict for dec in tasks.values())
     if verdict == "PASS":
         reasons = (f"all {k} task(s) passed",)
     else:
-        reasons = tuple(f"{dec.task}: {reason}" for dec in tasks.values() if dec.verdict == verdict
-                        for reason in dec.reasons)
+        reasons = tuple(f"{dec.task}: {reason}" for dec in tasks.values() if dec.outcome.verdict == verdict
+                        for reason in dec.outcome.reasons)
         if verdict == "FAIL":  # the inconclusive tasks say why too
-            reasons += tuple(f"{dec.task}: {reason}" for dec in tasks.values() if dec.verdict == "INCONCLUSIVE"
-                             for reason in dec.reasons)
-    warnings = tuple(f"{dec.task}: {w}" for dec in tasks.values() for w in dec.warnings)
-    return OverallDecision(verdict, tasks, reasons, warnings, alpha, multiple_comparisons)
+            reasons += tuple(f"{dec.task}: {reason}" for dec in tasks.values() if dec.outcome.verdict == "INCONCLUSIVE"
+                             for reason in dec.outcome.reasons)
+    warnings = tuple(f"{dec.task}: {w}" for dec in tasks.values() for w in dec.outcome.warnings)
+    return OverallDecision(verdict, tasks, reasons, warnings, gate.alpha, gate.multiple_comparisons)

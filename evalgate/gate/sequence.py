@@ -82,13 +82,14 @@ def _packaged(path: Path) -> Path | None:
         return None
 
 
-def looks_home(baseline_dir: Path) -> Path:
+def looks_home(baseline_dir: Path, baselines_root: str | Path | None = None) -> Path:
     """Where a baseline's sequences live: its own folder's ``looks/``; for the canary's packaged (read-only)
-    baselines, the user's baselines root's ``looks/canary/<baseline>``."""
+    baselines, the user's baselines root's ``looks/canary/<baseline>`` (``baselines_root``, as --baselines-root
+    gives it; else $EVALGATE_BASELINES, else ./results/baselines)."""
     from evalgate.run.baselines import user_root
 
     inside = _packaged(Path(baseline_dir))
-    return user_root() / LOOKS / "canary" / inside if inside is not None else Path(baseline_dir) / LOOKS
+    return user_root(baselines_root) / LOOKS / "canary" / inside if inside is not None else Path(baseline_dir) / LOOKS
 
 
 def task_homes(dirs, tasks) -> dict[str, Path]:
@@ -183,15 +184,16 @@ class Looks:
 
     @classmethod
     @contextlib.contextmanager
-    def held(cls, baseline_dirs, candidate_manifest: dict, tasks, subset: str | None = None) -> Iterator[Looks]:
+    def held(cls, baseline_dirs, candidate_manifest: dict, tasks, subset: str | None = None,
+             baselines_root: str | Path | None = None) -> Iterator[Looks]:
         """The ledgers of ``tasks`` for this candidate against these baseline folders, locked (in a fixed
         order) for as long as the block runs: allocate a look, decide, record. ``subset``: a digest of the
         items when a check covers some of the baseline's items (its own sequence: it does not spend the full
-        gate's looks)."""
+        gate's looks). ``baselines_root``: where the packaged canary's records go (``looks_home``)."""
         identity = candidate_identity(candidate_manifest)
         homes = task_homes(list(baseline_dirs), tasks)
         suffix = f".items-{subset[:12]}" if subset else ""
-        paths = {t: looks_home(homes[t]) / identity / f"{t}{suffix}.json" for t in tasks}
+        paths = {t: looks_home(homes[t], baselines_root) / identity / f"{t}{suffix}.json" for t in tasks}
         with contextlib.ExitStack() as stack:
             # The lock is the baseline folder itself (flock on a directory, read-only ones too): nothing is
             # created before a look is recorded, so a gate refused as bad input leaves the baseline as it was.
@@ -203,11 +205,11 @@ class Looks:
 
 
 def decide_at_look(decide: Callable[[Thresholds], object], policy: Thresholds, baseline_dirs, candidate_manifest: dict,
-                   tasks, subset: str | None = None, round_note: str = ""):
+                   tasks, subset: str | None = None, round_note: str = "", baselines_root: str | Path | None = None):
     """Decide one look of a stored pair: ``decide(policy_at_look)`` gives the verdict. At this candidate's next
     look, unless the data reproduce an earlier look's (then that look's α, hence its verdict); recorded with
     the baseline. The verdict says which look it is (``sequence``, notes, each task's ``look``)."""
-    with Looks.held(baseline_dirs, candidate_manifest, tasks, subset) as looks:
+    with Looks.held(baseline_dirs, candidate_manifest, tasks, subset, baselines_root) as looks:
         first = looks.next_look
         verdict = decide(policy.at_look(min(first, MAX_LOOKS - 1)))
         if verdict.comparison is None or verdict.decision is None:  # aggregate-only: one unpaired decision
@@ -218,7 +220,7 @@ def decide_at_look(decide: Callable[[Thresholds], object], policy: Thresholds, b
             verdict = decide(policy.at_look(look))
         k = max((p.k for p in verdict.comparison.pairs.values()), default=1)
         alpha = policy.at_look(look).alpha
-        task_verdicts = {t: d.verdict for t, d in verdict.decision.tasks.items()}
+        task_verdicts = {t: d.outcome.verdict for t, d in verdict.decision.tasks.items()}
         if not repeated:
             looks.record(look, digests, {"k": k, "alpha": alpha, "share": look_share(look),
                                           "verdict": verdict.verdict, "tasks": task_verdicts})
@@ -232,6 +234,7 @@ def decide_at_look(decide: Callable[[Thresholds], object], policy: Thresholds, b
     if not reproducible(verdict.comparison.candidate.manifest):
         notes.append("the candidate's run is not bit-reproducible (not canonical numerics, or a server not in its "
                      "deterministic mode): a rerun gives new data, decided at the next look")
-    decision = replace(verdict.decision, tasks={t: replace(d, look=look) for t, d in verdict.decision.tasks.items()})
+    decision = replace(verdict.decision, tasks={t: replace(d, outcome=replace(d.outcome, look=look))
+                                                   for t, d in verdict.decision.tasks.items()})
     sequence = {"identity": looks.identity, "ledgers": looks.where, "looks": [entry]}
     return replace(verdict, decision=decision, sequence=sequence, notes=[*verdict.notes, *notes])

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from evalgate.gate.compare import Pairing
 from evalgate.gate.policy import Thresholds
+from evalgate.gate.settings import TaskRule
 from evalgate.run.store import Run
 from evalgate.stats.paired import Counts
 
@@ -85,24 +86,20 @@ class TokenCheck:
 
 
 @dataclass(frozen=True)
-class TaskDecision:
-    """Everything the rule (docs/gate.md#the-decision-rule) computed for one task, with its verdict and reasons.
+class Statistics:
+    """The paired difference's statistics for one task (docs/gate.md#the-decision-rule).
 
     Per-item scores are means over k = ``n_samples`` samples (k = 1: binary, greedy). With k = 1 the interval
     is Tango's and the degradation test exact McNemar; with k > 1 the same fields hold their generalisations
     on the per-item differences (the multinomial score interval and the exact sign-flip test,
-    docs/gate.md#k-samples), and ``counts`` counts items by the sign of their difference.
-    """
+    docs/gate.md#k-samples), and ``counts`` counts items by the sign of their difference. Every p-value here is
+    unadjusted (the corrected ones are the outcome's)."""
 
-    task: str
     counts: Counts
+    n_samples: int  # k: samples per item (1 = greedy)
     delta: float  # Δ̂ = mean per-item difference, candidate − baseline
     flip_rate: float  # ψ = mean squared per-item difference ((b + c)/n for binary scores)
-    margin: float  # the margin the policy sets and the rule gates on (never raised: docs/gate.md#margins)
-    alpha: float
-    ci_method: str  # the interval gated on: "tango" (at the exact critical value; its k-sample generalisation when k > 1)
-    p_degradation: float  # exact one-sided McNemar (sign-flip when k > 1), unadjusted
-    p_degradation_adjusted: float  # after the multiple-comparison rule (= unadjusted for one task)
+    p_degradation: float  # exact one-sided McNemar (sign-flip when k > 1)
     p_mid: float  # mid-p, reported only
     p_two_sided: float  # reported only
     tango_ci: tuple[float, float]  # two-sided (1 − α) score interval (Tango's when k = 1)
@@ -110,52 +107,10 @@ class TaskDecision:
     newcombe_ci: tuple[float, float] | None  # two-sided (1 − α); binary scores only
     newcombe_lower: float | None  # one-sided (1 − α): lower end of the two-sided (1 − 2α) interval
     wald_ci: tuple[float, float]  # report only
-    degraded: bool  # the degradation test rejected "no degradation" at α_acc (after the multiple-comparison rule): reported
-    invalid: RateCheck | None
-    truncation: RateCheck | None
-    tokens: TokenCheck | None
-    multiple_comparisons: str  # "holm", "bonferroni", "none"; with K tasks
-    n_tasks: int
-    verdict: str  # "PASS", "FAIL" or "INCONCLUSIVE"
-    reasons: tuple[str, ...]
-    warnings: tuple[str, ...] = field(default=())
-    # what this n, k and flip structure can resolve (docs/gate.md#resolution)
-    n_samples: int = 1  # k: samples per item (1 = greedy)
-    mde: float = 0.0  # minimum detectable effect at ``mde_power`` for n, k and the measured (symmetrised) structure
-    mde_power: float = 0.8
-    mde_method: str = "exact"  # "exact" (binary: trinomial sum), "score" (k > 1), "normal" (older records)
-    samples_needed: int | None = None  # the fewest samples per item whose MDE reaches the margin (None: none ≤ 64)
-    samples_needed_is_bound: bool = True  # True when K assumes all per-item variation averages out (a lower bound)
-    mde_limit: float | None = None  # the MDE as k → ∞ (what averaging samples cannot remove)
-    within_variance: float | None = None  # mean within-item variance of one sample's paired difference (k > 1 with per-sample scores)
-    # the baseline's A/A calibration: ψ₀, its one-sided (1 − α) upper bound, the items it rests on, the MDE at the bound
-    aa_psi0: float | None = None
-    aa_psi0_upper: float | None = None
-    aa_n: int | None = None
-    aa_mde: float | None = None
-    alpha_split: bool = True
-    alpha_validity: float = 0.01
-    alpha_accuracy: float = 0.05  # level of the degradation tests (before Holm)
-    min_rise_items: int = 0
-    inconclusive_enabled: bool = True  # the policy's third outcome (False: the original rule's two outcomes)
-    # the original rule (docs/gate.md#the-original-rule) (every test at α, raw 1 pp limit, two outcomes): reported even when not gated
-    spec_degraded: bool = False  # (its non-inferiority test is the gated one: ``non_inferior``)
-    data_warnings: tuple[str, ...] = field(default=())  # warnings from the inputs (flags, tokens, A/A)
     # FAIL on accuracy = shown worse than the margin (docs/gate.md#what-fail-means): H0 "Δ ≥ −M" rejected
     p_inferior: float = 1.0  # exact unconditional p (k = 1; score test with k samples) of H0: Δ ≥ −M
-    p_inferior_adjusted: float = 1.0  # after the multiple-comparison rule across tasks
-    inferior: bool = False  # rejected at α_acc: the accuracy FAIL
     p_pass: float | None = None  # exact unconditional p of H0: Δ ≤ −M (k = 1): PASS when ≤ α
     exact_lower: float | None = None  # Tango's bound at the exact critical value (k = 1): the bound gated on
-    look: int = 0  # which look of the gate's sequence this is (docs/gate.md#sequential-rounds); α is the look's
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "PASS"
-
-    @property
-    def failed(self) -> bool:
-        return self.verdict == "FAIL"
 
     @property
     def gate_lower(self) -> float:
@@ -163,36 +118,115 @@ class TaskDecision:
         interval's with k samples. (Newcombe's is reported only: it runs above α at the margin.)"""
         return self.exact_lower if self.exact_lower is not None else self.tango_lower
 
+
+@dataclass(frozen=True)
+class Checks:
+    """The validity checks (invalid answers, truncations; None where a side's flags are missing), the token
+    ratio, and the warnings the inputs raised (missing flags, tokens, the A/A noise)."""
+
+    invalid: RateCheck | None
+    truncation: RateCheck | None
+    tokens: TokenCheck | None
+    input_warnings: tuple[str, ...] = field(default=())  # the outcome's warnings start with these
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What this n, k and flip structure can resolve (docs/gate.md#resolution), and the baseline's A/A
+    calibration: ψ₀, its one-sided (1 − α) upper bound, the items it rests on, the MDE at the bound."""
+
+    mde: float  # minimum detectable effect at ``mde_power`` for n, k and the measured (symmetrised) structure
+    mde_power: float = 0.8
+    mde_method: str = "exact"  # "exact" (binary: trinomial sum), "score" (k > 1), "normal" (older records)
+    samples_needed: int | None = None  # the fewest samples per item whose MDE reaches the margin (None: none ≤ 64)
+    samples_needed_is_bound: bool = True  # True when K assumes all per-item variation averages out (a lower bound)
+    mde_limit: float | None = None  # the MDE as k → ∞ (what averaging samples cannot remove)
+    within_variance: float | None = None  # mean within-item variance of one sample's paired difference (k > 1)
+    aa_psi0: float | None = None
+    aa_psi0_upper: float | None = None
+    aa_n: int | None = None
+    aa_mde: float | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the gate made of the statistics at its levels: the tests' corrected p-values and findings, the
+    verdict with its reasons and warnings, and which look of the candidate's sequence decided it
+    (docs/gate.md#reruns)."""
+
+    verdict: str  # "PASS", "FAIL" or "INCONCLUSIVE"
+    reasons: tuple[str, ...]
+    warnings: tuple[str, ...] = field(default=())
+    look: int = 0  # the look's α is the rule's
+    n_tasks: int = 1  # K tasks decided together
+    multiple_comparisons: str = "holm"  # "holm", "bonferroni", "none"
+    alpha_accuracy: float = 0.05  # level of the degradation and inferiority tests (before Holm)
+    p_degradation_adjusted: float = 1.0  # after the multiple-comparison rule (= unadjusted for one task)
+    p_inferior_adjusted: float = 1.0
+    degraded: bool = False  # the degradation test rejected "no degradation" at α_acc: reported, warns
+    inferior: bool = False  # H0 "Δ ≥ −M" rejected at α_acc: the accuracy FAIL
+    # the original rule (docs/gate.md#the-original-rule): degradation at α, reported even when not gated
+    spec_degraded: bool = False
+
+
+@dataclass(frozen=True)
+class TaskDecision:
+    """Everything the rule (docs/gate.md#the-decision-rule) decided for one task, in five parts, each number
+    once: the ``rule`` it was decided under (the policy's settings for the task, at this look's α), the
+    ``statistics`` of the paired difference, the validity ``checks``, the ``resolution`` (what the data can
+    resolve) and the ``outcome`` (verdict, reasons, the corrected tests, the look)."""
+
+    task: str
+    rule: TaskRule
+    statistics: Statistics
+    checks: Checks
+    resolution: Resolution
+    outcome: Outcome
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome.verdict == "PASS"
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome.verdict == "FAIL"
+
     @property
     def non_inferior(self) -> bool:
         """gate_lower > −margin (the original rule's non-inferiority test too)."""
-        return bool(self.gate_lower > -self.margin)
+        return bool(self.statistics.gate_lower > -self.rule.margin)
 
     @property
     def resolves_margin(self) -> bool:
         """The margin is at least the minimum detectable effect."""
-        return bool(self.mde <= self.margin)
+        return bool(self.resolution.mde <= self.rule.margin)
 
     @property
     def spec_verdict(self) -> str:
         """The verdict of the original rule (docs/gate.md#the-original-rule) on the same data (reported, not gated unless the policy says so)."""
         rates = any(c is not None and (c.significant_at_alpha or c.over_raw_limit)
-                    for c in (self.invalid, self.truncation))
-        return "FAIL" if self.spec_degraded or not self.non_inferior or rates else "PASS"
+                    for c in (self.checks.invalid, self.checks.truncation))
+        return "FAIL" if self.outcome.spec_degraded or not self.non_inferior or rates else "PASS"
 
     def to_dict(self) -> dict:
-        out = asdict(self)
+        """gate.json's ``decision.tasks[task]``: the five parts, with the derived values its readers use
+        beside the numbers they come from (the bound gated on, the rates, the findings)."""
+        checks = asdict(self.checks)
         for key in ("invalid", "truncation"):
-            check = getattr(self, key)
+            check = getattr(self.checks, key)
             if check is not None:
-                out[key].update(base_rate=check.base_rate, cand_rate=check.cand_rate, rise=check.rise,
-                                limit_items=check.limit_items, failed=check.failed)
-        if self.tokens is not None:
-            out["tokens"].update(ratio=self.tokens.ratio, warn=self.tokens.warn)
-        # derived, written for the readers of gate.json
-        out.update(gate_lower=self.gate_lower, non_inferior=self.non_inferior, resolves_margin=self.resolves_margin,
-                   spec_verdict=self.spec_verdict)
-        return out
+                checks[key].update(base_rate=check.base_rate, cand_rate=check.cand_rate, rise=check.rise,
+                                   limit_items=check.limit_items, failed=check.failed)
+        if self.checks.tokens is not None:
+            checks["tokens"].update(ratio=self.checks.tokens.ratio, warn=self.checks.tokens.warn)
+        return {
+            "task": self.task,
+            "rule": self.rule.to_dict(),
+            "statistics": {**asdict(self.statistics), "gate_lower": self.statistics.gate_lower},
+            "checks": checks,
+            "resolution": {**asdict(self.resolution), "resolves_margin": self.resolves_margin},
+            "outcome": {**asdict(self.outcome), "non_inferior": self.non_inferior, "spec_verdict": self.spec_verdict},
+        }
 
 
 def overall_verdict(verdicts) -> str:

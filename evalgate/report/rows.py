@@ -11,25 +11,26 @@ def paired_rows(decision, pairing, aa: dict) -> list[dict]:
     for task, dec in decision.tasks.items():
         pairs = pairing.pairs[task]
         base, cand = pairs.scores("base"), pairs.scores("cand")
-        is_decided = decided(bool(pairs.imputed), dec.verdict)
+        stats, resolution, outcome = dec.statistics, dec.resolution, dec.outcome
+        is_decided = decided(bool(pairs.imputed), outcome.verdict)
         # a task decided in a later round (more samples per item) has that look's Δ, CI and counts; the
         # pairing's scores are the first look's, so the row leaves them out (``earlier_look_lines`` says them)
-        same_look = pairs.k == dec.n_samples
+        same_look = pairs.k == stats.n_samples
         scores = (sum(base) / len(base), sum(cand) / len(cand)) if base else (0.0, 0.0)
         rows.append({
-            "task": task, "paired": True, "n": dec.counts.n, "k": dec.n_samples,
+            "task": task, "paired": True, "n": stats.counts.n, "k": stats.n_samples,
             "baseline": scores[0] if same_look else None, "candidate": scores[1] if same_look else None,
             "earlier": None if same_look else {"k": pairs.k, "baseline": scores[0], "candidate": scores[1]},
-            "delta": dec.delta, "ci": dec.tango_ci,
-            "newcombe": dec.newcombe_ci, "lower": dec.gate_lower, "b": dec.counts.b, "c": dec.counts.c,
-            "p": dec.p_degradation, "p_adj": dec.p_degradation_adjusted, "psi": dec.flip_rate,
-            "psi0": dec.aa_psi0 if dec.aa_psi0 is not None else (aa.get(task) or {}).get("psi0"),
-            "psi0_upper": dec.aa_psi0_upper, "aa_n": dec.aa_n,
-            "margin": dec.margin, "mde": dec.mde,
-            "samples_needed": dec.samples_needed, "resolves_margin": dec.resolves_margin,
+            "delta": stats.delta, "ci": stats.tango_ci,
+            "newcombe": stats.newcombe_ci, "lower": stats.gate_lower, "b": stats.counts.b, "c": stats.counts.c,
+            "p": stats.p_degradation, "p_adj": outcome.p_degradation_adjusted, "psi": stats.flip_rate,
+            "psi0": resolution.aa_psi0 if resolution.aa_psi0 is not None else (aa.get(task) or {}).get("psi0"),
+            "psi0_upper": resolution.aa_psi0_upper, "aa_n": resolution.aa_n,
+            "margin": dec.rule.margin, "mde": resolution.mde,
+            "samples_needed": resolution.samples_needed, "resolves_margin": dec.resolves_margin,
             # an undecided task's own reasons describe its best completion, not a finding: said as what it is
-            "verdict": dec.verdict, "warnings": list(dec.warnings),
-            "reasons": list(dec.reasons) if is_decided else [undecided_reason(pairs.observed_counts(), dec.verdict)],
+            "verdict": outcome.verdict, "warnings": list(outcome.warnings),
+            "reasons": list(outcome.reasons) if is_decided else [undecided_reason(pairs.observed_counts(), outcome.verdict)],
             # a stopped-early candidate: what the items run showed (the numbers above are its best completion)
             "observed": pairs.observed_counts() if pairs.imputed else None,
             "decided": is_decided,
@@ -110,7 +111,7 @@ def alpha_text(verdict) -> str:
     policy = verdict.thresholds.alpha
     if verdict.decision is None:
         return f"α = {policy}"
-    spent = {t: d.alpha for t, d in verdict.decision.tasks.items()}
+    spent = {t: d.rule.alpha for t, d in verdict.decision.tasks.items()}
     if len(set(spent.values())) == 1:
         return f"α = {next(iter(spent.values())):.4g}"
     return "α = " + ", ".join(f"{a:.4g} ({t})" for t, a in spent.items()) + " at each task's deciding look"
