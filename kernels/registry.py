@@ -52,6 +52,14 @@ class Kernel:
         return self.library is not None
 
     @property
+    def source_sha256(self) -> str | None:
+        """The digest of the module files that compute it (kernels/source.py): a run's manifest records it and
+        a candidate's content identity includes it, so a code change is another candidate."""
+        from .source import source_sha256
+
+        return source_sha256(self.experts_forward)
+
+    @property
     def recipe(self) -> dict:
         """The declared recipe as recorded in a run's manifest and `evalgate kernels list --json`."""
         return self.declared.as_dict()
