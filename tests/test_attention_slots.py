@@ -221,4 +221,5 @@ def test_decoding_from_slots_gives_each_prompt_its_tokens_alone(monkeypatch):
         for i, g in finished:
             got[i] = g.token_ids
     assert calls and got == alone
-    assert stats[0].prefill_calls == len(prompts) and stats[0].steps < sum(limits)  # rows shared steps
+    # a take's prompts are prefilled together (generation.BATCHED_PREFILL): at most a call a prompt
+    assert 0 < stats[0].prefill_calls <= len(prompts) and stats[0].steps < sum(limits)  # rows shared steps

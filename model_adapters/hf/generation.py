@@ -68,6 +68,7 @@ class DecodeStats:
 
     prefill_calls: int = 0
     prefill_tokens: int = 0  # pads included: what the calls computed
+    prompt_tokens: int = 0  # the prompts' own tokens (over prefill_tokens where a prefix cache served them)
     prefill_cpu_s: float = 0.0
     steps: int = 0
     row_steps: int = 0  # rows decoded, summed over the steps (finished rows not yet dropped included)
@@ -238,14 +239,32 @@ def _decode_slots(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
     eos_ids = set(_eos_ids(model, tokenizer))
     batch_size = max(1, min(batch_size or n, n))
     refill = max(1, refill or batch_size // REFILL_FRACTION)
-    cache = SlotCache(model, batch_size, max(len(e) + m for e, m in zip(enc, max_new_tokens)) + 1, spare=1)
+    in_slots = PREFIX_CACHE or BATCHED_PREFILL
+    stores = 1 + PROMPT_STORES if in_slots and PREFIX_CACHE else 0
+    cache = SlotCache(model, batch_size, max(len(e) + m for e, m in zip(enc, max_new_tokens)) + 1, spare=1 + stores)
+    prompts = PromptCache(cache, enc, range(batch_size + 1, batch_size + 1 + stores)) if in_slots else None
     steps = StepGraphs(cache)
     free = list(range(batch_size - 1, -1, -1))  # popped from the end: slot 0 first
     live: dict[int, _Row] = {}  # slot -> row
     fed = torch.zeros(batch_size, dtype=torch.long, device=cache.positions.device)
     while True:
         finished = []
-        if free and (not live or len(free) >= refill):
+        if free and (not live or len(free) >= refill) and prompts is not None:
+            take = queue.take(len(free), [(r.index, len(r.generated)) for r in live.values()])
+            if take:
+                slots = [free.pop() for _ in take]
+                t0 = time.thread_time()
+                calls, computed = cache.prefill_calls, cache.prefill_tokens
+                logits = prompts.admit(slots, take)
+                spent.prefill_cpu_s += time.thread_time() - t0
+                spent.prefill_calls += cache.prefill_calls - calls
+                spent.prefill_tokens += cache.prefill_tokens - computed
+                spent.prompt_tokens += sum(len(enc[i]) for i in take)
+                for slot, i in zip(slots, take):
+                    live[slot] = _Row(i, [], time.perf_counter())
+                finished += _take_tokens(logits.float(), slots, live, fed, free, tokenizer, eos_ids, stops,
+                                         max_new_tokens, keys, enc)
+        elif free and (not live or len(free) >= refill):
             for i in queue.take(len(free), [(r.index, len(r.generated)) for r in live.values()]):
                 slot, row = free.pop(), _Row(i, [], time.perf_counter())
                 t0 = time.thread_time()
@@ -254,6 +273,7 @@ def _decode_slots(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
                 spent.prefill_cpu_s += time.thread_time() - t0
                 spent.prefill_calls += 1
                 spent.prefill_tokens += len(enc[i])
+                spent.prompt_tokens += len(enc[i])
                 live[slot] = row
                 finished += _take_tokens(out.logits[:, -1].float(), [slot], live, fed, free, tokenizer, eos_ids,
                                          stops, max_new_tokens, keys, enc)
@@ -275,6 +295,93 @@ def _decode_slots(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
             if stats is not None:
                 stats.append(spent)
             return
+
+
+# Prefill in the slots (``SlotCache.prefill``; switches for comparisons, benchmarks/dsv4_flash_fullwidth.py):
+# the prompts' shared prefix (every 8-shot GSM8K prompt starts with the same exemplars) and a prompt whose
+# samples are queued again computed once, from a spare slot; each take's prompts prefilled together
+PREFIX_CACHE = True
+BATCHED_PREFILL = True
+PROMPT_STORES = 4  # spare slots keeping a whole prompt while more of its samples are queued
+
+
+def shared_prefix(enc: list[list[int]]) -> int:
+    """How many leading tokens every prompt shares, short of the shortest prompt's last (which gives its
+    logits); 0 for a single prompt."""
+    if len(enc) < 2:
+        return 0
+    first, n = enc[0], min(map(len, enc)) - 1
+    for e in enc[1:]:
+        k = 0
+        while k < n and e[k] == first[k]:
+            k += 1
+        n = k
+    return max(0, n)
+
+
+class PromptCache:
+    """Prompts into ``SlotCache`` slots (``admit``): the prefix all of ``enc`` share is computed once into the
+    first of ``stores`` (spare slots) and copied into each slot, which is then fed the prompt's own tokens;
+    a prompt with more of its samples still to come is kept whole in another store (with its logits) and
+    copied, not computed again. With canonical numerics a slot so filled holds, bit for bit, what a prefill
+    of the whole prompt alone gives (``tests/test_prefix_cache.py``)."""
+
+    def __init__(self, cache, enc: list[list[int]], stores):
+        self.cache, self.enc = cache, enc
+        stores = list(stores)
+        self.prefix = shared_prefix(enc) if PREFIX_CACHE and stores else 0
+        self.prefix_slot = stores[0] if stores else None
+        self.free_stores = stores[1:]
+        self.kept: dict[tuple, tuple[int, torch.Tensor]] = {}  # prompt -> (store slot, its last logits)
+        self.to_come: dict[tuple, int] = {}
+        for e in enc:
+            self.to_come[tuple(e)] = self.to_come.get(tuple(e), 0) + 1
+        self.prefilled = False
+
+    def admit(self, slots: list[int], take: list[int]) -> torch.Tensor:
+        """Prompts ``take`` (indices into ``enc``) into ``slots``: the logits [len(take), V] after each."""
+        cache, logits = self.cache, [None] * len(take)
+        if self.prefix and not self.prefilled:
+            cache.start(self.prefix_slot)
+            cache.prefill([self.prefix_slot], [self.enc[take[0]][:self.prefix]])
+            self.prefilled = True
+        first: dict[tuple, int] = {}  # a prompt computed in this take -> its position in it
+        compute, copies = [], []
+        for j, (slot, i) in enumerate(zip(slots, take)):
+            key = tuple(self.enc[i])
+            self.to_come[key] -= 1
+            if key in self.kept:
+                store, logits[j] = self.kept[key]
+                cache.copy(store, slot)
+            elif key in first:
+                copies.append((j, first[key]))
+            else:
+                first[key] = j
+                if self.prefix:
+                    cache.copy(self.prefix_slot, slot)
+                else:
+                    cache.start(slot)
+                compute.append(j)
+        if compute:
+            tails = [self.enc[take[j]][self.prefix:] for j in compute]
+            if BATCHED_PREFILL:
+                out = cache.prefill([slots[j] for j in compute], tails)
+            else:
+                out = torch.cat([cache.prefill([slots[j]], [t]) for j, t in zip(compute, tails)])
+            for j, row in zip(compute, out):
+                logits[j] = row
+        for j, src in copies:
+            cache.copy(slots[src], slots[j])
+            logits[j] = logits[src]
+        for j in compute:  # kept while more of its samples are to come and a store is free
+            key = tuple(self.enc[take[j]])
+            if self.to_come[key] > 0 and self.free_stores:
+                store = self.free_stores.pop()
+                cache.copy(slots[j], store)
+                self.kept[key] = (store, logits[j])
+        for key in [k for k in self.kept if self.to_come[k] == 0]:
+            self.free_stores.append(self.kept.pop(key)[0])
+        return torch.stack(logits)
 
 
 def _take_tokens(logits, slots: list[int], live: dict, fed, free: list[int], tokenizer, eos_ids, stops,
