@@ -366,3 +366,64 @@ def table(tasks: list[TaskLoad], rounds: Rounds, m: Measured, total_layers: int,
     lo, hi = PUBLISHED_PER_GPU
     lines.append(f"published: SGLang serves DeepSeek-V4-Flash at {lo:,}-{hi:,} tokens/s per H200 at high concurrency")
     return lines, rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """The projection from figures given on the command line (a GPU run's, or a smoke test's on a CPU)."""
+    import argparse
+    import json
+    import os
+
+    p = argparse.ArgumentParser(description="project the whole gate from measured step and prefill times")
+    p.add_argument("--layers", type=int, required=True, help="the layers the figures were measured on")
+    p.add_argument("--total-layers", type=int, default=43, help="the whole model's layers (DeepSeek-V4-Flash: 43)")
+    p.add_argument("--per-replica", type=int, default=2, help="GPUs one copy of the whole model needs")
+    p.add_argument("--batch", type=int, required=True, help="rows of the measured decoding step")
+    p.add_argument("--step-ms", type=float, required=True, help="the decoding step at --batch, these layers")
+    p.add_argument("--prefill-tokens-per-s", type=float, required=True, help="prompt tokens prefilled a second, "
+                   "each prompt from scratch, these layers")
+    p.add_argument("--prefix-cache-tokens-per-s", type=float, default=None, help="prompt tokens computed a second "
+                   "with a prefix cache (the tokens it leaves), these layers")
+    for name, what in (("load", "loading these layers"), ("compile", "the first prefill's compilation"),
+                       ("prefill-once", "the first prefills' extra (these layers)"),
+                       ("capture", "CUDA graph capture, every bucket (these layers)"),
+                       ("conformance", "kernel conformance + execution witness (these layers)")):
+        p.add_argument(f"--{name}-s", type=float, default=0.0, help=f"seconds of {what}")
+    p.add_argument("--psi", type=float, default=0.06, help="a healthy kernel's flip rate, for the rounds")
+    p.add_argument("--reps", type=int, default=16, help="simulated gates for the rounds (0: the greedy pass only)")
+    p.add_argument("--moves", default="independent", choices=("independent", "persistent"))
+    p.add_argument("--gsm8k-profile", default=None, help="GSM8K's profile [default: the gate's]")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer folder (transformers) to count the prompts in "
+                   "[default: the full-width benchmark's, trained on GSM8K's train split]")
+    p.add_argument("--items", type=int, default=None, help="count the prompts of the first N items only (smoke)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--json", default=None, help="also write the figures here")
+    args = p.parse_args(argv)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        from dsv4_flash_fullwidth import tokenizer_for
+
+        tokenizer = tokenizer_for(None)
+    tasks = task_loads(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"], args.items,
+                       {"gsm8k": args.gsm8k_profile} if args.gsm8k_profile else None)
+    rounds = gate_rounds(args.psi, args.reps, workers=args.workers, moves=args.moves)
+    m = Measured(args.layers, args.batch, args.step_ms / 1e3, args.prefill_tokens_per_s,
+                 args.prefix_cache_tokens_per_s, args.load_s, args.compile_s, args.prefill_once_s, args.capture_s,
+                 args.conformance_s, early_stop_check_s())
+    lines, rows = table(tasks, rounds, m, args.total_layers, args.per_replica,
+                        (False, True) if args.prefix_cache_tokens_per_s else (False,))
+    for line in [*describe_inputs(tasks, rounds), describe_once(m, args.total_layers), *lines]:
+        print(line)
+    figures = {"tasks": [t.__dict__ for t in tasks], "rounds": rounds.__dict__, "measured": m.__dict__, "table": rows}
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
