@@ -182,7 +182,7 @@ STATE: dict = {}
 def _patch_pipeline() -> None:
     import evalgate.pipeline as pipeline
 
-    def run_or_resume(spec, out, adapter=None, observer=None, tasks=None, expected_tokens=None):
+    def run_or_resume(spec, out, adapter=None, observer=None, tasks=None, expected_tokens=None, options=None):
         STATE["generated"].append((spec.kernel, spec.samples, tuple(spec.tasks)))
         return make_run(STATE["tasks"], spec.kernel, spec, Path(out), STATE["attempt"])
 
