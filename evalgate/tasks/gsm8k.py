@@ -148,7 +148,6 @@ class GSM8K(TaskBase):
     profiles = PROFILES
     default_profile = "gsm8k-lmeval-v3"
     gate_metric = "exact_match,strict-match"
-    invalid_field = "invalid,strict-match"
     record_model = Gsm8kRecord
     data_files = tuple(FILES.values())
 

@@ -107,7 +107,6 @@ class HumanEval(TaskBase):
     profiles = PROFILES
     default_profile = "humaneval-completion-codex"
     gate_metric = "pass@1"
-    invalid_field = "invalid"
     record_model = HumanEvalRecord
     data_files = (PUBLISHED,)
 
