@@ -33,6 +33,11 @@ def site(tmp_path_factory) -> Path:
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: arith-task\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text("[evalgate.tasks]\narith = arith_task:TASK\n")
+    broken = root / "broken_tasks-0.1.dist-info"  # a package whose tasks cannot be used
+    broken.mkdir()
+    (broken / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-tasks\nVersion: 0.1\n")
+    (broken / "entry_points.txt").write_text("[evalgate.tasks]\nmissing = no_such_module:TASK\n"
+                                             "misnamed = arith_task:TASK\ngsm8k = arith_task:TASK\n")
     return root
 
 
@@ -58,7 +63,7 @@ def _policy(tmp_path: Path) -> Path:
 
 
 def test_an_installed_task_is_known_by_its_entry_point_and_brings_its_record_model(installed):
-    assert tasks.task_names() == ["gsm8k", "humaneval", "arith"]
+    assert tasks.task_names()[:2] == ["gsm8k", "humaneval"] and "arith" in tasks.task_names()
     assert "arith_task" not in sys.modules  # listed from the package's metadata alone: nothing imported
     task = tasks.get_task("arith")
     assert task.name == "arith" and task.default_profile == "arith-v1"
@@ -70,6 +75,16 @@ def test_without_the_package_the_task_is_unknown_in_one_line(monkeypatch):
     _forget()
     with pytest.raises(UserError, match=r"unknown task 'arith'; choose from: gsm8k, humaneval$"):
         tasks.get_task("arith")
+
+
+def test_an_installed_task_that_cannot_be_used_is_refused_in_one_line(installed):
+    with pytest.raises(UserError, match=r"task 'missing' \(entry point no_such_module:TASK\): loading it failed "
+                                        r"\(ModuleNotFoundError: No module named 'no_such_module'\)"):
+        tasks.get_task("missing")
+    with pytest.raises(UserError, match="the object is named 'arith'; an entry point is named as its task"):
+        tasks.get_task("misnamed")
+    assert type(tasks.get_task("gsm8k")).__module__ == "evalgate.tasks.gsm8k"  # a name of evalgate's stays its own
+    assert tasks.task_names().count("gsm8k") == 1
 
 
 def test_a_task_that_lacks_a_declaration_is_refused_by_name(installed):
