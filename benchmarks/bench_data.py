@@ -46,7 +46,7 @@ STARTUP = r'''
 import json, sys, time
 started = float(sys.argv[1])
 t0 = time.perf_counter()
-from evalgate.run.runner import RunSpec, load_tasks
+from evalgate.run.spec import RunSpec, load_tasks
 from evalgate.canary import PROFILES
 spec = RunSpec(model="canary", kernel="w4a4_packed", tasks=["gsm8k", "humaneval"], profiles=dict(PROFILES))
 loaded = load_tasks(spec)

@@ -85,7 +85,8 @@ def run_once(mode: str, url: str, args, data_dir: str, out: Path) -> tuple[float
     `evalgate gate` and `evalgate run` do before they reach a server, so the wall is the dispatch's."""
     from evalgate.model_adapters.server.openai_client import OpenAIAdapter
     from evalgate.run.progress import Progress
-    from evalgate.run.runner import RunSpec, execute, load_tasks
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec, load_tasks
 
     adapter = OpenAIAdapter(url, "w4a8", concurrency=args.concurrency, batch_size=args.batch_size, retries=1,
                             request_timeout=60)

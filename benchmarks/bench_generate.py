@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from evalgate.canary import BASELINES, PROFILES, canary_path
     from evalgate.cli.options import run_options  # noqa: F401  (the CLI's import cost, as the gate pays it)
     from evalgate.model_adapters.hf.adapter import HFAdapter
-    from evalgate.run.runner import RunSpec, load_task
+    from evalgate.run.spec import RunSpec, load_task
 
     try:
         from evalgate.run.runner import run_in_process

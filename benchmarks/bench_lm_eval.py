@@ -150,7 +150,8 @@ def evalgate_side(kernel: str, batch_size: int, n_items: int, out: Path, repeat:
     from evalgate.canary import PROFILES, canary_path
     from evalgate.model_adapters.hf.adapter import HFAdapter
     from evalgate.run.progress import Progress
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
     from evalgate.run.store import load_run
 
     adapter = HFAdapter(canary_path(), kernel, batch_size=batch_size)

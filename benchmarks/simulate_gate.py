@@ -198,7 +198,7 @@ def one_gate(world: World, seed: int, attempt: int, home: Path, max_samples: int
     from evalgate.pipeline import gate
     from evalgate.plan import GatePlan
     from evalgate.run.baselines import StoredBaseline
-    from evalgate.run.runner import RunSpec
+    from evalgate.run.spec import RunSpec
 
     if STATE.get("world") != (world, seed):
         STATE.update(world=(world, seed), tasks={t: Task(t, world, seed) for t in TASKS})

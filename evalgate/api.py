@@ -363,7 +363,9 @@ def run_kernel(kernel: str, out, model: str | None = None, tasks=("gsm8k", "huma
     from evalgate.canary import PROFILES as CANARY_PROFILES
     from evalgate.canary import canary_path
     from evalgate.run.progress import Progress
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.pipeline import in_process_adapter
+    from evalgate.run.runner import execute, prepare_out
+    from evalgate.run.spec import RunSpec, load_tasks
 
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     chosen = dict(profiles or {})
@@ -375,7 +377,10 @@ def run_kernel(kernel: str, out, model: str | None = None, tasks=("gsm8k", "huma
     if resume and (out / MANIFEST).is_file() and load_run(out).manifest.get("status") == "complete":
         return load_run(out)
     bar = None if progress else Progress(enabled=False, stream=io.StringIO())  # no lines in a notebook's output
-    return load_run(execute(spec, out, resume=resume and (out / MANIFEST).is_file(), progress=bar))
+    resume = resume and (out / MANIFEST).is_file()
+    prepare_out(out, resume)  # the folder, then every task's data, checked before the model loads
+    loaded = load_tasks(spec)
+    return load_run(execute(spec, out, in_process_adapter(spec), resume=resume, progress=bar, tasks=loaded))
 
 
 def decide(baseline, candidate, thresholds=None, allow_uncalibrated: bool = False) -> Verdict:

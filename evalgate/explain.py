@@ -227,7 +227,7 @@ def explain_flips(verdict, device: str | None = None):
 
 def _spec_of(run, task: str):
     """The run's own RunSpec (the manifest's ``spec``), cut to ``task``: its items and prompts rebuilt."""
-    from evalgate.run.runner import RunSpec
+    from evalgate.run.spec import RunSpec
 
     stored = run.manifest.get("spec") or {}
     known = {f.name for f in fields(RunSpec)}
@@ -315,7 +315,7 @@ class Explainer:
     def _prompts(self, task: str) -> dict:
         """doc_id -> the Request the run made of each item of ``task``, rebuilt from its manifest's spec."""
         if task not in self._requests:
-            from evalgate.run.runner import load_tasks
+            from evalgate.run.spec import load_tasks
 
             loaded = load_tasks(_spec_of(self.pairing.candidate, task))[task]
             self._requests[task] = {str(r.doc_id): r for r in loaded.task.requests(loaded.items, loaded.resolved)}

@@ -18,7 +18,8 @@ from evalgate.gate.verdict import Verdict
 from evalgate.plan import GatePlan, find_baselines, local_fingerprint, plan_gate, stamp
 from evalgate.run.baselines import read_aa, record, user_root, write_aa
 from evalgate.run.observer import Collected, RunObserver
-from evalgate.run.runner import LoadedTask, RunSpec, execute, load_tasks, with_sampling
+from evalgate.run.runner import execute, prepare_out
+from evalgate.run.spec import LoadedTask, RunSpec, load_tasks, with_sampling
 from evalgate.records import load_manifest
 from evalgate.run.store import MANIFEST, Run, load_run
 from evalgate.types import ModelAdapter
@@ -40,9 +41,21 @@ def run_or_resume(spec: RunSpec, out: Path, adapter: ModelAdapter | None = None,
         if meta.as_read.get("status") == "complete":
             return load_run(out, meta)
     watcher = observer if observer is not None else Collected()
-    execute(spec, out, resume=(out / MANIFEST).is_file(), adapter=adapter, observer=watcher,
-            expected_tokens=expected_tokens, tasks=dict(tasks) if tasks is not None else None)
+    resume = (out / MANIFEST).is_file()
+    if adapter is None:  # the in-process model, loaded once the folder and every task's data are checked
+        prepare_out(out, resume)
+        tasks = tasks if tasks is not None else load_tasks(spec)
+        adapter = in_process_adapter(spec)
+    execute(spec, out, adapter, resume=resume, observer=watcher, expected_tokens=expected_tokens,
+            tasks=dict(tasks) if tasks is not None else None)
     return watcher.run
+
+
+def in_process_adapter(spec: RunSpec) -> ModelAdapter:
+    """``spec``'s model loaded in this process with its kernel: the adapter of every run without a server."""
+    from evalgate.model_adapters.hf.adapter import HFAdapter  # torch and transformers: only once a model loads
+
+    return HFAdapter(spec.model, spec.kernel, device=spec.device, dtype=spec.dtype, batch_size=spec.batch_size)
 
 
 ROUND_TEMPERATURE = 0.2  # the rounds' temperature when the plan's own run is greedy: pass@1's convention (Chen et al. 2021)

@@ -19,7 +19,7 @@ from evalgate.canary import scored_as_canary
 from evalgate.gate.policy import Thresholds, resolve_policy
 from evalgate.run.baselines import (ROOT_ENV, StoredBaseline, could_be_stored, find_stored_baseline,
                                     load_baseline, load_stored_baseline, lookup_roots, user_root)
-from evalgate.run.runner import LoadedTask, RunSpec, load_tasks, with_overrides
+from evalgate.run.spec import LoadedTask, RunSpec, load_tasks, with_overrides
 from evalgate.run.store import Run
 
 RUNS_DIR = Path("results/runs")

@@ -108,7 +108,7 @@ class Record(BaseModel):
 
 
 class RunSpecInfo(Part):
-    """``manifest["spec"]``: the RunSpec the run was made from (evalgate.run.runner.RunSpec)."""
+    """``manifest["spec"]``: the RunSpec the run was made from (evalgate.run.spec.RunSpec)."""
 
     model: str | None = None
     kernel: str | None = None

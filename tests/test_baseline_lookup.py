@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from evalgate.canary import BASELINES, PROFILES, canary_path
 from evalgate.errors import UserError
 from evalgate.run import baselines
-from evalgate.run.runner import RunSpec
+from evalgate.run.spec import RunSpec
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ["gsm8k", "humaneval"]
@@ -127,7 +127,7 @@ def test_a_non_editable_install_finds_its_baseline_from_an_empty_directory(tmp_p
     code = ("import evalgate\n"
             "from evalgate.plan import stored_baselines\n"
             "from evalgate.canary import PROFILES, canary_path\n"
-            "from evalgate.run.runner import RunSpec\n"
+            "from evalgate.run.spec import RunSpec\n"
             "spec = RunSpec(model=str(canary_path()), kernel='w4a8', tasks=['gsm8k', 'humaneval'], "
             "profiles=dict(PROFILES))\n"
             "print(evalgate.__file__)\n"
@@ -173,7 +173,7 @@ def test_the_early_check_leaves_a_possible_match_to_the_profile_id():
     # only a certain miss is told early: the packaged canary baselines stay reachable (and --limit above
     # their item counts keeps them candidates), another kernel, limit or sampling does not
     from evalgate.plan import local_fingerprint
-    from evalgate.run.runner import with_overrides
+    from evalgate.run.spec import with_overrides
     from evalgate.run.samples import Sampling
     from evalgate.tasks import get_task, resolve_profile
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from evalgate.errors import UserError
-from evalgate.run.runner import RunSpec, load_tasks
+from evalgate.run.spec import RunSpec, load_tasks
 from evalgate.tasks import source
 from evalgate.tasks.data import DATA_DIR_ENV, packaged_data_dir, parse_jsonl, read_verified
 from evalgate.tasks.gsm8k import FILES as GSM8K_FILES
@@ -129,7 +129,7 @@ def test_the_packaged_default_writes_nothing_under_home_and_leaves_no_cache(tmp_
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "XDG_")) and k != DATA_DIR_ENV}
     env.update(HOME=str(home), TMPDIR=str(tmp_path))
-    code = ("from evalgate.run.runner import RunSpec, load_tasks; from evalgate.tasks import source; "
+    code = ("from evalgate.run.spec import RunSpec, load_tasks; from evalgate.tasks import source; "
             "load_tasks(RunSpec(model='m', kernel='w4a8', tasks=['gsm8k', 'humaneval'])); print(source.cache_dir())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
     cache = Path(out.stdout.strip().splitlines()[-1])

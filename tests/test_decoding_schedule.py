@@ -119,7 +119,8 @@ def test_the_gate_hands_the_baselines_answer_lengths_to_the_decoder(tmp_path, da
     from evalgate.pipeline import gate_model
     from evalgate.run.baselines import answer_lengths, record
     from evalgate.run.progress import Progress
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
     from evalgate.run.store import load_run
 
     root = tmp_path / "baselines"

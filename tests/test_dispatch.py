@@ -14,7 +14,8 @@ import pytest
 
 from evalgate.model_adapters.server.openai_client import OpenAIAdapter
 from evalgate.run.progress import Progress
-from evalgate.run.runner import RunSpec, execute
+from evalgate.run.runner import execute
+from evalgate.run.spec import RunSpec
 from evalgate.run.store import RecordWriter, load_run
 from evalgate.types import AdapterBase, Generation
 from fake_server import FakeServer

@@ -342,7 +342,8 @@ def ask(hook: EarlyStop, cand_dir, run):
 
 
 def test_the_stream_stops_and_the_stored_run_resumes_to_completion(tmp_path, data_dir):
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
     from evalgate.run.store import load_run
 
     spec = RunSpec(model="fake", kernel="faulty/x", tasks=["gsm8k"], limit=30, batch_size=1, data_dir=str(data_dir))
@@ -377,7 +378,8 @@ def test_the_stream_stops_and_the_stored_run_resumes_to_completion(tmp_path, dat
 
 
 def test_a_hook_that_is_satisfied_by_the_stored_items_generates_nothing_on_resume(tmp_path, data_dir):
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
     from evalgate.run.store import load_run
 
     spec = RunSpec(model="fake", kernel="faulty/x", tasks=["gsm8k"], limit=12, batch_size=1, data_dir=str(data_dir))
@@ -392,7 +394,8 @@ def test_a_hook_that_is_satisfied_by_the_stored_items_generates_nothing_on_resum
 
 def test_batch_by_batch_and_server_dispatch_stop_too(tmp_path, data_dir, monkeypatch):
     from evalgate.run import runner
-    from evalgate.run.runner import RunSpec, _dispatch_continuously, execute
+    from evalgate.run.runner import _dispatch_continuously, execute
+    from evalgate.run.spec import RunSpec
     from evalgate.run.store import load_run
     from evalgate.types import Generation
 
@@ -442,7 +445,8 @@ def test_batch_by_batch_and_server_dispatch_stop_too(tmp_path, data_dir, monkeyp
 
 
 def test_the_hook_is_asked_before_anything_is_generated(tmp_path, data_dir):
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
     from evalgate.run.store import load_run
     from evalgate.types import Generation
 
@@ -620,16 +624,18 @@ def test_no_early_stop_for_k_samples(stopped_gate):
 
 @pytest.mark.slow
 def test_a_real_stream_of_the_tiny_model_stops_and_its_workers_end(tiny_model, tmp_path, data_dir):
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.pipeline import in_process_adapter
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
     from evalgate.run.store import load_run
 
     spec = RunSpec(model=str(tiny_model), kernel="w4a8", tasks=["gsm8k"], limit=24, batch_size=2,
                    data_dir=str(data_dir), max_new_tokens=3)
-    out = execute(spec, tmp_path / "run", progress=quiet(), observer=stop_after(2))
+    out = execute(spec, tmp_path / "run", in_process_adapter(spec), progress=quiet(), observer=stop_after(2))
     run = load_run(out)
     assert run.manifest["status"] == "stopped_early" and 2 <= len(run.records["gsm8k"]) < 24
     assert multiprocessing.active_children() == []  # the decoding workers were terminated
-    execute(spec, out, resume=True, progress=quiet())
+    execute(spec, out, in_process_adapter(spec), resume=True, progress=quiet())
     assert len(load_run(out).records["gsm8k"]) == 24 and load_run(out).manifest["status"] == "complete"
 
 

@@ -22,11 +22,13 @@ KERNELS = ("w4a8", "w4a4_packed")
 
 
 def _run(model, kernel: str, out, tasks=("gsm8k",), limit: int = 6, max_new_tokens: int | None = 12):
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.pipeline import in_process_adapter
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
 
     spec = RunSpec(model=str(model), kernel=kernel, tasks=list(tasks), limit=limit, batch_size=8,
                    max_new_tokens=max_new_tokens)
-    return execute(spec, out, progress=Progress(enabled=False, stream=io.StringIO()))
+    return execute(spec, out, in_process_adapter(spec), progress=Progress(enabled=False, stream=io.StringIO()))
 
 
 @pytest.fixture(scope="module")
@@ -144,11 +146,14 @@ def canary_runs(tmp_path_factory):
     profiles = {"humaneval": "humaneval-canary-v1"}
     out = {}
     for kernel, limit in (("w4a4_packed", 40), ("faulty/w4a4_packed-drop-slot", 12)):
-        from evalgate.run.runner import RunSpec, execute
+        from evalgate.pipeline import in_process_adapter
+        from evalgate.run.runner import execute
+        from evalgate.run.spec import RunSpec
 
         spec = RunSpec(model=str(canary_path()), kernel=kernel, tasks=["humaneval"], profiles=profiles, limit=limit,
                        batch_size=16)
-        out[kernel] = execute(spec, root / kernel.replace("/", "-"), progress=Progress(enabled=False, stream=io.StringIO()))
+        out[kernel] = execute(spec, root / kernel.replace("/", "-"), in_process_adapter(spec),
+                              progress=Progress(enabled=False, stream=io.StringIO()))
     return out
 
 

@@ -24,14 +24,16 @@ N = 40
 
 @pytest.fixture(scope="module")
 def tiny_run(tiny_model, tmp_path_factory, data_dir):
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.pipeline import in_process_adapter
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
 
     out = tmp_path_factory.mktemp("runs") / "real"
     spec = RunSpec(model=str(tiny_model), kernel="w4a8", tasks=["gsm8k"], limit=N, batch_size=20,
                    data_dir=str(data_dir), max_new_tokens=2)
     from evalgate.run.progress import Progress
 
-    return execute(spec, out, progress=Progress(enabled=False, stream=open(os.devnull, "w")))
+    return execute(spec, out, in_process_adapter(spec), progress=Progress(enabled=False, stream=open(os.devnull, "w")))
 
 
 def evalgate_cli(args, cwd, env=None):

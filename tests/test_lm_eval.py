@@ -54,8 +54,10 @@ def served(tiny_model, tmp_path_factory):
 
 @pytest.mark.slow
 def test_lm_eval_against_evalgate_serve_equals_evalgate_run(served, tiny_model, data_dir, tmp_path):
+    from evalgate.pipeline import in_process_adapter
     from evalgate.run.progress import Progress
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
     from evalgate.run.store import load_run
     from evalgate.tasks import get_task, resolve_profile
 
@@ -77,7 +79,8 @@ def test_lm_eval_against_evalgate_serve_equals_evalgate_run(served, tiny_model, 
 
     spec = RunSpec(model=str(tiny_model), kernel=KERNEL, tasks=["gsm8k"], limit=LIMIT, batch_size=2,
                    data_dir=str(data_dir), max_new_tokens=MAX_NEW)
-    ours = load_run(execute(spec, tmp_path / "evalgate", progress=Progress(enabled=False, stream=open(os.devnull, "w"))))
+    ours = load_run(execute(spec, tmp_path / "evalgate", in_process_adapter(spec),
+                            progress=Progress(enabled=False, stream=open(os.devnull, "w"))))
     task = get_task("gsm8k")
     items, resolved = task.load(resolve_profile(task, None), data_dir, LIMIT)
     prompts = {r.doc_id: r.prompt for r in task.requests(items, resolved)}

@@ -74,7 +74,8 @@ class _Recording(Progress):
 def test_a_run_weighs_its_bar_by_the_lengths_it_was_handed(tmp_path, data_dir):
     from test_decoding_schedule import LengthAdapter
 
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
 
     spec = RunSpec(model="fake", kernel="w4a4_packed", tasks=["gsm8k"], limit=4, batch_size=2, data_dir=str(data_dir))
     lengths = {0: 5, 1: 50, 2: 500, 3: 5000}

@@ -192,7 +192,8 @@ class FakeAdapter(AdapterBase):
 
 def _execute(out: Path, data_dir, resume: bool = False) -> Path:
     from evalgate.run.progress import Progress
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
 
     spec = RunSpec(model="fake", kernel="w4a8", tasks=["gsm8k"], limit=5, batch_size=2, data_dir=str(data_dir))
     with open(os.devnull, "w") as devnull:

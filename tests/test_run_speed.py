@@ -41,7 +41,8 @@ class StreamingAdapter(AdapterBase):
 
 def test_every_task_decodes_in_one_stream_and_each_record_lands_in_its_own_task(tmp_path, data_dir):
     from evalgate.run.progress import Progress
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
     from evalgate.run.store import load_run
 
     adapter = StreamingAdapter()
@@ -151,7 +152,8 @@ def test_a_run_resumes_collection_before_it_generates(tmp_path, data_dir):
 
     from evalgate import collector
     from evalgate.run.progress import Progress
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
 
     class Observing(StreamingAdapter):
         def generate_stream(self, requests, batch_size=None):

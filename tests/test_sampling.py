@@ -20,7 +20,9 @@ from evalgate.model_adapters.hf import sampling
 from evalgate.model_adapters.hf.generation import decode, greedy_generate
 from evalgate.model_adapters.hf.sampling import SampleKey, sample_seed
 from evalgate.run.progress import Progress
-from evalgate.run.runner import RunSpec, execute
+from evalgate.pipeline import in_process_adapter
+from evalgate.run.runner import execute
+from evalgate.run.spec import RunSpec
 from evalgate.run.samples import SampleGroups, Sampling
 from evalgate.types import Generation, Request
 
@@ -194,8 +196,9 @@ def sampled_spec(tiny_model, data_dir, **kw) -> RunSpec:
 def test_a_sampled_run_records_k_samples_and_scores_their_mean(tiny_model, data_dir, tmp_path):
     from evalgate.gate.compare import compare, n_samples_of
 
-    run_a = execute(sampled_spec(tiny_model, data_dir), tmp_path / "a", progress=quiet())
-    run_b = execute(sampled_spec(tiny_model, data_dir, batch_size=1, order="reverse"), tmp_path / "b", progress=quiet())
+    spec_a, spec_b = sampled_spec(tiny_model, data_dir), sampled_spec(tiny_model, data_dir, batch_size=1, order="reverse")
+    run_a = execute(spec_a, tmp_path / "a", in_process_adapter(spec_a), progress=quiet())
+    run_b = execute(spec_b, tmp_path / "b", in_process_adapter(spec_b), progress=quiet())
     from evalgate.run.store import load_run
 
     a, b = load_run(run_a), load_run(run_b)
@@ -220,10 +223,10 @@ def test_runs_with_other_sampling_settings_are_not_comparable(tiny_model, data_d
     from evalgate.gate.compare import compare
 
     spec = sampled_spec(tiny_model, data_dir, limit=1, max_new_tokens=3, samples=2)
-    a = execute(spec, tmp_path / "a", progress=quiet())
+    a = execute(spec, tmp_path / "a", in_process_adapter(spec), progress=quiet())
     for name, change in (("seed", {"seed": 6}), ("k", {"samples": 3}), ("greedy", {"samples": 1, "temperature": 0.0})):
-        other = execute(sampled_spec(tiny_model, data_dir, limit=1, max_new_tokens=3, **{"samples": 2, **change}),
-                        tmp_path / name, progress=quiet())
+        spec_b = sampled_spec(tiny_model, data_dir, limit=1, max_new_tokens=3, **{"samples": 2, **change})
+        other = execute(spec_b, tmp_path / name, in_process_adapter(spec_b), progress=quiet())
         with pytest.raises(NotComparable) as info:
             compare(a, other)
         message = str(info.value)

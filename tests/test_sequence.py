@@ -249,7 +249,7 @@ def test_an_undecided_task_gets_rounds_until_decided(tmp_path, monkeypatch, max_
     import evalgate.pipeline as pipeline
     from evalgate.plan import GatePlan
     from evalgate.run.baselines import load_baseline
-    from evalgate.run.runner import RunSpec
+    from evalgate.run.spec import RunSpec
     from evalgate.run.store import load_run
 
     base, cand = _pair(tmp_path, lost=6)

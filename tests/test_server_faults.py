@@ -20,7 +20,8 @@ import pytest
 from evalgate.errors import UserError
 from evalgate.model_adapters.server.openai_client import OpenAIAdapter, ServerError, _parse_choice, normalize_url, request_seed
 from evalgate.run.progress import Progress
-from evalgate.run.runner import RunSpec, execute
+from evalgate.run.runner import execute
+from evalgate.run.spec import RunSpec
 from evalgate.run.store import load_run
 from evalgate.types import Request
 from fake_server import FakeServer

@@ -50,12 +50,15 @@ def by_id(records: list[dict]) -> dict:
 
 @pytest.mark.slow
 def test_a_server_run_equals_the_in_process_run(served, tiny_model, data_dir, cli_env, tmp_path):
+    from evalgate.pipeline import in_process_adapter
     from evalgate.run.progress import Progress
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
 
     spec = RunSpec(model=str(tiny_model), kernel=KERNEL, tasks=["gsm8k"], limit=LIMIT, batch_size=2,
                    data_dir=str(data_dir), max_new_tokens=MAX_NEW)
-    local = execute(spec, tmp_path / "local", progress=Progress(enabled=False, stream=open(os.devnull, "w")))
+    local = execute(spec, tmp_path / "local", in_process_adapter(spec),
+                    progress=Progress(enabled=False, stream=open(os.devnull, "w")))
     out = tmp_path / "served"
     proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--server", served, "--model-id", "model",
                            "--kernel", KERNEL, "--limit", str(LIMIT), "--max-new-tokens", str(MAX_NEW),

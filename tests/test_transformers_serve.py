@@ -53,7 +53,8 @@ def test_a_run_against_transformers_serve_equals_the_in_process_bf16_run(transfo
 
     from evalgate.model_adapters.hf.adapter import HFAdapter
     from evalgate.run.progress import Progress
-    from evalgate.run.runner import RunSpec, execute
+    from evalgate.run.runner import execute
+    from evalgate.run.spec import RunSpec
 
     spec = RunSpec(model=str(tiny_model), kernel="bf16", tasks=["gsm8k"], limit=LIMIT, batch_size=1,
                    data_dir=str(data_dir), max_new_tokens=MAX_NEW)

@@ -173,7 +173,8 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     run_out = Path(out) if out else gate_out(kernel)
     preflight.writable_folder(run_out, "--out")
 
-    from evalgate.run.runner import load_tasks, prepare_ahead
+    from evalgate.run.runner import prepare_ahead
+    from evalgate.run.spec import load_tasks
 
     served = bool(server or launch)
     name = served_model_name(model, server, launch, model_id) if served else None

@@ -290,7 +290,7 @@ def served_model_name(model, server, launch, model_id) -> str:
 def run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name=None,
              sampling: dict | None = None):
     """The RunSpec of ``gate`` and ``calibrate``; ``sampling`` is ``sampling_settings(...)`` (default greedy)."""
-    from evalgate.run.runner import RunSpec
+    from evalgate.run.spec import RunSpec
 
     task_list = parse_tasks(tasks, default="gsm8k,humaneval")
     chosen = parse_profiles(profiles, task_list)

@@ -36,7 +36,8 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
     out = Path(out) if out else default_out(kernel)
     preflight.writable_folder(out, "--out")
 
-    from evalgate.run.runner import RunSpec, execute, load_tasks, prepare_out
+    from evalgate.run.runner import execute, prepare_out
+    from evalgate.run.spec import RunSpec, load_tasks
 
     task_list = parse_tasks(tasks)
     chosen = parse_profiles(profiles, task_list)
@@ -61,7 +62,11 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
         try:
             with server_adapter(server, launch, model, kernel, out, model_id, server_args, launch_timeout,
                                 request_timeout, concurrency, retries, batch_size, resume_hint=False) as adapter:
-                path = execute(spec, out, resume=resume, adapter=adapter, tasks=loaded)
+                if adapter is None:
+                    from evalgate.pipeline import in_process_adapter
+
+                    adapter = in_process_adapter(spec)
+                path = execute(spec, out, adapter, resume=resume, tasks=loaded)
         except ServerError as exc:  # the server went away mid-run: the environment, not the input
             raise EnvironmentFailure(str(exc).replace(f"; {RESUME_HINT}", "").replace(RESUME_HINT, "")) from None
     _print_run_summary(path)
