@@ -215,6 +215,16 @@ def test_the_adapter_checks_see_an_import_against_the_layers():
         _adapter_layer(f"{ADAPTERS}.flat_module")
 
 
+def test_the_runner_is_handed_its_adapter():
+    # spec → adapter → runner: the pipeline builds the adapter (pipeline.in_process_adapter) and the runner
+    # takes it; run/ names no adapter, only what both adapters share (the sample seeds a manifest records)
+    graph = _graph()
+    assert "evalgate.model_adapters.hf.adapter" in graph["evalgate.pipeline"]
+    building = sorted(f"{a} -> {b}" for a, targets in graph.items() if a.startswith("evalgate.run")
+                      for b in targets if b.startswith(ADAPTERS) and _adapter_layer(b) >= 0)
+    assert building == []
+
+
 def test_stats_holds_only_numbers():
     graph = _graph()
     for module, targets in graph.items():
