@@ -125,7 +125,8 @@ def resolve_profile(task: Task, profile_name: str | None) -> Profile:
 def record_model(name: str) -> type[ItemRecord]:
     """The model of ``name``'s per-item records; a task this install does not know is read with the fields
     every task writes (its other fields kept as they are)."""
-    return get_task(name).record_model if name in task_names() else ItemRecord
+    known = name in BUILTIN or name in _registered or name in _entry_points()  # evalgate's own: no metadata read
+    return get_task(name).record_model if known else ItemRecord
 
 
 def comparison_notes(base_manifest: dict, cand_manifest: dict, tasks=None) -> list[str]:
