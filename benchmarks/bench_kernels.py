@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-profile", action="store_true", help="also print where the host (Python) time of 10 calls goes")
     p.add_argument("--sweep", action="store_true", help="CUDA, Triton: time each emulated kernel under several GEMM tilings")
     p.add_argument("--fast", default="", help="Triton fast-path settings, KEY=VALUE,... (fast.FAST: bm, bn, bk, "
-                   "warps, stages, decode, half2, split_k)")
+                   "warps, stages, half2, split_k)")
     p.add_argument("--sweep-tokens", default="", help="--sweep only at these token counts (default: all)")
     p.add_argument("--sweep-keys", default="", help="--sweep only the tilings that set one of these FAST keys, "
                    "KEY,... (e.g. split_k)")
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
 
         for item in args.fast.split(","):
             key, value = item.split("=")
-            fast.FAST[key.strip()] = value.strip() if key.strip() == "decode" else int(value)
+            fast.FAST[key.strip()] = int(value)
         print(f"fast path settings: {fast.FAST}")
     if args.identity:
         return identity(args)

@@ -19,7 +19,7 @@ and finite: RN_fp32 of the exact dot product, as the canonical accumulation defi
 (a row's byte range above 7 * LIMBS - 4 for E2M1, an expert whose columns span more than 3 binades, the
 exponent out of range) are left to the per-block path (`gemm.int_gemm`) by the caller.
 
-Decoding the weights (FAST["decode"], default "words"): each 32-bit word of packed codes (8 K) becomes two
+Decoding the weights: each 32-bit word of packed codes (8 K) becomes two
 words of int8 weights, its first 4 K and its last 4 K, with two byte permutes per half (`_WORDS_ASM`);
 the activations are folded in the same K order (`fold_rows`), so the sums are the same integers. A tile's
 rows take the limbs its widest row needs: each GEMM is launched once per limb count and a tile runs in the
@@ -62,13 +62,13 @@ from ..formats import EPILOGUE, format_max
 from .availability import interpreted, sm_count
 from .quantize import group_codes, pow2_f32
 
-# GPU tilings (bm 0: gemm.block_m) and the weight decode (DECODES); benchmarks sweep them
+# GPU tilings (bm 0: gemm.block_m)
 # bm 0: by rows per expert (16 to bm_max)
 # (bn: L1's gate + up columns per tile; bn2 / bk2: L2's columns / K step, 0 = as L1)
 # 4 warps and a K step of 128 for every tile size: one DSV4-Flash layer at 4096 tokens (tiles of 128 rows)
 # took 5.6-5.7 ms on the H200 where 8 warps and a K step of 256 took 7.4-7.7 ms (both replaying a CUDA graph)
 FAST = {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 128, "bk2": 0, "warps": 4, "stages": 3,
-        "decode": "words", "half2": 128, "split_k": 8}
+        "half2": 128, "split_k": 8}
 # split_k: a GEMM whose grid of (tile, column block) programs is small splits each program's K loop over SPLIT
 # programs (a power of two), keeping the grid within split_k programs per SM (0: never split; `_split_k`):
 # few rows per expert (decoding) leave a few dozen tiles x N / BN programs, each a long serial K loop; the
@@ -76,15 +76,9 @@ FAST = {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 128, "bk2": 0, "war
 # epilogue (`_l1_split_epilogue`, `_l2_split_epilogue`)
 # half2: L2 tiles of at least this many rows (0: none) take each expert's rows widest first, and a tile
 # whose second half needs one limb runs the upper limbs on its first half only (`halves`)
-# weight decodes: "joined" (one tile in K order, a 4 x 256 table), "split" (even / odd K tiles, a 4 x 16
-# table), "words" (per 32-bit word of 8 codes, the first 4 K and the last 4 K as two tiles, decoded with
-# byte permutes on a GPU, `_WORDS_ASM`; the interpreter computes the same tiles from the table)
-DECODES = {"joined": 0, "split": 1, "words": 2}
 MAX_W_SHIFT = 3  # 12 * 2^3 = 96 fits an int8
 CODE_BITS = {"e2m1": 4, "e4m3": 18}  # |code| < 2^bits
 MAX_LIMBS = 3
-LIMB_LAUNCHES = {1: 0, 2: 0, 3: 0}  # GEMMs whose widest fast tile took each limb count (tests, benchmarks)
-FORCE_SLOW_ROWS = False  # tests: send every row through the per-block path (gemm.int_gemm)
 _COLS_ATTR = "_evalgate_triton_column_ranges"
 
 
@@ -99,45 +93,6 @@ def bf16_rne(x):
     bits = x.to(tl.int32, bitcast=True)
     r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return r.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _decode_shifted(W, SW, WLO, LUT, e, wcols, h0, NW: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-                    BH: tl.constexpr, SCALE_FAULT: tl.constexpr):
-    """Weights of rows `wcols` of expert e, packed bytes h0..h0+BH (K positions 2 h0 .. 2 (h0 + BH)): twice-
-    values shifted left by (byte - the column's lo), as two int8 [BN, BH] tiles, the low nibbles (even K)
-    and the high nibbles (odd K), from the 4 x 16 table LUT (shift, nibble) -> value."""
-    KB: tl.constexpr = K // 32
-    h = h0 + tl.arange(0, BH)
-    grp = h // 16  # 16 bytes per group of 32
-    base = (e * NW + wcols).to(tl.int64)
-    packed = tl.load(W + base[:, None] * (K // 2) + h[None, :]).to(tl.int32)  # [BN, BH]
-    sw = tl.load(SW + base[:, None] * KB + grp[None, :]).to(tl.int32)
-    if SCALE_FAULT:
-        sw = tl.where(wcols[:, None] % KB == grp[None, :], tl.minimum(sw + 1, 254), sw)
-    lo = tl.load(WLO + base).to(tl.int32)
-    row = tl.minimum(tl.maximum(sw - lo[:, None], 0), 3) * 16
-    return tl.load(LUT + row + (packed & 15)), tl.load(LUT + row + (packed >> 4))
-
-
-@triton.jit
-def _decode_joined(W, SW, WLO, LUT2, e, wcols, k0, NW: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, SCALE_FAULT: tl.constexpr):
-    """As `_decode_shifted`, K positions k0..k0+BK in their natural order: int8 [BN, BK], from the 4 x 256
-    table LUT2 (shift, byte) -> both nibbles' values (int16: low byte = low nibble)."""
-    KB: tl.constexpr = K // 32
-    h = tl.arange(0, BK // 2)
-    g = k0 // 32 + tl.arange(0, BK // 32)
-    base = (e * NW + wcols).to(tl.int64)
-    packed = tl.load(W + base[:, None] * (K // 2) + k0 // 2 + h[None, :]).to(tl.int32)
-    sw = tl.load(SW + base[:, None] * KB + g[None, :]).to(tl.int32)
-    if SCALE_FAULT:
-        sw = tl.where(wcols[:, None] % KB == g[None, :], tl.minimum(sw + 1, 254), sw)
-    lo = tl.load(WLO + base).to(tl.int32)
-    shift = tl.minimum(tl.maximum(sw - lo[:, None], 0), 3)
-    idx = packed.reshape(BN, BK // 32, 16) + (shift * 256)[:, :, None]
-    both = tl.load(LUT2 + idx.reshape(BN, BK // 2))
-    return tl.join(both.to(tl.int8), (both >> 8).to(tl.int8)).reshape(BN, BK)
 
 
 # One 32-bit word of packed codes (bytes b0..b3: K 8q .. 8q+7, low nibble first) and a word of 4 equal
@@ -176,9 +131,11 @@ prmt.b32 $1, wm, wn, wt;
 @triton.jit
 def _decode_words(W, SW, WLO, LUT, e, wcols, h0, NW: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
                   BH: tl.constexpr, SCALE_FAULT: tl.constexpr, ASM: tl.constexpr):
-    """As `_decode_shifted`, packed bytes h0..h0+BH in two int8 [BN, BH] tiles: of each 32-bit word q (K
+    """Weights of rows `wcols` of expert e, packed bytes h0..h0+BH (K positions 2 h0 .. 2 (h0 + BH)): twice-
+    values shifted left by (byte - the column's lo), in two int8 [BN, BH] tiles: of each 32-bit word q (K
     8q..8q+7), its first 4 K to the first tile and its last 4 to the second, in place of the word's 4
-    bytes. ASM: byte permutes on 4 codes at a time (`_WORDS_ASM`); else the table (the interpreter)."""
+    bytes. ASM: byte permutes on 4 codes at a time (`_WORDS_ASM`); else the 4 x 16 table LUT (shift,
+    nibble) -> value (the interpreter)."""
     KB: tl.constexpr = K // 32
     G: tl.constexpr = BH // 16
     g = h0 // 16 + tl.arange(0, G)
@@ -204,27 +161,6 @@ def _decode_words(W, SW, WLO, LUT, e, wcols, h0, NW: tl.constexpr, K: tl.constex
         w0 = tl.load(lut + ((b0 >> nib[None, None, :]) & 15))
         w1 = tl.load(lut + ((b1 >> nib[None, None, :]) & 15))
     return w0.reshape(BN, BH), w1.reshape(BN, BH)
-
-
-@triton.jit
-def _limb_dot_joined(A, arow, live, kk, wt, acc0, acc1, acc2, K: tl.constexpr, LSTRIDE, LIMBS: tl.constexpr,
-                     DYN: tl.constexpr, run):
-    p = A + arow[:, None] * K + kk[None, :]
-    m = live[:, None]
-    acc0 = tl.dot(tl.load(p, mask=m, other=0), wt, acc0, out_dtype=tl.int32)
-    if LIMBS >= 2:
-        if DYN:
-            if run >= 2:
-                acc1 = tl.dot(tl.load(p + LSTRIDE, mask=m, other=0), wt, acc1, out_dtype=tl.int32)
-        else:
-            acc1 = tl.dot(tl.load(p + LSTRIDE, mask=m, other=0), wt, acc1, out_dtype=tl.int32)
-    if LIMBS >= 3:
-        if DYN:
-            if run >= 3:
-                acc2 = tl.dot(tl.load(p + 2 * LSTRIDE, mask=m, other=0), wt, acc2, out_dtype=tl.int32)
-        else:
-            acc2 = tl.dot(tl.load(p + 2 * LSTRIDE, mask=m, other=0), wt, acc2, out_dtype=tl.int32)
-    return acc0, acc1, acc2
 
 
 @triton.jit
@@ -303,13 +239,13 @@ def _fast_tile(TILE_EXPERT, TILE_BEGIN, TILE_END, NEED, BM: tl.constexpr):
 
 
 @triton.jit
-def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE_EXPERT, TILE_BEGIN, TILE_END,
+def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, SILU, TILE_EXPERT, TILE_BEGIN, TILE_END,
                Q, QSTRIDE, QB, HI, LO, ACC, ACC_STRIDE,
                I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                LIMBS: tl.constexpr, SCALE_FAULT: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
                SILU_LIMIT: tl.constexpr, E4M3: tl.constexpr, DIV: tl.constexpr, F: tl.constexpr, INV_F: tl.constexpr,
-               CLAMP_LO: tl.constexpr, CLAMP_HI: tl.constexpr, FLOOR: tl.constexpr, DECODE: tl.constexpr,
-               ASM: tl.constexpr, SPLIT: tl.constexpr, DYN: tl.constexpr):
+               CLAMP_LO: tl.constexpr, CLAMP_HI: tl.constexpr, FLOOR: tl.constexpr, ASM: tl.constexpr,
+               SPLIT: tl.constexpr, DYN: tl.constexpr):
     """One tile of BM rows of one expert x BN gate (and the matching up) columns, if its widest fast row
     needs LIMBS limbs (one launch per limb count: the tiles choose, no host sync); DYN (split launches):
     every tile with fast rows, each with the limbs it needs (LIMBS: the most). SPLIT > 1: this program
@@ -325,68 +261,31 @@ def _l1_kernel(A, A_ROW, LSTRIDE, P, NEED, RW, W, SW, WLO, LUT, LUT2, SILU, TILE
         if limbs != LIMBS:
             return
     arow = tl.load(A_ROW + rows, mask=keep, other=0).to(tl.int64)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)  # gate columns; up = cols + I
     BH: tl.constexpr = BK // 2
     KS: tl.constexpr = K // SPLIT  # K positions per program
     if SPLIT == 1:
         k0s = 0
     else:
         k0s = tl.program_id(2) * KS
-    if DECODE == 2:  # gate and up columns in one tile of 2 BN: one dot per limb and half
-        r = tl.arange(0, 2 * BN)
-        both = tl.program_id(1) * BN + r % BN + (r // BN) * I
-        a0 = tl.zeros([BM, 2 * BN], dtype=tl.int32)
-        a1 = tl.zeros([BM, 2 * BN], dtype=tl.int32)
-        a2 = tl.zeros([BM, 2 * BN], dtype=tl.int32)
-        hh0 = tl.arange(0, BH)
-        for i in range(0, KS // 2, BH):
-            h0 = k0s // 2 + i
-            we, wo = _decode_words(W, SW, WLO, LUT, e, both, h0, 2 * I, K, 2 * BN, BH, SCALE_FAULT, ASM)
-            a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(we), tl.trans(wo), a0, a1, a2, K, LSTRIDE,
-                                   LIMBS, DYN, limbs)
-        if SPLIT > 1:
-            _add_partials(ACC, ACC_STRIDE, rows, keep, both, 2 * I, a0, a1, a2, LIMBS, DYN, limbs)
-        else:
-            p = tl.load(P + rows, mask=keep, other=0)
-            wlo = tl.load(WLO + e * 2 * I + both).to(tl.int32)
-            gu = bf16_rne(_to_f32(a0, a1, a2, p[:, None] + wlo[None, :], LIMBS))  # step 4
-            g, u = tl.split(gu.reshape(BM, 2, BN).permute(0, 2, 1))
+    # gate and up columns in one tile of 2 BN: one dot per limb and half
+    r = tl.arange(0, 2 * BN)
+    both = tl.program_id(1) * BN + r % BN + (r // BN) * I
+    a0 = tl.zeros([BM, 2 * BN], dtype=tl.int32)
+    a1 = tl.zeros([BM, 2 * BN], dtype=tl.int32)
+    a2 = tl.zeros([BM, 2 * BN], dtype=tl.int32)
+    hh0 = tl.arange(0, BH)
+    for i in range(0, KS // 2, BH):
+        h0 = k0s // 2 + i
+        we, wo = _decode_words(W, SW, WLO, LUT, e, both, h0, 2 * I, K, 2 * BN, BH, SCALE_FAULT, ASM)
+        a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(we), tl.trans(wo), a0, a1, a2, K, LSTRIDE,
+                               LIMBS, DYN, limbs)
+    if SPLIT > 1:
+        _add_partials(ACC, ACC_STRIDE, rows, keep, both, 2 * I, a0, a1, a2, LIMBS, DYN, limbs)
     else:
-        g0 = tl.zeros([BM, BN], dtype=tl.int32)
-        g1 = tl.zeros([BM, BN], dtype=tl.int32)
-        g2 = tl.zeros([BM, BN], dtype=tl.int32)
-        u0 = tl.zeros([BM, BN], dtype=tl.int32)
-        u1 = tl.zeros([BM, BN], dtype=tl.int32)
-        u2 = tl.zeros([BM, BN], dtype=tl.int32)
-        if DECODE == 1:
-            hh0 = tl.arange(0, BH)
-            for i in range(0, KS // 2, BH):
-                h0 = k0s // 2 + i
-                ge, go = _decode_shifted(W, SW, WLO, LUT, e, cols, h0, 2 * I, K, BN, BH, SCALE_FAULT)
-                g0, g1, g2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(ge), tl.trans(go), g0, g1, g2, K,
-                                       LSTRIDE, LIMBS, DYN, limbs)
-                ue, uo = _decode_shifted(W, SW, WLO, LUT, e, cols + I, h0, 2 * I, K, BN, BH, SCALE_FAULT)
-                u0, u1, u2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(ue), tl.trans(uo), u0, u1, u2, K,
-                                       LSTRIDE, LIMBS, DYN, limbs)
-        else:
-            kk0 = tl.arange(0, BK)
-            for i in range(0, KS, BK):
-                k0 = k0s + i
-                wg = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols, k0, 2 * I, K, BN, BK, SCALE_FAULT))
-                wu = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols + I, k0, 2 * I, K, BN, BK, SCALE_FAULT))
-                g0, g1, g2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wg, g0, g1, g2, K, LSTRIDE, LIMBS, DYN,
-                                              limbs)
-                u0, u1, u2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wu, u0, u1, u2, K, LSTRIDE, LIMBS, DYN,
-                                              limbs)
-        if SPLIT > 1:
-            _add_partials(ACC, ACC_STRIDE, rows, keep, cols, 2 * I, g0, g1, g2, LIMBS, DYN, limbs)
-            _add_partials(ACC, ACC_STRIDE, rows, keep, cols + I, 2 * I, u0, u1, u2, LIMBS, DYN, limbs)
-        else:
-            p = tl.load(P + rows, mask=keep, other=0)
-            wlo_g = tl.load(WLO + e * 2 * I + cols).to(tl.int32)
-            wlo_u = tl.load(WLO + e * 2 * I + I + cols).to(tl.int32)
-            g = bf16_rne(_to_f32(g0, g1, g2, p[:, None] + wlo_g[None, :], LIMBS))  # step 4
-            u = bf16_rne(_to_f32(u0, u1, u2, p[:, None] + wlo_u[None, :], LIMBS))
+        p = tl.load(P + rows, mask=keep, other=0)
+        wlo = tl.load(WLO + e * 2 * I + both).to(tl.int32)
+        gu = bf16_rne(_to_f32(a0, a1, a2, p[:, None] + wlo[None, :], LIMBS))  # step 4
+        g, u = tl.split(gu.reshape(BM, 2, BN).permute(0, 2, 1))
     if SPLIT == 1:
         _l1_epilogue(g, u, rows, keep, RW, SILU, Q, QSTRIDE, QB, HI, LO, I, BM, BN, HAS_LIMIT, LIMIT, SILU_LIMIT,
                      E4M3, DIV, F, INV_F, CLAMP_LO, CLAMP_HI, FLOOR)
@@ -491,14 +390,14 @@ def _load_partials(ACC, ACC_STRIDE, rows, keep, cols, NC: tl.constexpr, limbs):
 
 
 @triton.jit
-def _l2_kernel(A, LSTRIDE, P, NEED, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TILE_BEGIN, TILE_END, OUT, A_ROW,
+def _l2_kernel(A, LSTRIDE, P, NEED, SLOT, W, SW, WLO, LUT, TILE_EXPERT, TILE_BEGIN, TILE_END, OUT, A_ROW,
                ACC, ACC_STRIDE, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, LIMBS: tl.constexpr, SCALE_FAULT: tl.constexpr, DECODE: tl.constexpr,
-               ASM: tl.constexpr, GATHER: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
+               BK: tl.constexpr, LIMBS: tl.constexpr, SCALE_FAULT: tl.constexpr, ASM: tl.constexpr,
+               GATHER: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
                DYN: tl.constexpr):
     """One tile of BM rows of one expert x BN columns, if its widest fast row needs LIMBS limbs (DYN: any
     limbs, as `_l1_kernel`). GATHER:
-    sorted row s reads row A_ROW[s] of A (else row s). HALF (DECODE 2, rows sorted widest first within each
+    sorted row s reads row A_ROW[s] of A (else row s). HALF (rows sorted widest first within each
     expert, `sort_by_need`): 1 - this launch takes the tiles whose second half of rows needs at most one
     limb, and runs the upper limbs on the first half only; 2 - it takes the others; 0 - every tile.
     SPLIT > 1 (HALF 0): this program takes the K / SPLIT positions of share program_id(2) and adds its int32
@@ -567,26 +466,12 @@ def _l2_kernel(A, LSTRIDE, P, NEED, SLOT, W, SW, WLO, LUT, LUT2, TILE_EXPERT, TI
         k0s = 0
     else:
         k0s = tl.program_id(2) * KS
-    if DECODE == 2:
-        hh0 = tl.arange(0, BH)
-        for i in range(0, KS // 2, BH):
-            h0 = k0s // 2 + i
-            we, wo = _decode_words(W, SW, WLO, LUT, e, cols, h0, N, K, BN, BH, SCALE_FAULT, ASM)
-            a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(we), tl.trans(wo), a0, a1, a2, K, LSTRIDE,
-                                   LIMBS, DYN, limbs)
-    elif DECODE == 1:
-        hh0 = tl.arange(0, BH)
-        for i in range(0, KS // 2, BH):
-            h0 = k0s // 2 + i
-            we, wo = _decode_shifted(W, SW, WLO, LUT, e, cols, h0, N, K, BN, BH, SCALE_FAULT)
-            a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(we), tl.trans(wo), a0, a1, a2, K, LSTRIDE,
-                                   LIMBS, DYN, limbs)
-    else:
-        kk0 = tl.arange(0, BK)
-        for i in range(0, KS, BK):
-            k0 = k0s + i
-            wt = tl.trans(_decode_joined(W, SW, WLO, LUT2, e, cols, k0, N, K, BN, BK, SCALE_FAULT))
-            a0, a1, a2 = _limb_dot_joined(A, arow, keep, k0 + kk0, wt, a0, a1, a2, K, LSTRIDE, LIMBS, DYN, limbs)
+    hh0 = tl.arange(0, BH)
+    for i in range(0, KS // 2, BH):
+        h0 = k0s // 2 + i
+        we, wo = _decode_words(W, SW, WLO, LUT, e, cols, h0, N, K, BN, BH, SCALE_FAULT, ASM)
+        a0, a1, a2 = _limb_dot(A, arow, keep, h0 + hh0, tl.trans(we), tl.trans(wo), a0, a1, a2, K, LSTRIDE,
+                               LIMBS, DYN, limbs)
     if SPLIT > 1:
         _add_partials(ACC, ACC_STRIDE, rows, keep, cols, N, a0, a1, a2, LIMBS, DYN, limbs)
     else:
@@ -626,7 +511,7 @@ def _l2_split_epilogue(ACC, ACC_STRIDE, P, NEED, SLOT, WLO, TILE_EXPERT, TILE_BE
 
 @triton.jit
 def _fold_rows(Q, QSTRIDE, QB, LO, OUT, OSTRIDE, R, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-               QLIMBS: tl.constexpr, LIMBS: tl.constexpr, MAX_SHIFT: tl.constexpr, DECODE: tl.constexpr):
+               QLIMBS: tl.constexpr, LIMBS: tl.constexpr, MAX_SHIFT: tl.constexpr):
     """Integer codes (QLIMBS 7-bit limbs) shifted left by (group byte - the row's lo), as LIMBS limbs."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     ks = tl.program_id(1) * BK + tl.arange(0, BK)
@@ -641,14 +526,9 @@ def _fold_rows(Q, QSTRIDE, QB, LO, OUT, OSTRIDE, R, K: tl.constexpr, BR: tl.cons
     shift = tl.minimum(tl.maximum(sb - lo[:, None], 0), MAX_SHIFT)
     mag = tl.abs(v) << shift
     sign = tl.where(v < 0, -1, 1)
-    # the K order the weight decode gives (`_decode_shifted`, `_decode_words`): each half of the row pairs
-    # with one of the two weight tiles
-    if DECODE == 1:  # even K to the first half of the row, odd K to the second
-        dest = rows[:, None] * K + (ks // 2 + (ks % 2) * (K // 2))[None, :]
-    elif DECODE == 2:  # of each 8 K (a word of packed codes), the first 4 to the first half, the last 4 to the second
-        dest = rows[:, None] * K + ((ks // 8) * 4 + ks % 4 + ((ks // 4) % 2) * (K // 2))[None, :]
-    else:
-        dest = offs
+    # the K order the weight decode gives (`_decode_words`): each half of the row pairs with one of the two
+    # weight tiles; of each 8 K (a word of packed codes), the first 4 to the first half, the last 4 to the second
+    dest = rows[:, None] * K + ((ks // 8) * 4 + ks % 4 + ((ks // 4) % 2) * (K // 2))[None, :]
     tl.store(OUT + dest, ((mag & 127) * sign).to(tl.int8), mask=live[:, None])
     if LIMBS >= 2:
         tl.store(OUT + OSTRIDE + dest, (((mag >> 7) & 127) * sign).to(tl.int8), mask=live[:, None])
@@ -670,14 +550,8 @@ def fold_rows(q: torch.Tensor, q_bytes: torch.Tensor, lo: torch.Tensor, fmt: str
         bk //= 2
     _fold_rows[(triton.cdiv(r, br), k // bk)](
         q, r * k, q_bytes, lo.to(torch.int32), out, r * k, r, K=k, BR=br, BK=bk, QLIMBS=qlimbs,
-        LIMBS=limbs, MAX_SHIFT=max_shift(fmt, limbs), DECODE=decode(), num_warps=4)
+        LIMBS=limbs, MAX_SHIFT=max_shift(fmt, limbs), num_warps=4)
     return out
-
-
-def decode() -> int:
-    """The fast kernels' weight decode (FAST["decode"], DECODES). Every decode gives the same sums: an
-    integer dot product in any K order, with the activations permuted to match."""
-    return DECODES[FAST["decode"]]
 
 
 def max_shift(fmt: str, limbs: int) -> int:
@@ -745,18 +619,6 @@ def shifted_twice_table(device) -> torch.Tensor:
     if key not in _TABLES:
         twice = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int32)
         _TABLES[key] = torch.cat([twice << s for s in range(4)]).to(torch.int8).to(device)
-    return _TABLES[key]
-
-
-def shifted_pair_table(device) -> torch.Tensor:
-    """int16 [4 * 256]: (shift s, byte) -> the low nibble's value (low byte) and the high nibble's (high
-    byte), each twice the E2M1 value shifted left by s."""
-    key = ("pairs", str(device))
-    if key not in _TABLES:
-        twice = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int32)
-        byte = torch.arange(256)
-        parts = [((twice[byte & 15] << s) & 0xFF) | ((twice[byte >> 4] << s) << 8) for s in range(4)]
-        _TABLES[key] = torch.cat(parts).to(torch.int16).to(device)
     return _TABLES[key]
 
 
@@ -887,8 +749,8 @@ def l1_gemm(a_limbs, a_row, p, need, router_w, fp4, bases: ColumnBases, tiles, b
             stages, bk = _stages(FAST["stages"], limbs, bm, 2 * bn, bk0)
         _l1_kernel[(tiles[0].numel(), i // bn, split)](
             a_limbs, a_row, t * k, p, need, router_w, fp4.w1, fp4.w1_scale, bases.lo, shifted_twice_table(dev),
-            shifted_pair_table(dev), silu_table(dev), *tiles, q, s * i, q_bytes, hi, lo, acc, s * 2 * i,
-            K=k, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, DECODE=decode(), ASM=_asm(), SPLIT=split, **epilogue,
+            silu_table(dev), *tiles, q, s * i, q_bytes, hi, lo, acc, s * 2 * i,
+            K=k, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, ASM=_asm(), SPLIT=split, **epilogue,
             DYN=split > 1, num_warps=warps, num_stages=stages)
     if split > 1:
         _l1_split_epilogue[(tiles[0].numel(), i // bn)](
@@ -921,8 +783,8 @@ def l2_gemm(a_limbs, p, need, slot, fp4, bases: ColumnBases, tiles, bm: int, sca
         for half in (1, 2) if halves and limbs > 1 else (0,):
             _l2_kernel[(tiles[0].numel(), n // bn, split)](
                 a_limbs, s * k, p, need, slot, fp4.w2, fp4.w2_scale, bases.lo, shifted_twice_table(dev),
-                shifted_pair_table(dev), *tiles, out_bits, slot if a_row is None else a_row, acc, s * n, N=n, K=k,
-                BM=bm, BN=bn, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, DECODE=decode(), ASM=_asm(),
+                *tiles, out_bits, slot if a_row is None else a_row, acc, s * n, N=n, K=k,
+                BM=bm, BN=bn, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, ASM=_asm(),
                 GATHER=a_row is not None, HALF=half, SPLIT=split, DYN=split > 1, num_warps=warps,
                 num_stages=stages)
     if split > 1:
@@ -932,9 +794,9 @@ def l2_gemm(a_limbs, p, need, slot, fp4, bases: ColumnBases, tiles, bm: int, sca
 
 def halves(fmt: str, bm: int) -> bool:
     """Whether L2 sorts each expert's rows by the limbs they need and runs the upper limbs on half tiles
-    (FAST["half2"]: from tiles of this many rows on; 0: never; decode "words"; a format whose rows can
-    need a single limb)."""
-    return 0 < FAST["half2"] <= bm and bm >= 32 and decode() == 2 and limb_counts(fmt)[0] == 1
+    (FAST["half2"]: from tiles of this many rows on; 0: never; a format whose rows can need a single
+    limb)."""
+    return 0 < FAST["half2"] <= bm and bm >= 32 and limb_counts(fmt)[0] == 1
 
 
 def sort_by_need(expert: torch.Tensor, need: torch.Tensor) -> torch.Tensor:

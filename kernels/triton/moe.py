@@ -144,7 +144,7 @@ class _Layer:
         w = rows.w / float(routed_scaling) if recipe.routed_scaling == "unfused" else rows.w
         self.op, self.rows, self.w, self.fp4, self.recipe, self.limit, self.slot = op, rows, w, fp4, recipe, limit, slot
         self.scale_fault = recipe.fault == "weight_scale_exponent_plus_one"
-        self.force = fast.FORCE_SLOW_ROWS or certify.FORCE_HOST_ROWS
+        self.force = certify.FORCE_HOST_ROWS
         b1, self.b2 = fast.column_bases(fp4)
         fmt2 = self.fmt2 = recipe.intermediate
         # L1 (steps 3-6) -> intermediate codes q2, bytes qb2, row byte ranges hi2 / lo2
@@ -175,7 +175,7 @@ class _Layer:
     def finish(self) -> bool:
         """The host sync; the per-block path for the rows the fast path left. True if it wrote slot rows."""
         op, rows, w, fp4, fault, limit = self.op, self.rows, self.w, self.fp4, self.recipe.fault, self.limit
-        slow1, limbs1, n, slow2, limbs2, _ = self.count.tolist()  # the host sync
+        slow1, _, n, slow2, _, _ = self.count.tolist()  # the host sync
         present = rows.expert < rows.num_experts
         need2 = self.need2
         if slow1:  # L1 rows for the per-block path, then L2 again: its plan read their (then unset) ranges
@@ -187,14 +187,11 @@ class _Layer:
                 self.q2[:, chunk], self.qb2[chunk], self.hi2[chunk], self.lo2[chunk] = cq, cb, chi, clo
             again = torch.zeros(3, dtype=torch.int32, device=self.slot.device)
             need2 = self._l2(again)
-            slow2, limbs2, _ = again.tolist()
+            slow2, _, _ = again.tolist()
         inter = Operand(self.fmt2, self.q2, self.qb2, self.hi2, self.lo2, sig=SIG_BITS[self.fmt2])
         for chunk in _chunks(((need2 == 0) & present).nonzero().flatten() if slow2 else torch.empty(0)):
             self.slot[rows.rows[chunk]] = grouped_gemm(inter, chunk.to(torch.int32), fp4, 2,
                                                        rows.expert[chunk].long(), fault).to(torch.bfloat16)
-        for limbs in (limbs1, limbs2):
-            if limbs:
-                fast.LIMB_LAUNCHES[limbs] += 1
         STATS["rows"] += 2 * n
         STATS["slow_rows"] += slow1 + slow2
         return bool(slow1 or slow2)
@@ -241,7 +238,7 @@ class _Graph:
 def _graph_key(x, top_k_index, top_k_weights, fp4, recipe, limit, routed_scaling):
     if not x.is_cuda or top_k_index.numel() > GRAPHS["max_rows"] or torch.cuda.is_current_stream_capturing():
         return None
-    if fast.FORCE_SLOW_ROWS or certify.FORCE_HOST_ROWS or recipe.fault not in _GRAPH_FAULTS:
+    if certify.FORCE_HOST_ROWS or recipe.fault not in _GRAPH_FAULTS:
         return None
     return (tuple(x.shape), x.dtype, tuple(top_k_index.shape), top_k_index.dtype, top_k_weights.dtype, x.device,
             id(fp4), recipe, limit, routed_scaling, tuple(sorted(fast.FAST.items())))
@@ -288,13 +285,13 @@ class defer_finish:
 def capturable(recipe) -> str | None:
     """Why a decoding step whose experts run ``recipe`` on the Triton path cannot be captured whole under
     ``defer_finish``; None if it can."""
-    if fast.FORCE_SLOW_ROWS or certify.FORCE_HOST_ROWS or recipe.fault not in _GRAPH_FAULTS:
+    if certify.FORCE_HOST_ROWS or recipe.fault not in _GRAPH_FAULTS:
         return f"fault {recipe.fault} (or a forced per-block path) syncs on the host"
     return None
 
 
 def _deferred_call(layers: DeferredLayers, x, top_k_index, top_k_weights, fp4, recipe, limit, routed_scaling):
-    if fast.FORCE_SLOW_ROWS or certify.FORCE_HOST_ROWS or recipe.fault not in _GRAPH_FAULTS:
+    if certify.FORCE_HOST_ROWS or recipe.fault not in _GRAPH_FAULTS:
         raise NotCapturable(f"recipe {recipe} (fault {recipe.fault}) or a forced path syncs on the host")
     y, layer = _fused_forward(x, top_k_index, top_k_weights, fp4, recipe, limit, routed_scaling)
     layers.add(layer)
