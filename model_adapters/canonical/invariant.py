@@ -481,7 +481,7 @@ def install(model) -> None:
             raise NotImplementedError(f"no canonical forward for {name or 'the model'} ({type(module).__name__})")
         plan.append((name, module, fn))
     register_attention()
-    for name, module, fn in plan:
+    for _name, module, fn in plan:
         if fn is not None:
             module.forward = types.MethodType(fn, module)
             module.__dict__.pop("_evalgate_slots", None)  # a slot decoder bound earlier wraps this forward again

@@ -121,8 +121,3 @@ def unit_bytes(tensors: list[StoredTensor], load_dtype: str = "bfloat16", keep_f
 def mtp_bytes(tensors: list[StoredTensor]) -> int:
     """Stored bytes of the MTP layer: on disk, never loaded."""
     return sum(t.nbytes for t in tensors if MTP.match(t.key))
-
-
-def expert_bytes(tensors: list[StoredTensor]) -> int:
-    """Stored bytes of the routed experts (codes + scales)."""
-    return sum(t.nbytes for t in tensors if EXPERT.search(t.key))

@@ -23,7 +23,6 @@ FP8_LINEAR = re.compile(r"(?:^|\.)(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)|attn\.com
                         r"|attn\.indexer\.(?:wq_b|weights_proj)|attn\.indexer\.compressor\.(?:wkv|wgate)"
                         r"|shared_experts\.w[123]|e_proj|h_proj)\.weight$")
 EXPERT = re.compile(r"(?:^|\.)ffn\.experts\.\d+\.w[123]\.(?:weight|scale)$")
-MTP = re.compile(r"^(?:model\.)?mtp\.")
 # reference names of the tensors outside the decoder layers, where transformers' reverse mapping keeps its own
 OUTSIDE = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
            "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
@@ -35,10 +34,6 @@ def released_key(reverted: str) -> str:
     if reverted in OUTSIDE:
         return OUTSIDE[reverted]
     return reverted.removeprefix("model.")
-
-
-def is_mtp(key: str) -> bool:
-    return bool(MTP.match(key))
 
 
 def declares_fp8_dense(config: dict) -> bool:
