@@ -22,7 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from evalgate.errors import UserError
 from evalgate.stats.multiplicity import MULTIPLE_COMPARISONS
@@ -233,14 +233,14 @@ def _error(path: str, lines: dict[str, int], key: str, problem: str, expected: s
 _OUT_OF_RANGE = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
 
 
-def _schema(loc: list) -> tuple[type[BaseModel], Any]:
+def _schema(loc: list) -> tuple[type[TaskSection] | type[PolicyFile], Any]:
     """The model a location's last key belongs to, and that key's field (None for a whole task section)."""
     if loc[:1] == ["tasks"] and len(loc) >= 2:
         return TaskSection, TaskSection.model_fields.get(loc[2]) if len(loc) > 2 else None
     return PolicyFile, PolicyFile.model_fields.get(loc[0]) if loc else None
 
 
-def _explain(err: dict) -> tuple[str, str, str]:
+def _explain(err: ErrorDetails) -> tuple[str, str, str]:
     """(dotted key, problem, expected) of one pydantic error on a ``PolicyFile``."""
     if err["type"] == "policy":
         ctx = err["ctx"]
