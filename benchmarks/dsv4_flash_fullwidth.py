@@ -178,11 +178,11 @@ def layers_that_fit(sizes_per_layer: int, fixed: int, devices: list[tuple[str, i
     return best
 
 
-def gsm8k_prompts(n: int) -> tuple[list[str], list[tuple[str, ...]]]:
+def gsm8k_prompts(n: int, profile: str | None = None) -> tuple[list[str], list[tuple[str, ...]]]:
     from evalgate.tasks import get_task, resolve_profile
 
     task = get_task("gsm8k")
-    items, resolved = task.load(resolve_profile(task, None), None, n)
+    items, resolved = task.load(resolve_profile(task, profile), None, n)
     reqs = task.requests(items, resolved)
     return [r.prompt for r in reqs], [tuple(r.stop) for r in reqs]
 
@@ -425,9 +425,11 @@ def measure_batch(model, tokenizer, prompts: list[str], batch: int, steps: int, 
 @torch.inference_mode()
 def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], steps: int, devices: list[str],
                   bandwidth: float, modes: tuple[str, ...] = ("slots", "graphs"),
-                  fused: tuple[str, ...] = ("triton",), profile: Path | None = None) -> list[dict]:
+                  fused: tuple[str, ...] = ("triton",), profile: Path | None = None,
+                  prompt_cache: bool = True) -> list[dict]:
     """The per-row preallocated cache (``attention_slots.SlotCache``): the largest batch's prompts prefilled
-    one at a time (each distinct prompt once) and admitted into slots, then for each ``fused`` choice
+    one at a time (each distinct prompt once) and admitted into slots, and with ``prompt_cache`` again the way
+    slot decoding prefills them (``measure_prompt_cache``), then for each ``fused`` choice
     (``use_fused``) and each batch ``steps`` decoding steps of its first slots, eagerly (``slots``) and as a
     CUDA graph of the whole step (``graphs``, ``step_graphs.StepGraphs``). A graphed row also holds the
     graph's logits against the eager step's of the same rows and tokens, bit for bit (``graph_bits_equal``),
@@ -436,12 +438,14 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     profiled into it (``profile_step``)."""
     from evalgate.model_adapters.fast.attention_slots import SlotCache
     from evalgate.model_adapters.fast.step_graphs import StepGraphs
+    from evalgate.model_adapters.hf.generation import PROMPT_STORES, REFILL_FRACTION
 
     first = devices[0]
     ids = _prompt_ids(tokenizer, prompts, max(batches))
     use_fused(model, fused[0])
-    cache = SlotCache(model, slots=len(ids),
-                      max_length=max(map(len, ids)) + (2 * steps + 12) * len(batches) * len(fused) + 8, spare=1)
+    cache = SlotCache(model, slots=len(ids),  # spare: the graphs' padding rows, the prompt cache's stores
+                      max_length=max(map(len, ids)) + (2 * steps + 12) * len(batches) * len(fused) + 8,
+                      spare=2 + PROMPT_STORES)
     _reset_peaks(devices)
     last = [None] * len(ids)
     distinct = {}  # the prompts repeat past len(prompts): each is prefilled once and admitted into its slots
@@ -499,6 +503,11 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
                "prefill_again_tokens_per_s": round(prefilled / again_s, 1), "prefill_slow_firsts": slow,
                "prefill_once_s": round(max(0.0, prefill_s - again_s), 2),
                "prefill_again_ms": round(statistics.median(seconds) * 1e3, 1)}
+    if prompt_cache:
+        figures.update(measure_prompt_cache(cache, distinct, first, max(1, max(batches) // REFILL_FRACTION), again_s))
+        for slots_of in distinct.values():  # the same prompt's further slots: its state, copied
+            for slot in slots_of[1:]:
+                cache.copy(slots_of[0], slot)
     tokens = torch.stack(last)
     rows = []
     for choice in fused:
@@ -544,6 +553,43 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
 
 
 SLOW_FIRST = 3  # a first prefill over this many times its second paid a one-time cost (printed as a count)
+def measure_prompt_cache(cache, distinct: dict, first: str, take: int, alone_s: float) -> dict:
+    """The prompts prefilled as slot decoding prefills them (``generation.PromptCache``: the prefix every prompt
+    shares computed once into a spare slot and copied, then ``take`` prompts' own tokens together a call, in
+    chunks, ``SlotCache.prefill``), each distinct prompt into its first slot; twice, the first pass paying the
+    compilation of the chunks' shapes. Prints and returns the second pass's figures: prompt tokens per second
+    (the prefix counted in every prompt, as a gate's rows hold it), the tokens actually computed and their
+    rate (``prefix_cache_tokens_per_s``, what ``gate_projection`` prices a prefix-cached prefill at), and the
+    ratio to ``alone_s`` (the same prompts one at a time, measured just before)."""
+    from evalgate.model_adapters.fast import attention_slots
+    from evalgate.model_adapters.hf.generation import PROMPT_STORES, PromptCache
+
+    prompts = list(distinct)
+    enc = [list(p) for p in prompts]
+    stores = range(cache.slots + 1, cache.slots + 2 + PROMPT_STORES)
+    passes = []
+    for _ in range(2):
+        cached = PromptCache(cache, enc, stores)
+        computed, calls = cache.prefill_tokens, cache.prefill_calls
+        t = _Timer(first)
+        for k in range(0, len(prompts), take):
+            part = list(range(k, min(k + take, len(prompts))))
+            cached.admit([distinct[prompts[i]][0] for i in part], part)
+        passes.append((t.seconds(), cache.prefill_tokens - computed, cache.prefill_calls - calls))
+    (first_s, _, _), (seconds, computed, calls) = passes
+    prompt_tokens = sum(map(len, enc))
+    own = cached.prefix + sum(len(e) - cached.prefix for e in enc)  # the prefix once, every prompt's own tokens
+    print(f"prefill with the prompt cache: {len(enc)} prompts, {prompt_tokens} prompt tokens, a shared prefix of "
+          f"{cached.prefix} computed once, {own} tokens computed (+{computed - own} pads) in {seconds:.2f} s "
+          f"({prompt_tokens / seconds:.0f} prompt tokens/s, {own / seconds:.0f} computed tokens/s; {calls} calls, "
+          f"{take} prompts a take, chunks of {attention_slots.PREFILL_CHUNK} tokens, {attention_slots.PREFILL_BUDGET} "
+          f"a call); first pass, compiling: {first_s:.2f} s; {alone_s / seconds:.1f}x the prompts one at a time "
+          f"({alone_s:.2f} s)", flush=True)
+    return {"prompt_cache_s": round(seconds, 3), "prompt_cache_first_s": round(first_s, 3),
+            "prompt_cache_prompt_tokens": prompt_tokens, "prompt_cache_computed_tokens": own,
+            "prompt_cache_pad_tokens": computed - own, "prompt_cache_prefix_tokens": cached.prefix,
+            "prompt_cache_tokens_per_s": round(prompt_tokens / seconds, 1),
+            "prefix_cache_tokens_per_s": round(own / seconds, 1), "prompt_cache_speedup": round(alone_s / seconds, 2)}
 def project_rows(rows: list[dict], figures: dict, tokenizer, args, layers: int, total_layers: int) -> dict:
     """The whole gate priced from each row (``gate_projection``): its tasks' real prompts in this tokenizer,
     the rounds a healthy kernel needs at ``--psi`` (simulated through the gate's own decision path), early
@@ -845,6 +891,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "triton_compressor.py and triton_attention.py, what a GPU load binds), torch (transformers' "
                    "forwards, PyTorch's compressor step, the gathered attention); several: the slots and graphs "
                    "rows once per choice, in this run")
+    p.add_argument("--no-prompt-cache", action="store_true", help="slots: prefill the prompts one at a time only "
+                   "(default: also as slot decoding does, the shared prefix once and each take's prompts together, "
+                   "with the ratio between the two)")
     p.add_argument("--profile", default=None, help="a folder: profile one prompt's prefill and the smallest and "
                    "largest batch's slot steps into it (device time by kernel, operator and layer part; host time "
                    "on a CPU)")
@@ -866,7 +915,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "rounds' samples per item (0: the greedy pass only)")
     p.add_argument("--gate-moves", default="independent", choices=("independent", "persistent"), help="the projected "
                    "gate: how the healthy kernel's answers move (simulate_gate's worlds)")
-    p.add_argument("--gsm8k-profile", default=None, help="the projected gate's GSM8K profile [default: the gate's]")
+    p.add_argument("--gsm8k-profile", default=None, help="the GSM8K profile of the measured prompts and of the projected gate [default: the gate's]")
     p.add_argument("--projection-items", type=int, default=None, help="count the prompts of only the first N items "
                    "of each task (a smoke run; the item counts stay the tasks')")
     p.add_argument("--no-conformance", dest="conformance", action="store_false", help="do not time the kernel "
@@ -966,7 +1015,7 @@ def main(argv: list[str] | None = None) -> dict:
         first = placement.devices[0]
         device = first if first.startswith("cuda") else "cpu"
         bandwidth = copy_bandwidth(device)
-        prompts, _ = gsm8k_prompts(min(max(batches), 64))
+        prompts, _ = gsm8k_prompts(min(max(batches), 64), args.gsm8k_profile)  # the projected profile's prompts
         gsm8k_prompt = sum(len(tokenizer(x, add_special_tokens=False)["input_ids"]) for x in prompts) / len(prompts)
         measured = []
         measure_batch(model, tokenizer, prompts, 1, 1, placement.devices, bandwidth)  # warm-up: Triton compiles
@@ -977,7 +1026,8 @@ def main(argv: list[str] | None = None) -> dict:
                 if cache == "slots":
                     measured += measure_slots(model, tokenizer, prompts, batches, args.steps, placement.devices,
                                               bandwidth, slot_modes, fused,
-                                              Path(args.profile) if args.profile else None)
+                                              Path(args.profile) if args.profile else None,
+                                              prompt_cache=not args.no_prompt_cache)
                     continue
                 for b in batches:
                     measured.append(measure_batch(model, tokenizer, prompts, b, args.steps, placement.devices,

@@ -170,8 +170,8 @@ class PolicyFile(BaseModel):
 
     alpha: _number("a number in (0, 0.5], e.g. 0.05", gt=0, le=0.5)
     tasks: Annotated[dict[TaskName, TaskSection], Strict(), Field(description="a mapping of task name to its thresholds")]
-    multiple_comparisons: Literal[tuple(MULTIPLE_COMPARISONS)] = "holm"  # type: ignore[valid-type]
-    ci_method: Literal[CI_METHODS] = "tango"  # type: ignore[valid-type]
+    multiple_comparisons: Literal[tuple(MULTIPLE_COMPARISONS)] = "holm"
+    ci_method: Literal[CI_METHODS] = "tango"
     token_ratio_band: Annotated[tuple[_number(BAND), _number(BAND)], Field(description=BAND)] = (0.9, 1.1)
     alpha_split: _flag() = True
     alpha_validity: _number("a number in [0, alpha), e.g. 0.01") = 0.01
