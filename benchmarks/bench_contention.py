@@ -56,19 +56,18 @@ def main() -> None:
 
     from evalgate.canary import PROFILES, canary_path
     from evalgate.model_adapters.hf.adapter import HFAdapter
-    from evalgate.cores import available_cores, generation_workers, intra_op_threads, request_threads
+    from evalgate.cores import available_cores, generation_workers, intra_op_threads
     from evalgate.tasks import get_task, resolve_profile
     from evalgate.tasks.data import resolve_data_dir
 
     import torch
 
-    request_threads(args.threads)
     task = get_task("gsm8k")
     items, resolved = task.load(resolve_profile(task, PROFILES["gsm8k"]), resolve_data_dir(None), args.items)
     requests = task.requests(items, resolved)
-    adapter = HFAdapter(canary_path(), args.kernel, batch_size=args.batch_size)
+    adapter = HFAdapter(canary_path(), args.kernel, batch_size=args.batch_size, threads=args.threads)
     hidden = getattr(adapter.model.config, "hidden_size", None)
-    _, why = intra_op_threads(hidden)
+    _, why = intra_op_threads(hidden, args.threads)
     print(f"{len(requests)} canary GSM8K items, batch {args.batch_size}, kernel {args.kernel}; "
           f"{torch.get_num_threads()} intra-op thread(s) ({why}); {generation_workers()[0]} decoding process(es); "
           f"{available_cores()} available core(s), "

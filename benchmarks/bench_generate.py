@@ -44,9 +44,6 @@ def main(argv=None) -> int:
     if args.stream and (args.check or args.save or args.profile):
         ap.error("--stream prints what each decoding worker spent; drop --check, --save and --profile")
 
-    from evalgate import cores
-
-    cores.request_threads(args.threads)
     from evalgate.canary import BASELINES, PROFILES, canary_path
     from evalgate.cli.options import run_options  # noqa: F401  (the CLI's import cost, as the gate pays it)
     from evalgate.model_adapters.hf.adapter import HFAdapter
@@ -78,7 +75,7 @@ def main(argv=None) -> int:
                    limit=args.limit, batch_size=batch_size)
     data_dir = resolve_data_dir(None)
     t1 = time.perf_counter()
-    adapter = HFAdapter(spec.model, spec.kernel, batch_size=batch_size)
+    adapter = HFAdapter(spec.model, spec.kernel, batch_size=batch_size, threads=args.threads)
     t_load = time.perf_counter() - t1
     import torch
 

@@ -915,7 +915,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "rounds' samples per item (0: the greedy pass only)")
     p.add_argument("--gate-moves", default="independent", choices=("independent", "persistent"), help="the projected "
                    "gate: how the healthy kernel's answers move (simulate_gate's worlds)")
-    p.add_argument("--gsm8k-profile", default=None, help="the GSM8K profile of the measured prompts and of the projected gate [default: the gate's]")
+    p.add_argument("--gsm8k-profile", default=None, help="the GSM8K profile of the measured prompts and of the "
+                   "projected gate [default: the gate's]")
     p.add_argument("--projection-items", type=int, default=None, help="count the prompts of only the first N items "
                    "of each task (a smoke run; the item counts stay the tasks')")
     p.add_argument("--no-conformance", dest="conformance", action="store_false", help="do not time the kernel "

@@ -275,10 +275,10 @@ def find_baselines(root, candidate: Run, tasks: list[str] | None = None, kernel:
         if not pick:
             have = sorted({f"{r['task']} {r['profile']} [{r['kernel']}]" for r in list_baselines(root)
                            if r["model"] == fingerprint}) or ["none for this model"]
-            raise NotComparable(f"no stored {kernel} baseline of task {task} (profile {summary.get('name')}, model "
+            raise NotComparable(f"no stored {kernel} baseline of task {task} (profile {summary.name}, model "
                                 f"{fingerprint}) under {root}; there: {', '.join(have)}")
         if len(pick) > 1:
-            raise UserError(f"{len(pick)} stored {kernel} baselines of {task} ({summary.get('name')}) under {root} match "
+            raise UserError(f"{len(pick)} stored {kernel} baselines of {task} ({summary.name}) under {root} match "
                             f"by name and none by id; pass the one to use: {', '.join(r['path'] for r in pick)}")
         found.append(Path(pick[0]["path"]))
     return found
@@ -353,13 +353,16 @@ def compare(baseline, candidate=None, tasks: list[str] | None = None, metrics: d
 
 def run_kernel(kernel: str, out, model: str | None = None, tasks=("gsm8k", "humaneval"), limit: int | None = None,
                batch_size: int = 16, profiles: dict[str, str] | None = None, resume: bool = False,
-               progress: bool = False) -> Run:
+               progress: bool = False, options=None) -> Run:
     """Run ``kernel`` in process into the folder ``out``, as ``evalgate run`` does, and return the stored run.
 
     ``model`` None is the built-in canary with its own profiles. ``limit`` runs the first N items of each
     task (its profile id then covers those items only: compare such a run with a full baseline through
     ``compare(..., items="candidate")``). ``resume`` continues or reuses a run already in ``out``.
+    ``options`` (``evalgate.run.options.RunOptions``): the device map, threads and datasets, as
+    ``--device-map``, ``--threads`` and ``--dataset`` give them to ``evalgate run``.
     """
+    from evalgate.run.options import RunOptions
     from evalgate.canary import PROFILES as CANARY_PROFILES
     from evalgate.canary import canary_path
     from evalgate.run.progress import Progress
@@ -371,8 +374,9 @@ def run_kernel(kernel: str, out, model: str | None = None, tasks=("gsm8k", "huma
     chosen = dict(profiles or {})
     if model is None:
         chosen = {t: chosen.get(t, CANARY_PROFILES[t]) for t in tasks if t in CANARY_PROFILES} | chosen
+    options = options or RunOptions()
     spec = RunSpec(model=str(model or canary_path()), kernel=kernel, tasks=tasks, profiles=chosen, limit=limit,
-                   batch_size=batch_size)
+                   batch_size=batch_size, datasets=options.datasets)
     out = Path(out)
     if resume and (out / MANIFEST).is_file() and load_run(out).manifest.get("status") == "complete":
         return load_run(out)
@@ -380,7 +384,7 @@ def run_kernel(kernel: str, out, model: str | None = None, tasks=("gsm8k", "huma
     resume = resume and (out / MANIFEST).is_file()
     prepare_out(out, resume)  # the folder, then every task's data, checked before the model loads
     loaded = load_tasks(spec)
-    return load_run(execute(spec, out, in_process_adapter(spec), resume=resume, progress=bar, tasks=loaded))
+    return load_run(execute(spec, out, in_process_adapter(spec, options), resume=resume, progress=bar, tasks=loaded))
 
 
 def decide(baseline, candidate, thresholds=None, allow_uncalibrated: bool = False) -> Verdict:

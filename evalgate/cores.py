@@ -5,8 +5,9 @@ Why: PyTorch's OpenMP pool defaults to every core of the machine. Each operator 
 one of those cores is busy with another process (or outside the container's quota) every barrier waits for
 the thread the scheduler parked there, and a small model's decoding slows down by 10-20x.
 
-``intra_op_threads`` decides, in this order: an explicit request (``--threads`` / ``EVALGATE_THREADS``), then
-``OMP_NUM_THREADS``, then the available cores, capped by what the model can use (``useful_threads``).
+``intra_op_threads`` decides, in this order: an explicit request (``--threads``, which the run's options hand
+to the model's loader), then ``EVALGATE_THREADS``, then ``OMP_NUM_THREADS``, then the available cores, capped
+by what the model can use (``useful_threads``).
 """
 
 from __future__ import annotations
@@ -23,17 +24,6 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # 8.4 s on one, but beside one busy process two threads took over 270 s and one thread 7.9 s
 # (benchmarks/bench_contention.py). Every extra thread is one more barrier a co-tenant can stall.
 HIDDEN_PER_THREAD = 1024
-
-_requested: int | None = None  # set by the CLI's --threads
-
-
-def request_threads(n: int | None) -> None:
-    """An explicit thread count for this process (the CLI's ``--threads``); None: decide automatically."""
-    global _requested
-    if n is not None and n < 1:
-        raise ValueError(f"threads must be at least 1, got {n}")
-    _requested = n
-
 
 def affinity_cores() -> int:
     """Cores the scheduler may run this process on (``taskset``, cpusets)."""
@@ -132,10 +122,13 @@ def _positive_int(value: str | None) -> int | None:
     return n if n and n > 0 else None
 
 
-def intra_op_threads(hidden_size: int | None = None) -> tuple[int, str]:
-    """(threads, why): the request, else OMP_NUM_THREADS, else the available cores capped by the model."""
-    if _requested is not None:
-        return _requested, "--threads"
+def intra_op_threads(hidden_size: int | None = None, requested: int | None = None) -> tuple[int, str]:
+    """(threads, why): ``requested`` (--threads), else EVALGATE_THREADS, else OMP_NUM_THREADS, else the
+    available cores capped by the model."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"threads must be at least 1, got {requested}")
+        return requested, "--threads"
     env = _positive_int(os.environ.get(ENV_THREADS))
     if env is not None:
         return env, ENV_THREADS
@@ -149,11 +142,12 @@ def intra_op_threads(hidden_size: int | None = None) -> tuple[int, str]:
     return cores, "available cores"
 
 
-def configure_torch(hidden_size: int | None = None) -> dict[str, Any]:
-    """Set PyTorch's intra-op threads for a model of ``hidden_size``; returns what was chosen and why."""
+def configure_torch(hidden_size: int | None = None, requested: int | None = None) -> dict[str, Any]:
+    """Set PyTorch's intra-op threads for a model of ``hidden_size`` (``requested``: --threads); returns what
+    was chosen and why."""
     import torch
 
-    threads, why = intra_op_threads(hidden_size)
+    threads, why = intra_op_threads(hidden_size, requested)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return {"threads": threads, "why": why, "available_cores": available_cores()}

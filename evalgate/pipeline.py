@@ -15,9 +15,10 @@ from evalgate.gate.compare import compare
 from evalgate.gate.decide import decide, gate_runs
 from evalgate.gate.policy import Thresholds
 from evalgate.gate.verdict import Verdict
-from evalgate.plan import GatePlan, find_baselines, local_fingerprint, plan_gate, stamp
+from evalgate.plan import GatePlan, GateRequest, find_baselines, local_fingerprint, plan_gate, stamp
 from evalgate.run.baselines import read_aa, record, user_root, write_aa
 from evalgate.run.observer import Collected, RunObserver
+from evalgate.run.options import RunOptions
 from evalgate.run.runner import execute, prepare_out
 from evalgate.run.spec import LoadedTask, RunSpec, load_tasks, with_sampling
 from evalgate.records import load_manifest
@@ -27,7 +28,7 @@ from evalgate.types import ModelAdapter
 
 def run_or_resume(spec: RunSpec, out: Path, adapter: ModelAdapter | None = None, observer: RunObserver | None = None,
                   tasks: Mapping[str, LoadedTask] | None = None,
-                  expected_tokens: dict[str, dict] | None = None) -> Run:
+                  expected_tokens: dict[str, dict] | None = None, options: RunOptions | None = None) -> Run:
     """A complete run in ``out`` is reused, a partial one resumed, otherwise a new one is started; returns
     the run as stored, handed over by the runner (nothing it wrote is read back).
 
@@ -45,17 +46,19 @@ def run_or_resume(spec: RunSpec, out: Path, adapter: ModelAdapter | None = None,
     if adapter is None:  # the in-process model, loaded once the folder and every task's data are checked
         prepare_out(out, resume)
         tasks = tasks if tasks is not None else load_tasks(spec)
-        adapter = in_process_adapter(spec)
+        adapter = in_process_adapter(spec, options)
     execute(spec, out, adapter, resume=resume, observer=watcher, expected_tokens=expected_tokens,
             tasks=dict(tasks) if tasks is not None else None)
     return watcher.run
 
 
-def in_process_adapter(spec: RunSpec) -> ModelAdapter:
-    """``spec``'s model loaded in this process with its kernel: the adapter of every run without a server."""
+def in_process_adapter(spec: RunSpec, options: RunOptions | None = None) -> ModelAdapter:
+    """``spec``'s model loaded in this process with its kernel: the adapter of every run without a server;
+    ``options``: its device map and threads (--device-map, --threads)."""
     from evalgate.model_adapters.hf.adapter import HFAdapter  # torch and transformers: only once a model loads
 
-    return HFAdapter(spec.model, spec.kernel, device=spec.device, dtype=spec.dtype, batch_size=spec.batch_size)
+    return HFAdapter(spec.model, spec.kernel, device=spec.device, dtype=spec.dtype, batch_size=spec.batch_size,
+                     **(options or RunOptions()).loader_kwargs())
 
 
 ROUND_TEMPERATURE = 0.2  # the rounds' temperature when the plan's own run is greedy: pass@1's convention (Chen et al. 2021)
@@ -77,7 +80,7 @@ def gate(plan: GatePlan, adapter: ModelAdapter | None = None) -> Verdict:
                               plan.across_serving, look_of=lambda manifest: _next_look(plan, manifest))
                     if plan.early_stop else None)
         candidate = run_or_resume(plan.spec, plan.out, adapter, observer, plan.tasks, plan.baseline.answer_lengths,
-                                  plan.options)
+                                  options=plan.options)
     verdict = decide_look(plan, plan.baseline, candidate)
     if plan.spec is None or verdict.decision is None or verdict.verdict != "INCONCLUSIVE":
         return verdict
@@ -99,7 +102,7 @@ def _next_look(plan: GatePlan, manifest: dict) -> int:
     """The look a candidate with this manifest would take next (read, not allocated)."""
     from evalgate.gate.sequence import Looks
 
-    tasks = list(manifest.get("tasks", {}))
+    tasks = list(manifest.tasks)
     with Looks.held(plan.baseline.dirs, manifest, tasks, None) as looks:
         return looks.next_look
 
@@ -139,7 +142,7 @@ def _round_baseline(plan: GatePlan, spec: RunSpec, tasks, adapter, out: Path):
         return stored
     if adapter is not None:
         return None
-    run = run_or_resume(replace(spec, kernel=plan.baseline.run.kernel), out, tasks=tasks)
+    run = run_or_resume(replace(spec, kernel=plan.baseline.run.kernel), out, tasks=tasks, options=plan.options)
     # the A/A check of the stack stands from the greedy baseline's record (keyed samples on canonical numerics
     # reproduce every sample: the sampled A/A flips nothing)
     aa = {t: {"verdict": a.get("verdict"), "flips": set(), "runs": a.get("runs"), "n": a.get("n"),
@@ -185,7 +188,7 @@ def _rounds(plan: GatePlan, adapter, verdict: Verdict) -> Verdict:
                          f"record one with `evalgate calibrate --server URL --kernel {plan.baseline.run.kernel} "
                          f"--samples {k_next} --temperature {temperature:g} --seed {spec.seed}`")
             break
-        candidate = run_or_resume(spec, out / "candidate", adapter, None, loaded)
+        candidate = run_or_resume(spec, out / "candidate", adapter, None, loaded, options=plan.options)
         round_verdict = decide_look(plan, baseline, candidate, f" (round k = {k_next})")
         looks += round_verdict.sequence["looks"]
         notes += [n for n in round_verdict.notes if n.startswith("look ")]
@@ -214,13 +217,15 @@ def _rounds(plan: GatePlan, adapter, verdict: Verdict) -> Verdict:
 def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path | None = None, out: Path | None = None,
                thresholds_path: str | None = None, allow_uncalibrated: bool = False,
                adapter: ModelAdapter | None = None, early_stop: bool = True,
-               stop_on_conformance: bool = True) -> tuple[Verdict, Path]:
+               stop_on_conformance: bool = True, options: RunOptions | None = None) -> tuple[Verdict, Path]:
     """Plan and run one gate of ``spec`` against its stored baseline (``evalgate selfcheck``'s rows, the
     API): the verdict and the candidate's run folder."""
     fingerprint = adapter.info()["fingerprint"] if adapter is not None else None
-    plan = plan_gate(spec=spec, baseline_kernel=baseline_kernel, baselines_root=root, thresholds=thresholds_path,
-                     out=out, allow_uncalibrated=allow_uncalibrated, early_stop=early_stop,
-                     stop_on_conformance=stop_on_conformance, fingerprint=fingerprint, served=adapter is not None)
+    plan = plan_gate(GateRequest(spec=spec, baseline_kernel=baseline_kernel, baselines_root=root,
+                                 thresholds=thresholds_path, out=out, allow_uncalibrated=allow_uncalibrated,
+                                 early_stop=early_stop, stop_on_conformance=stop_on_conformance,
+                                 fingerprint=fingerprint, served=adapter is not None,
+                                 options=options or RunOptions()))
     return gate(plan, adapter), plan.out
 
 
@@ -244,7 +249,8 @@ def _with_earlier_runs(entry: dict, earlier: dict | None, task: str) -> dict:
 
 def calibrate(spec: RunSpec, root: Path | None = None, runs_dir: Path = Path("results/runs"),
               thresholds_path: Thresholds | str | Path | None = None, second_batch_size: int | None = None,
-              adapter: ModelAdapter | None = None, stamp: str | None = None) -> dict:
+              adapter: ModelAdapter | None = None, stamp: str | None = None,
+              options: RunOptions | None = None) -> dict:
     """A/A: the baseline kernel twice (the second time with the items in reverse order and another batch
     size in-process, or half the concurrency on a server). Records the first run as the baseline if none is
     stored, then stores ψ0, Δ̂0, the flip set and the A/A verdict next to each task's baseline.
@@ -264,7 +270,7 @@ def calibrate(spec: RunSpec, root: Path | None = None, runs_dir: Path = Path("re
     stamp = stamp or calibration_stamp()
     name = f"calibrate-{stamp}-{spec.kernel.replace('/', '_')}"
     if any(d is None for d in baselines.values()):
-        first = run_or_resume(spec, runs_dir / f"{name}-A", adapter=adapter, tasks=tasks)
+        first = run_or_resume(spec, runs_dir / f"{name}-A", adapter=adapter, tasks=tasks, options=options)
         todo = [t for t, d in baselines.items() if d is None]
         for path in record(first.path, root, tasks=todo):
             baselines[load_run(path).tasks[0]] = path
@@ -277,7 +283,7 @@ def calibrate(spec: RunSpec, root: Path | None = None, runs_dir: Path = Path("re
         second_adapter.concurrency = max(1, adapter.concurrency // 2)
         second_run = {"batch_size": other, "order": "reverse", "concurrency": second_adapter.concurrency,
                       "server": adapter.url}
-    second = run_or_resume(second_spec, runs_dir / f"{name}-B", adapter=second_adapter, tasks=tasks)
+    second = run_or_resume(second_spec, runs_dir / f"{name}-B", adapter=second_adapter, tasks=tasks, options=options)
     results = {}
     for task, base_dir in baselines.items():
         base = load_run(base_dir)

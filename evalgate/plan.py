@@ -1,7 +1,8 @@
 """The gate plan: one gate's inputs, read and checked once, before anything runs.
 
-``plan_gate`` turns a command's arguments into a frozen ``GatePlan`` — the run spec and its loaded tasks,
-the parsed policy, the stored baseline (records and A/A record), the output folders — and
+``plan_gate`` turns a command's ``GateRequest`` into a frozen ``GatePlan`` — the run spec and its loaded tasks,
+the parsed policy, the stored baseline (records and A/A record), the output folders, how the run is carried
+out (``RunOptions``: device map, threads, datasets, deterministic mode) — and
 ``evalgate.pipeline.gate(plan, adapter)`` runs it, for every branch (in-process model, server, stored
 candidate). Nothing downstream opens the policy file, the task data or a baseline file again.
 """
@@ -17,6 +18,7 @@ from typing import Mapping
 from evalgate.errors import UserError
 from evalgate.canary import scored_as_canary
 from evalgate.gate.policy import Thresholds, resolve_policy
+from evalgate.run.options import RunOptions
 from evalgate.run.baselines import (ROOT_ENV, StoredBaseline, could_be_stored, find_stored_baseline,
                                     load_baseline, load_stored_baseline, lookup_roots, user_root)
 from evalgate.run.spec import LoadedTask, RunSpec, load_tasks, with_overrides
@@ -48,6 +50,37 @@ class GatePlan:
     baselines_root: Path | None = None  # where sampled baselines are looked up for the rounds
     items: str = "all"  # "candidate": decide on the stored candidate's items only (gate.subset)
     across_serving: bool = False  # compare although the servers differ in serving identity (said in the verdict)
+    options: RunOptions = field(default_factory=RunOptions)  # how the candidate (and a round's baseline) run: device map, threads, ...
+
+
+@dataclass(frozen=True)
+class GateRequest:
+    """What a gate is asked, as a command or a notebook gives it; ``plan_gate`` reads and checks it into a
+    ``GatePlan``. Either ``spec`` (a candidate to run into ``out``; ``tasks``: its tasks already loaded, e.g.
+    to start their preparation early; ``fingerprint``: the served model's when ``served``, else the local
+    checkpoint's is computed) or ``candidate`` (a stored run to decide from). ``baselines``: baseline folders
+    (default: the stored ``baseline_kernel`` baseline for the model and the tasks' profiles, under
+    ``baselines_root``, else the canary's packaged ones). ``items="candidate"``: decide a stored candidate on
+    its own items (the stored baseline found by profile name where the ids differ, e.g. a ``--limit`` run)."""
+
+    spec: RunSpec | None = None
+    candidate: Run | None = None
+    tasks: Mapping[str, LoadedTask] | None = None
+    fingerprint: str | None = None
+    served: bool = False
+    baselines: tuple = ()
+    baseline_kernel: str = "w4a8"
+    baselines_root: str | Path | None = None
+    thresholds: Thresholds | str | Path | None = None
+    out: str | Path | None = None
+    report_dir: str | Path | None = None
+    allow_uncalibrated: bool = False
+    early_stop: bool = True
+    stop_on_conformance: bool = True
+    max_samples: int | None = None
+    items: str = "all"
+    across_serving: bool = False
+    options: RunOptions = field(default_factory=RunOptions)
 
 
 def stamp() -> str:
@@ -174,20 +207,12 @@ def checked_policy(thresholds, profiles: Mapping[str, str | None]) -> Thresholds
     return policy
 
 
-def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, baselines: tuple = (),
-              baseline_kernel: str = "w4a8", baselines_root: str | Path | None = None,
-              thresholds: str | Path | None = None, out: str | Path | None = None,
-              report_dir: str | Path | None = None, allow_uncalibrated: bool = False, early_stop: bool = True,
-              stop_on_conformance: bool = True, fingerprint: str | None = None, served: bool = False,
-              tasks: Mapping[str, LoadedTask] | None = None, max_samples: int | None = None,
-              items: str = "all", across_serving: bool = False) -> GatePlan:
-    """One gate's plan from its arguments. ``spec``: a candidate to run (``fingerprint`` is the served model's
-    when ``served``, else the local checkpoint's is computed); ``candidate``: a stored run to decide from.
-    ``baselines``: baseline folders (default: the stored ``baseline_kernel`` baseline for the model and the
-    tasks' profiles, under ``baselines_root``, else the canary's packaged ones). ``tasks``: already loaded
-    (``load_tasks(spec)``), e.g. to start their preparation early. ``items="candidate"``: decide a stored
-    candidate on its own items (the stored baseline found by profile name where the ids differ, e.g. a
-    ``--limit`` run). Raises UserError (one line) for anything that cannot be read or found."""
+def plan_gate(request: GateRequest) -> GatePlan:
+    """One gate's plan from its request (``GateRequest``). Raises UserError (one line) for anything that
+    cannot be read or found."""
+    spec, candidate, items, baselines = request.spec, request.candidate, request.items, request.baselines
+    baselines_root, baseline_kernel, fingerprint = request.baselines_root, request.baseline_kernel, request.fingerprint
+    tasks, max_samples, report_dir, served = request.tasks, request.max_samples, request.report_dir, request.served
     if (spec is None) == (candidate is None):
         raise ValueError("plan_gate takes a spec to run or a stored candidate, not both")
     if items not in ("all", "candidate"):
@@ -205,7 +230,7 @@ def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, base
         loaded = MappingProxyType(dict(tasks if tasks is not None else load_tasks(spec)))
         profiles = {t: lt.resolved.profile.name for t, lt in loaded.items()}
         profile_ids = {t: lt.profile_id for t, lt in loaded.items()}
-    policy = checked_policy(thresholds, profiles)  # a bad policy, or one for other tasks, fails before any run
+    policy = checked_policy(request.thresholds, profiles)  # a bad policy, or one for other tasks, fails before any run
     if baselines:
         baseline = load_baseline(list(baselines))
     else:
@@ -221,15 +246,17 @@ def plan_gate(*, spec: RunSpec | None = None, candidate: Run | None = None, base
                                 "`--items candidate` to this command")
         if missing:
             raise _missing_baseline(spec, missing, baseline_kernel, root, served)
-    rounds = dict(max_samples=DEFAULT_MAX_SAMPLES if max_samples is None else max_samples, baselines_root=root)
+    rounds = dict(max_samples=DEFAULT_MAX_SAMPLES if max_samples is None else max_samples, baselines_root=root,
+                  allow_uncalibrated=request.allow_uncalibrated, across_serving=request.across_serving,
+                  options=request.options)
     if rounds["max_samples"] < 1:
         raise UserError(f"--max-samples must be >= 1, got {rounds['max_samples']}")
     if candidate is not None:
-        return GatePlan(policy=policy, baseline=baseline, allow_uncalibrated=allow_uncalibrated,
+        return GatePlan(policy=policy, baseline=baseline,
                         report_dir=Path(report_dir) if report_dir else candidate.path / "gate", candidate=candidate,
-                        items=items, across_serving=across_serving, **rounds)
-    run_out = Path(out) if out else gate_out(spec.kernel)
-    return GatePlan(policy=policy, baseline=baseline, allow_uncalibrated=allow_uncalibrated,
+                        items=items, **rounds)
+    run_out = Path(request.out) if request.out else gate_out(spec.kernel)
+    return GatePlan(policy=policy, baseline=baseline,
                     report_dir=Path(report_dir) if report_dir else run_out / "gate", spec=spec, tasks=loaded,
-                    out=run_out, early_stop=early_stop, stop_on_conformance=stop_on_conformance,
-                    across_serving=across_serving, **rounds)
+                    out=run_out, early_stop=request.early_stop, stop_on_conformance=request.stop_on_conformance,
+                    **rounds)

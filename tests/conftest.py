@@ -53,13 +53,3 @@ def cli_env(data_dir) -> dict:
         env["EVALGATE_DATA_DIR"] = str(data_dir)
     env["HF_HUB_OFFLINE"] = "1"
     return env
-
-
-@pytest.fixture(autouse=True)
-def _cli_choices_end_with_their_test():
-    """`--device-map` is kept process-wide (the command's signature does not carry it); a CliRunner test that
-    gives it must not hand it to the next test in the same worker."""
-    yield
-    from evalgate.model_adapters.loading.placement import request_device_map
-
-    request_device_map(None)

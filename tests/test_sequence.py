@@ -60,13 +60,13 @@ def _pair(root: Path, lost: int, n: int = 40, name: str = "cand") -> tuple[Path,
 
 
 def _plan(tmp_path: Path, candidate: Path, base: Path, margin: float = 20.0, **rest):
-    from evalgate.plan import plan_gate
+    from evalgate.plan import GateRequest, plan_gate
     from evalgate.run.store import load_run
 
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY.format(margin=margin))
-    return plan_gate(candidate=load_run(candidate), baselines=(base,), thresholds=policy, allow_uncalibrated=True,
-                     baselines_root=tmp_path / "baselines", **rest)
+    return plan_gate(GateRequest(candidate=load_run(candidate), baselines=(base,), thresholds=policy,
+                                 allow_uncalibrated=True, baselines_root=tmp_path / "baselines", **rest))
 
 
 def _looks(base: Path) -> dict:
@@ -255,7 +255,7 @@ def test_an_undecided_task_gets_rounds_until_decided(tmp_path, monkeypatch, max_
     base, cand = _pair(tmp_path, lost=6)
     calls = []
 
-    def fake_run(spec, out, adapter=None, observer=None, tasks=None, expected_tokens=None):
+    def fake_run(spec, out, adapter=None, observer=None, tasks=None, expected_tokens=None, options=None):
         calls.append((spec.kernel, spec.samples, tuple(spec.tasks)))
         if spec.samples == 1:
             return load_run(cand)

@@ -17,9 +17,6 @@ from evalgate import cores as threads
 def no_request(monkeypatch):
     monkeypatch.delenv(threads.ENV_THREADS, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    threads.request_threads(None)
-    yield
-    threads.request_threads(None)
 
 
 def _write(path: Path, text: str) -> None:
@@ -86,10 +83,8 @@ def test_order_request_then_env_then_omp_then_cores_capped_by_the_model(monkeypa
     assert threads.intra_op_threads(256) == (3, "OMP_NUM_THREADS")
     monkeypatch.setenv(threads.ENV_THREADS, "5")
     assert threads.intra_op_threads(256) == (5, threads.ENV_THREADS)
-    threads.request_threads(2)
-    assert threads.intra_op_threads(256) == (2, "--threads")
+    assert threads.intra_op_threads(256, requested=2) == (2, "--threads")
     monkeypatch.setenv("OMP_NUM_THREADS", "not a number")
-    threads.request_threads(None)
     monkeypatch.delenv(threads.ENV_THREADS)
     assert threads.intra_op_threads(None) == (16, "available cores")  # an unusable value is ignored
 
@@ -99,8 +94,7 @@ def test_configure_torch_sets_the_threads():
 
     before = torch.get_num_threads()
     try:
-        threads.request_threads(1)
-        assert threads.configure_torch(4096)["threads"] == 1 and torch.get_num_threads() == 1
+        assert threads.configure_torch(4096, requested=1)["threads"] == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 
@@ -112,15 +106,42 @@ def test_the_sandbox_pool_is_sized_from_the_available_cores(monkeypatch):
     assert sandbox.default_workers() == 3
 
 
-def test_the_cli_threads_flag_reaches_the_loader(tmp_path):
-    # --threads is remembered process-wide by the option's callback, before any model loads
+def test_the_run_options_reach_the_loader_and_nothing_stays_in_the_process(tmp_path, monkeypatch):
+    # --threads and --device-map travel in the run's options (the plan holds them for the gate), never as
+    # process-wide state: the loader gets what this command asked, the next command its own
     from click.testing import CliRunner
 
+    from evalgate.canary import BASELINES
     from evalgate.cli.main import main
+    from evalgate.errors import UserError
 
-    result = CliRunner().invoke(main, ["run", "--threads", "3", "--model", str(tmp_path / "no-model"),
-                                       "--out", str(tmp_path / "out")])
-    assert result.exit_code == 2  # the model folder does not exist; the flag was taken first
-    assert threads.intra_op_threads(256) == (3, "--threads")
-    bad = CliRunner().invoke(main, ["run", "--threads", "0", "--model", str(tmp_path)])
-    assert bad.exit_code == 2 and "--threads" in bad.output
+    asked = []
+
+    def loader(*args, **kwargs):  # the in-process model's adapter, stopped before anything loads
+        asked.append({k: kwargs.get(k) for k in ("threads", "device_map")})
+        raise UserError("stopped at the loader")
+
+    monkeypatch.setattr("evalgate.model_adapters.hf.adapter.HFAdapter", loader)
+    run = ["run", "--tasks", "gsm8k", "--limit", "1"]
+    result = CliRunner().invoke(main, [*run, "--threads", "3", "--device-map", "cpu", "--out", str(tmp_path / "a")])
+    assert result.exit_code == 2 and "stopped at the loader" in result.output, result.output
+    assert asked == [{"threads": 3, "device_map": "cpu"}]
+    result = CliRunner().invoke(main, [*run, "--out", str(tmp_path / "b")])
+    assert result.exit_code == 2 and asked[-1] == {"threads": None, "device_map": None}
+    assert threads.intra_op_threads(256)[1] != "--threads"
+    # the gate: through its plan, down to the candidate's run
+    baseline = next(BASELINES.glob("*/gsm8k-*/w4a8"))
+    result = CliRunner().invoke(main, ["gate", "--tasks", "gsm8k", "--threads", "2", "--device-map", "cpu",
+                                       "--baseline", str(baseline), "--out", str(tmp_path / "g")])
+    assert result.exit_code == 2 and "stopped at the loader" in result.output, result.output
+    assert asked[-1] == {"threads": 2, "device_map": "cpu"}
+    for bad, flag in ((["--threads", "0"], "--threads"), (["--device-map", "gpu7"], "--device-map")):
+        result = CliRunner().invoke(main, [*run, *bad, "--out", str(tmp_path / "c")])
+        assert result.exit_code == 2 and flag in result.output, result.output
+    assert len(asked) == 3  # refused before any model loads
+
+
+def test_no_process_wide_choice_is_left():
+    from evalgate.model_adapters.loading import placement
+
+    assert not hasattr(threads, "request_threads") and not hasattr(placement, "request_device_map")

@@ -9,7 +9,7 @@ import click
 from click.core import ParameterSource
 
 from evalgate.cli import preflight
-from evalgate.cli.options import KERNEL, baselines_root_option, sampling_options, sampling_settings
+from evalgate.cli.options import KERNEL, baselines_root_option, sampling_options
 
 
 @click.group()
@@ -88,8 +88,7 @@ def baseline_list(root, as_json):
 @click.option("--kernel", type=KERNEL, default="w4a8", show_default=True, help="The baseline's kernel.")
 @baselines_root_option("root")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of lines.")
-def baseline_find(model, tasks, profiles, limit, max_new_tokens, data_dir, samples, temperature, seed, candidate,
-                  kernel, root, as_json):
+def baseline_find(model, tasks, profiles, limit, max_new_tokens, data_dir, sampling, candidate, kernel, root, as_json):
     """The stored baseline a gate with these arguments would use: the same model (fingerprint), each task's
     profile, and its A/A calibration. Exit 0 when every task has a calibrated baseline, 1 when one has none
     or no A/A record (then `evalgate calibrate` with the same arguments records it)."""
@@ -100,7 +99,7 @@ def baseline_find(model, tasks, profiles, limit, max_new_tokens, data_dir, sampl
     explicit = click.get_current_context().get_parameter_source("root") is not ParameterSource.DEFAULT
     preflight.baselines_root(root, explicit)
     fingerprint, profile_ids = _identity(model, tasks, profiles, limit, max_new_tokens, data_dir,
-                                         sampling_settings(samples, temperature, seed), candidate, kernel)
+                                         sampling.settings(), candidate, kernel)
     roots = lookup_roots(root)
     found = {}
     for task, pid in profile_ids.items():

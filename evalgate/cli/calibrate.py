@@ -7,8 +7,7 @@ from pathlib import Path
 
 import click
 
-from evalgate.cli.options import (KERNEL, baselines_root_option, run_options, run_spec, sampling_options,
-                                  sampling_settings, served_model_name, server_adapter, server_options)
+from evalgate.cli.options import KERNEL, baselines_root_option, run_options, sampling_options, server_options
 from evalgate.cli import preflight
 from evalgate.cli.notes import skipped_local_policy
 
@@ -23,17 +22,15 @@ from evalgate.cli.notes import skipped_local_policy
 @click.option("--runs-dir", type=click.Path(), default="results/runs", show_default=True, help="Where the two A/A runs (and a launched server's log) go.")
 @sampling_options
 @server_options
-def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel,
-              baselines_root, thresholds_path, second_batch_size, runs_dir, samples, temperature, seed, server,
-              model_id, launch, launch_timeout, request_timeout, concurrency, retries, server_args):
+def calibrate(run, kernel, baselines_root, thresholds_path, second_batch_size, runs_dir, sampling, server, options):
     """A/A: run the baseline kernel twice and store how often it disagrees with itself next to the baseline.
     Exit 0 when every task's A/A pair passes, 1 when one fails, 3 when one is inconclusive.
 
     With --server or --launch both runs go to an OpenAI-compatible server (one launched server serves both);
     the second run sends the items in reverse order with half the concurrency. Server arguments follow `--`."""
-    if not (server or launch):
-        preflight.model_folder(model)
-    preflight.server(server)
+    if not server.served:
+        preflight.model_folder(run.model)
+    preflight.server(server.url)
     preflight.thresholds_file(thresholds_path)
     preflight.writable_folder(runs_dir, "--runs-dir")
     preflight.writable_folder(baselines_root, "--baselines-root")
@@ -41,15 +38,13 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
     from evalgate.gate.policy import resolve_policy
     from evalgate.pipeline import calibrate as run_calibration, calibration_stamp
 
-    served = bool(server or launch)
-    name = served_model_name(model, server, launch, model_id) if served else None
-    spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name,
-                    sampling_settings(samples, temperature, seed))
+    served = server.served
+    spec = run.spec(kernel, server.model_name(run.model) if served else None, sampling.settings(), options.datasets)
     policy = resolve_policy(thresholds_path, canary=not served and scored_as_canary(spec.profiles))
     skipped_local_policy(policy.source)
     stamp = calibration_stamp()
     runs = Path(runs_dir)
-    if launch:  # one server for both runs; its log beside them
+    if server.launch:  # one server for both runs; its log beside them
         from evalgate.run.runner import prepare_out
 
         prepare_out(runs / f"calibrate-{stamp}-{kernel.replace('/', '_')}-server", resume=False)
@@ -58,10 +53,11 @@ def calibrate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_
     from evalgate.model_adapters.server.errors import RESUME_HINT, ServerError
 
     try:
-        with server_adapter(server, launch, model, kernel, log_dir, model_id, server_args, launch_timeout,
-                            request_timeout, concurrency, retries, batch_size, resume_hint=False) as adapter:
+        with server.adapter(run.model, kernel, log_dir, run.batch_size, options.deterministic,
+                            resume_hint=False) as adapter:
             results = run_calibration(spec, Path(baselines_root), runs_dir=runs, thresholds_path=policy,
-                                      second_batch_size=second_batch_size, adapter=adapter, stamp=stamp)
+                                      second_batch_size=second_batch_size, adapter=adapter, stamp=stamp,
+                                      options=options)
     except ServerError as exc:  # the server, not the input; a calibration is not resumed: it starts again
         raise EnvironmentFailure(str(exc).replace(RESUME_HINT, "restart the server and run the calibration "
                                                               "again")) from None

@@ -106,13 +106,13 @@ def _write_report(cmp, found, baselines: tuple, baselines_root, out: Path) -> No
     the gate would use), each explained flip tagged."""
     from evalgate.explain import summary_line
     from evalgate.gate.decide import gate_runs
-    from evalgate.plan import plan_gate
+    from evalgate.plan import GateRequest, plan_gate
     from evalgate.report.html import report_html
 
     from evalgate.run.store import load_run
 
     run = load_run(cmp.candidate.path)  # as stored (a comparison on the candidate's items renames its profiles)
-    plan = plan_gate(candidate=run, baselines=baselines, baselines_root=baselines_root)
+    plan = plan_gate(GateRequest(candidate=run, baselines=baselines, baselines_root=baselines_root))
     verdict = gate_runs(plan.baseline, run, plan.policy, False)
     tags = {(x.task, str(x.doc_id)): {"kind": x.kind, "line": x.line()} for x in found}
     text = report_html(verdict, tags, summary_line([x for x in found if x.direction]))

@@ -12,9 +12,8 @@ from click.core import ParameterSource
 from evalgate.cli import preflight
 from evalgate.cli.baseline_paths import resolve_baselines
 from evalgate.cli.notes import skipped_local_policy
-from evalgate.cli.options import (KERNEL, baselines_root_option, decision_options, note_resumable, run_options,
-                                  run_spec, sampling_options, sampling_settings, served_model_name, server_adapter,
-                                  server_options)
+from evalgate.cli.options import (KERNEL, SamplingChoice, baselines_root_option, decision_options, note_resumable,
+                                  run_options, sampling_options, server_options)
 from evalgate.errors import EnvironmentFailure, UserError, describe_os_error
 
 
@@ -113,10 +112,9 @@ def _decision_flags(baselines, baseline_kernel, baselines_root, root_given: bool
 @click.option("--explain", is_flag=True, help="Replay every flip through both kernels and say why it flipped (near-tie or divergence, where), in the verdict and every report (docs/explain.md).")
 @sampling_options
 @server_options
-def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel, candidate,
-         baselines, baseline_kernel, baselines_root, thresholds_path, out, report_dir, allow_uncalibrated,
-         no_early_stop, samples, temperature, seed, server, model_id, launch, launch_timeout, request_timeout,
-         concurrency, retries, server_args, max_samples=None, explain=False, items="all", across_serving=False):
+def gate(run, kernel, candidate, baselines, baseline_kernel, baselines_root, thresholds_path, out, report_dir,
+         allow_uncalibrated, no_early_stop, sampling, server, options, max_samples=None, explain=False, items="all",
+         across_serving=False):
     """Compare a candidate kernel with the stored W4A8 baseline and decide: PASS (exit 0), FAIL (1: the
     kernel is worse, or does not compute what it declares), INCONCLUSIVE (3: the data show neither; the
     verdict says how many samples would).
@@ -124,7 +122,7 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     With --server or --launch, the candidate runs on an OpenAI-compatible server; server arguments follow `--`.
     With --candidate, the gate decides from a stored run (no model needed). Rerunning an interrupted gate with
     the same --out resumes it."""
-    sampling = sampling_settings(samples, temperature, seed)
+    settings = sampling.settings()
     # what can be checked before the heavy start (torch, the model, a server), within a second or two
     policy = preflight.thresholds_file(thresholds_path) or thresholds_path  # parsed once, handed to the plan
     preflight.baselines_root(baselines_root, _explicit("baselines_root"))
@@ -137,9 +135,9 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
                                      named_root is not None or _explicit("baselines_root"), thresholds_path,
                                      allow_uncalibrated)
     if candidate:
-        if server or launch:
+        if server.served:
             raise UserError("--candidate decides from a stored run; drop --server/--launch")
-        if sampling != sampling_settings(1, 0.0, None):
+        if settings != SamplingChoice().settings():
             raise UserError("--candidate decides from a stored run, made with its own sampling settings; drop "
                             "--samples/--temperature/--seed")
         ignored = [name for name in RUN_ONLY  # on the command line (an environment variable serves every command)
@@ -150,20 +148,21 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
         preflight.stored_run(candidate)
         preflight.writable_folder(report_dir or Path(candidate) / "gate", "--report-dir")
         from evalgate.pipeline import gate as run_gate
-        from evalgate.plan import plan_gate
+        from evalgate.plan import GateRequest, plan_gate
         from evalgate.run.store import load_run
 
-        plan = plan_gate(candidate=load_run(candidate), baselines=baselines, baseline_kernel=baseline_kernel,
-                         baselines_root=baselines_root, thresholds=policy, report_dir=report_dir,
-                         allow_uncalibrated=allow_uncalibrated, items=items, across_serving=across_serving)
+        plan = plan_gate(GateRequest(candidate=load_run(candidate), baselines=baselines,
+                                     baseline_kernel=baseline_kernel, baselines_root=baselines_root,
+                                     thresholds=policy, report_dir=report_dir, allow_uncalibrated=allow_uncalibrated,
+                                     items=items, across_serving=across_serving, options=options))
         skipped_local_policy(plan.policy.source)
         _finish(run_gate(plan), plan.report_dir, Path(candidate), decision_flags, explain)
     if items != "all":
         raise UserError("--items candidate decides a stored run on its own items: make it with `evalgate run "
                         "--limit N --out RUN`, then `evalgate gate --candidate RUN --items candidate`")
-    if not (server or launch):
-        preflight.model_folder(model)
-    preflight.server(server)
+    if not server.served:
+        preflight.model_folder(run.model)
+    preflight.server(server.url)
     if out:  # before the plan's imports (pydantic, the policy: a second or two)
         preflight.writable_folder(out, "--out")
     if report_dir:
@@ -176,10 +175,8 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
     from evalgate.run.runner import prepare_ahead
     from evalgate.run.spec import load_tasks
 
-    served = bool(server or launch)
-    name = served_model_name(model, server, launch, model_id) if served else None
-    spec = run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name,
-                    sampling)
+    served = server.served
+    spec = run.spec(kernel, server.model_name(run.model) if served else None, settings, options.datasets)
     from evalgate.plan import checked_policy, planned_profiles
 
     # the policy covers these tasks and profiles: refused before the data are read, a server starts or the model loads
@@ -201,18 +198,18 @@ def gate(model, tasks, profiles, limit, batch_size, device, dtype, max_new_token
 
         from evalgate.model_adapters.server.errors import RESUME_HINT, ServerError
         from evalgate.pipeline import gate as run_gate  # imports torch: only when a model runs
-        from evalgate.plan import plan_gate
+        from evalgate.plan import GateRequest, plan_gate
 
         note_resumable(run_out, f"--out {shlex.quote(str(run_out))}")
         try:
-            with server_adapter(server, launch, model, kernel, run_out, model_id, server_args, launch_timeout,
-                                request_timeout, concurrency, retries, batch_size, resume_hint=False) as adapter:
-                plan = plan_gate(spec=spec, tasks=loaded, baselines=baselines, baseline_kernel=baseline_kernel,
-                                 baselines_root=baselines_root, thresholds=policy, out=run_out,
-                                 report_dir=report_dir, allow_uncalibrated=allow_uncalibrated,
-                                 early_stop=not no_early_stop, served=served, max_samples=max_samples,
-                                 across_serving=across_serving,
-                                 fingerprint=adapter.info()["fingerprint"] if adapter is not None else None)
+            with server.adapter(run.model, kernel, run_out, run.batch_size, options.deterministic,
+                                resume_hint=False) as adapter:
+                plan = plan_gate(GateRequest(
+                    spec=spec, tasks=loaded, baselines=baselines, baseline_kernel=baseline_kernel,
+                    baselines_root=baselines_root, thresholds=policy, out=run_out, report_dir=report_dir,
+                    allow_uncalibrated=allow_uncalibrated, early_stop=not no_early_stop, served=served,
+                    max_samples=max_samples, across_serving=across_serving, options=options,
+                    fingerprint=adapter.info()["fingerprint"] if adapter is not None else None))
                 verdict = run_gate(plan, adapter)
         except ServerError as exc:  # the server went away mid-run: the environment, not the input
             raise EnvironmentFailure(str(exc).replace(f"; {RESUME_HINT}", "").replace(RESUME_HINT, "")) from None

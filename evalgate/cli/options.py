@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -82,15 +84,6 @@ def baselines_root_option(dest: str = "baselines_root"):
                              "first, before the built-in canary's (shipped with evalgate) [env: EVALGATE_BASELINES].")
 
 
-def _request_threads(ctx, param, value):
-    """--threads is kept process-wide (the commands' signatures do not carry it); the model's loader reads it."""
-    if value is not None:
-        from evalgate.cores import request_threads
-
-        request_threads(value)
-    return value
-
-
 def checked_device(ctx, param, value):
     """--device: a device name, and a GPU only where the machine has one (``preflight.device``)."""
     from evalgate.cli.preflight import device
@@ -99,31 +92,42 @@ def checked_device(ctx, param, value):
     return value
 
 
-def _request_device_map(ctx, param, value):
-    """--device-map is kept process-wide like --threads; ``hf.load_model`` reads it."""
-    from evalgate.model_adapters.loading.placement import request_device_map
+# the flags of how a run is carried out, and the RunOptions field each one fills
+OPTION_FLAGS = {"dataset": "datasets", "device_map": "device_map", "threads": "threads",
+                "deterministic": "deterministic"}
 
-    request_device_map(value)
+
+def _option_value(name: str, value):
+    """A flag's value as its RunOptions field holds it, checked (one line, exit 2, for a bad one)."""
+    if name == "dataset":
+        from evalgate.tasks import task_names
+        from evalgate.tasks.source import parse_dataset_options
+
+        return parse_dataset_options(value or (), task_names())
+    if name == "device_map" and value is not None:
+        from evalgate.model_adapters.loading.placement import parse_device_map
+
+        parse_device_map(value)
     return value
 
 
-DATASETS_KEY = "evalgate.datasets"
+def collects_options(command):
+    """The command takes its --dataset, --device-map, --threads and --deterministic as one ``options``
+    (``evalgate.run.options.RunOptions``), whichever of them it has; the plan holds it, the runner and the
+    model's loader get it from there."""
 
+    @functools.wraps(command)
+    def with_options(*args, **kwargs):
+        from dataclasses import replace
 
-def _remember_datasets(ctx, param, value):
-    """--dataset is kept on the click context like --deterministic (the commands' signatures do not carry
-    it); ``dataset_choice`` reads it into the RunSpec."""
-    from evalgate.tasks import task_names
-    from evalgate.tasks.source import parse_dataset_options
+        from evalgate.run.options import RunOptions
 
-    ctx.meta[DATASETS_KEY] = parse_dataset_options(value or (), task_names())
-    return value
+        given = {name: kwargs.pop(name) for name in OPTION_FLAGS if name in kwargs}
+        options = kwargs.pop("options", None) or RunOptions()
+        options = replace(options, **{OPTION_FLAGS[name]: _option_value(name, value) for name, value in given.items()})
+        return command(*args, options=options, **kwargs)
 
-
-def dataset_choice() -> dict:
-    """task -> its --dataset choice ({"source", "columns"}); empty without one (or outside a command)."""
-    ctx = click.get_current_context(silent=True)
-    return {} if ctx is None else dict(ctx.meta.get(DATASETS_KEY) or {})
+    return with_options
 
 
 def parse_tasks(value: str | None, default: str = "gsm8k") -> list[str]:
@@ -157,8 +161,46 @@ def default_out(kernel: str) -> Path:
     return Path("results/runs") / f"{stamp}-{kernel.replace('/', '_')}"
 
 
+def grouped(name: str, build, flags: dict[str, str]):
+    """The command takes the values of ``flags`` (click parameter -> field) as one ``name`` = ``build(**fields)``."""
+    def decorate(command):
+        @functools.wraps(command)
+        def with_group(*args, **kwargs):
+            kwargs[name] = build(**{field: kwargs.pop(flag) for flag, field in flags.items()})
+            return command(*args, **kwargs)
+
+        return with_group
+
+    return decorate
+
+
+@dataclass(frozen=True)
+class RunChoice:
+    """What a run is asked to run, as ``run``, ``gate`` and ``calibrate`` take it: the model, the tasks and
+    their profiles, how many items, the batch, device and dtype, a token limit, the data folder."""
+
+    model: str | None = None
+    tasks: str | None = None
+    profiles: tuple = ()
+    limit: int | None = None
+    batch_size: int = BATCH_SIZE
+    device: str = "cpu"
+    dtype: str | None = None
+    max_new_tokens: int | None = None
+    data_dir: str | None = None
+
+    def spec(self, kernel: str, name: str | None = None, sampling: dict | None = None, datasets: dict | None = None):
+        """The RunSpec (``run_spec``; ``name``: a served model's, ``sampling``: ``SamplingChoice.settings()``)."""
+        return run_spec(self.model, kernel, self.tasks, self.profiles, self.limit, self.batch_size, self.device,
+                        self.dtype, self.max_new_tokens, self.data_dir, name, sampling, datasets)
+
+
+RUN_FLAGS = {f: f for f in RunChoice.__dataclass_fields__}
+
+
 def run_options(f):
-    """Options shared by ``run``, ``gate`` and ``calibrate``."""
+    """Options shared by ``run``, ``gate`` and ``calibrate``: the command takes them as ``run`` (``RunChoice``)
+    and ``options`` (``RunOptions``: --dataset, --device-map, --threads)."""
     decorators = [
         click.option("--model", "model", default=None, help="Local transformers checkpoint folder (default: the built-in canary)."),
         click.option("--tasks", default=None, help="Comma-separated tasks [default: gsm8k for run; gsm8k,humaneval for gate and calibrate]."),
@@ -171,28 +213,43 @@ def run_options(f):
         click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None, help="Override the checkpoint dtype."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="Override every profile's token limit (changes the profile id; for smoke runs)."),
         click.option("--data-dir", type=click.Path(), default=None, envvar="EVALGATE_DATA_DIR", help="Offline data folder laid out as in docs/scoring.md#data-directory [env: EVALGATE_DATA_DIR]."),
-        click.option("--dataset", multiple=True, metavar="TASK=SOURCE", expose_value=False, callback=_remember_datasets,
+        click.option("--dataset", multiple=True, metavar="TASK=SOURCE",
                      help="A task's items from your own dataset, read by `datasets`: a save_to_disk folder, Parquet/JSONL/CSV "
                           "file(s) or a hub id OWNER/NAME[:CONFIG][@REV]; TASK.FIELD=COLUMN maps a column. Repeatable "
                           "(docs/scoring.md#your-own-dataset)."),
-        click.option("--device-map", default=None, expose_value=False, callback=_request_device_map,
+        click.option("--device-map", default=None,
                      help="Stream an FP4 checkpoint onto devices, experts kept packed: auto (every visible GPU), cpu, "
                           "or cuda:0,cuda:1; refused before loading, with the bytes needed and available, when it does not fit."),
-        click.option("--threads", type=click.IntRange(min=1), default=None, expose_value=False, callback=_request_threads,
+        click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="CPU threads of the in-process model [default: OMP_NUM_THREADS, else the cores this process may use, as many as the model's size profits from]."),
     ]
+    f = collects_options(grouped("run", RunChoice, RUN_FLAGS)(f))
     for d in reversed(decorators):
         f = d(f)
     return f
 
 
+@dataclass(frozen=True)
+class SamplingChoice:
+    """--samples, --temperature and --seed as given; ``settings()`` checks them (one line, exit 2)."""
+
+    samples: int = 1
+    temperature: float = 0.0
+    seed: int | None = None
+
+    def settings(self) -> dict:
+        return sampling_settings(self.samples, self.temperature, self.seed)
+
+
 def sampling_options(f):
-    """k samples per item at temperature T from run seed S (``run`` and ``gate``; docs/scoring.md#k-samples)."""
+    """k samples per item at temperature T from run seed S (``run`` and ``gate``; docs/scoring.md#k-samples);
+    the command takes them as ``sampling`` (``SamplingChoice``)."""
     decorators = [
         click.option("--samples", type=click.IntRange(min=1), default=1, show_default=True, help="Samples per item (k); an item scores the mean over its samples. More than 1 needs --temperature > 0."),
         click.option("--temperature", type=click.FloatRange(min=0.0, max=100.0), default=0.0, show_default=True, help="Sampling temperature; 0 is greedy decoding. Samples are coupled across kernels: each (item, sample, position) draws keyed randomness."),
         click.option("--seed", type=click.IntRange(min=0), default=None, help="Run seed of the sampler [default: 0 when --temperature > 0]. Runs with different --samples, --temperature or --seed are not comparable."),
     ]
+    f = grouped("sampling", SamplingChoice, {"samples": "samples", "temperature": "temperature", "seed": "seed"})(f)
     for d in reversed(decorators):
         f = d(f)
     return f
@@ -208,9 +265,44 @@ def sampling_settings(samples: int, temperature: float, seed: int | None) -> dic
     return {"samples": sampling.samples, "temperature": sampling.temperature, "seed": sampling.seed}
 
 
+@dataclass(frozen=True)
+class ServerChoice:
+    """The server a run's requests go to instead of the in-process model: a running one (``url``) or one to
+    launch (``launch``: sglang or vllm, with ``args``), and how requests are sent to it."""
+
+    url: str | None = None
+    model_id: str | None = None
+    launch: str | None = None
+    launch_timeout: float = 1800.0
+    request_timeout: float = 600.0
+    concurrency: int = 64
+    retries: int = 3
+    args: tuple = ()
+
+    @property
+    def served(self) -> bool:
+        return bool(self.url or self.launch)
+
+    def model_name(self, model: str | None) -> str:
+        """What ``RunSpec.model`` holds (``served_model_name``)."""
+        return served_model_name(model, self.url, self.launch, self.model_id)
+
+    def adapter(self, model, kernel, out, batch_size, deterministic: bool = True, resume_hint=True):
+        """Context manager yielding the server adapter, or None for the in-process model."""
+        return server_adapter(self.url, self.launch, model, kernel, out, self.model_id, self.args,
+                              self.launch_timeout, self.request_timeout, self.concurrency, self.retries, batch_size,
+                              deterministic, resume_hint)
+
+
+SERVER_FLAGS = {"server": "url", "model_id": "model_id", "launch": "launch", "launch_timeout": "launch_timeout",
+                "request_timeout": "request_timeout", "concurrency": "concurrency", "retries": "retries",
+                "server_args": "args"}
+
+
 def server_options(f):
     """Options of ``run``, ``gate`` and ``calibrate`` that drive an OpenAI-compatible server instead of the
-    in-process model."""
+    in-process model: the command takes them as ``server`` (``ServerChoice``), --deterministic in its
+    ``options``."""
     decorators = [
         click.option("--server", default=None, metavar="URL", help="A running OpenAI-compatible server (SGLang, vLLM, evalgate serve) started with --kernel selected."),
         click.option("--model-id", default=None, help="The model name every request sends, whatever /v1/models lists (a warning when it is not listed); part of a server run's model identity."),
@@ -219,37 +311,21 @@ def server_options(f):
         click.option("--request-timeout", type=click.FloatRange(min=0.1), default=600.0, show_default=True, help="Seconds one server request may take."),
         click.option("--concurrency", type=click.IntRange(min=1), default=64, show_default=True, help="Server requests kept in flight, refilled as each one finishes (independent of --batch-size, which is the in-process model's)."),
         click.option("--retries", type=click.IntRange(min=0), default=3, show_default=True, help="Retries per request on connection errors, timeouts, 5xx and malformed answers."),
-        click.option("--deterministic/--no-deterministic", default=True, show_default=True, expose_value=False,
-                     callback=_remember_deterministic, help="Launch SGLang/vLLM in their deterministic (batch-invariant) mode, and warn when a --server's mode is off or unknown; --no-deterministic opts out (recorded)."),
+        click.option("--deterministic/--no-deterministic", default=True, show_default=True, help="Launch SGLang/vLLM in their deterministic (batch-invariant) mode, and warn when a --server's mode is off or unknown; --no-deterministic opts out (recorded)."),
         click.argument("server_args", nargs=-1, type=click.UNPROCESSED),
     ]
+    f = collects_options(grouped("server", ServerChoice, SERVER_FLAGS)(f))
     for d in reversed(decorators):
         f = d(f)
     return f
 
 
-DETERMINISTIC_KEY = "evalgate.deterministic"
-
-
-def _remember_deterministic(ctx, param, value):
-    """--deterministic/--no-deterministic is kept on the click context (the commands' signatures do not carry
-    it); ``server_adapter`` reads it."""
-    ctx.meta[DETERMINISTIC_KEY] = value
-    return value
-
-
-def deterministic_choice() -> bool:
-    ctx = click.get_current_context(silent=True)
-    return True if ctx is None else bool(ctx.meta.get(DETERMINISTIC_KEY, True))
-
-
 def server_adapter(server, launch, model, kernel, out, model_id, server_args, launch_timeout, request_timeout,
-                   concurrency, retries, batch_size, deterministic=None, resume_hint=True):
-    """Context manager yielding the server adapter, or None for the in-process model."""
+                   concurrency, retries, batch_size, deterministic: bool = True, resume_hint=True):
+    """Context manager yielding the server adapter, or None for the in-process model. ``deterministic``: the
+    run's options' (--deterministic/--no-deterministic)."""
     from evalgate.model_adapters.server.launcher import served_adapter
 
-    if deterministic is None:
-        deterministic = deterministic_choice()
     return served_adapter(kernel, out, server=server, launch=launch, model=model, model_id=model_id,
                           server_args=server_args, launch_timeout=launch_timeout, request_timeout=request_timeout,
                           concurrency=concurrency, retries=retries, batch_size=batch_size,
@@ -288,8 +364,9 @@ def served_model_name(model, server, launch, model_id) -> str:
 
 
 def run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, name=None,
-             sampling: dict | None = None):
-    """The RunSpec of ``gate`` and ``calibrate``; ``sampling`` is ``sampling_settings(...)`` (default greedy)."""
+             sampling: dict | None = None, datasets: dict | None = None):
+    """The RunSpec of ``gate`` and ``calibrate``; ``sampling`` is ``sampling_settings(...)`` (default greedy),
+    ``datasets`` the run's options' (--dataset)."""
     from evalgate.run.spec import RunSpec
 
     task_list = parse_tasks(tasks, default="gsm8k,humaneval")
@@ -298,7 +375,7 @@ def run_spec(model, kernel, tasks, profiles, limit, batch_size, device, dtype, m
         chosen = with_canary_profiles(model, task_list, chosen)
     return RunSpec(model=name or resolve_model(model), kernel=kernel, tasks=task_list,
                    profiles=chosen, limit=limit, batch_size=batch_size,
-                   device=device, dtype=dtype, data_dir=data_dir, datasets=dataset_choice(),
+                   device=device, dtype=dtype, data_dir=data_dir, datasets=dict(datasets or {}),
                    max_new_tokens=max_new_tokens, **(sampling or {}))
 
 

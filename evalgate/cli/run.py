@@ -8,9 +8,8 @@ from pathlib import Path
 import click
 
 from evalgate.cli import preflight
-from evalgate.cli.options import (KERNEL, dataset_choice, default_out, note_resumable, parse_profiles, parse_tasks,
-                                  run_options, sampling_options, sampling_settings, served_model_name, server_adapter,
-                                  server_options, with_canary_profiles)
+from evalgate.cli.options import (KERNEL, default_out, note_resumable, parse_profiles, parse_tasks, run_options,
+                                  sampling_options, server_options, with_canary_profiles)
 from evalgate.errors import EnvironmentFailure, UserError
 
 
@@ -21,38 +20,36 @@ from evalgate.errors import EnvironmentFailure, UserError
 @click.option("--resume", is_flag=True, help="Continue the run in --out: finished items are kept, never redone.")
 @sampling_options
 @server_options
-def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens, data_dir, kernel, out, resume,
-        samples, temperature, seed, server, model_id, launch, launch_timeout, request_timeout, concurrency, retries,
-        server_args):
+def run(run, kernel, out, resume, sampling, server, options):
     """Run tasks with one kernel and store per-item records (exit 0 when stored).
 
     With --server or --launch, requests go to an OpenAI-compatible server; server arguments follow `--`."""
     if resume and out is None:
         raise UserError("--resume needs --out: the folder of the run to continue")
-    sampling = sampling_settings(samples, temperature, seed)
-    if not (server or launch):
-        preflight.model_folder(model)
-    preflight.server(server)
+    settings = sampling.settings()
+    if not server.served:
+        preflight.model_folder(run.model)
+    preflight.server(server.url)
     out = Path(out) if out else default_out(kernel)
     preflight.writable_folder(out, "--out")
 
     from evalgate.run.runner import execute, prepare_out
     from evalgate.run.spec import RunSpec, load_tasks
 
-    task_list = parse_tasks(tasks)
-    chosen = parse_profiles(profiles, task_list)
-    if not (server or launch):
-        chosen = with_canary_profiles(model, task_list, chosen)
-    spec = RunSpec(model=served_model_name(model, server, launch, model_id), kernel=kernel, tasks=task_list,
-                   profiles=chosen, limit=limit, batch_size=batch_size,
-                   device=device, dtype=dtype, data_dir=data_dir, datasets=dataset_choice(),
-                   max_new_tokens=max_new_tokens, **sampling)
+    task_list = parse_tasks(run.tasks)
+    chosen = parse_profiles(run.profiles, task_list)
+    if not server.served:
+        chosen = with_canary_profiles(run.model, task_list, chosen)
+    spec = RunSpec(model=server.model_name(run.model), kernel=kernel, tasks=task_list,
+                   profiles=chosen, limit=run.limit, batch_size=run.batch_size,
+                   device=run.device, dtype=run.dtype, data_dir=run.data_dir, datasets=options.datasets,
+                   max_new_tokens=run.max_new_tokens, **settings)
     previous = prepare_out(out, resume)  # a stored run without --resume is refused before the data load
     if previous is not None:
         spec = _resumed_spec(spec, previous)
     loaded = load_tasks(spec)
     if previous is not None:
-        _refuse_another_run(previous, spec, loaded, out, served=bool(server or launch))
+        _refuse_another_run(previous, spec, loaded, out, served=server.served)
     preflight.free_space(out, preflight.run_bytes(sum(len(t.items) for t in loaded.values()), spec.samples), "--out")
     with preflight.run_lock(out):
         prepare_out(out, resume)  # refuse a bad --out before the model loads or a server spends minutes starting
@@ -60,12 +57,12 @@ def run(model, tasks, profiles, limit, batch_size, device, dtype, max_new_tokens
 
         note_resumable(out, f"--out {shlex.quote(str(out))} --resume")
         try:
-            with server_adapter(server, launch, model, kernel, out, model_id, server_args, launch_timeout,
-                                request_timeout, concurrency, retries, batch_size, resume_hint=False) as adapter:
+            with server.adapter(run.model, kernel, out, run.batch_size, options.deterministic,
+                                resume_hint=False) as adapter:
                 if adapter is None:
                     from evalgate.pipeline import in_process_adapter
 
-                    adapter = in_process_adapter(spec)
+                    adapter = in_process_adapter(spec, options)
                 path = execute(spec, out, adapter, resume=resume, tasks=loaded)
         except ServerError as exc:  # the server went away mid-run: the environment, not the input
             raise EnvironmentFailure(str(exc).replace(f"; {RESUME_HINT}", "").replace(RESUME_HINT, "")) from None
@@ -79,16 +76,16 @@ def _refuse_another_run(previous: dict, spec, loaded, out: Path, served: bool) -
     if not served:
         from evalgate.model_adapters.hf.fingerprint import check_model_dir, model_fingerprint
 
-        if previous.get("model", {}).get("fingerprint") != model_fingerprint(check_model_dir(spec.model))["fingerprint"]:
+        if previous.model.fingerprint != model_fingerprint(check_model_dir(spec.model))["fingerprint"]:
             diffs.append("model fingerprint")
-    kernel = previous.get("kernel", {}).get("name")
-    if kernel is not None and kernel != spec.kernel:
+    kernel = previous.kernel.name
+    if kernel != spec.kernel:
         diffs.append(f"kernel ({kernel} vs {spec.kernel})")
     for name, task in loaded.items():
-        before = previous.get("tasks", {}).get(name)
+        before = previous.tasks.get(name)
         if before is None:
             diffs.append(f"task {name} not in the stored run")
-        elif before.get("profile_id") != task.profile_id:
+        elif before.profile_id != task.profile_id:
             diffs.append(f"{name} profile (items, limit or settings changed)")
     if diffs:
         raise UserError(f"--resume: {str(out)!r} was made with a different {', '.join(diffs)}; rerun into a new --out")

@@ -29,10 +29,11 @@ NUMERICS = ("auto", "canonical", "native")
 
 
 def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: str | None = None,
-               numerics: str = "auto", device_map: str | None = None):
-    """(model, tokenizer) with ``kernel_name`` serving every MoE experts module.
+               numerics: str = "auto", device_map: str | None = None, threads: int | None = None):
+    """(model, tokenizer) with ``kernel_name`` serving every MoE experts module; ``threads``: the CPU threads
+    asked for (``--threads``; None: ``evalgate.cores`` decides).
 
-    An FP4 checkpoint with ``device_map`` (``auto``, ``cpu``, ``cuda:0,cuda:1``; the CLI's ``--device-map``),
+    An FP4 checkpoint with ``device_map`` (``auto``, ``cpu``, ``cuda:0,cuda:1``; the run's ``--device-map``),
     or on a GPU with an emulated kernel, is planned and streamed onto its devices with the experts kept packed
     (``streamed.py``; a model that does not fit is refused before loading). Otherwise transformers loads it
     on the CPU, dequantized, and the stored codes are attached.
@@ -51,7 +52,7 @@ def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: s
     kernel = get_kernel(kernel_name)
     device_map = streamed_device_map(d, kernel, device, device_map)
     if device_map is not None:
-        return _load_streamed(d, kernel, device_map, dtype, numerics)
+        return _load_streamed(d, kernel, device_map, dtype, numerics, threads)
     kwargs = {"experts_implementation": kernel.name}
     if dtype is not None:
         kwargs["dtype"] = DTYPES[dtype]
@@ -72,7 +73,7 @@ def load_model(path: str | Path, kernel_name: str, device: str = "cpu", dtype: s
     if prepare is not None:  # e.g. attach the stored FP4 codes of an FP4 checkpoint
         prepare(model, d)
     model = model.to(device).eval()
-    _finish(model, numerics)
+    _finish(model, numerics, threads)
     return model, tokenizer
 
 
@@ -93,10 +94,10 @@ def resolved_numerics(model, numerics: str) -> str:
     return "canonical"
 
 
-def _finish(model, numerics: str) -> None:
+def _finish(model, numerics: str, threads: int | None = None) -> None:
     from evalgate.cores import configure_torch  # the cores we may use, not the machine's
 
-    configure_torch(getattr(model.config, "hidden_size", None))
+    configure_torch(getattr(model.config, "hidden_size", None), threads)
     if resolved_numerics(model, numerics) == "canonical":
         from evalgate.model_adapters.canonical import invariant
 
@@ -113,12 +114,10 @@ def _finish(model, numerics: str) -> None:
 
 
 def streamed_device_map(d: Path, kernel, device: str, device_map: str | None) -> str | None:
-    """The device map to stream with, or None for transformers' loader: ``device_map`` (else the CLI's
+    """The device map to stream with, or None for transformers' loader: ``device_map`` (the run's
     ``--device-map``) when given; an FP4 checkpoint on a GPU with an emulated kernel streams onto ``device``."""
     from evalgate.kernels.checkpoint import is_fp4_checkpoint
-    from evalgate.model_adapters.loading.placement import requested_device_map
 
-    device_map = device_map or requested_device_map()
     if device_map is not None:
         return device_map
     emulated = getattr(kernel.experts_forward, "recipe", None) is not None
@@ -127,7 +126,7 @@ def streamed_device_map(d: Path, kernel, device: str, device_map: str | None) ->
     return None
 
 
-def _load_streamed(d: Path, kernel, device_map: str, dtype: str | None, numerics: str):
+def _load_streamed(d: Path, kernel, device_map: str, dtype: str | None, numerics: str, threads: int | None = None):
     from transformers import AutoTokenizer
 
     from evalgate.model_adapters.loading.streamed import dispatch, load_streamed
@@ -138,7 +137,7 @@ def _load_streamed(d: Path, kernel, device_map: str, dtype: str | None, numerics
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"cannot load the tokenizer from {str(d)!r}: {first}") from None
     model = load_streamed(d, kernel.name, device_map, dtype)
-    _finish(model, numerics)
+    _finish(model, numerics, threads)
     return dispatch(model), tokenizer
 
 
@@ -158,13 +157,14 @@ class HFAdapter(AdapterBase):
     serving = "stream"
 
     def __init__(self, path: str | Path, kernel_name: str, device: str = "cpu", dtype: str | None = None,
-                 batch_size: int = 8, numerics: str = "auto"):
+                 batch_size: int = 8, numerics: str = "auto", device_map: str | None = None,
+                 threads: int | None = None):
         t0 = time.perf_counter()
         self.path = check_model_dir(path)
         self.kernel = get_kernel(kernel_name)
         self.device = device
         self.batch_size = batch_size
-        self.model, self.tokenizer = load_model(self.path, kernel_name, device, dtype, numerics)
+        self.model, self.tokenizer = load_model(self.path, kernel_name, device, dtype, numerics, device_map, threads)
         placement = getattr(self.model, "_evalgate_placement", None)
         if placement is not None:  # streamed: inputs go to the device of the first part
             self.device = placement.devices[0]

@@ -160,17 +160,3 @@ def parse_device_map(value: str | None) -> list[str] | None:
         if not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
             raise UserError(f"--device-map: unknown device {d!r}; use auto, cpu, cuda or cuda:N (comma-separated)")
     return devices
-
-
-_requested: str | None = None  # set by the CLI's --device-map
-
-
-def request_device_map(value: str | None) -> None:
-    """The CLI's ``--device-map`` for this process (checked now, used when the model loads)."""
-    global _requested
-    parse_device_map(value)
-    _requested = value
-
-
-def requested_device_map() -> str | None:
-    return _requested
