@@ -81,6 +81,10 @@ def _rate_check(name: str, base_flags, cand_flags, alpha: float, limit: float, m
     if base_arr.shape != cand_arr.shape:
         raise ValueError(f"{name} flags differ in length: base {base_arr.size}, cand {cand_arr.size}")
     rise = cand_arr - base_arr  # > 0: newly flagged
+    new: float  # whole items (binary flags) or fractions of an item's samples
+    gone: float
+    base_count: float
+    cand_count: float
     if base_binary and cand_binary:
         new, gone = int(np.sum(rise > 0)), int(np.sum(rise < 0))
         p = mcnemar_exact_one_sided(new, gone)
@@ -124,9 +128,10 @@ def _finalise(dec: TaskDecision, *, gate: GateRule, n_tasks: int, n_rate_checks:
     """
     alpha_acc, alpha_rate = gate_levels(gate.alpha, gate.alpha_split, gate.alpha_validity, n_tasks, n_rate_checks)
     warnings = list(dec.checks.input_warnings)
-    checks = replace(dec.checks, **{key: None if check is None else _judge_rate(check, alpha_rate, gate.alpha)
-                                    for key, check in (("invalid", dec.checks.invalid),
-                                                       ("truncation", dec.checks.truncation))})
+    def judged(check: RateCheck | None) -> RateCheck | None:
+        return None if check is None else _judge_rate(check, alpha_rate, gate.alpha)
+
+    checks = replace(dec.checks, invalid=judged(dec.checks.invalid), truncation=judged(dec.checks.truncation))
     outcome = replace(dec.outcome, n_tasks=n_tasks, multiple_comparisons=gate.multiple_comparisons,
                       alpha_accuracy=alpha_acc, p_degradation_adjusted=p_adjusted,
                       p_inferior_adjusted=p_inferior_adjusted, degraded=degraded, inferior=inferior,
@@ -283,6 +288,7 @@ def _paired_statistics(data: TaskData, alpha: float, margin: float) -> tuple[Cou
         if data.counts.n <= 0:
             raise ValueError(f"task {data.task!r} has no items")
         return data.counts, _binary_statistics(data.counts, alpha, margin), None
+    assert data.base is not None and data.cand is not None  # TaskData holds counts or both vectors
     base, cand = as_score_vector(data.base, "base"), as_score_vector(data.cand, "cand")
     if base.shape != cand.shape:
         raise ValueError(f"paired vectors differ in length: base {base.size}, cand {cand.size}")
@@ -315,6 +321,8 @@ def _aa_noise(data: TaskData, stats: dict, diffs: np.ndarray | None, n: int, k: 
         warnings.append(f"the A/A calibration covered {data.aa_n} items, this comparison {n}")
     psi, on = stats["flip_rate"], ""
     if data.items_run is not None:
+        if diffs is None:
+            raise ValueError("items_run needs the per-item scores, not counts")
         run = np.asarray(data.items_run, dtype=bool)
         if run.shape != diffs.shape:
             raise ValueError(f"items_run has {run.size} entries for {diffs.size} items")
@@ -372,7 +380,7 @@ def decide_task(data: TaskData, rule: TaskRule) -> TaskDecision:
     WARN (never FAIL) when the candidate's mean generated tokens fall outside ``token_ratio_band`` times
     the baseline's, or its flip rate exceeds the A/A bound.
     """
-    if data.counts is None and len(data.base) == 0:
+    if data.counts is None and (data.base is None or len(data.base) == 0):
         raise ValueError(f"task {data.task!r} has no items")  # before anything reads a per-item value
     k, _ = data.samples_per_item
     counts, stats, diffs = _paired_statistics(data, rule.alpha, rule.margin)
@@ -449,6 +457,7 @@ def decide_overall(decisions: Sequence[TaskDecision] | Mapping[str, TaskDecision
                                     p_inferior_adjusted=inferior_adjusted[dec.task])
 
     verdict = overall_verdict(dec.outcome.verdict for dec in tasks.values())
+    reasons: tuple[str, ...]
     if verdict == "PASS":
         reasons = (f"all {k} task(s) passed",)
     else:

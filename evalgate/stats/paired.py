@@ -56,7 +56,7 @@ class Counts:
         return (self.a + self.c) / self.n if self.n else 0.0
 
 
-def _as_bool_vector(values: Sequence, name: str) -> np.ndarray:
+def _as_bool_vector(values: Sequence | np.ndarray, name: str) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
@@ -67,7 +67,7 @@ def _as_bool_vector(values: Sequence, name: str) -> np.ndarray:
     return arr
 
 
-def paired_counts(base: Sequence[bool], cand: Sequence[bool]) -> Counts:
+def paired_counts(base: Sequence[bool] | np.ndarray, cand: Sequence[bool] | np.ndarray) -> Counts:
     """Count the paired 2×2 table of two binary per-item vectors in the same item order."""
     base_arr = _as_bool_vector(base, "base")
     cand_arr = _as_bool_vector(cand, "cand")
