@@ -147,3 +147,6 @@ def test_a_run_records_its_kernels_conformance(tiny_model, tmp_path, cli_env):
     conf = load_run(out).manifest["kernel"]["conformance"]
     assert conf["checked"] and not conf["ok"] and conf["reference"] == "w4a4_packed" and conf["calc_diff"] > 1e-5
     assert conf["prompts"] == 2 and conf["layers"] >= 1  # the run's first prompts (it has two items)
+    # the code that computed it, part of the candidate's content identity (evalgate.gate.sequence)
+    source = load_run(out).manifest["kernel"]["source_sha256"]
+    assert source == get_kernel("faulty/w4a4_packed-weight-after-requant").source_sha256 and len(source) == 64

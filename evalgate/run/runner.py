@@ -115,6 +115,9 @@ def execute(spec: RunSpec, out: str | Path, adapter: ModelAdapter, resume: bool 
     conformance = adapter.conformance(first[:CONFORMANCE_PROMPTS])  # in-process kernels only: a server's is out of reach (None)
     if conformance is not None:
         manifest["kernel"]["conformance"] = conformance
+    source = getattr(kernel, "source_sha256", None)  # the code that computes it: part of its content identity
+    if source is not None:
+        manifest["kernel"]["source_sha256"] = source
     if previous is not None:
         _check_resumable(previous, manifest, out)
         manifest["timings"] = {**previous.get("timings", {}), **manifest["timings"]}
