@@ -4,6 +4,7 @@ version is another candidate, with its own sequence; the same code is the same c
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 import textwrap
 
@@ -49,19 +50,36 @@ def test_the_digest_covers_the_modules_that_compute_the_function(package):
     assert source_sha256(fn) != before
 
 
-def test_a_changed_kernel_source_starts_a_new_sequence(package):
-    from evalgate.gate.sequence import candidate_identity
+def _with_source(run, digest: str):
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["kernel"]["source_sha256"] = digest
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    return run
 
+
+def test_a_changed_kernel_source_starts_a_new_sequence(package, tmp_path, monkeypatch):
+    from evalgate.gate.door import decide_pair
+
+    from synthetic_runs import write_pair
+
+    monkeypatch.chdir(tmp_path)
     fn = _forward()
-    manifest = {"model": {"fingerprint": "f" * 16, "numerics": "canonical-v1"},
-                "kernel": {"name": "w4a4_packed", "version": "1", "id": "w4a4_packed@1",
-                           "recipe": {"fmt": "nvfp4"}, "source_sha256": source_sha256(fn)}}
-    same = {**manifest, "kernel": {**manifest["kernel"], "source_sha256": source_sha256(_forward())}}
-    assert candidate_identity(same) == candidate_identity(manifest)  # the same code: the same sequence
-    (package / "kern.py").write_text((package / "kern.py").read_text().replace("helper.scale(x)", "helper.scale(x) + 0"))
-    fixed = {**manifest, "kernel": {**manifest["kernel"], "source_sha256": source_sha256(fn)}}
-    assert fixed["kernel"]["source_sha256"] != manifest["kernel"]["source_sha256"]
-    assert candidate_identity(fixed) != candidate_identity(manifest)
+    base, first = write_pair(tmp_path / "a", n_gsm8k=60, n_humaneval=20)
+    _, again = write_pair(tmp_path / "b", n_gsm8k=60, n_humaneval=20, lost_every=7)  # new data, same baseline
+    _, fixed = write_pair(tmp_path / "c", n_gsm8k=60, n_humaneval=20, lost_every=5)
+    before = source_sha256(fn)
+    _with_source(first, before), _with_source(again, before)
+
+    def look(cand):
+        verdict = decide_pair([str(base)], str(cand), allow_uncalibrated=True)
+        return verdict.sequence["identity"], verdict.sequence["looks"][0]["look"]
+
+    one, look_one = look(first)
+    assert look(again) == (one, look_one + 1)  # the same code on new data: the next look of its sequence
+    (package / "helper.py").write_text("def scale(x):\n    return 2 * x  # fixed\n")  # no version bump
+    assert source_sha256(fn) != before
+    other, look_other = look(_with_source(fixed, source_sha256(fn)))
+    assert other != one and look_other == 0  # another candidate: its own sequence from look 0
 
 
 def test_every_builtin_kernel_has_a_source_digest():
