@@ -227,9 +227,10 @@ def _slot_decoding(model, device) -> bool:
 @torch.inference_mode()
 def _decode_slots(model, tokenizer, enc, stops, max_new_tokens, device, keys, batch_size, refill, dynamic, queue,
                   stats: list | None = None):
-    """``_decode_queue`` over a ``SlotCache`` of ``batch_size`` slots: a prompt is prefilled alone (no
-    padding) into a free slot, every step decodes one token for each slot in use, a finished row's slot takes
-    the next prompt once ``refill`` slots are free. On one GPU a step runs as a CUDA graph of the whole step
+    """``_decode_queue`` over a ``SlotCache`` of ``batch_size`` slots: the prompts a take admits are prefilled
+    in their free slots (``PromptCache``: the shared prefix copied, then their own tokens together; with
+    both switches off, each alone by the model's forward and moved in), every step decodes one token for each
+    slot in use, a finished row's slot takes the next prompt once ``refill`` slots are free. On one GPU a step runs as a CUDA graph of the whole step
     for its batch bucket (``step_graphs.StepGraphs``)."""
     from evalgate.model_adapters.fast.attention_slots import SlotCache
     from evalgate.model_adapters.fast.step_graphs import StepGraphs
