@@ -143,6 +143,28 @@ def test_fp8_block_dequantization_is_exact_in_bf16():
         dequantize(codes, torch.cat([scale, scale], dim=1))
 
 
+def test_a_gpu_dequantization_serves_only_once_it_gave_pytorchs_bits():
+    """``fp8_linear.checked``: a kernel is used for a device only if it reproduces the PyTorch path's bits over
+    every code and scale; one rounding differently in one weight, or one that raises, is not."""
+    from evalgate.model_adapters.canonical import fp8_linear
+
+    exact = lambda codes, scale: fp8_linear._dequantize_torch(codes, scale, torch.bfloat16)  # noqa: E731
+
+    def one_off(codes, scale):
+        out = exact(codes, scale).clone()
+        out.view(torch.int16)[300, 7000] += 1
+        return out
+
+    def raises(codes, scale):
+        raise RuntimeError("no kernel for this device")
+
+    assert fp8_linear.checked(exact, "cpu")
+    assert not fp8_linear.checked(one_off, "cpu") and not fp8_linear.checked(raises, "cpu")
+    codes, scale = fp8_linear._probe("cpu")  # what the check runs over: every code, every scale byte
+    assert set(codes.view(torch.uint8).unique().tolist()) == set(range(256)) - {0x7F, 0xFF}
+    assert len(scale.unique()) == 255
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-pass Triton dequantization runs on a GPU")
 def test_the_gpu_dequantization_gives_the_exact_bits_over_every_scale_and_code():
     """The Triton kernel a GPU forward reads a kept FP8 weight through (``kernels/triton/fp8_dequant.py``): the

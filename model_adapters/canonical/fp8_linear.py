@@ -43,6 +43,8 @@ def keep_fp8(module: torch.nn.Module, codes: torch.Tensor, scale: torch.Tensor, 
     # the scales as FP32 powers of two (2^-127 .. 2^127 are all FP32 values): read by every dequantization
     module._evalgate_scale_f32 = scale_values(scale, torch.float32)
     module._evalgate_dtype = dtype
+    if codes.is_cuda:
+        gpu_kernel(codes.device)  # its one check, before any forward (a CUDA graph capture among them)
 
 
 def is_fp8(module) -> bool:
@@ -55,22 +57,59 @@ def weight_sources(module) -> tuple[torch.Tensor, ...]:
     return (module.weight_fp8, module.weight_scale_inv) if is_fp8(module) else (module.weight,)
 
 
-def _triton_dequantize():
-    """The one-pass GPU kernel (``kernels/triton/fp8_dequant.py``), or None where Triton is not installed."""
+def _probe(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every non-NaN E4M3 code under every UE8M0 scale byte, with a partial block: [512 + 40, 128 x 64 + 8]
+    codes, FP32 scales."""
+    from evalgate.kernels.fp8_blocks import scale_grid
+
+    n, k = 4 * BLOCK + 40, 64 * BLOCK + 8
+    raw = (torch.arange(n * k, dtype=torch.int64) % 256).to(torch.uint8).view(n, k)
+    raw[(raw & 0x7F) == 0x7F] = 0
+    gn, gk = scale_grid((n, k))
+    scale = (torch.arange(gn * gk) % 255).to(torch.uint8).view(gn, gk).view(torch.float8_e8m0fnu)
+    return raw.view(torch.float8_e4m3fn).to(device), scale_values(scale, torch.float32).to(device)
+
+
+def checked(kernel, device) -> bool:
+    """Whether ``kernel(codes, scale_f32)`` gives PyTorch's dequantization bit for bit on ``device`` over
+    ``_probe``'s codes and scales (any error: no)."""
+    codes, scale = _probe(device)
     try:
-        from evalgate.kernels.triton.fp8_dequant import dequantize_bf16
-    except ImportError:
-        return None
-    return dequantize_bf16
+        got = kernel(codes, scale)
+    except Exception:  # a Triton that cannot compile it here: the PyTorch path serves
+        return False
+    return torch.equal(got.view(torch.int16), _dequantize_torch(codes, scale, torch.bfloat16).view(torch.int16))
+
+
+_KERNELS: dict[str, object] = {}  # device -> the Triton kernel once checked there, or None
+
+
+def gpu_kernel(device):
+    """The one-pass Triton dequantization (``kernels/triton/fp8_dequant.py``) for ``device`` if it gives the
+    PyTorch path's bits there (checked once per device and process), else None."""
+    key = str(device)
+    if key not in _KERNELS:
+        try:
+            from evalgate.kernels.triton.fp8_dequant import dequantize_bf16
+        except ImportError:
+            dequantize_bf16 = None
+        _KERNELS[key] = dequantize_bf16 if dequantize_bf16 is not None and checked(dequantize_bf16, device) else None
+    return _KERNELS[key]
 
 
 def dequantize_fast(codes: torch.Tensor, scale_f32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``fp8_blocks.dequantize`` from FP32 block scales, broadcast over each block without expanding them
-    (exact: a code has 4 significant bits, a scale is a power of two, so every path gives the same bits)."""
+    """``fp8_blocks.dequantize`` from FP32 block scales (exact: a code has 4 significant bits, a scale is a
+    power of two, so every path gives the same bits): on a GPU one Triton pass where it was checked."""
     if codes.is_cuda and dtype == torch.bfloat16 and codes.is_contiguous() and scale_f32.is_contiguous():
-        kernel = _triton_dequantize()
+        # checked at load (keep_fp8); never first inside a CUDA graph's capture
+        kernel = _KERNELS.get(str(codes.device)) if torch.cuda.is_current_stream_capturing() else gpu_kernel(codes.device)
         if kernel is not None:
             return kernel(codes, scale_f32)
+    return _dequantize_torch(codes, scale_f32, dtype)
+
+
+def _dequantize_torch(codes: torch.Tensor, scale_f32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight broadcast over each block without expanding the scales."""
     n, k = codes.shape
     gn, gk = scale_f32.shape
     if n == gn * BLOCK and k == gk * BLOCK:
