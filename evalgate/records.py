@@ -76,6 +76,10 @@ class Part(BaseModel):
 
     model_config = _CONFIG
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields that were given (typed and open ones), as they would be written."""
+        return self.model_dump(mode="python", by_alias=True, exclude_unset=True)
+
 
 class Record(BaseModel):
     """A whole file (or JSONL line) with a ``schema_version``."""
@@ -96,6 +100,13 @@ class Record(BaseModel):
     def as_read(self) -> dict:
         """The dict as it was in the file, unmigrated; for a record built in memory, :meth:`to_dict`."""
         return self._as_read if self._as_read is not None else self.to_dict()
+
+    def updated(self: R, **changes: Any) -> R:
+        """A copy with ``changes`` (models or values of the fields' types; not validated again), its dict
+        (``as_read``) what it now holds."""
+        out = self.model_copy(update=changes)
+        out._as_read = None
+        return out
 
     def to_dict(self) -> dict:
         """What is written: the fields that were given (none added), with ``"schema_version": 3`` first."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import click
@@ -11,6 +12,9 @@ from evalgate.cli import preflight
 from evalgate.cli.options import (KERNEL, default_out, note_resumable, parse_profiles, parse_tasks, run_options,
                                   sampling_options, server_options, with_canary_profiles)
 from evalgate.errors import EnvironmentFailure, UserError
+
+if TYPE_CHECKING:
+    from evalgate.records import RunManifest
 
 
 @click.command()
@@ -69,7 +73,7 @@ def run(run, kernel, out, resume, sampling, server, options):
     _print_run_summary(path)
 
 
-def _refuse_another_run(previous: dict, spec, loaded, out: Path, served: bool) -> None:
+def _refuse_another_run(previous: RunManifest, spec, loaded, out: Path, served: bool) -> None:
     """What the run refuses once the model is loaded (``runner._check_resumable``), said before it loads: a
     --resume with another kernel, other items or profiles, or another local model."""
     diffs = []
@@ -98,7 +102,7 @@ RESUMED = (("model", "model"), ("kernel", "kernel"), ("tasks", "tasks"), ("profi
            ("seed", "seed"), ("dataset", "datasets"))
 
 
-def _resumed_spec(spec, manifest: dict):
+def _resumed_spec(spec, manifest: RunManifest):
     """``run --resume --out X`` continues X with the settings it was started with: each option left at its
     default takes the stored run's value (an option given still wins, and a mismatch is refused later)."""
     from dataclasses import replace
@@ -106,7 +110,7 @@ def _resumed_spec(spec, manifest: dict):
     from click.core import ParameterSource
 
     ctx = click.get_current_context()
-    stored = manifest.get("spec") or {}
+    stored = manifest.spec.to_dict() if manifest.spec is not None else {}  # the RunSpec's fields, by name
     taken = {field: stored[field] for option, field in RESUMED
              if field in stored and ctx.get_parameter_source(option) in (ParameterSource.DEFAULT, None)}
     if "order" in stored:

@@ -85,10 +85,6 @@ def _rate_check(name: str, base_flags, cand_flags, alpha: float, limit: float, m
     gone: float
     base_count: float
     cand_count: float
-    new: float  # whole items (binary flags) or fractions of an item's samples
-    gone: float
-    base_count: float
-    cand_count: float
     if base_binary and cand_binary:
         new, gone = int(np.sum(rise > 0)), int(np.sum(rise < 0))
         p = mcnemar_exact_one_sided(new, gone)
@@ -461,7 +457,6 @@ def decide_overall(decisions: Sequence[TaskDecision] | Mapping[str, TaskDecision
                                     p_inferior_adjusted=inferior_adjusted[dec.task])
 
     verdict = overall_verdict(dec.outcome.verdict for dec in tasks.values())
-    reasons: tuple[str, ...]
     reasons: tuple[str, ...]
     if verdict == "PASS":
         reasons = (f"all {k} task(s) passed",)

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evalgate.errors import UserError
-from evalgate.records import SCHEMA_VERSION, AARecord, RunManifest, dump_aa, dump_manifest, load_aa, load_manifest
-from evalgate.run.store import MANIFEST, Run, load_run, write_json_atomic
+from evalgate.records import (AARecord, BaselineInfo, KernelInfo, ModelInfo, RunManifest, TaskSummary, dump_aa, load_aa,
+                              load_manifest)
+from evalgate.run.store import MANIFEST, Run, load_run, write_json_atomic, write_manifest
 
 DEFAULT_ROOT = Path("results/baselines")  # relative: the current directory's
 ROOT_ENV = "EVALGATE_BASELINES"
@@ -81,24 +82,24 @@ def _slug(text: str) -> str:
     return keep.strip("-") or "unnamed"
 
 
-def model_slug(model: dict) -> str:
-    return _slug(f"{model.get('model_type') or 'model'}-{model.get('fingerprint', 'unknown')}")
+def model_slug(model: ModelInfo) -> str:
+    return _slug(f"{model.model_type or 'model'}-{model.fingerprint or 'unknown'}")
 
 
-def profile_slug(task_summary: dict) -> str:
-    return _slug(f"{task_summary['name']}-{task_summary['profile_id'][:12]}")
+def profile_slug(task_summary: TaskSummary) -> str:
+    return _slug(f"{task_summary.name}-{task_summary.profile_id[:12]}")
 
 
-def baseline_dir(root: Path, model: dict, task_summary: dict, kernel: str) -> Path:
+def baseline_dir(root: Path, model: ModelInfo, task_summary: TaskSummary, kernel: str) -> Path:
     return Path(root) / model_slug(model) / profile_slug(task_summary) / _slug(kernel)
 
 
 def _refuse_stopped_early(run: Run) -> None:
     """A run the gate stopped early is never a baseline (docs/gate.md#stopping-early)."""
-    if run.manifest.get("status") != "stopped_early":
+    if run.meta.status != "stopped_early":
         return
-    info = run.manifest.get("early_stop") or {}
-    ran = f" after {info['items_run']} of {info['items_total']} items" if "items_run" in info else ""
+    info = run.meta.early_stop
+    ran = f" after {info.items_run} of {info.items_total} items" if info is not None else ""
     raise UserError(f"{run.path} is a run the gate stopped early{ran} (its FAIL was certain), not a complete run; "
                     "a baseline needs every item: complete it first (`evalgate gate --no-early-stop --out "
                     f"{run.path}` with the same settings, or `evalgate run --resume --out {run.path}`)")
@@ -106,21 +107,19 @@ def _refuse_stopped_early(run: Run) -> None:
 
 def _check_complete(run: Run) -> None:
     _refuse_stopped_early(run)
-    status = run.manifest.get("status")
+    status = run.meta.status
     if status != "complete":
         raise UserError(f"{run.path} is not a complete run (status {status!r}); finish it with `evalgate run --resume --out {run.path}` first")
-    for task, summary in run.manifest.get("tasks", {}).items():
+    for task, summary in run.meta.tasks.items():
         have = len({r["doc_id"] for r in run.records.get(task, [])})
-        if have != summary.get("n_items"):
-            raise UserError(f"{run.path}: {task} has {have} of {summary.get('n_items')} items; a baseline needs every item")
+        if have != summary.n_items:
+            raise UserError(f"{run.path}: {task} has {have} of {summary.n_items} items; a baseline needs every item")
 
 
-def _task_manifest(manifest: dict, task: str, extra: dict) -> dict:
-    out = {k: v for k, v in manifest.items() if k != "tasks"}
-    out["tasks"] = {task: manifest["tasks"][task]}
-    out["timings"] = {k: v for k, v in manifest.get("timings", {}).items() if k in (task, "load_model_s")}
-    out["baseline"] = extra
-    return out
+def _task_manifest(manifest: RunManifest, task: str, extra: BaselineInfo) -> RunManifest:
+    """One task's baseline manifest: the run's, with that task, its timings and where it came from."""
+    timings = {k: v for k, v in (manifest.timings or {}).items() if k in (task, "load_model_s")}
+    return manifest.updated(tasks={task: manifest.tasks[task]}, timings=timings, baseline=extra)
 
 
 def _clean_stale(parent: Path) -> None:
@@ -151,9 +150,9 @@ def record(run_path: str | Path, root: str | Path = DEFAULT_ROOT, force: bool = 
     root = Path(root)
     targets = []
     for task in tasks:
-        if task not in run.manifest["tasks"]:
+        if task not in run.meta.tasks:
             raise UserError(f"{run.path} has no task {task!r}")
-        final = baseline_dir(root, run.manifest["model"], run.manifest["tasks"][task], run.kernel)
+        final = baseline_dir(root, run.meta.model, run.meta.tasks[task], run.kernel)
         if final.exists() and not force:
             raise UserError(f"a baseline already exists at {final}; baselines are immutable — pass --force to replace it")
         targets.append((task, final))
@@ -162,8 +161,8 @@ def record(run_path: str | Path, root: str | Path = DEFAULT_ROOT, force: bool = 
         final.parent.mkdir(parents=True, exist_ok=True)
         _clean_stale(final.parent)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-        extra = {"source_run": str(run.path), "task": task, "kernel": run.kernel}
-        write_json_atomic(tmp / MANIFEST, dump_manifest(_task_manifest(run.manifest, task, extra)))
+        extra = BaselineInfo(source_run=str(run.path), task=task, kernel=run.kernel)
+        write_manifest(tmp, _task_manifest(run.meta, task, extra))
         shutil.copyfile(run.path / f"{task}.jsonl", tmp / f"{task}.jsonl")
         for f in (tmp / f"{task}.jsonl",):
             with open(f, "rb") as fh:
@@ -181,20 +180,19 @@ def import_aggregate(task: str, score: float, n_items: int, model_id: str, profi
         raise UserError(f"--score must be a fraction in [0, 1], got {score}")
     if n_items <= 0:
         raise UserError(f"--n must be a positive item count, got {n_items}")
-    manifest = {
-        "schema_version": SCHEMA_VERSION,
-        "aggregate_only": True,
-        "status": "complete",
-        "model": {"model_id": model_id, "fingerprint": _slug(model_id)},
-        "kernel": {"name": kernel, "id": kernel},
-        "tasks": {task: {"name": profile, "profile_id": "aggregate-only", "score": score, "n_items": n_items}},
-        "baseline": {"task": task, "kernel": kernel, "source": source, "aggregate_only": True},
-    }
+    manifest = RunManifest(
+        aggregate_only=True,
+        status="complete",
+        model=ModelInfo(model_id=model_id, fingerprint=_slug(model_id)),
+        kernel=KernelInfo(name=kernel, id=kernel),
+        tasks={task: TaskSummary(name=profile, profile_id="aggregate-only", score=float(score), n_items=n_items)},
+        baseline=BaselineInfo(task=task, kernel=kernel, source=source, aggregate_only=True),
+    )
     final = Path(root) / _slug(model_id) / _slug(f"{profile}-aggregate") / _slug(kernel)
     final.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(final.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    write_json_atomic(tmp / MANIFEST, dump_manifest(manifest))
+    write_manifest(tmp, manifest)
     _install(tmp, final, force)
     return final
 
@@ -330,13 +328,12 @@ def assemble(baselines: list[str | Path], manifests: dict[Path, RunManifest] | N
         _refuse_stopped_early(run)
     if len(runs) == 1:
         return runs[0]
-    manifest = dict(runs[0].manifest)
-    manifest["tasks"] = {}
-    records = {}
+    tasks, records, items = {}, {}, {}
     for run in runs:
-        manifest["tasks"].update(run.manifest.get("tasks", {}))
+        tasks.update(run.meta.tasks)
         records.update(run.records)
-    return Run(path=Path(runs[0].path), manifest=manifest, records=records)
+        items.update({task: run.items(task) for task in run.records})
+    return Run(path=Path(runs[0].path), manifest=runs[0].meta.updated(tasks=tasks), records=records, items=items)
 
 
 def aa_for_baseline(baseline_dirs: list[Path]) -> dict:

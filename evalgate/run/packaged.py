@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+
+from evalgate.records import RunManifest
 
 
 def _shipped(path: Path) -> bool:
@@ -18,16 +19,18 @@ def _shipped(path: Path) -> bool:
         return False
 
 
-def as_installed(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def as_installed(path: Path, manifest: RunManifest) -> RunManifest:
     """``manifest`` of the run at ``path``; for a baseline shipped with evalgate, its model paths (recorded on
     the machine that made it) replaced by this install's canary folder. Other runs are returned as stored."""
-    if not _shipped(path):
+    if not _shipped(path) or (manifest.model.path is None and (manifest.spec is None or manifest.spec.model is None)):
         return manifest
     from evalgate.canary import CANARY_DIR
 
-    shown = copy.deepcopy(manifest)
-    if isinstance(shown.get("model"), dict) and "path" in shown["model"]:
-        shown["model"]["path"] = str(CANARY_DIR)
-    if isinstance(shown.get("spec"), dict) and "model" in shown["spec"]:
-        shown["spec"]["model"] = str(CANARY_DIR)
+    shown = manifest.model_copy(deep=True)
+    as_read = copy.deepcopy(manifest.as_read)  # the file's dict, unmigrated, shows the install's paths too
+    if shown.model.path is not None:
+        shown.model.path = as_read["model"]["path"] = str(CANARY_DIR)
+    if shown.spec is not None and shown.spec.model is not None:
+        shown.spec.model = as_read["spec"]["model"] = str(CANARY_DIR)
+    shown._as_read = as_read
     return shown

@@ -10,10 +10,10 @@ from pathlib import Path
 from evalgate import collector
 from evalgate.version import __version__
 from evalgate.errors import UserError
-from evalgate.run.progress import Progress
+from evalgate.run.progress import Progress, TaskProgress
 from evalgate.run.samples import SampleGroups
 from evalgate.run.spec import LoadedTask, RunSpec, load_tasks
-from evalgate.records import SCHEMA_VERSION
+from evalgate.records import SCHEMA_VERSION, EarlyStopInfo, PrepareInfo, RunManifest, to_jsonable
 from evalgate.run.observer import RunObserver
 from evalgate.run.store import MANIFEST, RecordWriter, Run, load_run, write_manifest
 from evalgate.types import ModelAdapter, Request
@@ -28,13 +28,13 @@ SIDE_FILES = frozenset({"server.log"})
 CONFORMANCE_PROMPTS = 8  # the run's first prompts whose hidden states the kernel is held to its reference on
 
 
-def prepare_out(out: Path, resume: bool) -> dict | None:
+def prepare_out(out: Path, resume: bool) -> RunManifest | None:
     """The existing manifest when resuming; refuses to touch a stored run otherwise."""
     manifest = out / MANIFEST
     if resume:
         if not manifest.is_file():
             raise UserError(f"--resume: {str(out)!r} holds no run to resume (no {MANIFEST}); drop --resume to start one")
-        return load_run(out).manifest
+        return load_run(out).meta
     if out.exists() and any(p.name not in SIDE_FILES for p in out.iterdir()):
         raise UserError(f"{str(out)!r} already holds files; pass --resume to continue that run or choose another --out")
     return None
@@ -96,43 +96,44 @@ def execute(spec: RunSpec, out: str | Path, adapter: ModelAdapter, resume: bool 
     loaded = tasks if tasks is not None else load_tasks(spec)
     model_info = adapter.info()
     kernel = adapter.kernel
-    manifest = {  # written through evalgate.records.RunManifest
-        "schema_version": SCHEMA_VERSION,
-        "evalgate_version": __version__,
-        "run_id": out.name,
-        "created": previous["created"] if previous else _now(),
-        "status": "running",
-        "spec": asdict(spec),
-        "model": model_info,
-        "kernel": {"name": kernel.name, "version": kernel.version, "id": kernel.id,
-                   "description": kernel.description, "recipe": kernel.recipe,
-                   "faulty": kernel.faulty},
-        "dg_env": _dg_environment(),
-        "tasks": {name: {**t.resolved.summary(), "n_items": len(t.items)} for name, t in loaded.items()},
-        "timings": {"load_model_s": round(adapter.load_s, 3)},
-    }
+    kernel_info = {"name": kernel.name, "version": kernel.version, "id": kernel.id, "description": kernel.description,
+                   "recipe": kernel.recipe, "faulty": kernel.faulty}
     first = [r.prompt for t in loaded.values() for r in t.task.requests(t.items[:CONFORMANCE_PROMPTS], t.resolved)]
     conformance = adapter.conformance(first[:CONFORMANCE_PROMPTS])  # in-process kernels only: a server's is out of reach (None)
     if conformance is not None:
-        manifest["kernel"]["conformance"] = conformance
+        kernel_info["conformance"] = conformance
     source = getattr(kernel, "source_sha256", None)  # the code that computes it: part of its content identity
     if source is not None:
-        manifest["kernel"]["source_sha256"] = source
+        kernel_info["source_sha256"] = source
+    timings = {"load_model_s": round(adapter.load_s, 3)}
+    manifest = RunManifest.model_validate(to_jsonable({  # the one validation; the runner changes it as models
+        "schema_version": SCHEMA_VERSION,
+        "evalgate_version": __version__,
+        "run_id": out.name,
+        "created": previous.created if previous else _now(),
+        "status": "running",
+        "spec": asdict(spec),
+        "model": model_info,
+        "kernel": kernel_info,
+        "dg_env": _dg_environment(),
+        "tasks": {name: {**t.resolved.summary(), "n_items": len(t.items)} for name, t in loaded.items()},
+        "timings": {**(previous.timings or {}), **timings} if previous is not None else timings,
+    }))
     if previous is not None:
         _check_resumable(previous, manifest, out)
-        manifest["timings"] = {**previous.get("timings", {}), **manifest["timings"]}
-        history = list(previous.get("early_stop_history") or [])
-        if previous.get("early_stop"):  # a stopped-early run resumed: the stop becomes history
-            history.append(previous["early_stop"])
+        history = list(previous.early_stop_history or [])
+        if previous.early_stop is not None:  # a stopped-early run resumed: the stop becomes history
+            history.append(previous.early_stop)
         if history:
-            manifest["early_stop_history"] = history
+            manifest.early_stop_history = history
     write_manifest(out, manifest)
     collector.resume()  # start-up is over (the console script paused collection for its imports)
 
     runs = {name: _TaskRun(t, adapter, out, manifest, spec, expected_tokens, observer) for name, t in loaded.items()}
     if observer is not None:
         observer.started(Run(path=out, manifest=manifest,  # the live manifest: the tasks' preparation joins it
-                             records={name: list(run.writer.records) for name, run in runs.items()}))
+                             records={name: list(run.writer.records) for name, run in runs.items()},
+                             items={name: list(run.writer.items) for name, run in runs.items()}))
     stop = _Stop(observer)
     progress = progress or Progress()
     progress.in_flight = _in_flight(adapter, spec)
@@ -140,10 +141,10 @@ def execute(spec: RunSpec, out: str | Path, adapter: ModelAdapter, resume: bool 
         with progress:
             if previous is not None and stop.check():
                 # what is stored already decides: nothing to generate (a stop found again is not new history)
-                if previous.get("status") == "stopped_early":
-                    manifest.pop("early_stop_history", None)
-                    if previous.get("early_stop_history"):
-                        manifest["early_stop_history"] = previous["early_stop_history"]
+                if previous.status == "stopped_early":
+                    manifest.early_stop_history = previous.early_stop_history or None
+                    if not manifest.early_stop_history:
+                        manifest.model_fields_set.discard("early_stop_history")  # not written, as before the stop
             elif adapter.serving == "stream":
                 _run_tasks_in_one_stream(list(runs.values()), adapter, manifest, progress, spec, stop)
             else:
@@ -154,40 +155,41 @@ def execute(spec: RunSpec, out: str | Path, adapter: ModelAdapter, resume: bool 
     except BaseException:
         for run in runs.values():
             run.writer.close()
-        manifest["status"] = "interrupted"
+        manifest.status = "interrupted"
         write_manifest(out, manifest)
         raise
     for run in runs.values():
         run.close()
     stored = {name: len(run.writer.stored) for name, run in runs.items()}
-    if stop.record is not None and any(stored[t] < manifest["tasks"][t]["n_items"] for t in stored):
-        manifest["status"] = "stopped_early"
-        manifest["early_stop"] = {
+    if stop.record is not None and any(stored[t] < manifest.tasks[t].n_items for t in stored):
+        manifest.status = "stopped_early"
+        manifest.early_stop = EarlyStopInfo.model_validate(to_jsonable({
             **stop.record, "items_run": sum(stored.values()),
-            "items_total": sum(int(s["n_items"]) for s in manifest["tasks"].values()),
-            "tasks": {t: {"items_run": stored[t], "items_total": int(manifest["tasks"][t]["n_items"])} for t in stored}}
-        for name, summary in manifest["tasks"].items():
-            summary["complete"] = stored[name] == summary["n_items"]
+            "items_total": sum(s.n_items for s in manifest.tasks.values()),
+            "tasks": {t: {"items_run": stored[t], "items_total": manifest.tasks[t].n_items} for t in stored}}))
+        for name, summary in manifest.tasks.items():
+            summary.complete = stored[name] == summary.n_items
     else:
-        manifest["status"] = "complete"
-    manifest["finished"] = _now()
-    written = write_manifest(out, manifest)
+        manifest.status = "complete"
+    manifest.finished = _now()
+    write_manifest(out, manifest)
     if observer is not None:
-        observer.finished(Run(path=out, manifest=written, records={n: list(r.writer.records) for n, r in runs.items()}))
+        observer.finished(Run(path=out, manifest=manifest, records={n: list(r.writer.records) for n, r in runs.items()},
+                              items={n: list(r.writer.items) for n, r in runs.items()}))
     return out
 
 
-def _check_resumable(previous: dict, current: dict, out: Path) -> None:
+def _check_resumable(previous: RunManifest, current: RunManifest, out: Path) -> None:
     diffs = []
-    if previous["model"].get("fingerprint") != current["model"].get("fingerprint"):
+    if previous.model.fingerprint != current.model.fingerprint:
         diffs.append("model fingerprint")
-    if previous["kernel"].get("id") != current["kernel"]["id"]:
-        diffs.append(f"kernel ({previous['kernel'].get('id')} vs {current['kernel']['id']})")
-    for name, summary in current["tasks"].items():
-        before = previous.get("tasks", {}).get(name)
+    if previous.kernel.id != current.kernel.id:
+        diffs.append(f"kernel ({previous.kernel.id} vs {current.kernel.id})")
+    for name, summary in current.tasks.items():
+        before = previous.tasks.get(name)
         if before is None:
             diffs.append(f"task {name} not in the stored run")
-        elif before.get("profile_id") != summary["profile_id"]:
+        elif before.profile_id != summary.profile_id:
             diffs.append(f"{name} profile (items, limit or settings changed)")
     if diffs:
         raise UserError(f"--resume: {str(out)!r} was made with a different {', '.join(diffs)}; rerun into a new --out")
@@ -197,11 +199,11 @@ class _TaskRun:
     """One task's share of a run: its prepared profile, the requests still to do (k samples each), its record
     file, scorer and progress bar. ``score_and_write`` takes finished samples; ``close`` settles the file."""
 
-    def __init__(self, loaded: LoadedTask, adapter: ModelAdapter, out: Path, manifest: dict, spec: RunSpec,
+    def __init__(self, loaded: LoadedTask, adapter: ModelAdapter, out: Path, manifest: RunManifest, spec: RunSpec,
                  expected_tokens: dict[str, dict] | None = None, observer: RunObserver | None = None):
         self.task, self.items, self.resolved, self.manifest = loaded.task, loaded.items, loaded.resolved, manifest
         self.data_dir, self.observer, self.kernel_name = loaded.data_dir, observer, adapter.kernel.name
-        self.entry = manifest["tasks"][self.task.name]
+        self.entry = manifest.tasks[self.task.name]
         self.writer = RecordWriter(out / f"{self.task.name}.jsonl")  # a resumed run's records, read once
         self.by_id = {item["doc_id"]: item for item in self.items}
         requests = [r for r in self.task.requests(self.items, self.resolved) if r.doc_id not in self.writer.stored]
@@ -216,7 +218,7 @@ class _TaskRun:
         self.groups = SampleGroups(sampling, requests)  # an item is scored once all its k samples are in
         self.requests = sampling.expand(requests)
         self.times = {"generate_s": 0.0, "score_s": 0.0}
-        self.bar = None
+        self.bar: TaskProgress | None = None
         self.closed = False
 
     def prepare(self, progress: Progress) -> None:
@@ -224,7 +226,7 @@ class _TaskRun:
         executor), then the task's progress bar."""
         prepared = self.task.prepare(self.resolved, self.data_dir)
         if prepared:
-            self.entry["prepare"] = prepared
+            self.entry.prepare = PrepareInfo.model_validate(to_jsonable(prepared))
         ids = {item["doc_id"] for item in self.items}
         self.bar = progress.task(f"{self.task.name} [{self.kernel_name}]", total=len(self.items),
                                  done=len(self.writer.stored), done_ids=list(self.writer.stored),
@@ -250,7 +252,10 @@ class _TaskRun:
     def add_times(self, stats: dict | None = None, generate_s: bool = True) -> None:
         """Add the times (``generate_s`` False: the task shared one decoding stream with others, whose time
         is the run's)."""
-        timings = self.manifest["timings"].setdefault(self.task.name, {})
+        if self.manifest.timings is None:
+            self.manifest.timings = {}
+        timings = self.manifest.timings.setdefault(self.task.name, {})
+        assert isinstance(timings, dict)  # a task's timings, beside the run's own numbers
         if generate_s:
             timings["generate_s"] = round(timings.get("generate_s", 0.0) + self.times["generate_s"], 3)
         timings["score_s"] = round(timings.get("score_s", 0.0) + self.times["score_s"], 3)
@@ -262,7 +267,7 @@ class _TaskRun:
         if not self.closed:
             self.writer.close([item["doc_id"] for item in self.items])
             self.closed = True
-        self.entry["complete"] = len(self.writer.stored) == len(self.items)
+        self.entry.complete = len(self.writer.stored) == len(self.items)
 
 
 def _run_task(run: _TaskRun, adapter: ModelAdapter, progress: Progress, spec: RunSpec, stop: _Stop) -> None:
@@ -281,7 +286,7 @@ def _run_task(run: _TaskRun, adapter: ModelAdapter, progress: Progress, spec: Ru
         run.close()
 
 
-def _run_tasks_in_one_stream(runs: list[_TaskRun], adapter: ModelAdapter, manifest: dict, progress: Progress,
+def _run_tasks_in_one_stream(runs: list[_TaskRun], adapter: ModelAdapter, manifest: RunManifest, progress: Progress,
                              spec: RunSpec, stop: _Stop) -> None:
     """Every task's requests in one continuous-batching stream (an in-process model): the decoding processes
     never wait at a task's tail for the next task's first prompts. Each finished sample goes to its own
@@ -306,7 +311,10 @@ def _run_tasks_in_one_stream(runs: list[_TaskRun], adapter: ModelAdapter, manife
         if should_stop is not None and should_stop():
             return  # decided before anything is generated (a kernel that failed its conformance check)
         run_in_process(adapter, requests, spec.batch_size, score_and_write, times, should_stop)
-        manifest["timings"]["generate_s"] = round(manifest["timings"].get("generate_s", 0.0) + times["generate_s"], 3)
+        timings = manifest.timings if manifest.timings is not None else {}
+        before = timings.get("generate_s", 0.0)
+        before = before if isinstance(before, (int, float)) else 0.0
+        manifest.timings = {**timings, "generate_s": round(before + times["generate_s"], 3)}
     finally:
         for run in runs:
             run.add_times(generate_s=False)

@@ -8,6 +8,10 @@ Both are written through the models of ``evalgate.records`` (``"schema_version":
 them on read: a file of an unknown version or with a field of the wrong type is refused in one line. Reading
 never changes a stored run; a version-1 run (no ``schema_version``, e.g. the committed baselines) or a
 version-2 run (e.g. the packaged canary baselines) reads as is.
+
+This is where a run's files become models, once: ``Run.meta`` is the manifest as a ``RunManifest`` (older
+versions migrated here) and ``Run.items`` the records as their task's model; evalgate reads runs through them
+(attributes, never string keys). ``Run.manifest`` and ``Run.records`` are the files' dicts, for notebooks.
 """
 
 from __future__ import annotations
@@ -16,12 +20,11 @@ import json
 import os
 import re
 import shlex
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from evalgate.errors import UserError
 from evalgate.files import RERUN, parse_lines, write_bytes_atomic
-from evalgate.records import ItemRecord, RunManifest, dump, dump_manifest, load_manifest, parse
+from evalgate.records import SCHEMA_VERSION, ItemRecord, RunManifest, json_default, load_manifest, parse
 from evalgate.tasks import record_model
 
 MANIFEST = "manifest.json"
@@ -32,12 +35,11 @@ def write_json_atomic(path: Path, obj) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def write_manifest(run_dir: Path, manifest: dict) -> dict:
-    """Write ``<run_dir>/manifest.json`` through the RunManifest model (``"schema_version": 3``), atomically;
-    returns what was written (what ``load_run`` would read back)."""
-    written = dump_manifest(manifest)
-    write_json_atomic(Path(run_dir) / MANIFEST, written)
-    return written
+def write_manifest(run_dir: Path, manifest: RunManifest) -> None:
+    """Write ``<run_dir>/manifest.json`` (``"schema_version": 3``), atomically: the model serialised once, not
+    validated again (it was when it was built; the runner's changes to it are models too)."""
+    text = json.dumps(manifest.to_dict(), indent=2, sort_keys=True, ensure_ascii=False, default=json_default) + "\n"
+    write_bytes_atomic(Path(run_dir) / MANIFEST, text.encode("utf-8"))
 
 
 def read_records(path: Path) -> tuple[list[dict], int]:
@@ -90,7 +92,10 @@ class RecordWriter:
     def __init__(self, path: Path):
         self.path = path
         self.task = path.name.removesuffix(".jsonl")
+        self.model = record_model(self.task)
         self.records, self._lines = _read_lines(path)
+        source = repr(str(path))
+        self.items = [parse(self.model, r, f"{source} line {i}") for i, r in enumerate(self.records, 1)]
         good = sum(len(line) for line in self._lines)
         if path.exists() and path.stat().st_size != good:
             with open(path, "r+b") as f:  # drop a torn tail before appending after it
@@ -99,22 +104,29 @@ class RecordWriter:
         self._f = open(path, "ab")
 
     def append(self, records: list[dict]) -> list[dict]:
-        """Store the records not stored yet; returns them as stored (what a reader of the file gets)."""
-        lines, new = [], []
-        model = record_model(self.task)
+        """Store the records not stored yet; returns them as stored (what a reader of the file gets).
+
+        Each record is serialised once and validated once, from its line (``model_validate_json``: a wrong
+        type is a bug in the writer, pydantic's ValidationError); the model is kept (``items``), and its dict is
+        what the caller and the observer get, never the line parsed again."""
+        lines, new, items = [], [], []
         for r in records:
             if r["doc_id"] in self.stored:
                 continue
             # marked before the write: an interrupted write loses the item (a resume redoes it), never doubles it
             self.stored.add(r["doc_id"])
-            line = _escape_surrogates(json.dumps(dump(model, r), ensure_ascii=False, sort_keys=True)) + "\n"
-            lines.append(line.encode("utf-8"))
-            new.append(json.loads(line))  # the record exactly as a reader of the file gets it (keys sorted)
+            line = _escape_surrogates(json.dumps({**r, "schema_version": SCHEMA_VERSION}, ensure_ascii=False,
+                                                 sort_keys=True, default=json_default))
+            item = self.model.model_validate_json(line)
+            lines.append((line + "\n").encode("utf-8"))
+            items.append(item)
+            new.append(item.to_dict())  # the record as a reader of the file gets it
         if lines:
             self._f.write(b"".join(lines))
             self._f.flush()
             os.fsync(self._f.fileno())
             self.records.extend(new)
+            self.items.extend(items)
             self._lines.extend(lines)
         return new
 
@@ -130,37 +142,46 @@ class RecordWriter:
             if keys != sorted(keys):
                 order = sorted(range(len(keys)), key=lambda i: keys[i])  # stable: unknown ids stay at the end
                 self.records = [self.records[i] for i in order]
+                self.items = [self.items[i] for i in order]
                 self._lines = [self._lines[i] for i in order]
                 write_bytes_atomic(self.path, b"".join(self._lines))
         return list(self.records)
 
 
-@dataclass
 class Run:
-    """A stored run: its manifest and per-task records. ``evalgate.load_run(path)`` returns one."""
+    """A stored run: its manifest and per-task records. ``evalgate.load_run(path)`` returns one.
 
-    path: Path
-    manifest: dict
-    records: dict[str, list[dict]] = field(default_factory=dict)
+    ``meta`` is the manifest as its model, made once (a dict given is validated here, the one time); evalgate
+    reads it by attribute. ``manifest`` is its dict (the file's, for a stored run) for a notebook."""
+
+    def __init__(self, path: str | Path, manifest: RunManifest | dict, records: dict[str, list[dict]] | None = None,
+                 items: dict[str, list[ItemRecord]] | None = None):
+        self.path = Path(path)
+        self.meta = manifest if isinstance(manifest, RunManifest) else _parse_manifest(manifest, self.path / MANIFEST)
+        self.records = records if records is not None else {}
+        self._items = dict(items or {})
 
     @property
-    def meta(self) -> RunManifest:
-        """The manifest as a typed model (a version-1 manifest migrated); ``.manifest`` stays the file's dict."""
-        return _parse_manifest(self.manifest, self.path / MANIFEST)
+    def manifest(self) -> dict:
+        """The manifest as a dict: the file's own for a stored run (unmigrated), else what would be written."""
+        return self.meta.as_read
 
     def items(self, task: str) -> list[ItemRecord]:
-        """Per-item records of ``task`` as typed models (the task's ``record_model``)."""
-        source = repr(str(self.path / f"{task}.jsonl"))
-        model = record_model(task)
-        return [parse(model, r, f"{source} record {i}") for i, r in enumerate(self.records.get(task, []), 1)]
+        """Per-item records of ``task`` as typed models (the task's ``record_model``), validated once."""
+        if task not in self._items:
+            source = repr(str(self.path / f"{task}.jsonl"))
+            model = record_model(task)
+            self._items[task] = [parse(model, r, f"{source} record {i}")
+                                 for i, r in enumerate(self.records.get(task, []), 1)]
+        return self._items[task]
 
     @property
     def tasks(self) -> list[str]:
-        return list(self.manifest.get("tasks", {}))
+        return list(self.meta.tasks)
 
     @property
     def kernel(self) -> str:
-        return self.manifest.get("kernel", {}).get("name", "?")
+        return self.meta.kernel.name
 
     def samples(self, task: str):
         """Per-item records of ``task`` as a pandas DataFrame, one row per item, sorted by ``doc_id``."""
@@ -180,7 +201,8 @@ def _parse_manifest(manifest: dict, path: Path) -> RunManifest:
 
 
 def load_run(path: str | Path, meta: RunManifest | None = None) -> Run:
-    """A stored run, validated through the record models; its manifest and records are the files' dicts.
+    """A stored run, validated through the record models, once: its manifest and items as models (``meta``,
+    ``items``), its records also as the files' dicts.
 
     UserError (one line) for a missing or damaged manifest, an unknown ``schema_version`` in the manifest or
     in a record line, a field of the wrong type, or one item stored twice. Nothing on disk is changed.
@@ -192,19 +214,21 @@ def load_run(path: str | Path, meta: RunManifest | None = None) -> Run:
             raise UserError(f"{str(path)!r} is not a run directory (no {MANIFEST}); pass the folder `evalgate run "
                             "--out` wrote")
         meta = load_manifest(manifest_path)
-    records = {}
+    records: dict[str, list[dict]] = {}
+    items: dict[str, list[ItemRecord]] = {}
     remedy = _remedy(meta, path)
     for task in meta.tasks:
         jsonl = path / f"{task}.jsonl"
         records[task], _ = _read_lines(jsonl, remedy)
         model = record_model(task)
         first_line: dict = {}
+        items[task] = []
         for line, record in enumerate(records[task], 1):
-            parse(model, record, f"{str(jsonl)!r} line {line}")
+            items[task].append(parse(model, record, f"{str(jsonl)!r} line {line}"))
             if first_line.setdefault(record["doc_id"], line) != line:
                 raise UserError(f"{str(jsonl)!r} holds item {record['doc_id']!r} twice (lines {first_line[record['doc_id']]} "
                                 f"and {line}); it was not written by this evalgate — "
                                 + ("rerun it into a new --out" if remedy == RERUN else remedy))
     from evalgate.run.packaged import as_installed  # a shipped baseline names this install's canary
 
-    return Run(path=path, manifest=as_installed(path, meta.as_read), records=records)
+    return Run(path=path, manifest=as_installed(path, meta), records=records, items=items)
