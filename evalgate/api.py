@@ -27,7 +27,7 @@ from evalgate.gate.policy import Thresholds
 from evalgate.gate.subset import item_lists, restrict
 from evalgate.gate.verdict import OverallDecision, Verdict
 from evalgate.report.html import ItemView, comparison_html, display_question
-from evalgate.records import load_verdict
+from evalgate.records import load_manifest, load_verdict
 from evalgate.run.baselines import aa_for_baseline, assemble
 from evalgate.run.store import MANIFEST, Run, load_run
 from evalgate.tasks import comparison_notes
@@ -45,7 +45,7 @@ def _for_profiles_used(pairing: Pairing, policy: Thresholds, notes: list[str]) -
     """The policy with each task's profile set to the one the runs used (a notebook may look at any profile)."""
     tasks = dict(policy.tasks)
     for task in pairing.pairs:
-        used = pairing.candidate.manifest["tasks"][task].get("name")
+        used = pairing.candidate.meta.tasks[task].name
         if task in tasks and tasks[task].profile != used:
             notes.append(f"{task}: the policy is written for profile {tasks[task].profile!r}; "
                          f"its margin is applied to {used!r}")
@@ -97,7 +97,7 @@ class Comparison(Pairing):
         def decide(at_look: Thresholds) -> Verdict:
             return with_conformance(decide_pairing(self, at_look, aa=aa, require_aa=False), self.candidate)
 
-        return decide_at_look(decide, policy, dirs, self.candidate.manifest, list(self.pairs),
+        return decide_at_look(decide, policy, dirs, self.candidate.meta, list(self.pairs),
                               items_digest(self.candidate))
 
     @property
@@ -264,13 +264,13 @@ def find_baselines(root, candidate: Run, tasks: list[str] | None = None, kernel:
     from evalgate.run.baselines import list_baselines
 
     root = Path(root)
-    fingerprint = candidate.manifest.get("model", {}).get("fingerprint")
+    fingerprint = candidate.meta.model.fingerprint
     rows = [r for r in list_baselines(root) if r["model"] == fingerprint and r["kernel"] == kernel]
     found = []
     for task in tasks or candidate.tasks:
-        summary = candidate.manifest["tasks"][task]
-        same = [r for r in rows if r["task"] == task and r["profile_id"] == summary.get("profile_id")]
-        named = [r for r in rows if r["task"] == task and r["profile"] == summary.get("name")]
+        summary = candidate.meta.tasks[task]
+        same = [r for r in rows if r["task"] == task and r["profile_id"] == summary.profile_id]
+        named = [r for r in rows if r["task"] == task and r["profile"] == summary.name]
         pick = same or named
         if not pick:
             have = sorted({f"{r['task']} {r['profile']} [{r['kernel']}]" for r in list_baselines(root)
@@ -287,9 +287,9 @@ def find_baselines(root, candidate: Run, tasks: list[str] | None = None, kernel:
 def _subset_hint(base: Run, cand: Run, tasks: list[str]) -> str:
     """What to pass when the baseline lacks some of the candidate's tasks (baselines are stored one task per
     folder), or the candidate holds some of the baseline's items (a ``--limit`` run)."""
-    held = [t for t in tasks if t in base.manifest.get("tasks", {})]
+    held = [t for t in tasks if t in base.meta.tasks]
     if len(held) < len(tasks):
-        has = ", ".join(base.manifest.get("tasks", {})) or "no task"
+        has = ", ".join(base.meta.tasks) or "no task"
         only = f"tasks={held!r}, " if held else ""
         return (f"; the baseline holds {has} (stored baselines are one folder per task): pass {only}every task's "
                 "baseline folder as a list, or the baselines root (e.g. evalgate.canary.BASELINES)")
@@ -343,7 +343,7 @@ def compare(baseline, candidate=None, tasks: list[str] | None = None, metrics: d
     except NotComparable as exc:
         hint = _subset_hint(base, cand, names) if items is None else ""
         raise NotComparable(f"{exc}{hint}") from None
-    notes += comparison_notes(base.manifest, cand.manifest, list(pairing.pairs))
+    notes += comparison_notes(base.meta, cand.meta, list(pairing.pairs))
     differs = serving_difference(base, cand) if across_serving else None
     if differs:
         notes.append(f"compared across a serving difference, as asked: {differs}")
@@ -378,7 +378,7 @@ def run_kernel(kernel: str, out, model: str | None = None, tasks=("gsm8k", "huma
     spec = RunSpec(model=str(model or canary_path()), kernel=kernel, tasks=tasks, profiles=chosen, limit=limit,
                    batch_size=batch_size, datasets=options.datasets)
     out = Path(out)
-    if resume and (out / MANIFEST).is_file() and load_run(out).manifest.get("status") == "complete":
+    if resume and (out / MANIFEST).is_file() and load_manifest(out / MANIFEST).status == "complete":
         return load_run(out)
     bar = None if progress else Progress(enabled=False, stream=io.StringIO())  # no lines in a notebook's output
     resume = resume and (out / MANIFEST).is_file()

@@ -188,7 +188,7 @@ def explained_flips(comparison, explanations, replay_seconds: float | None = Non
 
 def _device(run) -> str:
     """Where the run computed, when this machine has it (a replay reproduces the run there); else the CPU."""
-    device = str((run.manifest.get("model") or {}).get("device") or "cpu")
+    device = str(run.meta.model.device or "cpu")
     if device.startswith("cuda"):
         import torch
 
@@ -229,20 +229,23 @@ def _spec_of(run, task: str):
     """The run's own RunSpec (the manifest's ``spec``), cut to ``task``: its items and prompts rebuilt."""
     from evalgate.run.spec import RunSpec
 
-    stored = run.manifest.get("spec") or {}
+    info = run.meta.spec
+    stored = info.to_dict() if info is not None else {}  # the RunSpec's fields, by name
     known = {f.name for f in fields(RunSpec)}
     spec = RunSpec(**{k: v for k, v in stored.items() if k in known and k not in ("model", "kernel", "tasks")},
-                   model=stored.get("model", ""), kernel=stored.get("kernel", ""), tasks=[task])
+                   model=(info.model if info is not None else None) or "",
+                   kernel=(info.kernel if info is not None else None) or "", tasks=[task])
     return spec
 
 
 def _greedy(run, task: str) -> bool:
-    decoding = run.manifest.get("tasks", {}).get(task, {}).get("decoding") or {}
+    summary = run.meta.tasks.get(task)
+    decoding = (summary.decoding if summary is not None else None) or {}
     return not decoding.get("do_sample") and float(decoding.get("temperature") or 0.0) == 0.0
 
 
 def _in_process(run) -> bool:
-    return (run.manifest.get("model") or {}).get("adapter") == "hf"
+    return run.meta.model.adapter == "hf"
 
 
 @dataclass
@@ -269,22 +272,22 @@ class Explainer:
         """The checkpoint to replay, or None when there is none to use (a server run without ``model``)."""
         from evalgate.model_adapters.hf.fingerprint import model_fingerprint
 
-        info = self.pairing.candidate.manifest.get("model") or {}
+        info = self.pairing.candidate.meta.model
         if self.model is not None:
             path = Path(self.model)
         elif _in_process(self.pairing.candidate):
-            path = Path(info.get("path") or "")
+            path = Path(info.path or "")
         else:
             return None
         if not (path / "config.json").is_file():
             from evalgate.canary import canary_path
 
             canary = canary_path()
-            if info.get("fingerprint") and model_fingerprint(canary).get("fingerprint") == info.get("fingerprint"):
+            if info.fingerprint and model_fingerprint(canary).get("fingerprint") == info.fingerprint:
                 return canary  # the canary of this installation: the same bytes
             raise UserError(f"the run's model {str(path)!r} is not there; pass the checkpoint to replay "
                             "(model=PATH, --model PATH)")
-        if self.model is None and info.get("fingerprint") and model_fingerprint(path).get("fingerprint") != info["fingerprint"]:
+        if self.model is None and info.fingerprint and model_fingerprint(path).get("fingerprint") != info.fingerprint:
             raise UserError(f"{str(path)!r} is no longer the checkpoint the run used (fingerprint changed); pass "
                             "the one it used (model=PATH, --model PATH)")
         return path
@@ -304,7 +307,7 @@ class Explainer:
         if not self._models:
             from evalgate.model_adapters.hf.adapter import load_model
 
-            numerics = (self.pairing.candidate.manifest.get("model") or {}).get("numerics", "canonical")
+            numerics = getattr(self.pairing.candidate.meta.model, "numerics", None) or "canonical"
             mode = "native" if numerics == "native" else "canonical"
             for side, kernel in self.kernels.items():
                 model, tokenizer = load_model(path, kernel, self.device, numerics=mode)

@@ -15,17 +15,18 @@ A path found nowhere is kept as written, so an error still names what the gate r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 MANIFEST = "manifest.json"
 
 
 def _run_id(folder: Path) -> str | None:
+    from evalgate.errors import UserError
+    from evalgate.records import load_manifest
+
     try:
-        run_id = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("run_id")
-        return run_id if isinstance(run_id, str) else None
-    except (OSError, ValueError, AttributeError):
+        return load_manifest(folder / MANIFEST).run_id
+    except UserError:  # no manifest there, or not one this evalgate reads
         return None
 
 

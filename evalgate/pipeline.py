@@ -21,7 +21,7 @@ from evalgate.run.observer import Collected, RunObserver
 from evalgate.run.options import RunOptions
 from evalgate.run.runner import execute, prepare_out
 from evalgate.run.spec import LoadedTask, RunSpec, load_tasks, with_sampling
-from evalgate.records import load_manifest
+from evalgate.records import RunManifest, load_manifest
 from evalgate.run.store import MANIFEST, Run, load_run
 from evalgate.types import ModelAdapter
 
@@ -39,7 +39,7 @@ def run_or_resume(spec: RunSpec, out: Path, adapter: ModelAdapter | None = None,
     --threads)."""
     if (out / MANIFEST).is_file():
         meta = load_manifest(out / MANIFEST)  # the status first: the records are read once, by whoever needs them
-        if meta.as_read.get("status") == "complete":
+        if meta.status == "complete":
             return load_run(out, meta)
     watcher = observer if observer is not None else Collected()
     resume = (out / MANIFEST).is_file()
@@ -98,7 +98,7 @@ def gate_explanations(verdict: Verdict, report_dir: Path, replay: bool):
     return explain_flips(verdict) if replay else stored_explanations(report_dir, verdict)
 
 
-def _next_look(plan: GatePlan, manifest: dict) -> int:
+def _next_look(plan: GatePlan, manifest: RunManifest) -> int:
     """The look a candidate with this manifest would take next (read, not allocated)."""
     from evalgate.gate.sequence import Looks
 
@@ -135,7 +135,7 @@ def _round_baseline(plan: GatePlan, spec: RunSpec, tasks, adapter, out: Path):
     --seed S``), else, in-process, the baseline kernel run in this round; None for a server without one."""
     from evalgate.run.baselines import StoredBaseline, load_stored_baseline, lookup_roots
 
-    fingerprint = plan.baseline.run.manifest.get("model", {}).get("fingerprint")
+    fingerprint = plan.baseline.run.meta.model.fingerprint
     stored, missing = load_stored_baseline(lookup_roots(plan.baselines_root), fingerprint,
                                            {t: lt.profile_id for t, lt in tasks.items()}, plan.baseline.run.kernel)
     if stored is not None:
@@ -154,8 +154,7 @@ def _round_baseline(plan: GatePlan, spec: RunSpec, tasks, adapter, out: Path):
 def baseline_seed(baseline) -> int:
     """The sampler's run seed the rounds use: the baseline's recorded one. Every sample's key is then fixed by
     the baseline (item, sample index, this seed): no flag of the candidate's gives fresh draws."""
-    spec = baseline.run.manifest.get("spec") or {}
-    seed = spec.get("seed")
+    seed = getattr(baseline.run.meta.spec, "seed", None)  # the RunSpec's (open: an older run's has none)
     return seed if isinstance(seed, int) and seed >= 0 else 0
 
 
@@ -297,7 +296,7 @@ def calibrate(spec: RunSpec, root: Path | None = None, runs_dir: Path = Path("re
         entry = {"psi0": stats.flip_rate, "delta0": stats.delta, "n": stats.counts.n, "b": stats.counts.b,
                  "c": stats.counts.c, "flips": flips, "verdict": dec.outcome.verdict, "reasons": list(dec.outcome.reasons),
                  "second_run": {"path": str(second.path), **second_run},
-                 "first_batch_size": base.manifest.get("spec", {}).get("batch_size")}
+                 "first_batch_size": base.meta.spec.batch_size if base.meta.spec is not None else None}
         entry = _with_earlier_runs(entry, read_aa(base_dir), task)
         aa = {"tasks": {task: entry}, "thresholds_sha256": thresholds.sha256,
               "recorded": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}

@@ -222,9 +222,9 @@ def plan_gate(request: GateRequest) -> GatePlan:
                         "--limit N --out RUN`, then `evalgate gate --candidate RUN --items candidate`")
     root = Path(baselines_root) if baselines_root else None
     if candidate is not None:
-        profiles = {t: s.get("name") for t, s in candidate.manifest.get("tasks", {}).items()}
-        profile_ids = {t: s.get("profile_id") for t, s in candidate.manifest.get("tasks", {}).items()}
-        fingerprint = fingerprint or candidate.manifest.get("model", {}).get("fingerprint")
+        profiles = {t: s.name for t, s in candidate.meta.tasks.items()}
+        profile_ids = {t: s.profile_id for t, s in candidate.meta.tasks.items()}
+        fingerprint = fingerprint or candidate.meta.model.fingerprint
         loaded: Mapping[str, LoadedTask] = MappingProxyType({})
     else:
         loaded = MappingProxyType(dict(tasks if tasks is not None else load_tasks(spec)))

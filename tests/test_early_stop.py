@@ -614,9 +614,16 @@ def test_no_early_stop_for_k_samples(stopped_gate):
     base, _, _, policy = stopped_gate
     from evalgate.run.store import Run
 
+    from evalgate.records import RunManifest
+
     hook = watch(policy, base, allow_uncalibrated=True)
-    assert hook.why_not({"spec": {"samples": 4}}) and hook.why_not({"spec": {"samples": 1}}) is None
-    assert ask(hook, Path("nowhere"), Run(path=Path("nowhere"), manifest={"spec": {"samples": 4}, "tasks": {}})) is None
+
+    def sampled(k):
+        return RunManifest.model_validate({"status": "running", "kernel": {"name": "w4a4"}, "model": {}, "tasks": {},
+                                           "spec": {"samples": k}})
+
+    assert hook.why_not(sampled(4)) and hook.why_not(sampled(1)) is None
+    assert ask(hook, Path("nowhere"), Run(path=Path("nowhere"), manifest=sampled(4))) is None
 
 
 # ------------------------------------------------------------------------------------------ end to end

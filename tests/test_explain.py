@@ -108,13 +108,16 @@ def test_flips_explain_column_and_a_server_run_says_what_it_cannot(tiny_pair):
     import dataclasses
 
     from evalgate.explain import NOT_REPLAYED, Explainer, summary_line
+    from evalgate.records import ModelInfo
 
     cmp = tiny_pair
     df = cmp.flips("gsm8k", explain=True)
     assert {"explanation", "margin", "divergence_at", "layer", "expert"} <= set(df.columns)
     # a candidate served through a server, with no checkpoint given: the texts only, and why
-    served = dataclasses.replace(cmp.candidate, manifest={**cmp.candidate.manifest,
-                                                          "model": {"adapter": "openai", "fingerprint": "x"}})
+    from evalgate.run.store import Run
+
+    served = Run(cmp.candidate.path, cmp.candidate.meta.updated(model=ModelInfo(adapter="openai", fingerprint="x")),
+                 cmp.candidate.records)
     pairing = dataclasses.replace(cmp, candidate=served, _explainer=None)
     p = cmp.pairs["gsm8k"]
     differing = [d for d, b, c in zip(p.doc_ids, p.base, p.cand) if b["resps"] != c["resps"]]

@@ -128,15 +128,16 @@ def test_no_reset_of_ordinary_use_starts_the_sequence_again(tmp_path, monkeypatc
 def test_a_rebuilt_kernel_is_another_candidate_and_a_subset_check_its_own_sequence(tmp_path):
     from evalgate.gate.door import decide_pair
     from evalgate.gate.sequence import candidate_identity
+    from evalgate.records import RunManifest
 
     base, cand = _pair(tmp_path, lost=6)
     assert decide_pair([base], cand, _policy(tmp_path), allow_uncalibrated=True).sequence["looks"][0]["look"] == 0
     _, fixed = _pair(tmp_path, lost=1, name="fixed")
     m = json.loads((fixed / "manifest.json").read_text())
-    old = candidate_identity(m)
+    old = candidate_identity(RunManifest.model_validate(m))
     m["kernel"]["recipe"] = {"accumulate": "fp32"}  # the same name, another build
     (fixed / "manifest.json").write_text(json.dumps(m))
-    assert candidate_identity(m) != old
+    assert candidate_identity(RunManifest.model_validate(m)) != old
     assert decide_pair([base], fixed, _policy(tmp_path), allow_uncalibrated=True).sequence["looks"][0]["look"] == 0
     # the first 100 GSM8K items only: a subset check, its own sequence; the full gate's next look is still 1
     _, part = _pair(tmp_path, lost=3, name="part")
@@ -299,9 +300,10 @@ def test_a_look_is_its_data_on_both_sides(tmp_path):
     assert task_digest(one) == task_digest(compare(load_run(base), load_run(cand)).pairs["humaneval"])
     assert task_digest(one) != task_digest(two)
     # the identity is the candidate's content: its folder and run id do not enter it
-    m = load_run(cand).manifest
-    assert candidate_identity({**m, "run_id": "elsewhere"}) == candidate_identity(m)
-    assert candidate_identity({**m, "model": {**m["model"], "fingerprint": "other weights"}}) != candidate_identity(m)
+    m = load_run(cand).meta
+    assert candidate_identity(m.updated(run_id="elsewhere")) == candidate_identity(m)
+    other = m.model.model_copy(update={"fingerprint": "other weights"})
+    assert candidate_identity(m.updated(model=other)) != candidate_identity(m)
 
 
 def test_the_canarys_look_records_go_under_the_baselines_root_given(tmp_path):

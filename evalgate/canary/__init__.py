@@ -36,4 +36,4 @@ def scored_as_canary(profiles: dict[str, str | None]) -> bool:
 
 def policy_for(run) -> Path | None:
     """The canary's own policy for a run scored with the canary's profiles; None (the default policy) otherwise."""
-    return THRESHOLDS if scored_as_canary({t: s.get("name") for t, s in run.manifest.get("tasks", {}).items()}) else None
+    return THRESHOLDS if scored_as_canary({t: s.name for t, s in run.meta.tasks.items()}) else None

@@ -133,9 +133,8 @@ def _identity(model, tasks, profiles, limit, max_new_tokens, data_dir, sampling,
         from evalgate.run.store import load_run
 
         preflight.stored_run(candidate)
-        manifest = load_run(candidate).manifest
-        return (manifest.get("model", {}).get("fingerprint"),
-                {t: m.get("profile_id") for t, m in manifest.get("tasks", {}).items()})
+        manifest = load_run(candidate).meta
+        return manifest.model.fingerprint, {t: m.profile_id for t, m in manifest.tasks.items()}
     preflight.model_folder(model)
     from evalgate.cli.options import run_spec
     from evalgate.plan import local_fingerprint, planned_profile_ids

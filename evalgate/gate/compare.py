@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from evalgate.errors import NotComparable, UserError
+from evalgate.records import RunManifest
 from evalgate.run.baselines import aa_for_baseline
 from evalgate.run.store import Run, load_run
 from evalgate.tasks import get_task
@@ -23,13 +24,13 @@ LEGACY = "fp32 in BLAS order (before canonical-v1)"  # what a run recorded befor
 OWN = "the kernel's own"  # not an evalgate emulation (the BF16 reference, a real kernel): nothing to match
 
 
-def numerics_of(manifest: dict) -> tuple[str, str]:
+def numerics_of(manifest: RunManifest) -> tuple[str, str]:
     """(forward-pass numerics, kernel accumulation) a run was made with (docs/kernels.md#accumulation).
     In-process runs recorded before canonical-v1 carry neither; a server run has no forward-pass numerics
     of evalgate's and says "server". The accumulation scheme is a property of evalgate's emulated recipes
     (those with a ``group_size``); another kernel accumulates its own way, which is what a gate compares."""
-    model, recipe = manifest.get("model", {}), manifest.get("kernel", {}).get("recipe") or {}
-    forward = model.get("numerics") or ("server" if model.get("adapter") not in (None, "hf") else LEGACY)
+    model, recipe = manifest.model, manifest.kernel.recipe or {}
+    forward = getattr(model, "numerics", None) or ("server" if model.adapter not in (None, "hf") else LEGACY)
     if "group_size" not in recipe:
         return forward, OWN
     return forward, recipe.get("accumulation") or LEGACY
@@ -55,7 +56,7 @@ def is_truncated(record: dict) -> bool:
 def serving_difference(base: Run, cand: Run) -> str | None:
     """How the two runs' servers compute around the kernel differently (shared-expert fusion, routed-scaling
     placement), or None when they do not."""
-    b, c = base.manifest.get("model", {}).get("serving_identity"), cand.manifest.get("model", {}).get("serving_identity")
+    b, c = getattr(base.meta.model, "serving_identity", None), getattr(cand.meta.model, "serving_identity", None)
     return None if b == c else f"serving identity differs ({b} vs {c})"
 
 
@@ -63,14 +64,15 @@ def comparability_problems(base: Run, cand: Run, tasks: list[str], across_servin
     """Everything that makes the two runs incomparable; empty when they may be compared. ``across_serving``:
     the user asked to compare across a difference in serving identity (said in the verdict instead)."""
     problems: list[str] = []
-    bm, cm = base.manifest, cand.manifest
-    if bm.get("aggregate_only"):
+    bm, cm = base.meta, cand.meta
+    if bm.aggregate_only:
         return problems  # checked by the gate against the policy (require_paired)
-    for key in MODEL_KEYS:
-        if bm.get("model", {}).get(key) != cm.get("model", {}).get(key):
-            problems.append(f"model {key} differs ({_short(bm.get('model', {}).get(key))} vs {_short(cm.get('model', {}).get(key))})")
+    for key in MODEL_KEYS:  # the model's fields, typed or the adapter's own (open)
+        if getattr(bm.model, key, None) != getattr(cm.model, key, None):
+            problems.append(f"model {key} differs ({_short(getattr(bm.model, key, None))} vs "
+                            f"{_short(getattr(cm.model, key, None))})")
     for key in SERVING_KEYS:
-        b, c = bm.get("model", {}).get(key), cm.get("model", {}).get(key)
+        b, c = getattr(bm.model, key, None), getattr(cm.model, key, None)
         if key == "serving_identity" and b != c:
             if not across_serving:
                 problems.append(f"serving identity differs ({b} vs {c}): the servers compute around the kernel "
@@ -90,27 +92,27 @@ def comparability_problems(base: Run, cand: Run, tasks: list[str], across_servin
         return problems
     partial = stopped_early(cand)  # its missing items are decided on their best completion
     for task in tasks:
-        bt, ct = bm.get("tasks", {}).get(task), cm.get("tasks", {}).get(task)
+        bt, ct = bm.tasks.get(task), cm.tasks.get(task)
         if bt is None or ct is None:
             problems.append(f"task {task} is missing from the {'baseline' if bt is None else 'candidate'}")
             continue
-        bd, cd = bt.get("decoding") or {}, ct.get("decoding") or {}
+        bd, cd = bt.decoding or {}, ct.decoding or {}
         if bd != cd:
             # the profile id covers the decoding: name the settings a user passes, not two hashes
             problems.append(f"{task} sampling settings differ ({_sampling(bd)} vs {_sampling(cd)}); runs with "
                             "different --samples/--temperature/--seed are not comparable")
         else:
             for key in ("profile_id", "name"):
-                if bt.get(key) != ct.get(key):
-                    problems.append(f"{task} profile {key} differs ({_short(bt.get(key))} vs {_short(ct.get(key))})")
-        if bt.get("dataset_sha256") != ct.get("dataset_sha256"):
+                if getattr(bt, key) != getattr(ct, key):
+                    problems.append(f"{task} profile {key} differs ({_short(getattr(bt, key))} vs {_short(getattr(ct, key))})")
+        if bt.dataset_sha256 != ct.dataset_sha256:
             problems.append(f"{task} dataset sha256 differs")
         for label, run in (("baseline", base), ("candidate", cand)):
             if label == "candidate" and partial:
                 continue
-            expected = run.manifest["tasks"][task].get("n_items")
+            expected = run.meta.tasks[task].n_items
             got = {r["doc_id"] for r in run.records.get(task, [])}
-            if expected is not None and len(got) != expected:
+            if len(got) != expected:
                 problems.append(f"{task}: the {label} has {len(got)} of {expected} items (crashed or unfinished run)")
         b_ids = {r["doc_id"] for r in base.records.get(task, [])}
         c_ids = {r["doc_id"] for r in cand.records.get(task, [])}
@@ -124,13 +126,13 @@ def comparability_problems(base: Run, cand: Run, tasks: list[str], across_servin
 def stopped_early(run: Run) -> bool:
     """Whether the gate stopped this run early (docs/gate.md#stopping-early): its missing items are decided on
     their best completion, and it can never be a baseline."""
-    return run.manifest.get("status") == "stopped_early"
+    return run.meta.status == "stopped_early"
 
 
-def _stopped_text(manifest: dict) -> str:
-    info = manifest.get("early_stop") or {}
-    if "items_run" in info:
-        return f"{info['items_run']} of {info['items_total']} items run"
+def _stopped_text(manifest: RunManifest) -> str:
+    info = manifest.early_stop
+    if info is not None:
+        return f"{info.items_run} of {info.items_total} items run"
     return "not every item run"
 
 
@@ -419,7 +421,7 @@ def compare(baseline, candidate, tasks: list[str] | None = None, metrics: dict[s
     """Pair two stored runs (paths or ``Run``s). Refuses (``NotComparable``) when they must not be compared;
     ``across_serving``: not for a difference in serving identity alone."""
     base, cand = _as_run(baseline), _as_run(candidate)
-    if base.manifest.get("aggregate_only"):
+    if base.meta.aggregate_only:
         raise NotComparable(f"{base.path} is an aggregate-only baseline (a published score, no per-item records); "
                             "it can only be gated with an unpaired test (see `evalgate gate`)")
     tasks = tasks or [t for t in cand.tasks if t in cand.records]

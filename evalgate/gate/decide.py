@@ -32,14 +32,14 @@ def _validity_problems(pairing: Pairing, thresholds: Thresholds, aa: dict, requi
     problems: list[str] = []
     for task in pairing.pairs:
         policy = thresholds.task(task)
-        profile_name = pairing.candidate.manifest["tasks"][task].get("name")
+        profile_name = pairing.candidate.meta.tasks[task].name
         if profile_name != policy.profile:
             problems.append(f"thresholds give {task} profile {policy.profile!r} but the runs used {profile_name!r}; "
                             f"pass --thresholds with a section for that profile")
             continue
         for side, run in (("baseline", pairing.baseline), ("candidate", pairing.candidate)):
-            prep = run.manifest["tasks"][task].get("prepare") or {}
-            if prep and prep.get("ok") is False:
+            prep = run.meta.tasks[task].prepare
+            if prep is not None and prep.ok is False:
                 problems.append(f"{task}: the {side}'s executor self-test failed")
         if not pairing.pairs[task].doc_ids:
             problems.append(f"{task}: the runs have no items for this task; run it with items (check --limit)")
@@ -135,16 +135,18 @@ def _aa_bound(dec) -> dict:
 def decide_unpaired(baseline: Run, candidate: Run, thresholds: Thresholds) -> Verdict:
     """Against an aggregate-only baseline: the weaker unpaired test, only where the policy allows it."""
     results, verdict = {}, "PASS"
-    for task, summary in baseline.manifest["tasks"].items():
+    for task, summary in baseline.meta.tasks.items():
         policy = thresholds.task(task)
         if policy.require_paired:
-            raise NotComparable(f"{task}: the baseline {baseline.path} is aggregate-only (score {summary['score']}, "
-                                f"n = {summary['n_items']}, no per-item records) but thresholds require a paired test "
+            raise NotComparable(f"{task}: the baseline {baseline.path} is aggregate-only (score {summary.score}, "
+                                f"n = {summary.n_items}, no per-item records) but thresholds require a paired test "
                                 f"(tasks.{task}.require_paired); record a per-item W4A8 baseline")
         if task not in candidate.records:
             raise NotComparable(f"the candidate has no task {task}")
         scores = [float(r.get(policy.metric, 0.0)) for r in candidate.records[task]]
-        res = unpaired_two_proportion(summary["score"], summary["n_items"], sum(scores) / len(scores),
+        if summary.score is None:
+            raise NotComparable(f"{task}: the aggregate-only baseline {baseline.path} holds no score")
+        res = unpaired_two_proportion(summary.score, summary.n_items, sum(scores) / len(scores),
                                       len(scores), thresholds.alpha, policy.margin)
         results[task] = {**res.to_dict(), "note": UNPAIRED_NOTE}
         if not res.non_inferior or res.p_degradation <= thresholds.alpha:
@@ -166,16 +168,16 @@ def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = 
     cand_run = candidate if isinstance(candidate, Run) else load_run(candidate)
     policy = thresholds if isinstance(thresholds, Thresholds) else load_thresholds(thresholds)
     subset_notes: list[str] = []
-    if items == "candidate" and not base_run.manifest.get("aggregate_only"):
+    if items == "candidate" and not base_run.meta.aggregate_only:
         from evalgate.gate.subset import item_lists, restrict
 
         base_run, cand_run, subset_notes = restrict(base_run, cand_run, item_lists("candidate", base_run, cand_run, None))
     elif items != "all":
         raise UserError(f'items must be "all" or "candidate", not {items!r}')
-    if base_run.manifest.get("aggregate_only"):
+    if base_run.meta.aggregate_only:
         return with_conformance(replace(decide_unpaired(base_run, cand_run, policy), baseline_dirs=[str(d) for d in dirs]),
                                 cand_run)
-    tasks = [t for t in cand_run.tasks if t in base_run.manifest.get("tasks", {})]
+    tasks = [t for t in cand_run.tasks if t in base_run.meta.tasks]
     missing = [t for t in cand_run.tasks if t not in tasks]
     if missing:
         raise NotComparable(f"the baseline has no {', '.join(missing)}; record a baseline for every task the candidate ran")
@@ -187,13 +189,14 @@ def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = 
                             "verdict covers the kernel and that difference together")
     verdict = decide(pairing, policy, aa=stored.aa, require_aa=not allow_uncalibrated)
     # what the tasks note about the two runs (HumanEval: programs run under different Python minors), in gate.json
-    notes = [*subset_notes, *verdict.notes, *comparison_notes(base_run.manifest, cand_run.manifest, tasks)]
+    notes = [*subset_notes, *verdict.notes, *comparison_notes(base_run.meta, cand_run.meta, tasks)]
     verdict = replace(verdict, baseline_dirs=[str(d) for d in dirs], notes=notes)
     if pairing.stopped_early:  # decided on its best completion: certain FAIL, or no verdict at all
         from evalgate.gate.stopped import check_stopped_verdict, summary
 
-        check_stopped_verdict(verdict, cand_run.path, cand_run.manifest.get("kernel", {}).get("conformance"))
-        verdict = replace(verdict, early_stop=summary(verdict.comparison, cand_run.manifest.get("early_stop")))
+        conformance, stop = cand_run.meta.kernel.conformance, cand_run.meta.early_stop
+        check_stopped_verdict(verdict, cand_run.path, conformance.to_dict() if conformance is not None else None)
+        verdict = replace(verdict, early_stop=summary(verdict.comparison, stop.to_dict() if stop is not None else None))
     return with_conformance(verdict, cand_run)
 
 
@@ -203,7 +206,7 @@ def with_conformance(verdict: Verdict, candidate: Run) -> Verdict:
     without the record (a server's kernel is out of reach) is decided on accuracy alone, with a note. A server
     that reported another kernel than the one named (``model.kernel_check``) gets no verdict; one whose kernel
     could not be verified is said in the notes."""
-    served = candidate.manifest.get("model", {}).get("kernel_check") or {}
+    served = getattr(candidate.meta.model, "kernel_check", None) or {}  # a server adapter's own field (open)
     if served.get("status") == "contradicted":
         raise NotComparable(f"cannot decide: the candidate's server contradicts its kernel ({served.get('why')})")
     if served.get("status") in ("unverified", "unverifiable"):  # "unverifiable": runs stored before the rename
@@ -211,9 +214,9 @@ def with_conformance(verdict: Verdict, candidate: Run) -> Verdict:
     elif served.get("status") == "verified" and served.get("rests_on"):  # the fields the label rests on
         fields = ", ".join(f"{k}={v!r}" for k, v in served["rests_on"].items())
         verdict = replace(verdict, notes=[*verdict.notes, f"server kernel verified from {fields}"])
-    conformance = candidate.manifest.get("kernel", {}).get("conformance")
+    conformance = candidate.meta.kernel.conformance
     if conformance is None:
         return replace(verdict, notes=[*verdict.notes, CONFORMANCE_UNCHECKED])
-    if conformance.get("ok", True):
-        return replace(verdict, conformance=conformance)
-    return replace(verdict, verdict="FAIL", exit_code=EXIT_CODES["FAIL"], conformance=conformance)
+    if conformance.ok:
+        return replace(verdict, conformance=conformance.to_dict())
+    return replace(verdict, verdict="FAIL", exit_code=EXIT_CODES["FAIL"], conformance=conformance.to_dict())

@@ -49,6 +49,6 @@ def decide_pair(baseline, candidate, thresholds=None, allow_uncalibrated: bool =
     policy = policy_for_run(thresholds, cand)
     home = sequence_of if sequence_of is not None else stored
     subset = items_digest(cand) if items == "candidate" else None
-    tasks = [t for t in cand.tasks if t in stored.run.manifest.get("tasks", {})] or list(cand.tasks)
+    tasks = [t for t in cand.tasks if t in stored.run.meta.tasks] or list(cand.tasks)
     return decide_at_look(lambda p: gate_runs(stored, cand, p, allow_uncalibrated, items, across_serving), policy,
-                          home.dirs, cand.manifest, tasks, subset, round_note, baselines_root)
+                          home.dirs, cand.meta, tasks, subset, round_note, baselines_root)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from evalgate.errors import NotComparable, UserError
 from evalgate.gate.policy import Thresholds
+from evalgate.records import RunManifest
 
 
 def _now() -> str:
@@ -43,9 +44,9 @@ def best_completion_verdict(baseline, candidate, policy: Thresholds, aa: dict | 
     from evalgate.gate.decide import decide
     from evalgate.run.store import Run
 
-    partial = Run(path=candidate.path, manifest={**candidate.manifest, "status": "stopped_early"},
+    partial = Run(path=candidate.path, manifest=candidate.meta.updated(status="stopped_early"),
                   records=candidate.records)
-    tasks = list(partial.manifest["tasks"])
+    tasks = list(partial.meta.tasks)
     pairing = compare(baseline, partial, tasks=tasks, metrics={t: policy.task(t).metric for t in tasks}, aa_flips={},
                       across_serving=across_serving)
     return decide(pairing, policy, aa=aa or {}, require_aa=require_aa)
@@ -73,7 +74,7 @@ class EarlyStop:
         self.checks = 0  # decisions made on a best completion
         self.run = None  # the finished run (``finished``)
         self._seen = -1
-        self._manifest: dict | None = None
+        self._manifest: RunManifest | None = None
         self._path: Path | None = None
         self._records: dict[str, list[dict]] = {}
         self._below_best: frozenset | None = None  # items run below their best outcome, at the last decision
@@ -81,13 +82,13 @@ class EarlyStop:
     # ---- RunObserver ----
 
     def started(self, run) -> None:
-        self._path, self._manifest = run.path, run.manifest
+        self._path, self._manifest = run.path, run.meta  # the live manifest: the tasks' preparation joins it
         if self.look_of is not None:
             try:
-                self.policy = self._base_policy.at_look(self.look_of(run.manifest))
+                self.policy = self._base_policy.at_look(self.look_of(run.meta))
             except (UserError, OSError, ValueError):  # no look to take: the gate itself says why, after the run
                 self._manifest = None
-        self._records = {t: list(run.records.get(t, [])) for t in run.manifest.get("tasks", {})}
+        self._records = {t: list(run.records.get(t, [])) for t in run.meta.tasks}
         self._seen, self._below_best = -1, None
 
     def scored(self, task: str, records: list[dict]) -> None:
@@ -109,11 +110,11 @@ class EarlyStop:
                     out.add((task, r["doc_id"]))
         return frozenset(out)
 
-    def why_not(self, manifest: dict) -> str | None:
+    def why_not(self, manifest: RunManifest) -> str | None:
         """Why this run cannot be stopped early (None: it can)."""
-        if self.baseline.run.manifest.get("aggregate_only"):
+        if self.baseline.run.meta.aggregate_only:
             return "an aggregate-only baseline"
-        k = (manifest.get("spec") or {}).get("samples") or 1
+        k = getattr(manifest.spec, "samples", None) or 1  # the run's RunSpec (open: an older run's has none)
         if k > 1:
             return f"k = {k} samples per item (stopping early is proven for k = 1 only)"
         return None
@@ -124,7 +125,7 @@ class EarlyStop:
         manifest, path = self._manifest, self._path
         if manifest is None or path is None or self.why_not(manifest):
             return None
-        totals = {t: int(s["n_items"]) for t, s in manifest["tasks"].items()}
+        totals = {t: s.n_items for t, s in manifest.tasks.items()}
         try:
             records = {t: list(self._records.get(t, [])) for t in totals}
             run = {t: len({r["doc_id"] for r in records[t]}) for t in totals}
@@ -133,9 +134,9 @@ class EarlyStop:
             return None
         if all(run[t] >= totals[t] for t in totals):
             return None  # nothing left to save
-        conformance = (manifest.get("kernel") or {}).get("conformance") or {}
-        if self.on_conformance and conformance.get("ok", True) is False:  # decided before any item: the kernel is not what it declares
-            return {"reason": f"FAIL certain before generating: kernel conformance FAIL ({conformance.get('summary', '')})",
+        conformance = manifest.kernel.conformance
+        if self.on_conformance and conformance is not None and not conformance.ok:  # decided before any item: the kernel is not what it declares
+            return {"reason": f"FAIL certain before generating: kernel conformance FAIL ({conformance.summary})",
                     "items_run": sum(run.values()), "items_total": sum(totals.values()), "at": _now(),
                     "tasks": {t: {"items_run": run[t], "items_total": totals[t]} for t in totals}}
         if sum(run.values()) == self._seen:

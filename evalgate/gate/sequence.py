@@ -32,6 +32,7 @@ from typing import Callable, Iterator
 
 from evalgate.errors import UserError
 from evalgate.gate.policy import Thresholds, look_share
+from evalgate.records import RunManifest
 
 MAX_LOOKS = 12  # α·2^-13 is below anything a gate could use; a 13th look is refused
 LOOKS = "looks"  # the subfolder of a baseline folder that holds its candidates' sequences
@@ -41,27 +42,27 @@ _MODEL_KEYS = ("fingerprint", "numerics", "dtype", "adapter", "torch", "transfor
 _KERNEL_KEYS = ("name", "version", "id", "recipe", "faulty", "build", "source_sha256", "library")
 
 
-def candidate_identity(manifest: dict) -> str:
+def candidate_identity(manifest: RunManifest) -> str:
     """The candidate's content identity, from its run manifest: the model's fingerprint and numerics, the
     kernel's id, recipe and (a real kernel) its library's build, the engine's versions. A rebuilt kernel, a
     new engine or other weights is another candidate with its own sequence; a new folder, name or batch
     size is not."""
-    model = manifest.get("model") or {}
-    kernel = manifest.get("kernel") or {}
-    conformance = kernel.get("conformance") or {}
+    model, kernel = manifest.model.to_dict(), manifest.kernel.to_dict()  # open: an engine adds its own keys
+    conformance = manifest.kernel.conformance
     key = {"model": {k: model.get(k) for k in _MODEL_KEYS if model.get(k) is not None},
            "kernel": {k: kernel.get(k) for k in _KERNEL_KEYS if kernel.get(k) is not None},
-           "library": conformance.get("library") if isinstance(conformance, dict) else None}
+           "library": getattr(conformance, "library", None)}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def reproducible(manifest: dict) -> bool:
+def reproducible(manifest: RunManifest) -> bool:
     """Whether rerunning this candidate reproduces its samples: an in-process run on canonical numerics
     (invariant forward, exact kernel accumulation), or a server run in its deterministic mode."""
-    model = manifest.get("model") or {}
-    if model.get("adapter") == "hf" or model.get("numerics") is not None:
-        return model.get("numerics") == "canonical-v1"
-    determinism = model.get("determinism") or {}
+    model = manifest.model
+    numerics = getattr(model, "numerics", None)  # the adapter's own fields (open)
+    if model.adapter == "hf" or numerics is not None:
+        return numerics == "canonical-v1"
+    determinism = getattr(model, "determinism", None) or {}
     return isinstance(determinism, dict) and determinism.get("deterministic") is True
 
 
@@ -184,7 +185,7 @@ class Looks:
 
     @classmethod
     @contextlib.contextmanager
-    def held(cls, baseline_dirs, candidate_manifest: dict, tasks, subset: str | None = None,
+    def held(cls, baseline_dirs, candidate_manifest: RunManifest, tasks, subset: str | None = None,
              baselines_root: str | Path | None = None) -> Iterator[Looks]:
         """The ledgers of ``tasks`` for this candidate against these baseline folders, locked (in a fixed
         order) for as long as the block runs: allocate a look, decide, record. ``subset``: a digest of the
@@ -204,8 +205,8 @@ class Looks:
             yield cls(identity, {t: Ledger.read(p) for t, p in paths.items()})
 
 
-def decide_at_look(decide: Callable[[Thresholds], object], policy: Thresholds, baseline_dirs, candidate_manifest: dict,
-                   tasks, subset: str | None = None, round_note: str = "", baselines_root: str | Path | None = None):
+def decide_at_look(decide: Callable[[Thresholds], object], policy: Thresholds, baseline_dirs,
+                   candidate_manifest: RunManifest, tasks, subset: str | None = None, round_note: str = "", baselines_root: str | Path | None = None):
     """Decide one look of a stored pair: ``decide(policy_at_look)`` gives the verdict. At this candidate's next
     look, unless the data reproduce an earlier look's (then that look's α, hence its verdict); recorded with
     the baseline. The verdict says which look it is (``sequence``, notes, each task's ``look``)."""
@@ -231,7 +232,7 @@ def decide_at_look(decide: Callable[[Thresholds], object], policy: Thresholds, b
     if not looks.writable:
         notes.append("the look was not recorded: the baseline's folder is not writable (a rerun on new data would "
                      "be decided at this same look)")
-    if not reproducible(verdict.comparison.candidate.manifest):
+    if not reproducible(verdict.comparison.candidate.meta):
         notes.append("the candidate's run is not bit-reproducible (not canonical numerics, or a server not in its "
                      "deterministic mode): a rerun gives new data, decided at the next look")
     decision = replace(verdict.decision, tasks={t: replace(d, outcome=replace(d.outcome, look=look))

@@ -4,6 +4,7 @@ item by item that each was asked the same way: what a profile id would have cove
 from __future__ import annotations
 
 from evalgate.errors import NotComparable, UserError
+from evalgate.records import RunManifest, TaskSummary
 from evalgate.run.store import Run
 from evalgate.types import canonical_json, sha256_text
 
@@ -25,7 +26,7 @@ def item_lists(items, base: Run, cand: Run, tasks: list[str] | None) -> dict[str
             raise UserError(f'items must be "candidate", a list of item ids or a dict task -> ids, not {items!r}')
         return {t: [r["doc_id"] for r in cand.records.get(t, [])] for t in names}
     if isinstance(items, dict):
-        unknown = [t for t in items if t not in cand.manifest.get("tasks", {})]
+        unknown = [t for t in items if t not in cand.meta.tasks]
         if unknown:
             raise UserError(f"items names task(s) the candidate did not run: {', '.join(unknown)}")
         return {t: list(ids) for t, ids in items.items() if t in names}
@@ -39,11 +40,10 @@ def restrict(base: Run, cand: Run, items: dict[str, list]) -> tuple[Run, Run, li
     any mismatch, so a subset never pairs items that were asked differently. Returns (baseline, candidate,
     notes)."""
     problems, notes = [], []
-    base_manifest, cand_manifest = dict(base.manifest), dict(cand.manifest)
-    base_manifest["tasks"], cand_manifest["tasks"] = dict(base.manifest.get("tasks", {})), dict(cand.manifest.get("tasks", {}))
+    base_tasks, cand_tasks = dict(base.meta.tasks), dict(cand.meta.tasks)
     base_records, cand_records = dict(base.records), dict(cand.records)
     for task, ids in items.items():
-        bt, ct = base_manifest["tasks"].get(task), cand_manifest["tasks"].get(task)
+        bt, ct = base_tasks.get(task), cand_tasks.get(task)
         if bt is None or ct is None:
             problems.append(f"task {task} is missing from the {'baseline' if bt is None else 'candidate'}")
             continue
@@ -54,11 +54,11 @@ def restrict(base: Run, cand: Run, items: dict[str, list]) -> tuple[Run, Run, li
             problems.append(f"{task}: an item is listed twice")
             continue
         for key in ("name", "version", "dataset_sha256", "decoding"):
-            if bt.get(key) != ct.get(key):
-                problems.append(f"{task} profile {key} differs ({bt.get(key)!r} vs {ct.get(key)!r})")
-        if _settings_key(bt.get("settings")) != _settings_key(ct.get("settings")):
-            changed = sorted(k for k in set(_settings_key(bt.get("settings"))) | set(_settings_key(ct.get("settings")))
-                             if _settings_key(bt.get("settings")).get(k) != _settings_key(ct.get("settings")).get(k))
+            if getattr(bt, key) != getattr(ct, key):
+                problems.append(f"{task} profile {key} differs ({getattr(bt, key)!r} vs {getattr(ct, key)!r})")
+        if _settings_key(bt.settings) != _settings_key(ct.settings):
+            changed = sorted(k for k in set(_settings_key(bt.settings)) | set(_settings_key(ct.settings))
+                             if _settings_key(bt.settings).get(k) != _settings_key(ct.settings).get(k))
             problems.append(f"{task} profile settings differ ({', '.join(changed)})")
         b = {str(r["doc_id"]): r for r in base.records.get(task, [])}
         c = {str(r["doc_id"]): r for r in cand.records.get(task, [])}
@@ -78,25 +78,30 @@ def restrict(base: Run, cand: Run, items: dict[str, list]) -> tuple[Run, Run, li
                             f"{asked[0]!r}, prompt_hash differs)")
         if problems:
             continue
-        subset_id = sha256_text(canonical_json({"subset_of": bt.get("name"), "version": bt.get("version"),
-                                                "settings": _settings_key(bt.get("settings")),
-                                                "dataset_sha256": bt.get("dataset_sha256"),
-                                                "decoding": bt.get("decoding"), "items": shared}))
-        for manifest, summary in ((base_manifest, bt), (cand_manifest, ct)):
-            manifest["tasks"][task] = {**summary, "profile_id": subset_id, "n_items": len(shared),
-                                       "subset": {"n_items": summary.get("n_items"),
-                                                  "profile_id": summary.get("profile_id")}}
+        subset_id = sha256_text(canonical_json({"subset_of": bt.name, "version": bt.version,
+                                                "settings": _settings_key(bt.settings),
+                                                "dataset_sha256": bt.dataset_sha256,
+                                                "decoding": bt.decoding, "items": shared}))
+        for summaries, summary in ((base_tasks, bt), (cand_tasks, ct)):
+            summaries[task] = summary.model_copy(update={
+                "profile_id": subset_id, "n_items": len(shared),
+                "subset": {"n_items": summary.n_items, "profile_id": summary.profile_id}})
         keep = set(shared)
         base_records[task] = [r for r in base.records[task] if str(r["doc_id"]) in keep]
         cand_records[task] = [r for r in cand.records[task] if str(r["doc_id"]) in keep]
-        if len(shared) < (bt.get("n_items") or 0):
-            notes.append(f"{task}: {len(shared)} of the baseline's {bt.get('n_items')} items, checked item by item "
+        if len(shared) < bt.n_items:
+            notes.append(f"{task}: {len(shared)} of the baseline's {bt.n_items} items, checked item by item "
                          "(same profile settings, dataset, decoding and prompts): a subset shows less than every item "
                          "would (wider intervals)")
-        elif bt.get("profile_id") != ct.get("profile_id"):
-            notes.append(f"{task}: the profile ids differ ({str(bt.get('profile_id'))[:12]} vs "
-                         f"{str(ct.get('profile_id'))[:12]}) but what they cover matches, item by item (the sandbox's "
+        elif bt.profile_id != ct.profile_id:
+            notes.append(f"{task}: the profile ids differ ({bt.profile_id[:12]} vs "
+                         f"{ct.profile_id[:12]}) but what they cover matches, item by item (the sandbox's "
                          "Python version is compared on its own)")
     if problems:
         raise NotComparable("runs are not comparable on these items: " + "; ".join(problems))
-    return (Run(base.path, base_manifest, base_records), Run(cand.path, cand_manifest, cand_records), notes)
+    return (Run(base.path, _with_tasks(base.meta, base_tasks), base_records),
+            Run(cand.path, _with_tasks(cand.meta, cand_tasks), cand_records), notes)
+
+
+def _with_tasks(manifest: RunManifest, tasks: dict[str, TaskSummary]) -> RunManifest:
+    return manifest.updated(tasks=tasks)

@@ -322,7 +322,7 @@ class Verdict:
 
 def run_identity(run: Run) -> dict:
     """Who a run is, as every output names it: path, run id, kernel, model, task profiles, DG_* env."""
-    m = run.manifest
-    return {"path": str(run.path), "run_id": m.get("run_id"), "kernel": m.get("kernel", {}), "model": m.get("model", {}),
-            "tasks": {t: {k: v for k, v in s.items() if k != "settings"} for t, s in m.get("tasks", {}).items()},
-            "dg_env": m.get("dg_env", {}), "created": m.get("created"), "aggregate_only": bool(m.get("aggregate_only"))}
+    m = run.meta
+    return {"path": str(run.path), "run_id": m.run_id, "kernel": m.kernel.to_dict(), "model": m.model.to_dict(),
+            "tasks": {t: s.model_dump(by_alias=True, exclude_unset=True, exclude={"settings"}) for t, s in m.tasks.items()},
+            "dg_env": m.dg_env or {}, "created": m.created, "aggregate_only": bool(m.aggregate_only)}

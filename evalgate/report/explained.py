@@ -53,7 +53,7 @@ class FlipExplanations:
 
 
 def run_ids(comparison) -> tuple[str | None, str | None]:
-    return comparison.baseline.manifest.get("run_id"), comparison.candidate.manifest.get("run_id")
+    return comparison.baseline.meta.run_id, comparison.candidate.meta.run_id
 
 
 def flip_ids(comparison) -> list[tuple[str, object]]:

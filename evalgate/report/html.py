@@ -14,10 +14,13 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from evalgate.gate.compare import extracted_answer, item_gold
 from evalgate.gate.verdict import run_identity as verdict_identity
 from evalgate.report.rows import (alpha_text, conformance_line, early_stop_lines, paired_rows, task_rows,
                                   verdict_reason)
+from evalgate.records import RunManifest
 from evalgate.tasks import get_task
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -243,11 +246,12 @@ MAY_DIFFER = frozenset({("run", "id"), ("run", "created"), ("run", "finished"), 
                         ("machine", "cuda"), ("machine", "DG_* environment")})
 
 
-def manifest_rows(base: dict, cand: dict) -> list[dict]:
-    """The two manifests side by side, as (section, key, baseline, candidate, differs) rows."""
+def manifest_rows(base: RunManifest | dict, cand: RunManifest | dict) -> list[dict]:
+    """The two manifests side by side, as (section, key, baseline, candidate, differs) rows (models, or the
+    dicts a notebook holds)."""
     def get(m, *keys):
-        for k in keys:
-            m = m.get(k) if isinstance(m, dict) else None
+        for k in keys:  # a part's typed and open fields by name; inside an open field, its dict
+            m = getattr(m, k, None) if isinstance(m, BaseModel) else m.get(k) if isinstance(m, dict) else None
         return m
 
     fields = [
@@ -266,7 +270,7 @@ def manifest_rows(base: dict, cand: dict) -> list[dict]:
         ("machine", "DG_* environment", ("dg_env",)),
     ]
     rows = [{"section": s, "key": k, "base": get(base, *p), "cand": get(cand, *p)} for s, k, p in fields]
-    for task in sorted(set(base.get("tasks", {})) | set(cand.get("tasks", {}))):
+    for task in sorted(set(get(base, "tasks") or {}) | set(get(cand, "tasks") or {})):
         for key, path in (("profile", ("name",)), ("profile id", ("profile_id",)), ("items", ("n_items",)),
                           ("dataset sha256", ("dataset_sha256",)), ("decoding", ("decoding",)),
                           ("sandbox python", ("prepare", "python"))):
@@ -319,7 +323,7 @@ def report_html(verdict, explanations=None, explained: str | None = None) -> str
         tasks=cmp.tasks if cmp is not None else [], flips=flip_counts(cmp) if cmp is not None else {},
         base=run_identity(cmp.baseline) if cmp is not None else None,
         cand=run_identity(cmp.candidate) if cmp is not None else None,
-        manifest=manifest_rows(cmp.baseline.manifest, cmp.candidate.manifest) if cmp is not None else [],
+        manifest=manifest_rows(cmp.baseline.meta, cmp.candidate.meta) if cmp is not None else [],
         detail=[{"question": i["question"], "gold": i["gold"], "prompt": i["prompt"], "metric": i["metric"],
                  "base": i["base"], "cand": i["cand"], "same_text": i["same_text"]} for i in items],
     )

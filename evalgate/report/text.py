@@ -175,10 +175,10 @@ def markdown(verdict, explained=None) -> str:
         lines += [f"**{reason}**", ""]
     cmp = verdict.comparison
     if cmp is not None:
-        b, c = cmp.baseline.manifest, cmp.candidate.manifest
-        lines += [f"- candidate: `{c['kernel'].get('id')}` ({cmp.candidate.path})",
-                  f"- baseline: `{b['kernel'].get('id')}` ({cmp.baseline.path})",
-                  f"- model: `{c['model'].get('fingerprint')}` ({c['model'].get('model_type')})"]
+        b, c = cmp.baseline.meta, cmp.candidate.meta
+        lines += [f"- candidate: `{c.kernel.id}` ({cmp.candidate.path})",
+                  f"- baseline: `{b.kernel.id}` ({cmp.baseline.path})",
+                  f"- model: `{c.model.fingerprint}` ({c.model.model_type})"]
     lines += [f"- policy: `{verdict.thresholds.path}` ({verdict.thresholds.source}, sha256 `{verdict.thresholds.sha256[:12]}`), "
               f"{alpha_text(verdict)}, {verdict.thresholds.multiple_comparisons}, gate CI {verdict.thresholds.ci_method}"]
     lines += [f"- note: {n}" for n in verdict.notes]

@@ -16,7 +16,7 @@ import re
 from functools import cache, lru_cache
 
 from evalgate.errors import UserError
-from evalgate.records import ItemRecord
+from evalgate.records import ItemRecord, RunManifest, TaskSummary
 from evalgate.tasks.base import Task
 from evalgate.types import Profile
 
@@ -129,8 +129,13 @@ def record_model(name: str) -> type[ItemRecord]:
     return get_task(name).record_model if known else ItemRecord
 
 
-def comparison_notes(base_manifest: dict, cand_manifest: dict, tasks=None) -> list[str]:
-    """Every note the tasks both runs hold (or ``tasks``) attach to their comparison, task by task."""
-    bt, ct = base_manifest.get("tasks") or {}, cand_manifest.get("tasks") or {}
+def comparison_notes(base_manifest: RunManifest, cand_manifest: RunManifest, tasks=None) -> list[str]:
+    """Every note the tasks both runs hold (or ``tasks``) attach to their comparison, task by task (each task
+    reads its own summaries as dicts: their settings are the task's)."""
+    bt, ct = base_manifest.tasks, cand_manifest.tasks
     names = tasks if tasks is not None else [t for t in ct if t in bt]
-    return [note for t in names for note in get_task(t).comparison_notes(bt.get(t), ct.get(t))]
+    return [note for t in names for note in get_task(t).comparison_notes(_plain(bt.get(t)), _plain(ct.get(t)))]
+
+
+def _plain(summary: TaskSummary | None) -> dict | None:
+    return summary.to_dict() if summary is not None else None
