@@ -13,6 +13,7 @@ import torch
 from evalgate.model_adapters.canonical import invariant
 from evalgate.model_adapters.fast.attention_slots import SlotCache
 from evalgate.model_adapters.hf import generation
+from evalgate.model_adapters.hf.sampling import SampleKey
 from test_attention import DEVICES, VOCAB, _model, _Tokenizer
 
 
@@ -83,15 +84,17 @@ def _prompts():
 @pytest.mark.parametrize("device", DEVICES)
 def test_generation_with_the_prompt_cache_gives_each_prompt_its_tokens_alone(monkeypatch, device):
     """``decode_stream`` over slots with the prefix cache and batched prefill: each prompt's tokens are those
-    of the same prompt decoded alone without either (its full prefill); the shared prefix is computed once
-    and a repeated prompt not again, so the model computes fewer prompt tokens than the prompts hold."""
+    of the same prompt decoded alone without either (its full prefill), greedy or, for the two repeated
+    prompts, sampled with their own keys; the shared prefix is computed once and a repeated prompt not again,
+    so the model computes fewer prompt tokens than the prompts hold."""
     model = _canonical(device)
     prompts = _prompts()
     limits = [5, 7, 3, 6, 7, 6]
+    keys = [None] * 4 + [SampleKey(11, 1.0), SampleKey(12, 0.7)]  # the repeats sample, each with its own key
     monkeypatch.setattr(generation, "PREFIX_CACHE", False)
     monkeypatch.setattr(generation, "BATCHED_PREFILL", False)
-    alone = [generation.decode(model, _Tokenizer(), [p], [()], [m], device)[0].token_ids
-             for p, m in zip(prompts, limits)]
+    alone = [generation.decode(model, _Tokenizer(), [p], [()], [m], device, keys=[k])[0].token_ids
+             for p, m, k in zip(prompts, limits, keys)]
     monkeypatch.setattr(generation, "PREFIX_CACHE", True)
     monkeypatch.setattr(generation, "BATCHED_PREFILL", True)
     embedded = []  # tokens through the model's embedding: what the calls computed
@@ -99,7 +102,7 @@ def test_generation_with_the_prompt_cache_gives_each_prompt_its_tokens_alone(mon
     stats, got = [], [None] * len(prompts)
     try:
         for finished in generation.decode_stream(model, _Tokenizer(), prompts, [()] * len(prompts), limits, device,
-                                                 batch_size=3, refill=1, stats=stats):
+                                                 keys=keys, batch_size=3, refill=1, stats=stats):
             for i, g in finished:
                 got[i] = g.token_ids
     finally:
@@ -113,7 +116,8 @@ def test_generation_with_the_prompt_cache_gives_each_prompt_its_tokens_alone(mon
     own = sum(len(e) - prefix for e in enc[:4])  # the two repeats come from the prompt cache
     # the embedding saw the prefill's tokens (pads included) and one token a row a decoding step
     assert sum(embedded) - spent.row_steps == spent.prefill_tokens >= prefix + own
-    assert spent.prefill_tokens < spent.prompt_tokens - prefix  # the prefix once, the repeats never
+    # the prefix once, the repeats never: less, pads and all, than every prompt's own tokens once
+    assert spent.prefill_tokens < prefix + sum(len(e) - prefix for e in enc)
 
 
 @pytest.mark.slow
