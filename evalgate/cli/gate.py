@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
@@ -12,8 +13,8 @@ from click.core import ParameterSource
 from evalgate.cli import preflight
 from evalgate.cli.baseline_paths import resolve_baselines
 from evalgate.cli.notes import skipped_local_policy
-from evalgate.cli.options import (KERNEL, SamplingChoice, baselines_root_option, decision_options, note_resumable,
-                                  run_options, sampling_options, server_options)
+from evalgate.cli.options import (KERNEL, SamplingChoice, baselines_root_option, decision_options, grouped,
+                                  note_resumable, run_options, sampling_options, server_options)
 from evalgate.errors import EnvironmentFailure, UserError, describe_os_error
 
 
@@ -79,19 +80,45 @@ def _explicit(name: str) -> bool:
     return click.get_current_context().get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
 
 
-def _decision_flags(baselines, baseline_kernel, baselines_root, root_given: bool, thresholds_path,
-                    allow_uncalibrated) -> list[str]:
-    """The flags that decide a stored run as this command decides it (for the hint that rewrites reports)."""
-    flags = [f for b in baselines for f in ("--baseline", str(b))]
-    if _explicit("baseline_kernel"):
-        flags += ["--baseline-kernel", baseline_kernel]
-    if root_given:
-        flags += ["--baselines-root", str(baselines_root)]
-    if thresholds_path:
-        flags += ["--thresholds", str(thresholds_path)]
-    flags += ["--allow-uncalibrated"] if allow_uncalibrated else []
-    flags += ["--items", "candidate"] if _explicit("items") and click.get_current_context().params["items"] != "all" else []
-    return flags + (["--across-serving"] if click.get_current_context().params.get("across_serving") else [])
+@dataclass(frozen=True)
+class DecisionChoice:
+    """How the gate decides, as its flags give it: the baseline (folders, or its kernel under a baselines
+    root), the policy file, whether an uncalibrated baseline is accepted, the items and serving pairing."""
+
+    baselines: tuple = ()
+    baseline_kernel: str = "w4a8"
+    baselines_root: str | None = None
+    thresholds: str | None = None
+    allow_uncalibrated: bool = False
+    items: str = "all"
+    across_serving: bool = False
+
+    def request(self, policy, **more):
+        """The plan's request (``evalgate.plan.GateRequest``) with ``policy`` parsed and ``more`` of the run."""
+        from evalgate.plan import GateRequest
+
+        return GateRequest(baselines=self.baselines, baseline_kernel=self.baseline_kernel,
+                           baselines_root=self.baselines_root, thresholds=policy,
+                           allow_uncalibrated=self.allow_uncalibrated, items=self.items,
+                           across_serving=self.across_serving, **more)
+
+    def flags(self, root_given: bool) -> list[str]:
+        """The flags that decide a stored run as this command decides it (for the hint that rewrites reports)."""
+        flags = [f for b in self.baselines for f in ("--baseline", str(b))]
+        if _explicit("baseline_kernel"):
+            flags += ["--baseline-kernel", self.baseline_kernel]
+        if root_given:
+            flags += ["--baselines-root", str(self.baselines_root)]
+        if self.thresholds:
+            flags += ["--thresholds", str(self.thresholds)]
+        flags += ["--allow-uncalibrated"] if self.allow_uncalibrated else []
+        flags += ["--items", "candidate"] if _explicit("items") and self.items != "all" else []
+        return flags + (["--across-serving"] if self.across_serving else [])
+
+
+DECISION_FLAGS = {"baselines": "baselines", "baseline_kernel": "baseline_kernel", "baselines_root": "baselines_root",
+                  "thresholds_path": "thresholds", "allow_uncalibrated": "allow_uncalibrated", "items": "items",
+                  "across_serving": "across_serving"}
 
 
 @click.command()
@@ -112,9 +139,9 @@ def _decision_flags(baselines, baseline_kernel, baselines_root, root_given: bool
 @click.option("--explain", is_flag=True, help="Replay every flip through both kernels and say why it flipped (near-tie or divergence, where), in the verdict and every report (docs/explain.md).")
 @sampling_options
 @server_options
-def gate(run, kernel, candidate, baselines, baseline_kernel, baselines_root, thresholds_path, out, report_dir,
-         allow_uncalibrated, no_early_stop, sampling, server, options, max_samples=None, explain=False, items="all",
-         across_serving=False):
+@grouped("decision", DecisionChoice, DECISION_FLAGS)
+def gate(run, kernel, candidate, decision, out, report_dir, no_early_stop, sampling, server, options,
+         max_samples=None, explain=False):
     """Compare a candidate kernel with the stored W4A8 baseline and decide: PASS (exit 0), FAIL (1: the
     kernel is worse, or does not compute what it declares), INCONCLUSIVE (3: the data show neither; the
     verdict says how many samples would).
@@ -124,16 +151,16 @@ def gate(run, kernel, candidate, baselines, baseline_kernel, baselines_root, thr
     the same --out resumes it."""
     settings = sampling.settings()
     # what can be checked before the heavy start (torch, the model, a server), within a second or two
-    policy = preflight.thresholds_file(thresholds_path) or thresholds_path  # parsed once, handed to the plan
-    preflight.baselines_root(baselines_root, _explicit("baselines_root"))
-    baselines, named_root = resolve_baselines(baselines, baseline_kernel)
+    # parsed once, handed to the plan
+    policy = preflight.thresholds_file(decision.thresholds) or decision.thresholds
+    preflight.baselines_root(decision.baselines_root, _explicit("baselines_root"))
+    baselines, named_root = resolve_baselines(decision.baselines, decision.baseline_kernel)
+    decision = replace(decision, baselines=baselines)
     if named_root is not None:  # --baseline named a baselines root (or a model folder in one)
         if _explicit("baselines_root"):
             raise UserError("--baseline names a baselines root and so does --baselines-root; give one")
-        baselines_root = named_root
-    decision_flags = _decision_flags(baselines, baseline_kernel, baselines_root,
-                                     named_root is not None or _explicit("baselines_root"), thresholds_path,
-                                     allow_uncalibrated)
+        decision = replace(decision, baselines_root=named_root)
+    decision_flags = decision.flags(named_root is not None or _explicit("baselines_root"))
     if candidate:
         if server.served:
             raise UserError("--candidate decides from a stored run; drop --server/--launch")
@@ -148,16 +175,14 @@ def gate(run, kernel, candidate, baselines, baseline_kernel, baselines_root, thr
         preflight.stored_run(candidate)
         preflight.writable_folder(report_dir or Path(candidate) / "gate", "--report-dir")
         from evalgate.pipeline import gate as run_gate
-        from evalgate.plan import GateRequest, plan_gate
+        from evalgate.plan import plan_gate
         from evalgate.run.store import load_run
 
-        plan = plan_gate(GateRequest(candidate=load_run(candidate), baselines=baselines,
-                                     baseline_kernel=baseline_kernel, baselines_root=baselines_root,
-                                     thresholds=policy, report_dir=report_dir, allow_uncalibrated=allow_uncalibrated,
-                                     items=items, across_serving=across_serving, options=options))
+        plan = plan_gate(decision.request(policy, candidate=load_run(candidate), report_dir=report_dir,
+                                          options=options))
         skipped_local_policy(plan.policy.source)
         _finish(run_gate(plan), plan.report_dir, Path(candidate), decision_flags, explain)
-    if items != "all":
+    if decision.items != "all":
         raise UserError("--items candidate decides a stored run on its own items: make it with `evalgate run "
                         "--limit N --out RUN`, then `evalgate gate --candidate RUN --items candidate`")
     if not server.served:
@@ -182,33 +207,31 @@ def gate(run, kernel, candidate, baselines, baseline_kernel, baselines_root, thr
     # the policy covers these tasks and profiles: refused before the data are read, a server starts or the model loads
     policy = checked_policy(policy, planned_profiles(spec))
     skipped_local_policy(policy.source)
-    if not (served or baselines or spec.datasets):  # no stored baseline can match: told before the data are read
+    if not (served or decision.baselines or spec.datasets):  # no stored baseline can match: told before the data are read
         from evalgate.plan import no_baseline_possible
 
-        no_baseline_possible(spec, baseline_kernel, baselines_root)
+        no_baseline_possible(spec, decision.baseline_kernel, decision.baselines_root)
     loaded = load_tasks(spec)  # the task data, read once
     preflight.free_space(run_out, preflight.run_bytes(sum(len(t.items) for t in loaded.values()), spec.samples),
                          "--out")
-    if not (served or baselines):  # a missing baseline is told before torch and the statistics load
+    if not (served or decision.baselines):  # a missing baseline is told before torch and the statistics load
         from evalgate.plan import missing_stored_baselines
 
-        missing_stored_baselines(spec, loaded, baseline_kernel, baselines_root)
+        missing_stored_baselines(spec, loaded, decision.baseline_kernel, decision.baselines_root)
     with preflight.run_lock(run_out):
         prepare_ahead(loaded)  # the executor self-test runs beside the imports and the model's load
 
         from evalgate.model_adapters.server.errors import RESUME_HINT, ServerError
         from evalgate.pipeline import gate as run_gate  # imports torch: only when a model runs
-        from evalgate.plan import GateRequest, plan_gate
+        from evalgate.plan import plan_gate
 
         note_resumable(run_out, f"--out {shlex.quote(str(run_out))}")
         try:
             with server.adapter(run.model, kernel, run_out, run.batch_size, options.deterministic,
                                 resume_hint=False) as adapter:
-                plan = plan_gate(GateRequest(
-                    spec=spec, tasks=loaded, baselines=baselines, baseline_kernel=baseline_kernel,
-                    baselines_root=baselines_root, thresholds=policy, out=run_out, report_dir=report_dir,
-                    allow_uncalibrated=allow_uncalibrated, early_stop=not no_early_stop, served=served,
-                    max_samples=max_samples, across_serving=across_serving, options=options,
+                plan = plan_gate(decision.request(
+                    policy, spec=spec, tasks=loaded, out=run_out, report_dir=report_dir,
+                    early_stop=not no_early_stop, served=served, max_samples=max_samples, options=options,
                     fingerprint=adapter.info()["fingerprint"] if adapter is not None else None))
                 verdict = run_gate(plan, adapter)
         except ServerError as exc:  # the server went away mid-run: the environment, not the input
