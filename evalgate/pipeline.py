@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Mapping
 
 from evalgate.gate.compare import compare
-from evalgate.gate.decide import decide, gate_runs
+from evalgate.gate.decide import decide
 from evalgate.gate.policy import Thresholds
 from evalgate.gate.verdict import Verdict
 from evalgate.plan import GatePlan, GateRequest, find_baselines, local_fingerprint, plan_gate, stamp

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from scipy.stats import beta, binomtest, norm
+from scipy.stats import beta, norm
 
 from evalgate.gate.rule import GateRule, TaskData, TaskRule, decide_overall, decide_task, gate_levels
 from evalgate.stats.margin import mde_binary, mde_normal, mde_score, project_samples, pooled_psi, psi_upper_bound

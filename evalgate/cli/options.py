@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
-from click.core import ParameterSource
 
 from evalgate.errors import UserError
 

@@ -386,7 +386,6 @@ def decide_task(data: TaskData, rule: TaskRule) -> TaskDecision:
     counts, stats, diffs = _paired_statistics(data, rule.alpha, rule.margin)
     n = counts.n
     warnings: list[str] = []
-    ci_method = rule.ci_method
     # what this n, k and flip structure resolve; how many samples per item would resolve the margin
     within = within_item_variance(data.base_samples, data.cand_samples) if k > 1 else None
     # the samples advised are for the round that would take them: the next look, at half this look's α

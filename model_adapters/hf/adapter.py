@@ -7,7 +7,6 @@ never by monkeypatching: ``evalgate.kernels`` registers every kernel name on it 
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
