@@ -680,7 +680,6 @@ def test_a_rise_within_the_limit_fails_at_most_its_alpha():
     assert dec.checks.invalid.p < 0.005 and not dec.checks.invalid.significant and dec.outcome.verdict != "FAIL"
     from evalgate.gate.rule import _rate_check
 
-
     rng = np.random.default_rng(45)
     psi, delta, reps = 0.04, 0.0075, 20_000
     lost = rng.binomial(n, psi / 2 + delta / 2, size=reps)
