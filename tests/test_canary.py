@@ -140,8 +140,8 @@ def test_w4a4_and_w4a4_packed_answer_identically(tmp_path, data_dir):
     outs = {}
     for kernel in ("w4a4", "w4a4_packed"):
         outs[kernel] = tmp_path / kernel
-        proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--tasks", "gsm8k", "--limit", "32",
-                               "--kernel", kernel, "--batch-size", "32", "--out", str(outs[kernel])],
+        proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--tasks", "gsm8k", "--limit", "16",
+                               "--kernel", kernel, "--batch-size", "16", "--out", str(outs[kernel])],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr
     from evalgate import load_run

@@ -146,3 +146,28 @@ def test_prompts_prefilled_together_get_the_tokens_they_get_alone(monkeypatch):
             got[i] = gen.token_ids
     assert got == alone
     assert stats[0].prefill_calls < len(prompts) * max(-(-n // 8) for n in lengths)  # rows shared calls
+
+
+@pytest.mark.slow
+def test_a_prompt_taken_several_times_in_a_padded_batch_is_prefilled_once(monkeypatch):
+    """Canonical numerics without compressed layers decode from left-padded batches (``_decode_queue``): an
+    item's samples, the same prompt three times beside two others, are prefilled as one row and repeated;
+    each row gets the tokens it gets alone (greedy, or sampled with its own key)."""
+    model = _model(layer_types=["sliding_attention"] * 2, dtype=torch.bfloat16)
+    invariant.install(model)
+    assert not generation._slot_decoding(model, "cpu")
+    texts = [" ".join(str(t) for t in _ids(n, 40 + n)) for n in (6, 5, 7)]
+    prompts = [texts[0], texts[1], texts[0], texts[2], texts[0]]
+    limits = [5, 6, 5, 4, 5]
+    keys = [None, None, SampleKey(3, 1.0), None, SampleKey(4, 1.0)]
+    alone = [generation.decode(model, _Tokenizer(), [p], [()], [m], keys=[k])[0].token_ids
+             for p, m, k in zip(prompts, limits, keys)]
+    stats, got = [], [None] * len(prompts)
+    for finished in generation.decode_stream(model, _Tokenizer(), prompts, [()] * len(prompts), limits, keys=keys,
+                                             stats=stats):
+        for i, g in finished:
+            got[i] = g.token_ids
+    assert got == alone
+    enc = [_Tokenizer()(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    assert stats[0].prompt_tokens == sum(map(len, enc))
+    assert stats[0].prefill_tokens <= 3 * max(map(len, enc))  # three distinct rows, padded to the longest

@@ -161,11 +161,16 @@ def _decode_queue(model, tokenizer, enc, stops, max_new_tokens, device, keys, ba
             for group in groups:
                 rows = [_Row(i, [], time.perf_counter()) for i in group]
                 t0 = time.thread_time()
-                logits, new_state = prefill(model, [enc[i] for i in group], pad_id, device)
+                # a prompt taken more than once (an item's samples) is prefilled once and its row repeated
+                unique, of = _distinct(group, enc) if dynamic and PREFIX_CACHE else (group, None)
+                logits, new_state = prefill(model, [enc[i] for i in unique], pad_id, device)
+                if of is not None:
+                    logits, new_state = logits[of], _select(new_state, of)
                 state = new_state if not live else _join(state, new_state)
                 spent.prefill_cpu_s += time.thread_time() - t0
                 spent.prefill_calls += 1
-                spent.prefill_tokens += len(group) * max(len(enc[i]) for i in group)
+                spent.prefill_tokens += len(unique) * max(len(enc[i]) for i in group)
+                spent.prompt_tokens += sum(len(enc[i]) for i in group)
                 live.extend(rows)
                 parts.append(logits)
             stepped = live[len(live) - len(take):]
@@ -620,6 +625,17 @@ def _dynamic(model, enc, max_new_tokens) -> bool:
 PREFILL_PADDING = 0.15  # a prompt joins a prefill group while it is at least 85% as long as the group's longest
 
 
+def _distinct(group: list[int], enc) -> tuple[list[int], list[int] | None]:
+    """The first of each distinct prompt in ``group``, and for every member the position of its prompt among
+    them (None when all differ)."""
+    seen: dict[tuple, int] = {}
+    of = [seen.setdefault(tuple(enc[i]), len(seen)) for i in group]
+    if len(seen) == len(group):
+        return group, None
+    unique = [i for j, i in enumerate(group) if of[j] not in of[:j]]  # in the order of ``of``'s values
+    return unique, of
+
+
 def _like_lengths(take: list[int], enc) -> list[list[int]]:
     """``take``, longest prompt first, cut into groups of like length, each prefilled as one batch: a pad
     token costs as much as a real one, a call costs little."""
@@ -757,7 +773,7 @@ def _select(state, keep: list[int]):
         if kept is not None:
             kept.select(index, cut)
         _set_length(layer)
-    return past, mask, last_pos.index_select(0, index), last_tok.index_select(0, index)
+    return past, mask, last_pos.index_select(0, index), None if last_tok is None else last_tok.index_select(0, index)
 
 
 def _join(state, new):
