@@ -20,9 +20,14 @@ from __future__ import annotations
 import html
 import time
 from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from evalgate.errors import UserError
+
+if TYPE_CHECKING:
+    from evalgate.gate.compare import Pairing
 
 # Both kernels' top-2 log-probability margins below this at the first divergent token: a near-tie that a
 # healthy kernel's rounding can resolve either way (docs/explain.md#near-tie-or-divergence).
@@ -110,6 +115,7 @@ class Explanation:
                  f"{self.cand_token!r}")
         if self.base is None:
             return f"{head}: {self.kind} at {where}" + (f"; {self.cannot}" if self.cannot else "")
+        assert self.cand is not None  # replayed: both sides chose
         text = (f"{head}: {self.kind} at {where}; margins {self.base.margin:.3f} / {self.cand.margin:.3f} nats, "
                 f"KL along the prefix mean {self.kl_mean:.2e} max {self.kl_max:.2e}")
         if self.layer is not None:
@@ -256,7 +262,7 @@ class Explainer:
     fingerprint; the canary's wherever it is installed). A run through a server is replayed only with
     ``model`` given (its kernels' in-process emulations stand in for the server's, and the notes say so)."""
 
-    pairing: object  # evalgate.gate.compare.Pairing
+    pairing: Pairing
     model: str | Path | None = None
     device: str = "cpu"
     seconds: dict = field(default_factory=dict)  # (task, doc_id) -> seconds its replay took
@@ -292,7 +298,7 @@ class Explainer:
                             "the one it used (model=PATH, --model PATH)")
         return path
 
-    def load(self, tasks: list[str] = ()) -> float:
+    def load(self, tasks: Sequence[str] = ()) -> float:
         """Load both kernels' models (where there is a checkpoint to replay) and ``tasks``' prompts now; the
         seconds it took."""
         t0 = time.perf_counter()
@@ -402,7 +408,8 @@ def _top2(logprobs, tokenizer) -> tuple[TopToken, TopToken]:
     index among equal maxima)."""
     values, ids = logprobs.topk(min(16, logprobs.numel()))
     best = sorted(zip((-v for v in values.tolist()), ids.tolist()))[:2]
-    return tuple(TopToken(t, tokenizer.decode([t]), -v) for v, t in best)
+    first, second = (TopToken(t, tokenizer.decode([t]), -v) for v, t in best)
+    return first, second
 
 
 def _norm(t) -> float:
@@ -434,7 +441,8 @@ def _from_replay(head: dict, replay, models: dict, notes: list[str]) -> Explanat
         choices[side] = KernelChoice(head[f"{side}_kernel"], top, top[0].logprob - top[1].logprob)
     kind = NEAR_TIE if max(c.margin for c in choices.values()) < NEAR_TIE_NATS else DIVERGENCE
     shared = tokenizer.decode(tokens["base"][:d], skip_special_tokens=True)
-    layers, worst = [], (-1.0, None, None)
+    layers: list[LayerDifference] = []
+    worst: tuple[float, int | None, int | None] = (-1.0, None, None)
     position = fb.position(d)
     for layer in sorted(fb.moe):
         cb, cc = fb.moe[layer], fc.moe[layer]

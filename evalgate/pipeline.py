@@ -213,8 +213,8 @@ def _rounds(plan: GatePlan, adapter, verdict: Verdict) -> Verdict:
                    notes=notes, sequence=sequence)
 
 
-def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: Path | None = None, out: Path | None = None,
-               thresholds_path: str | None = None, allow_uncalibrated: bool = False,
+def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: str | Path | None = None, out: Path | None = None,
+               thresholds_path: Thresholds | str | Path | None = None, allow_uncalibrated: bool = False,
                adapter: ModelAdapter | None = None, early_stop: bool = True,
                stop_on_conformance: bool = True, options: RunOptions | None = None) -> tuple[Verdict, Path]:
     """Plan and run one gate of ``spec`` against its stored baseline (``evalgate selfcheck``'s rows, the

@@ -13,7 +13,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Mapping
 
 from evalgate.errors import UserError
 from evalgate.canary import scored_as_canary
@@ -227,14 +227,17 @@ def plan_gate(request: GateRequest) -> GatePlan:
         fingerprint = fingerprint or candidate.meta.model.fingerprint
         loaded: Mapping[str, LoadedTask] = MappingProxyType({})
     else:
+        assert spec is not None  # (one of the two, checked above)
         loaded = MappingProxyType(dict(tasks if tasks is not None else load_tasks(spec)))
         profiles = {t: lt.resolved.profile.name for t, lt in loaded.items()}
         profile_ids = {t: lt.profile_id for t, lt in loaded.items()}
     policy = checked_policy(request.thresholds, profiles)  # a bad policy, or one for other tasks, fails before any run
+    baseline: StoredBaseline | None
     if baselines:
         baseline = load_baseline(list(baselines))
     else:
         if fingerprint is None:
+            assert spec is not None  # a stored candidate's manifest holds its model's fingerprint
             fingerprint = local_fingerprint(spec.model)
         names = profiles if items == "candidate" else None
         baseline, missing = load_stored_baseline(lookup_roots(root), fingerprint, profile_ids, baseline_kernel, names)
@@ -246,7 +249,8 @@ def plan_gate(request: GateRequest) -> GatePlan:
                                 "`--items candidate` to this command")
         if missing:
             raise _missing_baseline(spec, missing, baseline_kernel, root, served)
-    rounds = dict(max_samples=DEFAULT_MAX_SAMPLES if max_samples is None else max_samples, baselines_root=root,
+    assert baseline is not None  # (none missing)
+    rounds: dict[str, Any] = dict(max_samples=DEFAULT_MAX_SAMPLES if max_samples is None else max_samples, baselines_root=root,
                   allow_uncalibrated=request.allow_uncalibrated, across_serving=request.across_serving,
                   options=request.options)
     if rounds["max_samples"] < 1:
@@ -255,6 +259,7 @@ def plan_gate(request: GateRequest) -> GatePlan:
         return GatePlan(policy=policy, baseline=baseline,
                         report_dir=Path(report_dir) if report_dir else candidate.path / "gate", candidate=candidate,
                         items=items, **rounds)
+    assert spec is not None
     run_out = Path(request.out) if request.out else gate_out(spec.kernel)
     return GatePlan(policy=policy, baseline=baseline,
                     report_dir=Path(report_dir) if report_dir else run_out / "gate", spec=spec, tasks=loaded,

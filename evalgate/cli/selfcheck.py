@@ -14,12 +14,15 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import click
 
 from evalgate.cli.options import KERNELS, baselines_root_option, checked_device, parse_tasks, run_spec
 from evalgate.gate.stopped import decided
+
+if TYPE_CHECKING:
+    from evalgate.gate.verdict import Verdict
 
 # The healthy kernels of the canary's table (w4a8_sglang is w4a8 behind a server's scale rule: opt in with
 # --kernels); the faulty ones are every registered faulty/ kernel.
@@ -59,7 +62,7 @@ def expected_verdict(kernel: str) -> str:
     return "FAIL" if get_kernel(kernel).faulty else "PASS"
 
 
-def check(kernels: list[str], gate_one: Callable[[str], tuple[object, Path]],
+def check(kernels: list[str], gate_one: Callable[[str], tuple[Verdict, Path]],
           expected: Callable[[str], str] = expected_verdict, on_row: Callable[[Row], None] = lambda row: None) -> list[Row]:
     """One row per kernel: ``gate_one(kernel)`` gives (verdict, run folder) as ``pipeline.gate_model`` does;
     a kernel whose gate stops with an error is an ERROR row (never as expected) and the others still run."""
@@ -90,7 +93,7 @@ def _task_cell(task: str, verdict: str, stopped: dict | None) -> str:
     """A task's verdict; "undecided" for a task a stopped-early run did not finish and whose best completion
     does not FAIL (its verdict there is only its best case), "not run" for one it stopped before its first
     item, as the reports show them."""
-    share = ((stopped or {}).get("tasks") or {}).get(task)
+    share = ((stopped or {}).get("tasks") or {}).get(task) or {}
     if share and share["items_run"] == 0:
         return "not run"
     return verdict if decided(bool(share) and share["items_run"] < share["items_total"], verdict) else "undecided"
@@ -138,16 +141,17 @@ def check_baselines(tasks: list[str], batch_size: int, baselines_root, data_dir:
         raise UserError(f"no stored canary w4a8 baseline for {', '.join(missing)} under {baselines_root} or packaged "
                         "with evalgate; record one with `evalgate calibrate` (or point --baselines-root / "
                         "$EVALGATE_BASELINES at it)")
-    uncalibrated = [str(d) for d in found.values() if read_aa_record(d) is None]
+    dirs = [d for d in found.values() if d is not None]  # (none missing)
+    uncalibrated = [str(d) for d in dirs if read_aa_record(d) is None]
     if uncalibrated:
         raise UserError(f"the canary baseline {', '.join(uncalibrated)} has no A/A calibration; run `evalgate calibrate` "
                         "with the same --baselines-root")
-    return list(found.values())
+    return dirs
 
 
 def canary_gate(tasks: list[str], batch_size: int, runs_dir: Path, baselines_root: str | Path | None,
                 data_dir: str | None, device: str = "cpu",
-                early_stop: bool = True) -> Callable[[str], tuple[object, Path]]:
+                early_stop: bool = True) -> Callable[[str], tuple[Verdict, Path]]:
     """``evalgate gate --kernel K`` on the canary, its run in ``runs_dir/K`` and its reports beside it; as the
     gate, a run stops early once its FAIL is certain unless ``early_stop`` is False — on accuracy only: every
     faulty kernel fails its conformance check before any item, and the table is there to show what the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from evalgate.errors import NotComparable, UserError
 from evalgate.gate.compare import Pairing, compare, serving_difference
@@ -55,8 +56,9 @@ def _validity_problems(pairing: Pairing, thresholds: Thresholds, aa: dict, requi
     return problems
 
 
-def aa_runs(entry: dict) -> list[tuple[float, int]]:
-    """The A/A runs a task's record holds, each (ψ₀, n): its ``runs`` when calibrate pooled several, else one."""
+def aa_runs(entry: dict) -> list[tuple[Any, Any]]:
+    """The A/A runs a task's record holds, each (ψ₀, n) as stored (unchecked: ``_aa_record_problems`` checks
+    them): its ``runs`` when calibrate pooled several, else one."""
     runs = entry.get("runs")
     if isinstance(runs, list) and runs:
         return [(r.get("psi0"), r.get("n")) for r in runs if isinstance(r, dict)]

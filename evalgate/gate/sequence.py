@@ -28,11 +28,14 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from evalgate.errors import UserError
 from evalgate.gate.policy import Thresholds, look_share
 from evalgate.records import RunManifest
+
+if TYPE_CHECKING:
+    from evalgate.gate.verdict import Verdict
 
 MAX_LOOKS = 12  # α·2^-13 is below anything a gate could use; a 13th look is refused
 LOOKS = "looks"  # the subfolder of a baseline folder that holds its candidates' sequences
@@ -205,7 +208,7 @@ class Looks:
             yield cls(identity, {t: Ledger.read(p) for t, p in paths.items()})
 
 
-def decide_at_look(decide: Callable[[Thresholds], object], policy: Thresholds, baseline_dirs,
+def decide_at_look(decide: Callable[[Thresholds], Verdict], policy: Thresholds, baseline_dirs,
                    candidate_manifest: RunManifest, tasks, subset: str | None = None, round_note: str = "", baselines_root: str | Path | None = None):
     """Decide one look of a stored pair: ``decide(policy_at_look)`` gives the verdict. At this candidate's next
     look, unless the data reproduce an earlier look's (then that look's α, hence its verdict); recorded with
@@ -219,6 +222,7 @@ def decide_at_look(decide: Callable[[Thresholds], object], policy: Thresholds, b
         look, repeated = looks.look_for(digests)
         if look != first:
             verdict = decide(policy.at_look(look))
+        assert verdict.comparison is not None and verdict.decision is not None  # (the same pair at any look)
         k = max((p.k for p in verdict.comparison.pairs.values()), default=1)
         alpha = policy.at_look(look).alpha
         task_verdicts = {t: d.outcome.verdict for t, d in verdict.decision.tasks.items()}

@@ -129,7 +129,7 @@ def unpaired_rows(unpaired: dict, alpha: float) -> list[dict]:
 def not_run(r: dict) -> bool:
     """A task of a stopped-early run that ran none of its items (e.g. a kernel that failed its conformance
     check before the first item)."""
-    o = r.get("observed")
+    o = r.get("observed") or {}
     return bool(o) and not o["items_run"]
 
 
