@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import replace
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 from evalgate.gate.compare import compare
 from evalgate.gate.decide import decide
@@ -49,7 +49,7 @@ def run_or_resume(spec: RunSpec, out: Path, adapter: ModelAdapter | None = None,
         adapter = in_process_adapter(spec, options)
     execute(spec, out, adapter, resume=resume, observer=watcher, expected_tokens=expected_tokens,
             tasks=dict(tasks) if tasks is not None else None)
-    return watcher.run
+    return watcher.run  # type: ignore[attr-defined]  # (Collected and EarlyStop keep the finished run)
 
 
 def in_process_adapter(spec: RunSpec, options: RunOptions | None = None) -> ModelAdapter:
@@ -79,6 +79,7 @@ def gate(plan: GatePlan, adapter: ModelAdapter | None = None) -> Verdict:
         observer = (EarlyStop(plan.baseline, plan.policy, plan.allow_uncalibrated, plan.stop_on_conformance,
                               plan.across_serving, look_of=lambda manifest: _next_look(plan, manifest))
                     if plan.early_stop else None)
+        assert plan.spec is not None and plan.out is not None  # (a plan holds a spec or a candidate)
         candidate = run_or_resume(plan.spec, plan.out, adapter, observer, plan.tasks, plan.baseline.answer_lengths,
                                   options=plan.options)
     verdict = decide_look(plan, plan.baseline, candidate)
@@ -164,6 +165,7 @@ def _rounds(plan: GatePlan, adapter, verdict: Verdict) -> Verdict:
     replaced by the look that decided it."""
     from evalgate.gate.verdict import EXIT_CODES, OverallDecision, overall_verdict
 
+    assert plan.spec is not None and plan.out is not None and verdict.decision is not None  # (gate: a run, decided)
     k = plan.spec.samples
     temperature = plan.spec.temperature or ROUND_TEMPERATURE
     tasks = dict(verdict.decision.tasks)
@@ -189,6 +191,7 @@ def _rounds(plan: GatePlan, adapter, verdict: Verdict) -> Verdict:
             break
         candidate = run_or_resume(spec, out / "candidate", adapter, None, loaded, options=plan.options)
         round_verdict = decide_look(plan, baseline, candidate, f" (round k = {k_next})")
+        assert round_verdict.sequence is not None and round_verdict.decision is not None  # (a paired look)
         looks += round_verdict.sequence["looks"]
         notes += [n for n in round_verdict.notes if n.startswith("look ")]
         for task in open_tasks:
@@ -225,6 +228,7 @@ def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: str | Path | 
                                  early_stop=early_stop, stop_on_conformance=stop_on_conformance,
                                  fingerprint=fingerprint, served=adapter is not None,
                                  options=options or RunOptions()))
+    assert plan.out is not None  # (a plan of a spec has its run folder)
     return gate(plan, adapter), plan.out
 
 
@@ -278,16 +282,19 @@ def calibrate(spec: RunSpec, root: Path | None = None, runs_dir: Path = Path("re
     second_adapter = adapter
     second_run = {"batch_size": other, "order": "reverse"}
     if adapter is not None:
-        second_adapter = copy.copy(adapter)
-        second_adapter.concurrency = max(1, adapter.concurrency // 2)
+        server: Any = adapter  # a server's adapter (model_adapters.server): its concurrency and URL
+        second_adapter = copy.copy(server)
+        second_adapter.concurrency = max(1, server.concurrency // 2)
         second_run = {"batch_size": other, "order": "reverse", "concurrency": second_adapter.concurrency,
-                      "server": adapter.url}
+                      "server": server.url}
     second = run_or_resume(second_spec, runs_dir / f"{name}-B", adapter=second_adapter, tasks=tasks, options=options)
     results = {}
     for task, base_dir in baselines.items():
+        assert base_dir is not None  # (each task's baseline found or recorded above)
         base = load_run(base_dir)
         cmp = compare(base, second, tasks=[task], metrics={task: thresholds.task(task).metric})
         verdict = decide(cmp, thresholds, require_aa=False)
+        assert verdict.decision is not None  # (a paired comparison)
         dec = verdict.decision.tasks[task]
         # an item flips when its score moves (k > 1: the mean over its samples, not "all samples right")
         flips = [d for d, b, c in zip(cmp.pairs[task].doc_ids, cmp.pairs[task].scores("base"),

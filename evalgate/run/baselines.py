@@ -247,7 +247,7 @@ def list_baselines(root: str | Path = DEFAULT_ROOT) -> list[dict]:
     return rows
 
 
-def _find(roots: list[Path], fingerprint: str, profile_id: str, kernel: str,
+def _find(roots: list[Path], fingerprint: str | None, profile_id: str, kernel: str,
           profile_name: str | None = None) -> tuple[Path, RunManifest] | None:
     """The first root's matching baseline folder and its manifest (a user's own baseline wins): by profile id,
     else (``profile_name`` given: a candidate on a subset of the items, checked item by item afterwards) by
@@ -272,7 +272,7 @@ def find_stored_baseline(roots: list[Path], fingerprint: str, profile_id: str, k
     return found[0] if found else None
 
 
-def load_stored_baseline(roots: list[Path], fingerprint: str, profile_ids: dict[str, str], kernel: str,
+def load_stored_baseline(roots: list[Path], fingerprint: str | None, profile_ids: dict[str, str], kernel: str,
                          profile_names: dict[str, str] | None = None) -> tuple["StoredBaseline | None", list[str]]:
     """The stored ``kernel`` baseline of every task (``lookup_roots`` order), each file read once; or None
     and the tasks that have none. ``profile_names``: match by name where no id matches (a subset candidate)."""
