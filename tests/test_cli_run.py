@@ -107,6 +107,25 @@ def test_resume_refuses_a_different_run(tiny_model, cli_env, tmp_path):
     assert (out / "gsm8k.jsonl").read_bytes() == before
 
 
+def test_resume_refuses_a_run_begun_under_other_kernel_code(tiny_model, cli_env, tmp_path):
+    """The stored run's kernel digest is another code's (the kernel's source changed since it began): its
+    records would mix two codes under one kernel id, so --resume refuses and the stored run is untouched."""
+    import json
+
+    out = tmp_path / "r"
+    base = ["run", "--model", str(tiny_model), "--tasks", "gsm8k", "--max-new-tokens", "4", "--limit", "2",
+            "--out", str(out)]
+    evalgate(base, cli_env, tmp_path)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["kernel"]["source_sha256"]
+    manifest["kernel"]["source_sha256"] = "0" * 64
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    proc = evalgate(base + ["--resume"], cli_env, tmp_path, check=False)
+    assert proc.returncode == 2 and "kernel source" in proc.stderr
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == before
+
+
 def _corrupt_model(tiny_model: Path, tmp_path: Path) -> Path:
     bad = tmp_path / "corrupt"
     bad.mkdir()

@@ -185,6 +185,8 @@ def _check_resumable(previous: RunManifest, current: RunManifest, out: Path) -> 
         diffs.append("model fingerprint")
     if previous.kernel.id != current.kernel.id:
         diffs.append(f"kernel ({previous.kernel.id} vs {current.kernel.id})")
+    elif previous.kernel.source_sha256 != current.kernel.source_sha256:  # its records would mix two codes
+        diffs.append(f"kernel source ({current.kernel.id}'s code changed since the run began)")
     for name, summary in current.tasks.items():
         before = previous.tasks.get(name)
         if before is None:
