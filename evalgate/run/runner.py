@@ -186,7 +186,9 @@ def _check_resumable(previous: RunManifest, current: RunManifest, out: Path) -> 
     if previous.kernel.id != current.kernel.id:
         diffs.append(f"kernel ({previous.kernel.id} vs {current.kernel.id})")
     elif previous.kernel.source_sha256 != current.kernel.source_sha256:  # its records would mix two codes
-        diffs.append(f"kernel source ({current.kernel.id}'s code changed since the run began)")
+        diffs.append(f"kernel source ({current.kernel.id}'s code changed since the run began)"
+                     if previous.kernel.source_sha256 else
+                     f"kernel source (the stored run did not record {current.kernel.id}'s code)")
     for name, summary in current.tasks.items():
         before = previous.tasks.get(name)
         if before is None:
