@@ -80,7 +80,6 @@ def gate(plan: GatePlan, adapter: ModelAdapter | None = None) -> Verdict:
                               plan.across_serving, look_of=lambda manifest: _next_look(plan, manifest))
                     if plan.early_stop else None)
         assert plan.spec is not None and plan.out is not None  # (a plan holds a spec or a candidate)
-        assert plan.spec is not None and plan.out is not None  # (a plan holds a spec or a candidate)
         candidate = run_or_resume(plan.spec, plan.out, adapter, observer, plan.tasks, plan.baseline.answer_lengths,
                                   options=plan.options)
     verdict = decide_look(plan, plan.baseline, candidate)
@@ -193,7 +192,6 @@ def _rounds(plan: GatePlan, adapter, verdict: Verdict) -> Verdict:
         candidate = run_or_resume(spec, out / "candidate", adapter, None, loaded, options=plan.options)
         round_verdict = decide_look(plan, baseline, candidate, f" (round k = {k_next})")
         assert round_verdict.sequence is not None and round_verdict.decision is not None  # (a paired look)
-        assert round_verdict.sequence is not None and round_verdict.decision is not None  # (a paired look)
         looks += round_verdict.sequence["looks"]
         notes += [n for n in round_verdict.notes if n.startswith("look ")]
         for task in open_tasks:
@@ -230,7 +228,6 @@ def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: str | Path | 
                                  early_stop=early_stop, stop_on_conformance=stop_on_conformance,
                                  fingerprint=fingerprint, served=adapter is not None,
                                  options=options or RunOptions()))
-    assert plan.out is not None  # (a plan of a spec has its run folder)
     assert plan.out is not None  # (a plan of a spec has its run folder)
     return gate(plan, adapter), plan.out
 

@@ -215,12 +215,13 @@ def test_a_sampled_run_records_k_samples_and_scores_their_mean(tiny_model, data_
     # batch 4 in item order and batch 1 in reverse order: the same samples, item by item
     strip = lambda rs: [{k: v for k, v in r.items() if k != "latency_s" and k != "samples"} for r in rs]
     assert strip(a.records["gsm8k"]) == strip(b.records["gsm8k"])
-    pairing = compare(run_a, run_b)
+    pairing = compare(a, b)
     assert pairing.pairs["gsm8k"].k == 3 and pairing.pairs["gsm8k"].scores("base") == pairing.pairs["gsm8k"].scores("cand")
 
 
 def test_runs_with_other_sampling_settings_are_not_comparable(tiny_model, data_dir, tmp_path):
     from evalgate.gate.compare import compare
+    from evalgate.run.store import load_run
 
     spec = sampled_spec(tiny_model, data_dir, limit=1, max_new_tokens=3, samples=2)
     a = execute(spec, tmp_path / "a", in_process_adapter(spec), progress=quiet())
@@ -228,7 +229,7 @@ def test_runs_with_other_sampling_settings_are_not_comparable(tiny_model, data_d
         spec_b = sampled_spec(tiny_model, data_dir, limit=1, max_new_tokens=3, **{"samples": 2, **change})
         other = execute(spec_b, tmp_path / name, in_process_adapter(spec_b), progress=quiet())
         with pytest.raises(NotComparable) as info:
-            compare(a, other)
+            compare(load_run(a), load_run(other))
         message = str(info.value)
         assert "\n" not in message and "sampling settings differ" in message and "--samples" in message, message
 

@@ -395,6 +395,7 @@ def k_sample_runs(tmp_path, k=4, n=60, seed=3):
 
 def test_stored_k_sample_runs_gate_end_to_end(tmp_path):
     from evalgate.gate.compare import compare
+    from evalgate.run.store import load_run
     from evalgate.gate.decide import gate_runs
     from evalgate.records import load_verdict
     from evalgate.report.outputs import write_outputs
@@ -402,7 +403,7 @@ def test_stored_k_sample_runs_gate_end_to_end(tmp_path):
     from gate_helpers import policy
 
     base, cand, yb, yc = k_sample_runs(tmp_path)
-    pairs = compare(base, cand).pairs["gsm8k"]
+    pairs = compare(load_run(base), load_run(cand)).pairs["gsm8k"]
     assert pairs.k == 4 and pairs.sample_scores("base") == yb.tolist()
     assert pairs.invalid("cand") == [0.0] * 60  # fractions of samples, not the first sample's flag
     verdict = gate_runs(base, cand, str(policy(tmp_path, margin=20.0)), allow_uncalibrated=True)
@@ -420,6 +421,7 @@ def test_stored_k_sample_runs_gate_end_to_end(tmp_path):
 def test_runs_with_different_k_are_not_comparable(tmp_path):
     from evalgate.errors import NotComparable
     from evalgate.gate.compare import compare
+    from evalgate.run.store import load_run
 
     base, cand, _, _ = k_sample_runs(tmp_path)
     path = cand / "gsm8k.jsonl"
@@ -428,13 +430,13 @@ def test_runs_with_different_k_are_not_comparable(tmp_path):
     records[0]["samples"] = records[0]["samples"] * 2
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(NotComparable, match="different sample counts k"):
-        compare(base, cand)
+        compare(load_run(base), load_run(cand))
     records[0]["n_samples"] = 4
     records[0]["samples"] = records[0]["samples"][:4]
     records[0]["exact_match,strict-match"] = 0.3  # not a mean over 4 samples
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(NotComparable, match="not a mean over its k = 4"):
-        compare(base, cand)
+        compare(load_run(base), load_run(cand))
 
 
 def test_inconclusive_verdict_is_a_valid_gate_json(tmp_path):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from evalgate.errors import NotComparable, UserError
 from evalgate.records import RunManifest
 from evalgate.run.baselines import aa_for_baseline
-from evalgate.run.store import Run, load_run
+from evalgate.run.store import Run
 from evalgate.tasks import get_task
 
 # Run-level keys that must match for two runs to be comparable; the kernel is what may differ (docs/scoring.md#comparability).
@@ -34,10 +34,6 @@ def numerics_of(manifest: RunManifest) -> tuple[str, str]:
     if "group_size" not in recipe:
         return forward, OWN
     return forward, recipe.get("accumulation") or LEGACY
-
-
-def _as_run(run) -> Run:
-    return run if isinstance(run, Run) else load_run(run)
 
 
 def default_metric(task_name: str) -> str:
@@ -416,11 +412,10 @@ def _extracted(task: str, record: dict):
     return answer if answer is not None else record.get("failure_class")
 
 
-def compare(baseline, candidate, tasks: list[str] | None = None, metrics: dict[str, str] | None = None,
+def compare(base: Run, cand: Run, tasks: list[str] | None = None, metrics: dict[str, str] | None = None,
             aa_flips: dict[str, set] | None = None, across_serving: bool = False) -> Pairing:
-    """Pair two stored runs (paths or ``Run``s). Refuses (``NotComparable``) when they must not be compared;
-    ``across_serving``: not for a difference in serving identity alone."""
-    base, cand = _as_run(baseline), _as_run(candidate)
+    """Pair two loaded runs (the API's ``compare`` takes folders). Refuses (``NotComparable``) when they must
+    not be compared; ``across_serving``: not for a difference in serving identity alone."""
     if base.meta.aggregate_only:
         raise NotComparable(f"{base.path} is an aggregate-only baseline (a published score, no per-item records); "
                             "it can only be gated with an unpaired test (see `evalgate gate`)")
