@@ -175,6 +175,7 @@ class KernelInfo(Part):
     env: dict[str, str] | None = None
     recipe: dict[str, Any] | None = None
     faulty: bool | None = None
+    source_sha256: str | None = None  # the digest of the code that computes it (kernels/source.py); absent before
     conformance: ConformanceInfo | None = None  # absent: a server run, or a run made before evalgate checked it
 
 
