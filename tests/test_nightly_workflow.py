@@ -225,7 +225,11 @@ def test_a_night_uploads_the_reports_and_ends_as_its_verdict_says(verdict, concl
     verdict_log = job.logs["Verdict"]
     if verdict == "INCONCLUSIVE":
         assert "::warning title=evalgate INCONCLUSIVE::" in verdict_log
-        assert re.search(r"--samples \d+ --temperature 0.2 --seed 0", verdict_log), verdict_log
+        asked = re.search(r"--samples (\d+) --temperature 0.2 --seed 0", verdict_log)
+        assert asked, verdict_log
+        tasks = json.loads(job.uploaded["gate-report/gate.json"])["decision"]["tasks"].values()
+        needed = [t["resolution"]["samples_needed"] for t in tasks if t["resolution"]["samples_needed"]]
+        assert needed and int(asked.group(1)) == max([2] + needed)  # the number gate.json names, read from it
     if verdict == "FAIL":
         assert job.failed == "Verdict" and "::error title=evalgate FAIL::" in verdict_log
 
