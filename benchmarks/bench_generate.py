@@ -60,17 +60,9 @@ def main(argv=None) -> int:
     tasks = args.tasks.split(",")
     batch_size = args.batch_size
     if batch_size is None:
-        batch_size = RunSpec.__dataclass_fields__["batch_size"].default
-        import click
+        from evalgate.cli.options import BATCH_SIZE  # the CLI's default
 
-        from evalgate.cli.options import run_options as ro
-
-        @click.command()
-        @ro
-        def probe(**kw):
-            return kw
-
-        batch_size = probe.main([], standalone_mode=False)["batch_size"]
+        batch_size = BATCH_SIZE
     spec = RunSpec(model=str(canary_path()), kernel=args.kernel, tasks=tasks, profiles=dict(PROFILES),
                    limit=args.limit, batch_size=batch_size)
     data_dir = resolve_data_dir(None)
@@ -150,9 +142,10 @@ def _with_baseline_lengths(by_task: dict) -> dict:
     from dataclasses import replace
 
     from evalgate.canary import BASELINES
-    from evalgate.run.baselines import answer_lengths
+    from evalgate.run.baselines import answer_lengths, load_baseline
 
-    lengths = answer_lengths([p.parent for name in by_task for p in BASELINES.glob(f"*/{name}-*/w4a8/{name}.jsonl")])
+    folders = [p.parent for name in by_task for p in BASELINES.glob(f"*/{name}-*/w4a8/{name}.jsonl")]
+    lengths = answer_lengths(load_baseline(folders).run)
     return {name: [replace(r, expected_tokens=lengths[name].get(r.doc_id)) for r in requests]
             for name, requests in by_task.items()}
 
