@@ -21,14 +21,14 @@ from evalgate.gate.compare import compare as pair_runs
 from evalgate.gate.compare import serving_difference
 from evalgate.gate.decide import decide as decide_pairing
 from evalgate.gate.decide import with_conformance
-from evalgate.gate.door import decide_pair, policy_for_run
+from evalgate.gate.door import decide_pair
 from evalgate.gate.sequence import decide_at_look
-from evalgate.gate.policy import Thresholds
+from evalgate.gate.policy import Thresholds, policy_for_run
 from evalgate.gate.subset import item_lists, restrict
 from evalgate.gate.verdict import OverallDecision, Verdict
 from evalgate.report.html import ItemView, comparison_html, display_question
 from evalgate.records import load_manifest, load_verdict
-from evalgate.run.baselines import aa_for_baseline, assemble
+from evalgate.run.baselines import StoredBaseline, aa_for_baseline, assemble, load_baseline
 from evalgate.run.store import MANIFEST, Run, load_run
 from evalgate.tasks import comparison_notes
 
@@ -39,6 +39,13 @@ def _policy(thresholds, run: Run) -> Thresholds:
     """The one resolver the gate uses (``--thresholds``, $EVALGATE_THRESHOLDS, the canary's own, ./thresholds.yaml,
     the packaged default)."""
     return policy_for_run(thresholds, run)
+
+
+def _stored(baseline) -> StoredBaseline:
+    """A baseline as the gate's door takes it: loaded here, at the edge, from its folder or folders."""
+    if isinstance(baseline, StoredBaseline):
+        return baseline
+    return load_baseline([Path(b) for b in baseline] if isinstance(baseline, (list, tuple)) else Path(baseline))
 
 
 def _for_profiles_used(pairing: Pairing, policy: Thresholds, notes: list[str]) -> Thresholds:
@@ -89,7 +96,7 @@ class Comparison(Pairing):
         policy = _for_profiles_used(self, _policy(self.thresholds, self.candidate), self.notes)
         dirs = self.baseline_dirs or [self.baseline.path]
         if self.items is None or self.items == "candidate":
-            return decide_pair(dirs, self.candidate, policy, allow_uncalibrated=True,
+            return decide_pair(_stored(dirs), self.candidate, policy, allow_uncalibrated=True,
                                items="candidate" if self.items else "all", across_serving=self.across_serving)
         # an explicit list of items: this pairing, decided as the gate decides, its own sequence of looks
         from evalgate.gate.door import items_digest
@@ -390,7 +397,7 @@ def run_kernel(kernel: str, out, model: str | None = None, tasks=("gsm8k", "huma
 def decide(baseline, candidate, thresholds=None, allow_uncalibrated: bool = False) -> Verdict:
     """The gate's verdict from stored runs: ``baseline`` a folder or a list of per-task baseline folders."""
     cand = candidate if isinstance(candidate, Run) else load_run(candidate)
-    return decide_pair(baseline, cand, thresholds, allow_uncalibrated)
+    return decide_pair(_stored(baseline), cand, _policy(thresholds, cand), allow_uncalibrated)
 
 
 __all__ = ["Comparison", "Explanation", "Run", "compare", "decide", "find_baselines", "load_run", "run_kernel",

@@ -16,7 +16,7 @@ from evalgate.gate.decide import decide
 from evalgate.gate.policy import Thresholds
 from evalgate.gate.verdict import Verdict
 from evalgate.plan import GatePlan, GateRequest, find_baselines, local_fingerprint, plan_gate, stamp
-from evalgate.run.baselines import read_aa, record, user_root, write_aa
+from evalgate.run.baselines import StoredBaseline, read_aa, record, user_root, write_aa
 from evalgate.run.observer import Collected, RunObserver
 from evalgate.run.options import RunOptions
 from evalgate.run.runner import execute, prepare_out
@@ -108,7 +108,7 @@ def _next_look(plan: GatePlan, manifest: RunManifest) -> int:
         return looks.next_look
 
 
-def decide_look(plan: GatePlan, baseline, candidate: Run, round_note: str = "") -> Verdict:
+def decide_look(plan: GatePlan, baseline: StoredBaseline, candidate: Run, round_note: str = "") -> Verdict:
     """Decide one look through the one door (``evalgate.gate.door.decide_pair``): at the candidate's next
     look, unless its data reproduce an earlier look's (then that look's α and verdict); recorded with the
     plan's baseline (a round's sampled baseline included)."""
@@ -134,7 +134,7 @@ def next_samples(k: int, open_decisions, max_samples: int) -> int | None:
 def _round_baseline(plan: GatePlan, spec: RunSpec, tasks, adapter, out: Path):
     """The baseline sampled as ``spec``: a stored one (``evalgate calibrate --samples k --temperature T
     --seed S``), else, in-process, the baseline kernel run in this round; None for a server without one."""
-    from evalgate.run.baselines import StoredBaseline, load_stored_baseline, lookup_roots
+    from evalgate.run.baselines import load_stored_baseline, lookup_roots
 
     fingerprint = plan.baseline.run.meta.model.fingerprint
     stored, missing = load_stored_baseline(lookup_roots(plan.baselines_root), fingerprint,
@@ -217,14 +217,15 @@ def _rounds(plan: GatePlan, adapter, verdict: Verdict) -> Verdict:
 
 
 def gate_model(spec: RunSpec, baseline_kernel: str = "w4a8", root: str | Path | None = None, out: Path | None = None,
-               thresholds_path: Thresholds | str | Path | None = None, allow_uncalibrated: bool = False,
+               thresholds: Thresholds | None = None, allow_uncalibrated: bool = False,
                adapter: ModelAdapter | None = None, early_stop: bool = True,
                stop_on_conformance: bool = True, options: RunOptions | None = None) -> tuple[Verdict, Path]:
     """Plan and run one gate of ``spec`` against its stored baseline (``evalgate selfcheck``'s rows, the
-    API): the verdict and the candidate's run folder."""
+    API): the verdict and the candidate's run folder. ``thresholds``: a parsed policy, or None for the
+    resolver's choice (the plan's)."""
     fingerprint = adapter.info()["fingerprint"] if adapter is not None else None
     plan = plan_gate(GateRequest(spec=spec, baseline_kernel=baseline_kernel, baselines_root=root,
-                                 thresholds=thresholds_path, out=out, allow_uncalibrated=allow_uncalibrated,
+                                 thresholds=thresholds, out=out, allow_uncalibrated=allow_uncalibrated,
                                  early_stop=early_stop, stop_on_conformance=stop_on_conformance,
                                  fingerprint=fingerprint, served=adapter is not None,
                                  options=options or RunOptions()))
@@ -250,8 +251,8 @@ def _with_earlier_runs(entry: dict, earlier: dict | None, task: str) -> dict:
     return {**entry, "verdict": verdict, "flips": flips, "runs": [*runs, this]}
 
 
-def calibrate(spec: RunSpec, root: Path | None = None, runs_dir: Path = Path("results/runs"),
-              thresholds_path: Thresholds | str | Path | None = None, second_batch_size: int | None = None,
+def calibrate(spec: RunSpec, thresholds: Thresholds, root: Path | None = None, runs_dir: Path = Path("results/runs"),
+              second_batch_size: int | None = None,
               adapter: ModelAdapter | None = None, stamp: str | None = None,
               options: RunOptions | None = None) -> dict:
     """A/A: the baseline kernel twice (the second time with the items in reverse order and another batch
@@ -259,12 +260,10 @@ def calibrate(spec: RunSpec, root: Path | None = None, runs_dir: Path = Path("re
     stored, then stores ψ0, Δ̂0, the flip set and the A/A verdict next to each task's baseline.
 
     ``adapter`` (a server adapter) runs both on that server: the second run reversed, as in-process.
-    ``options``: how the in-process model loads (--device-map, --threads)."""
+    ``options``: how the in-process model loads (--device-map, --threads). ``thresholds``: the policy, as the
+    edge resolved it (each task's metric)."""
     import copy
 
-    from evalgate.gate.policy import load_thresholds
-
-    thresholds = thresholds_path if isinstance(thresholds_path, Thresholds) else load_thresholds(thresholds_path)
     tasks = load_tasks(spec)
     root = user_root(root)  # never the packaged canary baselines: they are read-only
     fingerprint = adapter.info()["fingerprint"] if adapter is not None else local_fingerprint(spec.model)

@@ -71,13 +71,16 @@ def test_the_report_highlights_only_differences_a_valid_comparison_forbids(tmp_p
 @pytest.mark.parametrize("width", [60, 80, 140])
 def test_a_verdict_on_a_terminal_never_splits_a_value(width, tmp_path, monkeypatch):
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
     from evalgate.report.rows import task_rows, verdict_reason
     from evalgate.report.text import psi_text, verdict_lines
     from gate_helpers import policy
     from synthetic_runs import write_pair
 
     base, cand = write_pair(tmp_path, n_gsm8k=60, n_humaneval=20, lost_every=9, gained_every=1000)
-    verdict = gate_runs(base, cand, str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
+    verdict = gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
     from evalgate.report.text import print_verdict
 
     class Terminal(io.StringIO):

@@ -97,6 +97,9 @@ def test_a_subset_refuses_items_asked_differently_or_missing(pair, tmp_path):
 
 def test_a_baselines_root_and_a_gate_folder_stand_for_their_runs(pair, tmp_path):
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
     from evalgate.report.outputs import write_outputs
     from evalgate.run.baselines import record
 
@@ -111,7 +114,7 @@ def test_a_baselines_root_and_a_gate_folder_stand_for_their_runs(pair, tmp_path)
     with pytest.raises(NotComparable, match="no stored w4a4 baseline of task"):
         evalgate.compare(root, cand, baseline_kernel="w4a4")
 
-    verdict = gate_runs(dirs, cand, str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
+    verdict = gate_runs(load_baseline(dirs), load_run(cand), load_thresholds(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
     write_outputs(verdict, cand / "gate")
     for reopened in (evalgate.compare(cand / "gate"), evalgate.compare(root, cand / "gate"),
                      evalgate.compare(cand / "gate", cand)):
@@ -121,6 +124,9 @@ def test_a_baselines_root_and_a_gate_folder_stand_for_their_runs(pair, tmp_path)
 
 def test_runs_under_different_python_minors_are_compared_with_a_warning(pair, tmp_path):
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
     from evalgate.report.html import report_html
     from evalgate.report.text import markdown, verdict_lines
 
@@ -130,7 +136,7 @@ def test_runs_under_different_python_minors_are_compared_with_a_warning(pair, tm
     cmp = evalgate.compare(base, cand)
     (warning,) = [n for n in cmp.notes if "Python" in n]
     assert warning.startswith("humaneval: the baseline's programs ran under Python 3.11, the candidate's under 3.12")
-    verdict = gate_runs(base, cand, str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
+    verdict = gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
     assert verdict.verdict in ("PASS", "FAIL", "INCONCLUSIVE")  # decided, not refused
     assert warning in markdown(verdict) and f"note: {warning}" in verdict_lines(verdict)
     assert verdict_lines(verdict).count(f"note: {warning}") == 1

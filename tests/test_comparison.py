@@ -124,12 +124,15 @@ def test_the_gate_decision_is_kept_and_report_html_written(runs, tmp_path):
 
 def test_report_html_for_an_aggregate_only_baseline(tmp_path):
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
     from evalgate.report.html import report_html
     from evalgate.run.baselines import import_aggregate
 
     published = import_aggregate("gsm8k", 0.80, 200, "feedc0ffee123456", "gsm8k-lmeval-v3", root=tmp_path / "b")
     _, cand = write_pair(tmp_path / "runs", 200, 0)
-    verdict = gate_runs(published, cand, str(policy(tmp_path, margin=5.0, paired="false")))
+    verdict = gate_runs(load_baseline(published), load_run(cand), load_thresholds(policy(tmp_path, margin=5.0, paired="false")))
     page = report_html(verdict)
     assert "unpaired" in page and verdict.verdict in page and 'id="flips"' not in page
 

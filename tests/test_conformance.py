@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from evalgate.gate.decide import CONFORMANCE_UNCHECKED, gate_runs
+from evalgate.run.baselines import load_baseline
+from evalgate.run.store import load_run
+from evalgate.gate.policy import load_thresholds
 from evalgate.kernels import get_kernel, kernel_names
 from synthetic_runs import write_pair
 
@@ -112,9 +115,9 @@ def _pass_pair(tmp_path):
 
 def test_a_non_conforming_kernel_fails_the_gate_whatever_its_accuracy(tmp_path):
     base, cand, pol = _pass_pair(tmp_path)
-    assert gate_runs(base, cand, pol, allow_uncalibrated=True).verdict == "PASS"  # identical answers
+    assert gate_runs(load_baseline(base), load_run(cand), load_thresholds(pol), allow_uncalibrated=True).verdict == "PASS"  # identical answers
     _with_conformance(cand, ok=False)
-    v = gate_runs(base, cand, pol, allow_uncalibrated=True)
+    v = gate_runs(load_baseline(base), load_run(cand), load_thresholds(pol), allow_uncalibrated=True)
     assert (v.verdict, v.exit_code) == ("FAIL", 1)
     assert v.decision.tasks["gsm8k"].outcome.verdict == "PASS"  # accuracy alone still passes: the kernel fails it
     out = v.to_dict()
@@ -129,10 +132,10 @@ def test_a_non_conforming_kernel_fails_the_gate_whatever_its_accuracy(tmp_path):
 
 def test_a_conforming_kernel_is_decided_on_accuracy_and_an_unchecked_one_says_so(tmp_path):
     base, cand, pol = _pass_pair(tmp_path)
-    v = gate_runs(base, cand, pol, allow_uncalibrated=True)  # no record: a server run
+    v = gate_runs(load_baseline(base), load_run(cand), load_thresholds(pol), allow_uncalibrated=True)  # no record: a server run
     assert v.verdict == "PASS" and CONFORMANCE_UNCHECKED in v.notes and v.conformance is None
     _with_conformance(cand, ok=True)
-    v = gate_runs(base, cand, pol, allow_uncalibrated=True)
+    v = gate_runs(load_baseline(base), load_run(cand), load_thresholds(pol), allow_uncalibrated=True)
     assert v.verdict == "PASS" and CONFORMANCE_UNCHECKED not in v.notes and v.conformance["ok"] is True
 
 

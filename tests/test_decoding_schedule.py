@@ -116,6 +116,7 @@ class LengthAdapter(AdapterBase):
 def test_the_gate_hands_the_baselines_answer_lengths_to_the_decoder(tmp_path, data_dir):
     from gate_helpers import policy
 
+    from evalgate.gate.policy import load_thresholds
     from evalgate.pipeline import gate_model
     from evalgate.run.baselines import answer_lengths, record
     from evalgate.run.progress import Progress
@@ -135,7 +136,7 @@ def test_the_gate_hands_the_baselines_answer_lengths_to_the_decoder(tmp_path, da
     candidate = LengthAdapter("w4a4_packed")
     spec = RunSpec(model="fake", kernel="w4a4_packed", tasks=["gsm8k"], limit=6, batch_size=2,
                    data_dir=str(data_dir))
-    verdict, run_dir = gate_model(spec, "w4a8", root, tmp_path / "cand", str(policy(tmp_path)),
+    verdict, run_dir = gate_model(spec, "w4a8", root, tmp_path / "cand", load_thresholds(policy(tmp_path)),
                                   allow_uncalibrated=True, adapter=candidate)
     assert candidate.expected == [lengths]
     stored_text = (run_dir / "gsm8k.jsonl").read_text() + (run_dir / "manifest.json").read_text()

@@ -501,6 +501,9 @@ def stopped_gate(tmp_path):
 
 def test_a_stopped_early_candidate_is_decided_on_its_best_completion_with_the_note_everywhere(stopped_gate):
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
     from evalgate.report.outputs import write_outputs
 
     base, cand_dir, cand_out, policy = stopped_gate
@@ -513,7 +516,7 @@ def test_a_stopped_early_candidate_is_decided_on_its_best_completion_with_the_no
     manifest = {**partial.manifest, "status": "stopped_early", "early_stop": info}
     (cand_dir / "manifest.json").write_text(json.dumps(manifest))
 
-    verdict = gate_runs([base], cand_dir, policy, allow_uncalibrated=True)
+    verdict = gate_runs(load_baseline([base]), load_run(cand_dir), load_thresholds(policy), allow_uncalibrated=True)
     assert verdict.verdict == "FAIL" and verdict.exit_code == 1
     es = verdict.early_stop
     assert (es["items_run"], es["items_total"]) == (12, 60)
@@ -565,24 +568,30 @@ def test_the_aa_noise_warning_of_a_stopped_early_task_looks_at_the_items_run(tmp
 def test_a_stopped_early_run_is_never_a_baseline_nor_decided_when_its_fail_no_longer_holds(stopped_gate, tmp_path):
     from evalgate.errors import NotComparable, UserError
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
 
     base, cand_dir, cand_out, policy = stopped_gate
     partial = _run("faulty/x", cand_out, "stopped_early")
     partial.manifest["early_stop"] = {"reason": "x", "items_run": 12, "items_total": 60, "tasks": {}}
     _write(cand_dir, partial)
     with pytest.raises(UserError, match="stopped early"):  # as the baseline of a gate
-        gate_runs([cand_dir], base, policy, allow_uncalibrated=True)
+        gate_runs(load_baseline([cand_dir]), load_run(base), load_thresholds(policy), allow_uncalibrated=True)
     lenient = tmp_path / "lenient.yaml"  # a policy under which its best completion passes: no verdict at all
     lenient.write_text(POLICY.format(alpha=0.05, split="true", validity=0.0, inconclusive="true", mc="holm",
                                      ci="tango", margin=90.0, floor=40))
     with pytest.raises(NotComparable, match="--no-early-stop"):
-        gate_runs([base], cand_dir, str(lenient), allow_uncalibrated=True)
+        gate_runs(load_baseline([base]), load_run(cand_dir), load_thresholds(lenient), allow_uncalibrated=True)
 
 
 @pytest.mark.parametrize("ok", [False, True])
 def test_a_kernel_that_fails_its_conformance_check_stops_before_its_first_item(stopped_gate, ok):
     from evalgate.errors import NotComparable
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
 
     base, cand_dir, cand_out, policy = stopped_gate
     nothing = _run("faulty/x", {t: [None] * len(v) for t, v in cand_out.items()}, "running")
@@ -599,7 +608,7 @@ def test_a_kernel_that_fails_its_conformance_check_stops_before_its_first_item(s
     assert ask(watch(policy, base, allow_uncalibrated=True, on_conformance=False), cand_dir, nothing) is None
     manifest = {**nothing.manifest, "status": "stopped_early", "early_stop": info}
     (cand_dir / "manifest.json").write_text(json.dumps(manifest))
-    verdict = gate_runs([base], cand_dir, policy, allow_uncalibrated=True)
+    verdict = gate_runs(load_baseline([base]), load_run(cand_dir), load_thresholds(policy), allow_uncalibrated=True)
     assert (verdict.verdict, verdict.exit_code) == ("FAIL", 1) and verdict.conformance["ok"] is False
     assert headline(verdict.early_stop) == ("stopped before generating any of its 60 items — the FAIL holds "
                                             "whatever the remaining items give")
@@ -607,7 +616,7 @@ def test_a_kernel_that_fails_its_conformance_check_stops_before_its_first_item(s
     manifest["kernel"]["conformance"]["ok"] = True  # a kernel that conforms: nothing run decides nothing
     (cand_dir / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(NotComparable, match="complete it first"):
-        gate_runs([base], cand_dir, policy, allow_uncalibrated=True)
+        gate_runs(load_baseline([base]), load_run(cand_dir), load_thresholds(policy), allow_uncalibrated=True)
 
 
 def test_no_early_stop_for_k_samples(stopped_gate):

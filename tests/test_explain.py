@@ -211,12 +211,15 @@ def test_the_report_tags_each_explained_flip_and_shows_the_summary_line(tmp_path
 
     from evalgate.explain import DIVERGENCE, NEAR_TIE, Explanation, summary_line
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
     from evalgate.report.html import report_html
     from gate_helpers import policy
     from synthetic_runs import write_pair
 
     base, cand = write_pair(tmp_path, 40, 10, lost_every=3, gained_every=4)
-    verdict = gate_runs(base, cand, str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
+    verdict = gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
     flips = verdict.comparison.flips("gsm8k")
     picked = list(flips["doc_id"][:2])
     found = [Explanation("gsm8k", d, "lost", kind, "w4a8", "w4a4_packed", position=3)

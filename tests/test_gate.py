@@ -16,6 +16,9 @@ import yaml
 from evalgate.run import baselines
 from evalgate.errors import NotComparable, UserError
 from evalgate.gate.decide import gate_runs
+from evalgate.run.baselines import load_baseline
+from evalgate.run.store import load_run
+from evalgate.gate.policy import load_thresholds
 from gate_helpers import derive_run, policy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,7 +118,7 @@ def test_incomplete_or_foreign_candidates_are_refused(tiny_run, tmp_path, damage
         expected = "crashed or unfinished"
     (cand / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(NotComparable, match=expected):
-        gate_runs(base, cand, str(policy(tmp_path)), allow_uncalibrated=True)
+        gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path)), allow_uncalibrated=True)
 
 
 def test_without_an_aa_calibration_the_gate_refuses(tiny_run, tmp_path):
@@ -123,7 +126,7 @@ def test_without_an_aa_calibration_the_gate_refuses(tiny_run, tmp_path):
     base = derive_run(tiny_run, tmp_path / "base", right)
     cand = derive_run(tiny_run, tmp_path / "cand", right)
     with pytest.raises(NotComparable, match="no A/A calibration"):
-        gate_runs(base, cand, str(policy(tmp_path)))
+        gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path)))
 
 
 def test_aa_flips_are_marked_and_a_failed_aa_is_refused(tiny_run, tmp_path):
@@ -135,13 +138,13 @@ def test_aa_flips_are_marked_and_a_failed_aa_is_refused(tiny_run, tmp_path):
     aa = {"tasks": {"gsm8k": {"psi0": 0.025, "delta0": 0.0, "n": N, "b": 1, "c": 0, "flips": [3], "verdict": "PASS"}}}
     baselines.write_aa(stored, aa, src)
     cand = derive_run(tiny_run, tmp_path / "cand", cand_right)
-    verdict = gate_runs(stored, cand, str(policy(tmp_path)))
+    verdict = gate_runs(load_baseline(stored), load_run(cand), load_thresholds(policy(tmp_path)))
     flips = verdict.comparison.flips("gsm8k")
     assert list(flips["doc_id"]) == [3] and bool(flips["flips_in_aa"].iloc[0])
     aa["tasks"]["gsm8k"]["verdict"] = "FAIL"
     baselines.write_aa(stored, aa, src)
     with pytest.raises(NotComparable, match="A/A pair failed"):
-        gate_runs(stored, cand, str(policy(tmp_path)))
+        gate_runs(load_baseline(stored), load_run(cand), load_thresholds(policy(tmp_path)))
 
 
 def test_record_is_immutable_without_force(tiny_run, tmp_path):
@@ -200,8 +203,8 @@ def test_aggregate_only_baseline(tiny_run, tmp_path):
                                      root=tmp_path / "b")
     assert json.loads((agg / "manifest.json").read_text())["aggregate_only"] is True
     with pytest.raises(NotComparable, match="aggregate-only"):
-        gate_runs(agg, cand, str(policy(tmp_path)))
-    verdict = gate_runs(agg, cand, str(policy(tmp_path, paired="false")))
+        gate_runs(load_baseline(agg), load_run(cand), load_thresholds(policy(tmp_path)))
+    verdict = gate_runs(load_baseline(agg), load_run(cand), load_thresholds(policy(tmp_path, paired="false")))
     assert verdict.unpaired["gsm8k"]["paired"] is False
     assert "aggregate-only" in " ".join(verdict.notes)
     from evalgate.report.text import markdown

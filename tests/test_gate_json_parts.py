@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from evalgate import records
-from evalgate.gate.door import decide_pair
+from evalgate.api import decide
 
 from synthetic_runs import write_pair
 
@@ -27,7 +27,7 @@ def _today(tmp_path: Path) -> Path:
     """The fixture's pair decided by this evalgate, its gate.json written as now."""
     base, cand = write_pair(tmp_path, n_gsm8k=60, n_humaneval=20)
     (base / "aa.json").write_text(json.dumps(AA))
-    verdict = decide_pair([str(base)], str(cand))
+    verdict = decide([str(base)], str(cand))  # the API's edge: folders loaded, the policy resolved
     (tmp_path / "gate.json").write_text(records.verdict_json(verdict.to_dict()), encoding="utf-8")
     return tmp_path / "gate.json"
 

@@ -58,7 +58,7 @@ def _with_source(run, digest: str):
 
 
 def test_a_changed_kernel_source_starts_a_new_sequence(package, tmp_path, monkeypatch):
-    from evalgate.gate.door import decide_pair
+    from evalgate.api import decide
 
     from synthetic_runs import write_pair
 
@@ -71,7 +71,7 @@ def test_a_changed_kernel_source_starts_a_new_sequence(package, tmp_path, monkey
     _with_source(first, before), _with_source(again, before)
 
     def look(cand):
-        verdict = decide_pair([str(base)], str(cand), allow_uncalibrated=True)
+        verdict = decide([str(base)], str(cand), allow_uncalibrated=True)  # the API's edge loads them
         return verdict.sequence["identity"], verdict.sequence["looks"][0]["look"]
 
     one, look_one = look(first)

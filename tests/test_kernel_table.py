@@ -278,6 +278,9 @@ def test_a_launched_stand_in_is_verified_as_far_as_its_version_reports(tmp_path,
 
 def test_a_contradicted_server_kernel_gets_no_verdict_and_an_unverifiable_one_is_said(tmp_path):
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
     from gate_helpers import policy
     from synthetic_runs import write_pair
 
@@ -293,9 +296,9 @@ def test_a_contradicted_server_kernel_gets_no_verdict_and_an_unverifiable_one_is
         (cand / "manifest.json").write_text(json.dumps(manifest))
         if status == "contradicted":
             with pytest.raises(NotComparable, match="contradicts its kernel .*enable_w4a4_mxfp4_megamoe=true"):
-                gate_runs(base, cand, thresholds, allow_uncalibrated=True)
+                gate_runs(load_baseline(base), load_run(cand), load_thresholds(thresholds), allow_uncalibrated=True)
         else:
-            verdict = gate_runs(base, cand, thresholds, allow_uncalibrated=True)
+            verdict = gate_runs(load_baseline(base), load_run(cand), load_thresholds(thresholds), allow_uncalibrated=True)
             if status == "verified":  # the verdict names the reported fields the label rests on
                 assert "server kernel verified from /server_info moe_a2a_backend='megamoe'" in verdict.notes
                 assert not any("unverified" in n for n in verdict.notes)
@@ -308,6 +311,9 @@ def test_a_contradicted_server_kernel_gets_no_verdict_and_an_unverifiable_one_is
 
 def test_runs_served_with_and_without_the_fused_shared_expert_are_not_comparable(tmp_path):
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
     from gate_helpers import policy
     from synthetic_runs import write_pair
 
@@ -318,9 +324,9 @@ def test_runs_served_with_and_without_the_fused_shared_expert_are_not_comparable
         manifest["model"]["serving_identity"] = identity
         (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(NotComparable, match="serving identity differs .*'fused'.*'not fused'.*--across-serving"):
-        gate_runs(base, cand, policy(tmp_path), allow_uncalibrated=True)
+        gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path)), allow_uncalibrated=True)
     # asked for, the comparison is made and the verdict says across what
-    verdict = gate_runs(base, cand, policy(tmp_path), allow_uncalibrated=True, across_serving=True)
+    verdict = gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path)), allow_uncalibrated=True, across_serving=True)
     assert verdict.verdict in ("PASS", "FAIL", "INCONCLUSIVE")
     (note,) = [n for n in verdict.notes if "across a serving difference" in n]
     assert "'not fused'" in note and "--across-serving" in note

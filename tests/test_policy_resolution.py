@@ -102,12 +102,14 @@ def test_a_bad_env_path_through_the_command_line(tmp_path, monkeypatch):
 
 def test_the_verdict_records_source_path_and_sha(elsewhere, tmp_path):
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
     from evalgate.report.outputs import write_outputs
     from synthetic_runs import write_pair
 
     local = policy_file(elsewhere / "thresholds.yaml", "7.5")
     base, cand = write_pair(tmp_path / "runs", 60, 0)
-    verdict = gate_runs(base, cand, resolve_policy(None), allow_uncalibrated=True)
+    verdict = gate_runs(load_baseline(base), load_run(cand), resolve_policy(None), allow_uncalibrated=True)
     record = verdict.to_dict()["thresholds"]
     assert (record["source"], Path(record["path"]), record["sha256"]) == ("./thresholds.yaml", local, sha(local))
     write_outputs(verdict, tmp_path / "gate")

@@ -313,9 +313,12 @@ def test_an_aggregate_only_baseline_is_version_3(tmp_path):
 
 def _verdict(tmp_path: Path):
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
 
     base, cand = write_pair(tmp_path, n_gsm8k=60, n_humaneval=20)
-    return gate_runs([str(base)], str(cand), None, True)
+    return gate_runs(load_baseline([str(base)]), load_run(str(cand)), load_thresholds(), True)
 
 
 def test_the_verdict_writes_and_reads_back_through_its_model(tmp_path):

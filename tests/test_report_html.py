@@ -23,6 +23,9 @@ from click.testing import CliRunner
 from evalgate.report.html import report_html
 from evalgate.cli.main import main as cli
 from evalgate.gate.decide import gate_runs
+from evalgate.run.baselines import load_baseline
+from evalgate.run.store import load_run
+from evalgate.gate.policy import load_thresholds
 from gate_helpers import policy
 from synthetic_runs import expected_flips, write_pair
 
@@ -43,7 +46,7 @@ def report(tmp_path_factory):
     """A FAILing gate over 4,164 synthetic items, its report.html, and the flips it must list."""
     root = tmp_path_factory.mktemp("report")
     base, cand = write_pair(root, N_GSM8K, N_HUMANEVAL, lost_every=3, gained_every=4)
-    verdict = gate_runs(base, cand, str(policy(root, margin=5.0)), allow_uncalibrated=True)
+    verdict = gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(root, margin=5.0)), allow_uncalibrated=True)
     site = root / "site"
     site.mkdir()
     started = time.perf_counter()
@@ -291,7 +294,7 @@ def _explained(verdict, margins: dict) -> FlipExplanations:
 
 def test_explained_flips_sort_by_kind_task_and_margin_offline(browser, tmp_path):
     base, cand = write_pair(tmp_path / "runs", 40, 12, lost_every=3, gained_every=4)
-    verdict = gate_runs(base, cand, str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
+    verdict = gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
     flips = verdict.comparison.flips()
     picked = list(zip(flips["task"], flips["doc_id"]))
     gsm8k = [p for p in picked if p[0] == "gsm8k"][:3]

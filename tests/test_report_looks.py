@@ -16,9 +16,12 @@ from synthetic_runs import write_pair
 def rounds(tmp_path):
     """A k = 1 verdict whose gsm8k decision is replaced by a k = 8 look's at half the α, as rounds leave it."""
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
 
     base, cand = write_pair(tmp_path / "runs", 30, 12, lost_every=29, gained_every=31)
-    verdict = gate_runs(base, cand, str(policy(tmp_path, margin=5.0, rate=50.0)), allow_uncalibrated=True)
+    verdict = gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path, margin=5.0, rate=50.0)), allow_uncalibrated=True)
     first = verdict.decision.tasks["gsm8k"]
     later = replace(first, rule=replace(first.rule, alpha=first.rule.alpha / 2),
                     statistics=replace(first.statistics, n_samples=8, delta=-0.05),

@@ -18,9 +18,12 @@ from synthetic_runs import write_pair
 def inconclusive(tmp_path):
     """A gate that loses one GSM8K item of 30: no degradation shown, non-inferiority at 5 pp not shown either."""
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
 
     base, cand = write_pair(tmp_path / "runs", 30, 12, lost_every=29, gained_every=31)
-    verdict = gate_runs(base, cand, str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
+    verdict = gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
     assert verdict.verdict == "INCONCLUSIVE"
     return verdict
 
@@ -43,10 +46,13 @@ def test_an_inconclusive_verdict_has_its_own_badge_not_pass_or_fail_colours(inco
 
 def test_humaneval_rows_name_the_function_and_its_tests_not_the_id(tmp_path):
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
     from evalgate.report.html import report_html
 
     base, cand = write_pair(tmp_path / "runs", 30, 12, lost_every=3, gained_every=4)
-    html = report_html(gate_runs(base, cand, str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True))
+    html = report_html(gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path, margin=5.0)), allow_uncalibrated=True))
     rows = re.findall(r'<details class="flip"[^>]*data-task="humaneval".*?</summary>', html, re.S)
     assert rows
     for row in rows:

@@ -96,6 +96,8 @@ def test_stored_greedy_runs_are_decided_as_their_aa_record_says():
 
     from evalgate.canary import policy_for
     from evalgate.gate.decide import gate_runs
+    from evalgate.gate.policy import load_thresholds
+    from evalgate.run.baselines import load_baseline
     from evalgate.run.store import load_run
 
     root = Path(__file__).resolve().parent / "fixtures" / "v1-baselines"
@@ -103,7 +105,8 @@ def test_stored_greedy_runs_are_decided_as_their_aa_record_says():
     dirs = sorted(p.parent for p in root.glob("*/*/w4a8/manifest.json"))
     assert len(dirs) == 2
     aa_run = dirs[0] / "aa"
-    verdict = gate_runs(dirs, aa_run, policy_for(load_run(aa_run)))
+    run = load_run(aa_run)
+    verdict = gate_runs(load_baseline(dirs), run, load_thresholds(policy_for(run)))
     assert verdict.verdict == "PASS" and verdict.exit_code == 0
     for task, dec in verdict.decision.tasks.items():
         stored = json.loads((next(d for d in dirs if d.name == "w4a8" and (d / f"{task}.jsonl").exists())
@@ -397,6 +400,8 @@ def test_stored_k_sample_runs_gate_end_to_end(tmp_path):
     from evalgate.gate.compare import compare
     from evalgate.run.store import load_run
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.gate.policy import load_thresholds
     from evalgate.records import load_verdict
     from evalgate.report.outputs import write_outputs
     from evalgate.report.text import markdown
@@ -406,7 +411,7 @@ def test_stored_k_sample_runs_gate_end_to_end(tmp_path):
     pairs = compare(load_run(base), load_run(cand)).pairs["gsm8k"]
     assert pairs.k == 4 and pairs.sample_scores("base") == yb.tolist()
     assert pairs.invalid("cand") == [0.0] * 60  # fractions of samples, not the first sample's flag
-    verdict = gate_runs(base, cand, str(policy(tmp_path, margin=20.0)), allow_uncalibrated=True)
+    verdict = gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path, margin=20.0)), allow_uncalibrated=True)
     dec = verdict.decision.tasks["gsm8k"]
     assert dec.statistics.n_samples == 4 and dec.statistics.delta == pytest.approx(np.mean(yc.mean(axis=1) - yb.mean(axis=1)))
     assert dec.resolution.within_variance is not None and not dec.resolution.samples_needed_is_bound
@@ -441,13 +446,16 @@ def test_runs_with_different_k_are_not_comparable(tmp_path):
 
 def test_inconclusive_verdict_is_a_valid_gate_json(tmp_path):
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
     from evalgate.records import verdict_json
     from evalgate.report.text import junit_xml
     from gate_helpers import policy
     from synthetic_runs import write_pair
 
     base, cand = write_pair(tmp_path / "runs", 60, 0, lost_every=12, gained_every=30)
-    verdict = gate_runs(base, cand, str(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
+    verdict = gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path, margin=5.0)), allow_uncalibrated=True)
     assert verdict.verdict == "INCONCLUSIVE" and verdict.exit_code == 3
     text = verdict_json(verdict.to_dict())
     assert '"verdict": "INCONCLUSIVE"' in text and '"exit_code": 3' in text

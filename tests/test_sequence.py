@@ -102,8 +102,6 @@ def test_no_reset_of_ordinary_use_starts_the_sequence_again(tmp_path, monkeypatc
     new data of the same candidate always take the next look."""
     import shutil
 
-    from evalgate.gate.door import decide_pair
-
     base, cand = _pair(tmp_path, lost=6)
     seen = []
     for attempt in range(4):
@@ -120,25 +118,24 @@ def test_no_reset_of_ordinary_use_starts_the_sequence_again(tmp_path, monkeypatc
             (other / "gsm8k.jsonl").unlink()
         if attempt == 3:
             other = Path(shutil.move(other, tmp_path / "renamed"))
-        verdict = decide_pair([base], other, policy, allow_uncalibrated=True)
+        verdict = _decide(base, other, policy, allow_uncalibrated=True)
         seen.append((verdict.sequence["looks"][0]["look"], verdict.decision.tasks["humaneval"].rule.alpha))
     assert seen == [(0, 0.025), (1, 0.0125), (2, 0.00625), (3, 0.003125)]
 
 
 def test_a_rebuilt_kernel_is_another_candidate_and_a_subset_check_its_own_sequence(tmp_path):
-    from evalgate.gate.door import decide_pair
     from evalgate.gate.sequence import candidate_identity
     from evalgate.records import RunManifest
 
     base, cand = _pair(tmp_path, lost=6)
-    assert decide_pair([base], cand, _policy(tmp_path), allow_uncalibrated=True).sequence["looks"][0]["look"] == 0
+    assert _decide(base, cand, _policy(tmp_path), allow_uncalibrated=True).sequence["looks"][0]["look"] == 0
     _, fixed = _pair(tmp_path, lost=1, name="fixed")
     m = json.loads((fixed / "manifest.json").read_text())
     old = candidate_identity(RunManifest.model_validate(m))
     m["kernel"]["recipe"] = {"accumulate": "fp32"}  # the same name, another build
     (fixed / "manifest.json").write_text(json.dumps(m))
     assert candidate_identity(RunManifest.model_validate(m)) != old
-    assert decide_pair([base], fixed, _policy(tmp_path), allow_uncalibrated=True).sequence["looks"][0]["look"] == 0
+    assert _decide(base, fixed, _policy(tmp_path), allow_uncalibrated=True).sequence["looks"][0]["look"] == 0
     # the first 100 GSM8K items only: a subset check, its own sequence; the full gate's next look is still 1
     _, part = _pair(tmp_path, lost=3, name="part")
     _lose_gsm8k_item(part, 0)
@@ -150,11 +147,11 @@ def test_a_rebuilt_kernel_is_another_candidate_and_a_subset_check_its_own_sequen
     del m["tasks"]["humaneval"]
     m["tasks"]["gsm8k"]["n_items"] = 100
     (part / "manifest.json").write_text(json.dumps(m))
-    sub = decide_pair([base], part, _policy(tmp_path), allow_uncalibrated=True, items="candidate")
+    sub = _decide(base, part, _policy(tmp_path), allow_uncalibrated=True, items="candidate")
     assert sub.sequence["looks"][0]["look"] == 0 and sub.decision.tasks["gsm8k"].statistics.counts.n == 100
     _, again = _pair(tmp_path, lost=6, name="again")
     _lose_gsm8k_item(again, 0)  # new GSM8K data for the full gate
-    assert decide_pair([base], again, _policy(tmp_path), allow_uncalibrated=True).sequence["looks"][0]["look"] == 1
+    assert _decide(base, again, _policy(tmp_path), allow_uncalibrated=True).sequence["looks"][0]["look"] == 1
 
 
 def _lose_gsm8k_item(run: Path, i: int) -> None:
@@ -164,6 +161,18 @@ def _lose_gsm8k_item(run: Path, i: int) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
+def _decide(base: Path, cand: Path, policy: Path, **kwargs):
+    """The gate's door as its edges call it: the baseline and candidate loaded, the policy resolved for the run."""
+    from evalgate.gate.door import decide_pair
+    from evalgate.gate.policy import policy_for_run
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+
+    stored = load_baseline([base])
+    run = load_run(cand)
+    return decide_pair(stored, run, policy_for_run(policy, run), **kwargs)
+
+
 def _policy(tmp_path: Path) -> Path:
     path = tmp_path / "policy.yaml"
     path.write_text(POLICY.format(margin=20.0))
@@ -171,10 +180,8 @@ def _policy(tmp_path: Path) -> Path:
 
 
 def _decide_in_child(base, cand, policy, start, queue):
-    from evalgate.gate.door import decide_pair
-
     start.wait()
-    queue.put(decide_pair([base], cand, policy, allow_uncalibrated=True).sequence["looks"][0]["look"])
+    queue.put(_decide(base, cand, policy, allow_uncalibrated=True).sequence["looks"][0]["look"])
 
 
 def test_two_gates_at_once_take_two_looks(tmp_path):

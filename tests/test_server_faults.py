@@ -292,6 +292,7 @@ def test_cli_server_fault_is_one_line_and_exit_4(data_dir, cli_env, tmp_path):
 
 def test_gate_finds_the_server_baseline_by_the_server_fingerprint(data_dir, tmp_path):
     from evalgate.run.baselines import record
+    from evalgate.gate.policy import load_thresholds
     from evalgate.pipeline import gate_model
     from gate_helpers import policy
 
@@ -301,12 +302,12 @@ def test_gate_finds_the_server_baseline_by_the_server_fingerprint(data_dir, tmp_
         record(base, root)
         spec = RunSpec(model="fake-model", kernel="w4a4_packed", tasks=["gsm8k"], limit=LIMIT, batch_size=4,
                        data_dir=str(data_dir))
-        verdict, run_dir = gate_model(spec, "w4a8", root, tmp_path / "cand", str(policy(tmp_path)),
+        verdict, run_dir = gate_model(spec, "w4a8", root, tmp_path / "cand", load_thresholds(policy(tmp_path)),
                                       allow_uncalibrated=True, adapter=adapter(server.url, "w4a4_packed"))
     assert verdict.verdict == "PASS" and load_run(run_dir).manifest["model"]["adapter"] == "openai"
     with FakeServer(server_info={"model_path": "/elsewhere"}) as other:
         with pytest.raises(UserError, match="no stored w4a8 baseline .* `evalgate calibrate --server URL"):
-            gate_model(spec, "w4a8", root, tmp_path / "cand2", str(policy(tmp_path)), allow_uncalibrated=True,
+            gate_model(spec, "w4a8", root, tmp_path / "cand2", load_thresholds(policy(tmp_path)), allow_uncalibrated=True,
                        adapter=adapter(other.url, "w4a4_packed"))
 
 

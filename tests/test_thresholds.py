@@ -33,6 +33,9 @@ def test_default_file_loads_with_spec_defaults():
 def test_every_policy_setting_reaches_the_decision(tmp_path):
     # the gate passes the policy to the rule by name: a renamed setting is an error, never a silent default
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
     from synthetic_runs import write_pair
 
     base, cand = write_pair(tmp_path / "runs", 60, 0)
@@ -41,7 +44,7 @@ def test_every_policy_setting_reaches_the_decision(tmp_path):
                 .replace("margin_pp: 1.5", "margin_pp: 7.5"))
     path = tmp_path / "policy.yaml"
     path.write_text(text)
-    dec = gate_runs(base, cand, path, allow_uncalibrated=True).decision.tasks["gsm8k"]
+    dec = gate_runs(load_baseline(base), load_run(cand), load_thresholds(path), allow_uncalibrated=True).decision.tasks["gsm8k"]
     rule = dec.rule
     assert (rule.alpha_split, rule.inconclusive, rule.min_rise_items, rule.alpha_validity) == (False, False, 3, 0.02)
     assert rule.margin == pytest.approx(0.075)

@@ -98,6 +98,9 @@ def test_a_gate_fails_a_run_whose_witness_failed(tmp_path):
     from synthetic_runs import write_pair
 
     from evalgate.gate.decide import gate_runs
+    from evalgate.run.baselines import load_baseline
+    from evalgate.run.store import load_run
+    from evalgate.gate.policy import load_thresholds
 
     base, cand = write_pair(tmp_path, n_gsm8k=200, n_humaneval=0, lost_every=10 ** 6, gained_every=10 ** 6)
     manifest = json.loads((cand / "manifest.json").read_text())
@@ -105,7 +108,7 @@ def test_a_gate_fails_a_run_whose_witness_failed(tmp_path):
                    "summary": "deepgemm/fp8_block128 conforms to fp8_block128", "calc_diff": 2e-5, "limit": 1.2e-4}
     manifest["kernel"]["conformance"] = joined(conformance, _witness("deepgemm/fp8_block128", [[CUBLAS]]))
     (cand / "manifest.json").write_text(json.dumps(manifest))
-    v = gate_runs(base, cand, policy(tmp_path, margin=5.0, rate=50.0), allow_uncalibrated=True)
+    v = gate_runs(load_baseline(base), load_run(cand), load_thresholds(policy(tmp_path, margin=5.0, rate=50.0)), allow_uncalibrated=True)
     assert (v.verdict, v.exit_code) == ("FAIL", 1) and "execution witness FAILED" in v.conformance["summary"]
 
 

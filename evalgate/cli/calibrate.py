@@ -55,7 +55,7 @@ def calibrate(run, kernel, baselines_root, thresholds_path, second_batch_size, r
     try:
         with server.adapter(run.model, kernel, log_dir, run.batch_size, options.deterministic,
                             resume_hint=False) as adapter:
-            results = run_calibration(spec, Path(baselines_root), runs_dir=runs, thresholds_path=policy,
+            results = run_calibration(spec, policy, Path(baselines_root), runs_dir=runs,
                                       second_batch_size=second_batch_size, adapter=adapter, stamp=stamp,
                                       options=options)
     except ServerError as exc:  # the server, not the input; a calibration is not resumed: it starts again

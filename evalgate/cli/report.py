@@ -25,7 +25,9 @@ def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated,
     """Per-item HTML report of a candidate run against a baseline, and its verdict (exit 0 PASS, 1 FAIL,
     3 INCONCLUSIVE)."""
     from evalgate.gate.door import decide_pair
+    from evalgate.gate.policy import policy_for_run
     from evalgate.report.html import report_html
+    from evalgate.run.baselines import load_baseline
     from evalgate.run.store import load_run
 
     out = Path(html_path)
@@ -38,7 +40,8 @@ def report(baselines, candidate, html_path, thresholds_path, allow_uncalibrated,
     run = load_run(candidate)  # read once: for its profiles (a canary run has its own policy) and the decision
     baselines = _baseline_folders(baselines, run)
     # the one door: the same policy resolution, decision and look as `gate --candidate` (docs/gate.md#reruns)
-    verdict = decide_pair(list(baselines), run, thresholds_path, allow_uncalibrated, items, across_serving)
+    verdict = decide_pair(load_baseline([Path(b) for b in baselines]), run, policy_for_run(thresholds_path, run),
+                          allow_uncalibrated, items, across_serving)
     from evalgate.report.explained import stored_explanations
 
     # flips a `gate --explain` of this very pair explained are tagged again (nothing replayed)

@@ -10,16 +10,15 @@ passed in is changed: the verdict carries its own pairing.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from evalgate.errors import NotComparable, UserError
 from evalgate.gate.compare import Pairing, compare, serving_difference
-from evalgate.gate.policy import Thresholds, load_thresholds
+from evalgate.gate.policy import Thresholds
 from evalgate.gate.rule import GateRule, TaskData, TaskRule, decide_overall, decide_task
 from evalgate.gate.verdict import EXIT_CODES, Verdict
-from evalgate.run.baselines import StoredBaseline, load_baseline
-from evalgate.run.store import Run, load_run
+from evalgate.run.baselines import StoredBaseline
+from evalgate.run.store import Run
 from evalgate.stats.margin import pooled_psi
 from evalgate.stats.unpaired import unpaired_two_proportion
 from evalgate.tasks import comparison_notes
@@ -157,18 +156,15 @@ def decide_unpaired(baseline: Run, candidate: Run, thresholds: Thresholds) -> Ve
     return Verdict(verdict, 0 if verdict == "PASS" else 1, None, None, thresholds, notes=notes, unpaired=results)
 
 
-def gate_runs(baseline, candidate, thresholds: Thresholds | str | Path | None = None,
-              allow_uncalibrated: bool = False, items: str = "all", across_serving: bool = False) -> Verdict:
-    """Decide from runs. ``baseline`` is a loaded ``StoredBaseline``, or a run/baseline folder or a list of
-    baseline folders (read here); ``candidate`` a ``Run`` or its folder; ``thresholds`` a policy or its file
-    (None: the default policy). ``items="candidate"``: decide on the candidate's items only (a ``--limit``
-    run against a full baseline), both runs cut to them after an item-by-item check (``gate.subset``); the
-    policy's margins stay, the smaller n decides. ``across_serving``: compare although the two servers
-    differ in serving identity (shared-expert fusion, routed scaling), which the verdict then says."""
-    stored = baseline if isinstance(baseline, StoredBaseline) else load_baseline(baseline)
-    dirs, base_run = list(stored.dirs), stored.run
-    cand_run = candidate if isinstance(candidate, Run) else load_run(candidate)
-    policy = thresholds if isinstance(thresholds, Thresholds) else load_thresholds(thresholds)
+def gate_runs(stored: StoredBaseline, candidate: Run, policy: Thresholds, allow_uncalibrated: bool = False,
+              items: str = "all", across_serving: bool = False) -> Verdict:
+    """Decide from loaded runs: ``stored`` the baseline (``run.baselines.load_baseline``), ``candidate`` the
+    run, ``policy`` the parsed policy (the edges load them: CLI, API). ``items="candidate"``: decide on the
+    candidate's items only (a ``--limit`` run against a full baseline), both runs cut to them after an
+    item-by-item check (``gate.subset``); the policy's margins stay, the smaller n decides. ``across_serving``:
+    compare although the two servers differ in serving identity (shared-expert fusion, routed scaling), which
+    the verdict then says."""
+    dirs, base_run, cand_run = list(stored.dirs), stored.run, candidate
     subset_notes: list[str] = []
     if items == "candidate" and not base_run.meta.aggregate_only:
         from evalgate.gate.subset import item_lists, restrict

@@ -395,3 +395,10 @@ def resolve_policy(explicit: str | Path | Thresholds | None = None, canary: bool
         return explicit
     file, source = policy_source(explicit, canary)
     return load_thresholds(file, source)
+
+
+def policy_for_run(thresholds: str | Path | Thresholds | None, run) -> Thresholds:
+    """The policy deciding the stored ``run``: the one resolver, told whether the run is scored as the canary."""
+    from evalgate.canary import policy_for
+
+    return resolve_policy(thresholds, canary=policy_for(run) is not None)
