@@ -71,7 +71,7 @@ class GateRequest:
     baselines: tuple = ()
     baseline_kernel: str = "w4a8"
     baselines_root: str | Path | None = None
-    thresholds: Thresholds | str | Path | None = None
+    thresholds: Thresholds | None = None  # parsed at the edge (--thresholds); None: the resolver picks by profiles
     out: str | Path | None = None
     report_dir: str | Path | None = None
     allow_uncalibrated: bool = False
@@ -190,7 +190,7 @@ def planned_profiles(spec: RunSpec) -> dict[str, str]:
     return {t: resolve_profile(get_task(t), spec.profiles.get(t)).name for t in spec.tasks}
 
 
-def checked_policy(thresholds, profiles: Mapping[str, str | None]) -> Thresholds:
+def checked_policy(thresholds: Thresholds | None, profiles: Mapping[str, str | None]) -> Thresholds:
     """The gate's policy (the one resolver) checked against the tasks it will decide, before anything loads:
     every task has a section, written for the profile the task runs. UserError (one line) otherwise."""
     policy = resolve_policy(thresholds, canary=scored_as_canary(dict(profiles)))

@@ -139,7 +139,8 @@ def test_a_policy_for_other_profiles_is_refused_before_the_model_loads(tmp_path,
                       "  gsm8k: {profile: gsm8k-canary-v1, metric: exact_match, margin_pp: 1.5}\n"
                       "  humaneval: {profile: humaneval-completion-codex, metric: pass@1, margin_pp: 5.0}\n"
                       "  mbpp: {profile: mbpp-x, metric: pass@1, margin_pp: 5.0}\n")
+    from evalgate.gate.policy import load_thresholds
     from evalgate.plan import checked_policy
 
     with pytest.raises(Exception, match="no section for task 'arc'"):
-        checked_policy(policy, {"gsm8k": "gsm8k-canary-v1", "arc": "arc-v1"})
+        checked_policy(load_thresholds(policy), {"gsm8k": "gsm8k-canary-v1", "arc": "arc-v1"})

@@ -65,7 +65,7 @@ def _plan(tmp_path: Path, candidate: Path, base: Path, margin: float = 20.0, **r
 
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY.format(margin=margin))
-    return plan_gate(GateRequest(candidate=load_run(candidate), baselines=(base,), thresholds=policy,
+    return plan_gate(GateRequest(candidate=load_run(candidate), baselines=(base,), thresholds=load_thresholds(policy),
                                  allow_uncalibrated=True, baselines_root=tmp_path / "baselines", **rest))
 
 

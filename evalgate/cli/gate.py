@@ -152,7 +152,7 @@ def gate(run, kernel, candidate, decision, out, report_dir, no_early_stop, sampl
     settings = sampling.settings()
     # what can be checked before the heavy start (torch, the model, a server), within a second or two
     # parsed once, handed to the plan
-    policy = preflight.thresholds_file(decision.thresholds) or decision.thresholds
+    policy = preflight.thresholds_file(decision.thresholds)
     preflight.baselines_root(decision.baselines_root, _explicit("baselines_root"))
     baselines, named_root = resolve_baselines(decision.baselines, decision.baseline_kernel)
     decision = replace(decision, baselines=baselines)
