@@ -74,9 +74,9 @@ def gate_calls(monkeypatch):
 
     calls, answers = [], {}
 
-    def gate_model(spec, baseline_kernel, root, out, thresholds_path, *rest, **kwargs):
+    def gate_model(spec, baseline_kernel, root, out, thresholds, *rest, **kwargs):
         calls.append({"spec": spec, "baseline_kernel": baseline_kernel, "root": root, "out": out,
-                      "thresholds": thresholds_path, "early_stop": kwargs.get("early_stop", True)})
+                      "thresholds": thresholds, "early_stop": kwargs.get("early_stop", True)})
         return answers[spec.kernel], out
 
     monkeypatch.setattr(evalgate.pipeline, "gate_model", gate_model)
