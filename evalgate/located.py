@@ -15,30 +15,24 @@ A path found nowhere is kept as written, so an error still names what the gate r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 MANIFEST = "manifest.json"
 
 
-def _run_id(folder: Path) -> str | None:
-    from evalgate.errors import UserError
-    from evalgate.records import load_manifest
-
-    try:
-        return load_manifest(folder / MANIFEST).run_id
-    except UserError:  # no manifest there, or not one this evalgate reads
-        return None
-
-
-def recorded_run(stored: str, gate_dir: Path, run_id: str | None = None) -> str:
-    """``stored`` (a run or baseline folder as ``gate.json`` names it) as a path that exists from here."""
+def recorded_run(stored: str, gate_dir: Path, run_id: str | None = None,
+                 read_run_id: Callable[[Path], str | None] | None = None) -> str:
+    """``stored`` (a run or baseline folder as ``gate.json`` names it) as a path that exists from here.
+    ``read_run_id(folder)``: the run id of the run in ``folder`` (None: not a run), which the store knows how
+    to read; with ``run_id`` it tells the recorded run from another in the folder that holds the gate's."""
     path = Path(stored)
     if path.is_absolute() and (path / MANIFEST).is_file():
         return stored
     gate_dir = Path(gate_dir).absolute()
     holder = gate_dir.parent
     if (holder / MANIFEST).is_file() and (
-            (run_id is not None and _run_id(holder) == run_id) or holder.name == path.name):
+            (run_id is not None and read_run_id is not None and read_run_id(holder) == run_id) or holder.name == path.name):
         return str(holder)
     if not path.is_absolute():
         for above in [gate_dir, *gate_dir.parents]:

@@ -556,9 +556,17 @@ def load_verdict(path: str | Path) -> VerdictRecord:
     gate_dir = Path(path).parent
     for side in (record.candidate, record.baseline):
         if side is not None:
-            side.path = recorded_run(side.path, gate_dir, side.run_id)
+            side.path = recorded_run(side.path, gate_dir, side.run_id, _run_id_in)
     record.baseline_dirs = [recorded_run(d, gate_dir) for d in record.baseline_dirs]
     return record
+
+
+def _run_id_in(folder: Path) -> str | None:
+    """The run id of the run stored in ``folder``, or None where none this evalgate reads is."""
+    try:
+        return load_manifest(folder / "manifest.json").run_id
+    except UserError:
+        return None
 
 
 def json_default(o: Any) -> Any:
