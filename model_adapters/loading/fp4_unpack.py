@@ -2,8 +2,8 @@
 
 transformers dequantizes an FP4 checkpoint's experts on a CPU load (``Fp8Dequantize._unpack_fp4``): it splits
 every byte into its two nibbles and indexes its 16-entry E2M1 table with each, allocating four temporaries
-per tensor. On the canary that was ~4.5 of the ~6 s its load takes on one core, on the gate's critical path
-(``benchmarks/bench_canary_gate.py``). A byte's two values depend on the byte alone, so a 256-row table of
+per tensor. In the canary gate its load took 1.9-2.2 s of CPU with them, 0.9-1.0 s with this, on the gate's
+critical path (``benchmarks/bench_canary_gate.py --ab``); more where the garbage collector runs (a library caller). A byte's two values depend on the byte alone, so a 256-row table of
 (low nibble's value, high nibble's value) built from transformers' own table gives every value bit for bit
 (``tests/test_fp4_unpack.py``).
 """
