@@ -563,8 +563,10 @@ def load_verdict(path: str | Path) -> VerdictRecord:
 
 def _run_id_in(folder: Path) -> str | None:
     """The run id of the run stored in ``folder``, or None where none this evalgate reads is."""
+    from evalgate.located import MANIFEST
+
     try:
-        return load_manifest(folder / "manifest.json").run_id
+        return load_manifest(folder / MANIFEST).run_id
     except UserError:
         return None
 
