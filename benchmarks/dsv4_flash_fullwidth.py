@@ -1002,9 +1002,12 @@ def main(argv: list[str] | None = None) -> dict:
     placement = model._evalgate_placement
     resident = _nbytes(list(model.parameters()) + list(model.buffers()))
     figures["resident_gib"] = round(resident / GiB, 2)
-    fp8 = sum(1 for m in model.modules() if is_fp8(m))
+    fp8 = [m for m in model.modules() if is_fp8(m)]
+    held = _nbytes(m.__dict__["_evalgate_held"] for m in fp8 if "_evalgate_held" in m.__dict__)
+    figures["held_dequantized_gib"] = round(held / GiB, 2)
     print(f"loaded in {figures['load_s']} s: {placement.summary()}; resident {gib(resident)} (parameters and "
-          f"buffers; {fp8} dense linears kept FP8)")
+          f"buffers; {len(fp8)} dense linears kept FP8) + {gib(held)} of their BF16 dequantizations held (read by "
+          "the steps; the floor counts the FP8 codes)")
     bad = [n for n, p_ in model.named_parameters() if ".experts." in n and p_.dtype.is_floating_point]
     assert not bad, f"dequantized expert parameters: {bad[:3]}"
     attention.install(model)  # what a GPU load installs; on a CPU too, so a smoke run measures the same path

@@ -302,6 +302,32 @@ def test_fp8_kept_gives_the_dequantized_models_bits_canonical_and_native(release
         assert torch.equal(kept(ids[:1]).logits[0], batch[2])
 
 
+def test_held_dequantizations_give_the_same_bits_and_keep_the_reserve_free(released):
+    """``hold_dequantized`` (PyTorch's numerics on GPUs) keeps each FP8 weight's dequantization, bit for bit
+    what reading ``weight`` computes, the same logits; a device whose free bytes are all reserved holds none."""
+    from dataclasses import replace
+
+    from evalgate.model_adapters.canonical.fp8_linear import dequantize_fast, hold_dequantized, is_fp8
+    from evalgate.model_adapters.loading.streamed import plan_load, stream_load
+
+    def kept():
+        return stream_load(released, "w4a8", replace(plan_load(released, [("cpu", 64 << 30)]), keep_fp8=True))
+
+    model, reference = kept(), kept()
+    assert hold_dequantized(model, {"cpu": 1 << 62}) == 0  # the reserve first
+    fp8 = [m for m in model.modules() if is_fp8(m)]
+    held = hold_dequantized(model, {"cpu": 0})
+    assert held == sum(m.weight_fp8.numel() * 2 for m in fp8) > 0
+    for m in fp8:
+        assert m.weight is m.weight  # read, not recomputed
+        assert torch.equal(m.weight.view(torch.int16), dequantize_fast(m.weight_fp8, m._evalgate_scale_f32,
+                                                                       torch.bfloat16).view(torch.int16))
+    assert "_evalgate_held" not in str(list(model.state_dict()))  # never saved
+    ids = torch.arange(3, 40).view(1, -1)
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
 # --- the done-when: `evalgate run` on it, gated against itself -------------------------------------------
 
 

@@ -7,9 +7,15 @@ dequantization, computed when read. Every forward that reads ``module.weight`` (
 or not) therefore computes what it computes on the CPU, where the weights are dequantized once at load: the
 same weights, bit for bit. The canonical forward (``invariant.py``) builds its fixed-point grid from the
 codes once (``weight_sources`` keys its cache), so it gives the CPU's bits too.
+
+``hold_dequantized(model, keep_free)`` (PyTorch's numerics on a GPU) keeps each such weight's dequantization
+beside its codes where the device has room for it, so a decoding step reads it instead of dequantizing every
+linear again: the same bits (the dequantization is exact), one pass fewer per linear and step.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -21,6 +27,9 @@ class _Fp8Weight:
 
     @property
     def weight(self) -> torch.Tensor:
+        held = self.__dict__.get("_evalgate_held")
+        if held is not None:
+            return held
         return dequantize_fast(self.weight_fp8, self._evalgate_scale_f32, self._evalgate_dtype)
 
 
@@ -49,6 +58,29 @@ def keep_fp8(module: torch.nn.Module, codes: torch.Tensor, scale: torch.Tensor, 
 
 def is_fp8(module) -> bool:
     return isinstance(module, _Fp8Weight)
+
+
+def hold_dequantized(model: torch.nn.Module, keep_free: dict[str, int]) -> int:
+    """Hold the dequantized weight of each FP8 linear of ``model`` while its device keeps
+    ``keep_free[device]`` bytes free (its planned reserve: KV cache and workspace come first); returns the
+    bytes held. Not a parameter or buffer: never saved, and the weights a step must read stay the codes."""
+    held = 0
+    for module in model.modules():
+        if not is_fp8(module) or "_evalgate_held" in module.__dict__:
+            continue
+        device = module.weight_fp8.device
+        need = module.weight_fp8.numel() * torch.empty((), dtype=module._evalgate_dtype).element_size()
+        if _free_bytes(device) - need < keep_free.get(str(device), 0):
+            continue
+        module.__dict__["_evalgate_held"] = module.weight
+        held += need
+    return held
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def weight_sources(module) -> tuple[torch.Tensor, ...]:

@@ -100,7 +100,13 @@ def _finish(model, numerics: str, threads: int | None = None) -> None:
     from evalgate.cores import configure_torch  # the cores we may use, not the machine's
 
     configure_torch(getattr(model.config, "hidden_size", None), threads)
-    if resolved_numerics(model, numerics) == "canonical":
+    resolved = resolved_numerics(model, numerics)
+    placement = getattr(model, "_evalgate_placement", None)
+    if resolved == "native" and placement is not None:  # FP8 dense weights on GPUs: read, not dequantized each step
+        from evalgate.model_adapters.canonical.fp8_linear import hold_dequantized
+
+        hold_dequantized(model, placement.reserve_per_device)
+    if resolved == "canonical":
         from evalgate.model_adapters.canonical import invariant
 
         try:
