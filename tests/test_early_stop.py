@@ -670,9 +670,12 @@ def test_the_monitor_decides_again_only_when_an_item_ran_below_its_best(stopped_
             hook.scored(task, [r for r in run.records[task] if r["doc_id"] in new])
         return hook.should_stop()
 
-    assert store(gsm8k=[(0, (True, False, False))]) is None and hook.checks == 1
-    assert store(gsm8k=[(1, (True, False, False)), (2, (True, False, False))]) is None
+    # a fresh run's best completion is every item at its best: not decided until one falls short
+    assert hook.checks == 0
+    assert store(gsm8k=[(0, (True, False, False))]) is None and hook.checks == 0
+    assert store(gsm8k=[(1, (False, False, False))]) is None and hook.checks == 1  # a loss: decided
+    assert store(gsm8k=[(2, (True, False, False)), (3, (True, False, False))]) is None
     assert hook.checks == 1  # both ran as their best completion: the same best completion, not decided again
-    assert store(gsm8k=[(3, (False, False, False))]) is None and hook.checks == 2  # a loss: decided again
-    info = store(gsm8k=[(i, (False, True, True)) for i in range(4, 16)])
+    assert store(gsm8k=[(4, (False, False, False))]) is None and hook.checks == 2  # a loss: decided again
+    info = store(gsm8k=[(i, (False, True, True)) for i in range(5, 16)])
     assert info is not None and info["tasks"]["gsm8k"]["items_run"] == 16 and hook.checks == 3

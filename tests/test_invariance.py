@@ -86,6 +86,39 @@ def _plain_grid(x64, bits, dim):
     return torch.round(x64 * s), 1.0 / s
 
 
+def test_a_decoding_step_attends_each_run_of_rows_over_its_own_keys_with_the_same_bits():
+    """A left-padded decoding step cut into runs of rows (``decode_segments``) gives every row the bits of one
+    call over all keys, and of the row alone over its own keys; the cuts skip most of the padding."""
+    from types import SimpleNamespace
+
+    from evalgate.model_adapters.canonical import invariant
+    from evalgate.model_adapters.canonical.blocks import attend
+
+    g = torch.Generator().manual_seed(0)
+    b, h, d, t = 24, 4, 64, 3000
+    lengths = [10 * n for n in (300, 290, 280, 150, 140, 140, 135, 20, 18, 17, 260, 250, 12, 11, 10, 9, 300, 8, 7, 6, 5,
+                                4, 3, 2)]
+    mask = torch.full((b, 1, 1, t), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16)
+    for r, n in enumerate(lengths):
+        mask[r, ..., t - n:] = 0
+    query = torch.randn(b, h, 1, d, generator=g).bfloat16()
+    keys = canonical.fixed_operand(torch.randn(b, 1, d, t, generator=g).bfloat16().float(), "columns")
+    values = canonical.fixed_operand(torch.randn(b, 1, t, d, generator=g).bfloat16().float(), "rows")
+    module = SimpleNamespace(sinks=torch.randn(h, generator=g))
+    runs = invariant.decode_segments(mask)
+    assert runs[0][0] == 0 and runs[-1][1] == b and all(a[1] == c[0] for a, c in zip(runs, runs[1:])) and len(runs) > 1
+    assert invariant.decode_segments(mask) is runs  # once per step: every layer gets the same mask
+    computed = sum((r1 - r0) * (t - k0) for r0, r1, k0 in runs)
+    assert computed + len(runs) * invariant.SEGMENT_COST < 0.6 * b * t  # padding skipped, calls counted
+    cut = invariant.canonical_attention(module, query, keys, values, mask, 0.125)
+    whole = attend(query, keys, values, mask, module.sinks, 0.125).transpose(1, 2)
+    assert torch.equal(cut.view(torch.int16), whole.contiguous().view(torch.int16))
+    for r, n in enumerate(lengths):
+        alone = attend(query[r:r + 1], keys.narrow(0, r, 1).narrow(-1, t - n, n), values.narrow(0, r, 1).narrow(-2, t - n, n),
+                       mask[r:r + 1, ..., t - n:], module.sinks, 0.125).transpose(1, 2)
+        assert torch.equal(cut[r:r + 1].view(torch.int16), alone.contiguous().view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_fixed_matmul_and_sum_are_their_definition_for_every_input_dtype(dtype):
     """The grid is taken from each slice's largest magnitude in the input's own dtype and applied in place

@@ -89,7 +89,10 @@ class EarlyStop:
             except (UserError, OSError, ValueError):  # no look to take: the gate itself says why, after the run
                 self._manifest = None
         self._records = {t: list(run.records.get(t, [])) for t in run.meta.tasks}
-        self._seen, self._below_best = -1, None
+        if any(self._records.values()):  # a resumed run: what it holds is decided before anything is generated
+            self._seen, self._below_best = -1, None
+        else:  # nothing stored: its best completion is every item at its best, decided once one falls short
+            self._seen, self._below_best = 0, frozenset()
 
     def scored(self, task: str, records: list[dict]) -> None:
         self._records.setdefault(task, []).extend(records)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -392,6 +393,7 @@ def _run_streaming(stream, requests: list[Request], batch_size: int, score_and_w
                 finally:
                     times["generate_s"] += time.perf_counter() - t0
                 pending.extend((requests[i], g) for i, g in finished)
+                warm_later_imports()
                 if settle(wait=False):
                     stopping = True
                     break
@@ -412,6 +414,31 @@ def _run_streaming(stream, requests: list[Request], batch_size: int, score_and_w
             if pending:  # finished before the stop: scored and stored all the same
                 hand_over(pool)
             settle(wait=True)
+
+
+# what the gate imports once the model has run (pandas: the flips' tables); imported while the decoding
+# processes work instead of after them. Never before they are forked: a fork while another thread holds a
+# module's import lock leaves that lock held in the child.
+LATER_IMPORTS = ("pandas",)
+_warmed = threading.Event()
+
+
+def warm_later_imports() -> None:
+    """Import ``LATER_IMPORTS`` on a background thread, once a process (the first item has arrived: the decoding
+    processes, if any, are forked)."""
+    if not _warmed.is_set():
+        _warmed.set()
+        threading.Thread(target=_import_later, name="evalgate-imports", daemon=True).start()
+
+
+def _import_later() -> None:
+    import importlib
+
+    for name in LATER_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # said where it is needed, if it is
+            pass
 
 
 def _run_in_batches(adapter, requests: list[Request], batch_size: int, score_and_write, times: dict,
