@@ -259,7 +259,9 @@ def test_decoding_from_slots_with_the_kernels_gives_transformers_logits():
 
 def test_the_rope_kernel_is_transformers_rope():
     """rope_step against apply_rotary_pos_emb for queries (many heads, a transposed layout), a single key,
-    and the inverse rotation (-sin), in BF16 and FP32: within one rounding of the dtype."""
+    and the inverse rotation (-sin), in BF16 and FP32: within two roundings of the dtype at the scale of the
+    terms each output sums (x cos + x' sin: where they cancel, a fused multiply-add on a GPU keeps bits the
+    two roundings lose, so an error relative to the small result says nothing)."""
     out = _run("""
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
         torch.manual_seed(0)
@@ -272,7 +274,8 @@ def test_the_rope_kernel_is_transformers_rope():
                 ref = apply_rotary_pos_emb(x, cos, sin * sign)
                 got = triton_layers.rope_step(x, cos, sin, sign)
                 assert got.shape == ref.shape and got.dtype == ref.dtype
-                err = ((got.float() - ref.float()).abs() / ref.float().abs().clamp(min=1e-2)).max().item()
+                terms = 2 * x[..., d - 2 * half:].float().abs().amax(dim=-1, keepdim=True)  # |x cos| + |x' sin| <=
+                err = ((got.float() - ref.float()).abs() / terms.clamp(min=1e-2)).max().item()
                 assert err <= 2 * ulp, (dtype, heads, d, half, sign, err)
                 assert torch.equal(got[..., :d - 2 * half], x[..., :d - 2 * half])  # the nope channels as they were
         print("ok")
