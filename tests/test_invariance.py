@@ -404,3 +404,52 @@ def test_serve_answers_the_same_whatever_a_request_is_batched_with(canary_server
     assert first == second == alone
     info = json.load(urllib.request.urlopen(canary_server + "/get_server_info"))
     assert info["evalgate"]["model"]["numerics"] == canonical.VERSION
+
+
+def test_kept_operands_let_rows_leave_and_join_in_place_as_copies_would():
+    """``KeptOperands`` (a decoding batch's fixed-point keys and values): rows leaving (``select``, with the
+    leading keys none of them sees cut), rows joining shorter (into spare rows and keys, nothing else written)
+    and longer (new buffers) and new keys appended hold exactly what stacking fresh copies holds."""
+    from evalgate.model_adapters.canonical.invariant import KeptOperands, stack_left_padded
+
+    g = torch.Generator().manual_seed(1)
+
+    def fresh(rows, length):
+        keys = canonical.fixed_operand(torch.randn(rows, 1, 8, length, generator=g).bfloat16().float(), "columns")
+        values = canonical.fixed_operand(torch.randn(rows, 1, length, 8, generator=g).bfloat16().float(), "rows")
+        return KeptOperands(keys, values)
+
+    def parts(kept):
+        return [v.clone() for v in kept._views()]
+
+    def joined(a, b):
+        length = max(a[0].shape[2], b[0].shape[2])
+        return [stack_left_padded(x, y, 2, length, pad) for x, y, pad in zip(a, b, KeptOperands.PAD)]
+
+    kept = fresh(6, 20)
+    want = parts(kept)
+    # no spare rows yet (new buffers, twice the rows); longer, within the spare keys before the window (in
+    # place); shorter (in place); longer than those spare keys (new buffers)
+    for step, (rows, length) in enumerate([(3, 12), (2, 30), (4, 5), (2, 400)]):
+        other = fresh(rows, length)
+        before = kept.bufs[0]
+        pad_self, pad_other = max(0, length - kept.length), max(0, kept.length - length)
+        want = joined(want, parts(other))
+        kept.join(other, pad_self, pad_other)
+        assert (kept.bufs[0] is before) == (step in (1, 2))
+        assert all(torch.equal(a, b) for a, b in zip(parts(kept), want))
+        keep = [j for j in range(kept.batch) if j % 3 != 1]
+        index = torch.tensor(keep)
+        mask = torch.stack([v.abs().sum((1, 3)) > 0 for v in want[:1]])[0][index]
+        cut = int(mask.any(0).nonzero()[0])
+        want = [v[index][:, :, cut:] for v in want]
+        kept.select(index, cut)
+        assert all(torch.equal(a, b) for a, b in zip(parts(kept), want))
+        new = fresh(kept.batch, 1)
+        kept.append(*new.operands())
+        want = [torch.cat([a, b], 2) for a, b in zip(want, parts(new))]
+        assert all(torch.equal(a, b) for a, b in zip(parts(kept), want))
+    repeated = torch.tensor([0, 0, 1, 1] * kept.batch)  # more rows than the buffers hold: new ones
+    want = [v[repeated] for v in want]
+    kept.select(repeated, 0)
+    assert all(torch.equal(a, b) for a, b in zip(parts(kept), want))

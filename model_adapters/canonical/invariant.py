@@ -312,10 +312,13 @@ class KeptOperands:
     a padding key has q = 0 (and scale 1), which a masked key multiplies by an exact zero."""
 
     GROW = 64  # spare keys allocated beyond the current length
+    LEFT = 128  # spare keys before the first one, where a reallocation happens: a longer prompt joins in place
+    PAD = (0.0, 1.0, 0.0, 0.0, 1.0)  # a padding key in each part: q 0, scale 1
 
     def __init__(self, keys: FixedOperand, values: FixedOperand, capacity: int | None = None):
         parts = self._parts(keys, values)
         self.length = parts[0].shape[2]
+        self.rows = parts[0].shape[0]
         self._alloc(parts, capacity or self.length + self.GROW)
 
     @staticmethod
@@ -324,19 +327,22 @@ class KeptOperands:
         return [keys.q.transpose(-1, -2), keys.scale.transpose(-1, -2), keys.values.transpose(-1, -2),
                 values.q, values.scale]
 
-    def _alloc(self, parts: list[torch.Tensor], capacity: int) -> None:
+    def _alloc(self, parts: list[torch.Tensor], capacity: int, rows: int | None = None, left: int = 0) -> None:
+        """New buffers of ``rows`` rows (default: the parts') and ``left`` + ``capacity`` keys, the parts from key
+        ``left`` on (read only within the window ``start`` .. ``start + length`` and the first ``rows`` rows)."""
         self.bufs = []
         for t in parts:
-            buf = t.new_empty(t.shape[0], t.shape[1], capacity, t.shape[3])  # read only up to ``length``
-            buf[:, :, :t.shape[2]] = t
+            buf = t.new_empty(rows or t.shape[0], t.shape[1], left + capacity, t.shape[3])
+            buf[:t.shape[0], :, left:left + t.shape[2]] = t
             self.bufs.append(buf)
+        self.start = left
 
     @property
     def batch(self) -> int:
-        return self.bufs[0].shape[0]
+        return self.rows
 
     def _views(self) -> list[torch.Tensor]:
-        return [b[:, :, :self.length] for b in self.bufs]
+        return [b[:self.rows, :, self.start:self.start + self.length] for b in self.bufs]
 
     def operands(self) -> tuple[FixedOperand, FixedOperand]:
         kq, ks, kv, vq, vs = self._views()
@@ -346,29 +352,46 @@ class KeptOperands:
     def append(self, keys: FixedOperand, values: FixedOperand) -> None:
         parts = self._parts(keys, values)
         new = parts[0].shape[2]
-        if self.length + new > self.bufs[0].shape[2]:
-            self._alloc(self._views(), 2 * (self.length + new) + self.GROW)
+        if self.start + self.length + new > self.bufs[0].shape[2]:
+            self._alloc(self._views(), 2 * (self.length + new) + self.GROW, self.bufs[0].shape[0])
+        end = self.start + self.length
         for buf, t in zip(self.bufs, parts):
-            buf[:, :, self.length:self.length + new] = t
+            buf[:self.rows, :, end:end + new] = t
         self.length += new
 
     def select(self, index: torch.Tensor, cut: int) -> None:
-        """Keep the rows ``index`` and drop the first ``cut`` keys: each kept row is copied once, straight into
-        a new buffer with room to grow."""
-        length = self.length - cut
-        bufs = []
-        for v in self._views():
-            buf = v.new_empty(len(index), v.shape[1], length + self.GROW, v.shape[3])
-            torch.index_select(v[:, :, cut:], 0, index, out=buf[:, :, :length])
-            bufs.append(buf)
-        self.bufs, self.length = bufs, length
+        """Keep the rows ``index`` and drop the first ``cut`` keys, in place: the window starts ``cut`` keys later
+        and only the rows that change place are copied (rows leaving a decoding batch: the ones after them)."""
+        self.start += cut
+        self.length -= cut
+        keep = index.tolist()
+        if len(keep) > self.bufs[0].shape[0]:  # more rows than the buffers hold (a prompt's samples repeated)
+            self._alloc([v.index_select(0, index) for v in self._views()], self.length + self.GROW)
+            self.rows = len(keep)
+            return
+        first = next((j for j, i in enumerate(keep) if i != j), len(keep))
+        if first < len(keep):
+            for v in (b[:, :, self.start:self.start + self.length] for b in self.bufs):
+                v[first:len(keep)] = v.index_select(0, index[first:])  # read whole before written
+        self.rows = len(keep)
 
     def join(self, other: "KeptOperands", pad_self: int, pad_other: int) -> None:
-        """``other``'s rows after these, each left-padded to a common length (written once, in place)."""
-        length = self.length + pad_self
-        self.bufs = [stack_left_padded(a, b, 2, length, 1.0 if j in (1, 4) else 0.0, length + self.GROW)
-                     for j, (a, b) in enumerate(zip(self._views(), other._views()))]
-        self.length = length
+        """``other``'s rows after these, each left-padded to a common length: into the spare rows and the spare
+        keys before the window where the buffers have them (only the new rows and the new padding written),
+        else into new buffers with room for as many rows again and ``LEFT`` keys before the window."""
+        length, rows = self.length + pad_self, self.rows + other.rows
+        if rows > self.bufs[0].shape[0] or pad_self > self.start:
+            grown = 2 * rows if rows > self.bufs[0].shape[0] else self.bufs[0].shape[0]
+            self._alloc(self._views(), length + self.GROW, grown, self.LEFT + pad_self)
+            self.start -= pad_self
+        else:
+            self.start -= pad_self
+        s = self.start
+        for b, o, pad in zip(self.bufs, other._views(), self.PAD):
+            b[:self.rows, :, s:s + pad_self] = pad
+            b[self.rows:rows, :, s:s + pad_other] = pad
+            b[self.rows:rows, :, s + pad_other:s + length] = o
+        self.length, self.rows = length, rows
 
 
 def stack_left_padded(a: torch.Tensor, b: torch.Tensor, dim: int, length: int, value: float,
