@@ -453,26 +453,3 @@ def test_kept_operands_let_rows_leave_and_join_in_place_as_copies_would():
     want = [v[repeated] for v in want]
     kept.select(repeated, 0)
     assert all(torch.equal(a, b) for a, b in zip(parts(kept), want))
-
-
-def test_a_sliding_window_layer_grows_in_a_buffer_as_its_update_would():
-    """``invariant._appended``: the full states, the keys and values kept and the length a
-    ``DynamicSlidingWindowLayer.update(kv, kv)`` gives, step after step, past the window, and after rows leave
-    (the keys replaced, as ``generation._select`` does)."""
-    from transformers.cache_utils import DynamicSlidingWindowLayer
-
-    from evalgate.model_adapters.canonical.invariant import _appended
-
-    g = torch.Generator().manual_seed(2)
-    grown, plain = DynamicSlidingWindowLayer(sliding_window=40), DynamicSlidingWindowLayer(sliding_window=40)
-    steps = [torch.randn(3, 1, n, 8, generator=g).bfloat16() for n in [30] + [1] * 20]
-    for i, kv in enumerate(steps):
-        if i == 12:  # a row leaves: the layer's keys are replaced by a copy of the others'
-            for layer in (grown, plain):
-                layer.keys = layer.values = layer.keys.index_select(0, torch.tensor([0, 2]))
-        if i >= 12:
-            kv = kv[[0, 2]]
-        full = _appended(grown, kv)
-        want = plain.update(kv, kv)[0]
-        assert torch.equal(full, want) and torch.equal(grown.keys, plain.keys) and torch.equal(grown.values, plain.values)
-        assert grown.cumulative_length == plain.cumulative_length

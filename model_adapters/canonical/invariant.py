@@ -273,51 +273,14 @@ def attention_forward(self, hidden_states, position_embeddings, position_ids, at
     else:
         keys, values = fixed_operand(kv.transpose(-1, -2), "columns"), fixed_operand(kv, "rows")
         if past_key_values is not None:
-            layer = past_key_values.layers[self.layer_idx]
-            full = _appended(layer, kv) if _growable(layer) else past_key_values.update(kv, kv, self.layer_idx)[0]
-            keys, values = _with_cache(layer, full, keys, values)
+            full = past_key_values.update(kv, kv, self.layer_idx)[0]
+            keys, values = _with_cache(past_key_values.layers[self.layer_idx], full, keys, values)
     if isinstance(attention_mask, torch.Tensor) and keys.q.shape[-1] > attention_mask.shape[-1]:
         attention_mask = torch.nn.functional.pad(attention_mask, (0, keys.q.shape[-1] - attention_mask.shape[-1]))
     attn_output = canonical_attention(self, q, keys, values, attention_mask, self.scaling)
     attn_output = apply_rotary_pos_emb(attn_output.transpose(1, 2), cos, -sin).transpose(1, 2)
     grouped = self.o_a_proj(attn_output.reshape(*input_shape, self.config.o_groups, -1)).flatten(2)
     return self.o_b_proj(grouped), None
-
-
-CACHE_GROW = 256  # spare keys a sliding-window cache layer's buffer keeps beyond its current length
-
-
-def _growable(layer) -> bool:
-    from transformers.cache_utils import DynamicSlidingWindowLayer
-
-    return type(layer) is DynamicSlidingWindowLayer and not layer.record_past
-
-
-def _appended(layer, kv: torch.Tensor) -> torch.Tensor:
-    """``DynamicSlidingWindowLayer.update(kv, kv)``'s full states and the layer it leaves (its keys and values
-    the last ``sliding_window - 1`` of them, its cumulative length), from a buffer with room for more keys: a
-    decoding step writes its new key once where ``update`` copies the whole cache twice (keys and values are
-    one tensor in this attention). A layer whose keys were replaced since (rows leaving or joining) is copied
-    into a new buffer first."""
-    if not layer.is_initialized:
-        layer.lazy_initialization(kv, kv)
-    buf, start, end = layer.__dict__.get("_evalgate_buffer", (None, 0, 0))
-    n = kv.shape[-2]
-    if buf is None or layer.keys is not layer.__dict__.get("_evalgate_window") or end + n > buf.shape[-2] \
-            or buf.shape[0] != kv.shape[0]:
-        current = layer.keys if layer.keys.dim() == 4 else kv[:, :, :0]  # (a fresh layer holds an empty tensor)
-        buf = kv.new_empty(*kv.shape[:2], current.shape[-2] + n + CACHE_GROW, kv.shape[-1])
-        buf[:, :, :current.shape[-2]] = current
-        start, end = 0, current.shape[-2]
-    buf[:, :, end:end + n] = kv
-    end += n
-    full = buf[:, :, start:end]
-    window = full[:, :, -layer.sliding_window + 1:]
-    layer.keys = layer.values = window
-    layer.cumulative_length += n
-    layer.__dict__["_evalgate_window"] = window
-    layer.__dict__["_evalgate_buffer"] = (buf, end - window.shape[-2], end)
-    return full
 
 
 def _with_cache(layer, full, keys, values):
