@@ -15,8 +15,6 @@ linear again: the same bits (the dequantization is exact), one pass fewer per li
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from evalgate.kernels.fp8_blocks import BLOCK, scale_values
@@ -64,23 +62,19 @@ def hold_dequantized(model: torch.nn.Module, keep_free: dict[str, int]) -> int:
     """Hold the dequantized weight of each FP8 linear of ``model`` while its device keeps
     ``keep_free[device]`` bytes free (its planned reserve: KV cache and workspace come first); returns the
     bytes held. Not a parameter or buffer: never saved, and the weights a step must read stay the codes."""
+    from evalgate.model_adapters.loading.streamed import device_capacities
+
     held = 0
     for module in model.modules():
         if not is_fp8(module) or "_evalgate_held" in module.__dict__:
             continue
-        device = module.weight_fp8.device
-        need = module.weight_fp8.numel() * torch.empty((), dtype=module._evalgate_dtype).element_size()
-        if _free_bytes(device) - need < keep_free.get(str(device), 0):
+        device = str(module.weight_fp8.device)
+        need = module.weight_fp8.numel() * module._evalgate_dtype.itemsize
+        if device_capacities([device])[0][1] - need < keep_free.get(device, 0):
             continue
         module.__dict__["_evalgate_held"] = module.weight
         held += need
     return held
-
-
-def _free_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def weight_sources(module) -> tuple[torch.Tensor, ...]:

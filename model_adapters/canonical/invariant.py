@@ -307,9 +307,10 @@ class KeptOperands:
     (rows of the output's), kept beside the cache in buffers with room to grow along the keys, so that a
     decoding step writes only its new key (each key's grid is its own) instead of copying the cache.
 
-    Stored key-major, [B, 1, capacity, D] (scales [B, 1, capacity, 1]); ``operands()`` are views of the
-    first ``length`` keys. ``select`` and ``join`` (``generation.decode_stream``) let rows leave and join:
-    a padding key has q = 0 (and scale 1), which a masked key multiplies by an exact zero."""
+    Stored key-major, [row capacity, 1, key capacity, D] (scales [.., 1]); ``operands()`` are views of the
+    first ``rows`` rows and the ``length`` keys from ``start`` on. ``select`` and ``join``
+    (``generation.decode_stream``) let rows leave and join, in place where the buffers have room: a padding
+    key has q = 0 (and scale 1), which a masked key multiplies by an exact zero."""
 
     GROW = 64  # spare keys allocated beyond the current length
     LEFT = 128  # spare keys before the first one, where a reallocation happens: a longer prompt joins in place
@@ -383,9 +384,7 @@ class KeptOperands:
         if rows > self.bufs[0].shape[0] or pad_self > self.start:
             grown = 2 * rows if rows > self.bufs[0].shape[0] else self.bufs[0].shape[0]
             self._alloc(self._views(), length + self.GROW, grown, self.LEFT + pad_self)
-            self.start -= pad_self
-        else:
-            self.start -= pad_self
+        self.start -= pad_self
         s = self.start
         for b, o, pad in zip(self.bufs, other._views(), self.PAD):
             b[:self.rows, :, s:s + pad_self] = pad
