@@ -308,15 +308,18 @@ def test_held_dequantizations_give_the_same_bits_and_keep_the_reserve_free(relea
     from dataclasses import replace
 
     from evalgate.model_adapters.canonical.fp8_linear import dequantize_fast, hold_dequantized, is_fp8
-    from evalgate.model_adapters.loading.streamed import plan_load, stream_load
+    from evalgate.model_adapters.loading.streamed import device_capacities, plan_load, stream_load
+
+    def free(device):
+        return device_capacities([device])[0][1]
 
     def kept():
         return stream_load(released, "w4a8", replace(plan_load(released, [("cpu", 64 << 30)]), keep_fp8=True))
 
     model, reference = kept(), kept()
-    assert hold_dequantized(model, {"cpu": 1 << 62}) == 0  # the reserve first
+    assert hold_dequantized(model, {"cpu": 1 << 62}, free) == 0  # the reserve first
     fp8 = [m for m in model.modules() if is_fp8(m)]
-    held = hold_dequantized(model, {"cpu": 0})
+    held = hold_dequantized(model, {"cpu": 0}, free)
     assert held == sum(m.weight_fp8.numel() * 2 for m in fp8) > 0
     for m in fp8:
         assert m.weight is m.weight  # read, not recomputed

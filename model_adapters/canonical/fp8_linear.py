@@ -15,6 +15,8 @@ linear again: the same bits (the dequantization is exact), one pass fewer per li
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from evalgate.kernels.fp8_blocks import BLOCK, scale_values
@@ -58,19 +60,18 @@ def is_fp8(module) -> bool:
     return isinstance(module, _Fp8Weight)
 
 
-def hold_dequantized(model: torch.nn.Module, keep_free: dict[str, int]) -> int:
+def hold_dequantized(model: torch.nn.Module, keep_free: dict[str, int], free_bytes: Callable[[str], int]) -> int:
     """Hold the dequantized weight of each FP8 linear of ``model`` while its device keeps
-    ``keep_free[device]`` bytes free (its planned reserve: KV cache and workspace come first); returns the
+    ``keep_free[device]`` bytes free (its planned reserve: KV cache and workspace come first; ``free_bytes(device)``
+    says what it has, the loader's own measure); returns the
     bytes held. Not a parameter or buffer: never saved, and the weights a step must read stay the codes."""
-    from evalgate.model_adapters.loading.streamed import device_capacities
-
     held = 0
     for module in model.modules():
         if not is_fp8(module) or "_evalgate_held" in module.__dict__:
             continue
         device = str(module.weight_fp8.device)
         need = module.weight_fp8.numel() * module._evalgate_dtype.itemsize
-        if device_capacities([device])[0][1] - need < keep_free.get(device, 0):
+        if free_bytes(device) - need < keep_free.get(device, 0):
             continue
         module.__dict__["_evalgate_held"] = module.weight
         held += need

@@ -104,8 +104,9 @@ def _finish(model, numerics: str, threads: int | None = None) -> None:
     placement = getattr(model, "_evalgate_placement", None)
     if resolved == "native" and placement is not None:  # FP8 dense weights on GPUs: read, not dequantized each step
         from evalgate.model_adapters.canonical.fp8_linear import hold_dequantized
+        from evalgate.model_adapters.loading.streamed import device_capacities
 
-        hold_dequantized(model, placement.reserve_per_device)
+        hold_dequantized(model, placement.reserve_per_device, lambda device: device_capacities([device])[0][1])
     if resolved == "canonical":
         from evalgate.model_adapters.canonical import invariant
 
