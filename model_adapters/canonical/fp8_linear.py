@@ -8,7 +8,7 @@ or not) therefore computes what it computes on the CPU, where the weights are de
 same weights, bit for bit. The canonical forward (``invariant.py``) builds its fixed-point grid from the
 codes once (``weight_sources`` keys its cache), so it gives the CPU's bits too.
 
-``hold_dequantized(model, keep_free)`` (PyTorch's numerics on a GPU) keeps each such weight's dequantization
+``hold_dequantized(model, keep_free, free_bytes)`` (PyTorch's numerics on a GPU) keeps each such weight's dequantization
 beside its codes where the device has room for it, so a decoding step reads it instead of dequantizing every
 linear again: the same bits (the dequantization is exact), one pass fewer per linear and step.
 """
