@@ -32,8 +32,8 @@ import sys
 import time
 
 SHAPES = {
-    "dsv4-flash": dict(heads=64, head_dim=512, window=128, entries=512),
-    "tiny": dict(heads=32, head_dim=64, window=32, entries=64),
+    "dsv4-flash": dict(heads=64, head_dim=512, window=128, entries=512, hidden=4096),
+    "tiny": dict(heads=32, head_dim=64, window=32, entries=64, hidden=64),
 }
 
 
@@ -148,6 +148,79 @@ def bench_hyper(args) -> list[tuple]:
     return rows
 
 
+def bench_prefill(args, shape: dict) -> list[tuple]:
+    """(c) A prefill chunk's attention (``chunk_attention``, each TOKENS x warps setting) against eager's masked
+    form (``native_attend``), and (d) the hyper-connection mixes in one kernel (``hyper_mixes``) against
+    transformers' norm and FP32 linear: rows (label, setting, µs per call, max |diff| from the reference)."""
+    import types
+
+    import torch
+
+    from evalgate.model_adapters.fast import attention_slots
+    from evalgate.model_adapters.fast import triton_attention as ta
+    from evalgate.model_adapters.fast import triton_layers as layers
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    b, c = args.prefill_rows, args.prefill_chunk
+    h, d, w, e = shape["heads"], shape["head_dim"], shape["window"], shape["entries"]
+    t = w + c + e
+    dev, dt = args.device, torch.bfloat16
+    q = (torch.randn(b, c, h, d, generator=g) * 0.3).to(dev, dt).transpose(1, 2)
+    keys = torch.randn(b, t, d, generator=g).to(dev, dt)
+    j = torch.arange(c)
+    opened = torch.zeros(b, c, t, dtype=torch.bool)
+    opened[:, :, :w] = j.unsqueeze(1) < torch.arange(w).unsqueeze(0) + (w - 1)  # the ring's keys still in window
+    opened[:, :, w:w + c] = (j.unsqueeze(0) <= j.unsqueeze(1)) & (j.unsqueeze(0) > j.unsqueeze(1) - w)
+    opened[:, :, w + c:] = torch.rand(b, c, e, generator=g) < 0.5
+    opened = opened.to(dev)
+    sinks = torch.randn(h, generator=g).to(dev)
+    scaling = d ** -0.5
+    attn = types.SimpleNamespace(sinks=sinks, scaling=scaling)
+    mask = torch.zeros(opened.shape, dtype=dt, device=dev).masked_fill_(~opened, torch.finfo(dt).min)
+
+    def masked():
+        return attention_slots.native_attend(attn, q, keys.unsqueeze(1), mask.unsqueeze(1))
+
+    reference = masked()
+    rows = [("attention", "eager, masked", time_call(masked, dev, args.reps, 1), 0.0)]
+    default = dict(ta.CHUNK)
+    for tokens in (1, 2, 4):
+        for warps in (4, 8):
+            ta.CHUNK.update(tokens=tokens, warps=warps)
+            try:
+                out = ta.chunk_attention(q, keys, opened, sinks, scaling)
+                us = time_call(lambda: ta.chunk_attention(q, keys, opened, sinks, scaling), dev, args.reps, 1)
+            except Exception as exc:  # noqa: BLE001  (a setting Triton cannot build: out of shared memory)
+                rows.append(("attention", f"tokens {tokens}, {warps} warps", float("nan"), f"{type(exc).__name__}"))
+                continue
+            finally:
+                ta.CHUNK.update(default)
+            rows.append(("attention", f"tokens {tokens}, {warps} warps", us,
+                         (out.float() - reference.float()).abs().max().item()))
+    hc, hidden, n = 4, shape["hidden"], 24
+    streams = torch.randn(b, c, hc, hidden, generator=g).to(dev, dt)
+    fn = (torch.randn(n, hc * hidden, generator=g) * 0.02).to(dev)
+
+    def eager():
+        flat = streams.view(b, c, -1).float()
+        normed = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6)
+        return torch.nn.functional.linear(normed, fn)
+
+    reference = eager()
+    rows.append(("hyper mixes", "eager: norm, FP32 linear", time_call(eager, dev, args.reps, 1), 0.0))
+    default = dict(layers.MIXES)
+    for rows_, k, warps in ((32, 128, 4), (64, 64, 4), (16, 256, 4), (32, 256, 8)):
+        layers.MIXES.update(rows=rows_, k=k, warps=warps)
+        try:
+            out = layers.hyper_mixes(streams, fn, 1e-6)
+            us = time_call(lambda: layers.hyper_mixes(streams, fn, 1e-6), dev, args.reps, 1)
+        finally:
+            layers.MIXES.update(default)
+        rows.append(("hyper mixes", f"rows {rows_}, k {k}, {warps} warps", us,
+                     (out - reference).abs().max().item()))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -157,12 +230,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=100, help="timed graph replays (CUDA) or calls (CPU)")
     p.add_argument("--graph-calls", type=int, default=10, help="calls captured in one CUDA graph")
     p.add_argument("--sms", type=int, default=132, help="SMs the automatic SPLIT counts off CUDA")
-    p.add_argument("--skip", default="", help="comma-separated parts to leave out: attention, hyper")
+    p.add_argument("--skip", default="", help="comma-separated parts to leave out: attention, hyper, prefill")
+    p.add_argument("--prefill-rows", type=int, default=None, help="prefill: rows of a chunk [default: 32 on cuda, 2 on cpu]")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill: tokens a row [default: 256 on cuda, 8 on cpu]")
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # read when Triton is first imported: before any kernel module
     shape = SHAPES[args.shape or ("dsv4-flash" if args.device == "cuda" else "tiny")]
     args.batches = args.batches or ("1,16,64,256" if args.device == "cuda" else "1,4")
+    args.prefill_rows = args.prefill_rows or (32 if args.device == "cuda" else 2)
+    args.prefill_chunk = args.prefill_chunk or (256 if args.device == "cuda" else 8)
 
     import torch
 
@@ -192,6 +269,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'tokens':>6} {'warps':>5} {'block':>5} {'us/call':>9}  bits of the default")
         for tokens, warps, block, us, same in bench_hyper(args):
             print(f"{tokens:6d} {warps:5d} {block:5d} {us:9.2f}  {'same' if same else 'DIFFERENT'}")
+    if "prefill" not in skip:
+        print(f"\nprefill chunk: {args.prefill_rows} rows of {args.prefill_chunk} tokens, BF16 (entries "
+              f"{shape['entries']}, about half open); hyper mixes of hc 4 x {shape['hidden']}")
+        print(f"{'part':12} {'setting':28} {'us/call':>10} {'max|diff| vs first':>19}")
+        for part, setting, us, diff in bench_prefill(args, shape):
+            print(f"{part:12} {setting:28} {us:10.1f} {diff if isinstance(diff, str) else f'{diff:.3g}':>19}")
 
 
 if __name__ == "__main__":

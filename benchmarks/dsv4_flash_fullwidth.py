@@ -426,7 +426,7 @@ def measure_batch(model, tokenizer, prompts: list[str], batch: int, steps: int, 
 def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], steps: int, devices: list[str],
                   bandwidth: float, modes: tuple[str, ...] = ("slots", "graphs"),
                   fused: tuple[str, ...] = ("triton",), profile: Path | None = None,
-                  prompt_cache: bool = True) -> list[dict]:
+                  prompt_cache: bool = True, prefill_shapes: tuple[tuple[int, int], ...] = ()) -> list[dict]:
     """The per-row preallocated cache (``attention_slots.SlotCache``): the largest batch's prompts prefilled
     one at a time (each distinct prompt once) and admitted into slots, and with ``prompt_cache`` again the way
     slot decoding prefills them (``measure_prompt_cache``), then for each ``fused`` choice
@@ -504,7 +504,8 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
                "prefill_once_s": round(max(0.0, prefill_s - again_s), 2),
                "prefill_again_ms": round(statistics.median(seconds) * 1e3, 1)}
     if prompt_cache:
-        figures.update(measure_prompt_cache(cache, distinct, first, max(1, max(batches) // REFILL_FRACTION), again_s))
+        figures.update(measure_prompt_cache(cache, distinct, first, max(1, max(batches) // REFILL_FRACTION), again_s,
+                                            profile, prefill_shapes))
         for slots_of in distinct.values():  # the same prompt's further slots: its state, copied
             for slot in slots_of[1:]:
                 cache.copy(slots_of[0], slot)
@@ -553,14 +554,16 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
 
 
 SLOW_FIRST = 3  # a first prefill over this many times its second paid a one-time cost (printed as a count)
-def measure_prompt_cache(cache, distinct: dict, first: str, take: int, alone_s: float) -> dict:
+def measure_prompt_cache(cache, distinct: dict, first: str, take: int, alone_s: float, profile: Path | None = None,
+                         shapes: tuple[tuple[int, int], ...] = ()) -> dict:
     """The prompts prefilled as slot decoding prefills them (``generation.PromptCache``: the prefix every prompt
     shares computed once into a spare slot and copied, then ``take`` prompts' own tokens together a call, in
     chunks, ``SlotCache.prefill``), each distinct prompt into its first slot; twice, the first pass paying the
     compilation of the chunks' shapes. Prints and returns the second pass's figures: prompt tokens per second
     (the prefix counted in every prompt, as a gate's rows hold it), the tokens actually computed and their
     rate (``prefix_cache_tokens_per_s``, what ``gate_projection`` prices a prefix-cached prefill at), and the
-    ratio to ``alone_s`` (the same prompts one at a time, measured just before)."""
+    ratio to ``alone_s`` (the same prompts one at a time, measured just before). ``profile``: the first take
+    profiled (``profile_step``); ``shapes``: (chunk, budget) pairs also timed, each after a compiling pass."""
     from evalgate.model_adapters.fast import attention_slots
     from evalgate.model_adapters.hf.generation import PROMPT_STORES, PromptCache
 
@@ -577,6 +580,26 @@ def measure_prompt_cache(cache, distinct: dict, first: str, take: int, alone_s: 
             cached.admit([distinct[prompts[i]][0] for i in part], part)
         passes.append((t.seconds(), cache.prefill_tokens - computed, cache.prefill_calls - calls))
     (first_s, _, _), (seconds, computed, calls) = passes
+    for chunk, budget in shapes:  # the same prefill in other call shapes (a row's tokens, a call's tokens)
+        kept = attention_slots.PREFILL_CHUNK, attention_slots.PREFILL_BUDGET
+        attention_slots.PREFILL_CHUNK, attention_slots.PREFILL_BUDGET = chunk, budget
+        try:
+            for _pass in range(2):  # the first compiles the new shapes
+                cached = PromptCache(cache, enc, stores)
+                done, t = cache.prefill_calls, _Timer(first)
+                for k in range(0, len(prompts), take):
+                    part = list(range(k, min(k + take, len(prompts))))
+                    cached.admit([distinct[prompts[i]][0] for i in part], part)
+                took = t.seconds()
+            print(f"prefill with the prompt cache, chunks of {chunk} tokens, {budget} a call: {took:.2f} s "
+                  f"({sum(map(len, enc)) / took:.0f} prompt tokens/s, {cache.prefill_calls - done} calls)", flush=True)
+        finally:
+            attention_slots.PREFILL_CHUNK, attention_slots.PREFILL_BUDGET = kept
+    if profile is not None:
+        cached = PromptCache(cache, enc, stores)
+        part = list(range(min(take, len(prompts))))
+        profile_step(cache.model, lambda: cached.admit([distinct[prompts[i]][0] for i in part], part),
+                     profile / "prefill_take.txt", f"eager prefill take of {len(part)} prompts (prompt cache)")
     prompt_tokens = sum(map(len, enc))
     own = cached.prefix + sum(len(e) - cached.prefix for e in enc)  # the prefix once, every prompt's own tokens
     print(f"prefill with the prompt cache: {len(enc)} prompts, {prompt_tokens} prompt tokens, a shared prefix of "
@@ -894,6 +917,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-prompt-cache", action="store_true", help="slots: prefill the prompts one at a time only "
                    "(default: also as slot decoding does, the shared prefix once and each take's prompts together, "
                    "with the ratio between the two)")
+    p.add_argument("--prefill-shapes", default="", help="slots' prompt cache: also time these CHUNKxBUDGET call "
+                   "shapes (tokens a row, tokens a call), e.g. 512x16384")
     p.add_argument("--profile", default=None, help="a folder: profile one prompt's prefill and the smallest and "
                    "largest batch's slot steps into it (device time by kernel, operator and layer part; host time "
                    "on a CPU)")
@@ -1031,7 +1056,9 @@ def main(argv: list[str] | None = None) -> dict:
                     measured += measure_slots(model, tokenizer, prompts, batches, args.steps, placement.devices,
                                               bandwidth, slot_modes, fused,
                                               Path(args.profile) if args.profile else None,
-                                              prompt_cache=not args.no_prompt_cache)
+                                              prompt_cache=not args.no_prompt_cache,
+                                              prefill_shapes=tuple(tuple(map(int, s.split("x")))
+                                                                   for s in args.prefill_shapes.split(",") if s))
                     continue
                 for b in batches:
                     measured.append(measure_batch(model, tokenizer, prompts, b, args.steps, placement.devices,

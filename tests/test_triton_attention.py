@@ -72,6 +72,45 @@ def test_the_kernel_attends_as_the_gathered_form(dtype):
     assert "ok" in out
 
 
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefill_chunk_attends_as_the_masked_form(dtype):
+    """A prefill chunk's attention (``chunk_attention``: tokens x heads a program, each token its own keys)
+    against eager's masked form it replaces (``native_attend`` with an additive mask): 3 rows of 5 tokens
+    (the last token block partial), 20 heads (the last head block partial), 45 keys (the last key block
+    partial), each token's keys at random with its own key always open, one key block shut for every
+    token of a row (not read: garbage there changes no bit), sinks of both signs and -inf: within float
+    rounding, a query layout that is a view, and the output's."""
+    out = _run(f"""
+        torch.manual_seed(0)
+        dt = torch.{dtype}
+        b, c, h, d, t = 3, 5, 20, 32, 45
+        keys = torch.randn(b, t, d, device=DEVICE).to(dt)
+        opened = torch.rand(b, c, t, device=DEVICE) < 0.4
+        opened[:, torch.arange(c), torch.arange(c) + 20] = True  # each token's own key
+        opened[1, :, 32:] = False  # row 1: its last key block is shut for every token
+        sinks = torch.randn(h, device=DEVICE) * 2
+        sinks[3] = float("-inf")
+        q = (torch.randn(b, c, h, d, device=DEVICE) * 0.5).to(dt).transpose(1, 2)  # [b, H, C, D], a view
+        scaling = d ** -0.5
+        attn = types.SimpleNamespace(sinks=sinks, scaling=scaling)
+        mask = torch.zeros(opened.shape, dtype=dt, device=DEVICE).masked_fill_(~opened, torch.finfo(dt).min)
+        ref = attention_slots.native_attend(attn, q, keys.unsqueeze(1), mask.unsqueeze(1))
+        tol = 1e-5 if dt == torch.float32 else 2e-2
+        for tokens in (1, 2, 4):
+            triton_attention.CHUNK["tokens"] = tokens
+            got = triton_attention.chunk_attention(q, keys, opened, sinks, scaling)
+            assert got.shape == ref.shape == (b, h, c, d) and got.dtype == dt
+            err = (got.float() - ref.float()).abs().max().item()
+            assert err <= tol, (tokens, err)
+        before = triton_attention.chunk_attention(q, keys, opened, sinks, scaling)
+        keys[1, 32:] = 1e4
+        assert torch.equal(triton_attention.chunk_attention(q, keys, opened, sinks, scaling), before)
+        print("ok")
+    """)
+    assert "ok" in out
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_keys_split_over_programs_attend_as_the_gathered_form(dtype):
     """The keys split over 2, 3, 4 and 8 programs a row (forced; 1 is the one kernel), with entries (7 key

@@ -26,13 +26,21 @@ def _run(body: str) -> str:
     return run(SETUP, body)
 
 
-@pytest.mark.parametrize("hc, block, warps", [(2, 32, 4), (4, 32, 4), (4, 8, 1)])
-def test_the_kernel_computes_transformers_weights(hc, block, warps):
+@pytest.mark.parametrize("hc, block, warps, fused_mixes", [(2, 32, 4, False), (4, 32, 4, False), (4, 8, 1, False),
+                                                          (2, 32, 4, True), (4, 8, 1, True)])
+def test_the_kernel_computes_transformers_weights(hc, block, warps, fused_mixes):
     """pre, post and comb of 70 tokens (three programs of the default 32 tokens, the last one partial; nine
     of 8) for hc streams, from mixes with a large spread, against transformers' module on the same inputs:
-    within float rounding, and comb doubly stochastic."""
+    within float rounding, and comb doubly stochastic. ``fused_mixes``: the mixes from the streams in one
+    kernel (``hyper_mixes``, as a prefill's tokens take them; 70 tokens are three row blocks, the last
+    partial; at hc 2 the 128 inputs a token fill half of the 256-wide input block), else transformers' norm
+    and linear."""
     out = _run(f"""
         triton_layers.HYPER.update(block={block}, warps={warps})
+        triton_layers.MIXES_ROWS = {0 if fused_mixes else 10**9}
+        triton_layers.MIXES["k"] = 256
+        fused, hyper_mixes = [], triton_layers.hyper_mixes
+        triton_layers.hyper_mixes = lambda *args: fused.append(1) or hyper_mixes(*args)
         torch.manual_seed(0)
         cfg = tiny_config(64, hc_mult={hc})
         module = DeepseekV4HyperConnection(cfg).to(DEVICE)
@@ -53,6 +61,7 @@ def test_the_kernel_computes_transformers_weights(hc, block, warps):
             assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item()), (name, (a - b).abs().max())
         comb = got[1].float()
         assert torch.allclose(comb.sum(-2), torch.ones_like(comb.sum(-2)), atol=1e-3)
+        assert bool(fused) == {fused_mixes}
         print("comb differs by", (got[1] - ref[1]).abs().max().item())
         print("ok")
     """)

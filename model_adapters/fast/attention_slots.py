@@ -478,11 +478,31 @@ def _chunk_attention(self, hidden_states, position_embeddings, position_ids, cac
     where = write.nonzero(as_tuple=True)
     state.keys[rows[where[0]], position_ids[where] % window] = kv[where].to(state.keys.dtype)
     open_ = torch.cat(open_, dim=-1)
-    mask = torch.zeros(open_.shape, dtype=q.dtype, device=q.device).masked_fill_(~open_, torch.finfo(q.dtype).min)
-    out = cache.attend(self, q, torch.cat(keys, dim=1).unsqueeze(1), mask.unsqueeze(1))  # [b, H, C, D]
+    out = _attend_chunk(self, cache, q, torch.cat(keys, dim=1), open_)  # [b, H, C, D]
     out = transformers_rope(out, cos, sin, -1.0)
     grouped = out.transpose(1, 2).reshape(b, width, self.config.o_groups, -1)
     return self.o_b_proj(self.o_a_proj(grouped).flatten(2)), None
+
+
+def _attend_chunk(self, cache: SlotCache, q, keys, opened):
+    """A chunk's attention, [b, H, C, D]: query q [b, H, C, D] to keys [b, T, D] where opened [b, C, T]. One
+    Triton kernel (``triton_attention.chunk_attention``: the scores never leave registers) where the cache
+    follows the Triton mark and the head fits its tile, else (and from a Triton failure on) ``cache.attend``
+    with an additive mask."""
+    from evalgate.model_adapters.fast import triton_attention
+
+    def masked():
+        mask = torch.zeros(opened.shape, dtype=q.dtype, device=q.device).masked_fill_(~opened,
+                                                                                        torch.finfo(q.dtype).min)
+        return cache.attend(self, q, keys.unsqueeze(1), mask.unsqueeze(1))
+
+    if not cache.fused_attention or not triton_attention.supported(self.head_dim) or q.dtype != keys.dtype:
+        return masked()
+    return _triton_or(_CHUNK_ATTENTION_FAILED, "prefill attention on PyTorch's operations",
+                      lambda: triton_attention.chunk_attention(q, keys, opened, self.sinks, self.scaling), masked)
+
+
+_CHUNK_ATTENTION_FAILED: list[str] = []  # why the Triton prefill attention could not run here, once it failed
 
 
 def _compressed_chunk(self, cache: SlotCache, state, rows, start, counts, hidden_states, q_residual, position_ids):

@@ -108,3 +108,40 @@ def _split_attention(q, ring, rows, positions, entries, chosen, sinks, out, scal
         q, ring, rows, positions, entries, chosen, acc, m, den, scaling, chosen.stride(0), SPLIT=split, **common)
     merge_splits_kernel[(h, b)](acc, m, den, sinks, out, H=h, D=d, SPLIT=split,
                                 SPLIT_P2=1 << max(0, split - 1).bit_length())
+
+
+# ``chunk_attention``: a program's queries are CHUNK["tokens"] tokens x HEADS heads, sharing each key block
+CHUNK = {"tokens": 2, "warps": 4}
+
+
+def chunk_attention(query: torch.Tensor, keys: torch.Tensor, opened: torch.Tensor, sinks: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """A prefill chunk's attention (``attention_slots._chunk_attention``): query [b, H, C, D] (C tokens a row),
+    keys [b, T, D] (each row's own: its ring, the chunk's keys, its entries), opened [b, C, T] bool (which keys
+    each token attends to), sinks [H] -> [b, H, C, D] in the query's dtype: eager's attention with the sink
+    in the denominator, the [b, H, C, T] scores kept in registers a key block at a time."""
+    b, h, c, d = query.shape
+    t = keys.shape[1]
+    if not supported(d) or keys.shape != (b, t, d) or opened.shape != (b, c, t):
+        raise ValueError(f"chunk_attention takes query [b, H, C, D], keys [b, T, D] and opened [b, C, T] of a "
+                         f"power-of-two D, not {tuple(query.shape)}, {tuple(keys.shape)}, {tuple(opened.shape)}")
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    opened = (opened if opened.stride(-1) == 1 else opened.contiguous()).view(torch.uint8)
+    out = torch.empty(b, c, h, d, dtype=query.dtype, device=query.device).transpose(1, 2)  # [b, H, C, D] view
+    if b and c:
+        from evalgate.kernels.triton.availability import interpreted
+        from evalgate.model_adapters.fast.triton_attention_kernel import chunk_attention_kernel
+        from evalgate.model_adapters.fast.triton_layers import _on_device
+
+        tokens = CHUNK["tokens"]
+        with _on_device(query):
+            chunk_attention_kernel[(-(-h // HEADS), -(-c // tokens), b)](
+                query, keys, opened, sinks.contiguous(), out, float(scaling), c, t,
+                query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1),
+                opened.stride(0), opened.stride(1), out.stride(0), out.stride(1), out.stride(2),
+                H=h, D=d, BH=HEADS, TOKENS=tokens, BT=KEYS, UPCAST=interpreted(),
+                PRECISION="ieee" if query.dtype == torch.float32 else "tf32", T_INTERPRETED=t if interpreted() else 0,
+                num_warps=CHUNK["warps"], num_stages=STAGES)
+    return out

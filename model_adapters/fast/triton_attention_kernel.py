@@ -18,23 +18,9 @@ import triton.language as tl
 
 @triton.jit
 def _block(q, keys, open_, m, den, acc, scaling, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """One tile of keys [BT, D] (those not ``open_`` shut) into the running max m, denominator den and
-    weighted sum acc of the online softmax."""
-    if UPCAST:  # Triton's interpreter: its BF16 dot is wrong; FP32 products of BF16 values are exact
-        s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee") * scaling
-    else:
-        s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scaling  # [BH, BT], FP32
-    s = tl.where(open_[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing open yet: no NaN from -inf - -inf
-    alpha = tl.exp(m - m_use)
-    p = tl.exp(s - m_use[:, None])
-    den = den * alpha + tl.sum(p, axis=1)
-    if UPCAST:
-        pv = tl.dot(p.to(keys.dtype).to(tl.float32), keys.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(keys.dtype), keys, input_precision=PRECISION)
-    return m_new, den, acc * alpha[:, None] + pv
+    """One tile of keys [BT, D] (those not ``open_`` shut, for every query alike) into the running max m,
+    denominator den and weighted sum acc of the online softmax."""
+    return _block_open(q, keys, open_[None, :], m, den, acc, scaling, UPCAST, PRECISION)
 
 
 @triton.jit
@@ -137,3 +123,75 @@ def merge_splits_kernel(acc_ptr, m_ptr, den_ptr, sinks_ptr, out_ptr, H: tl.const
     acc = tl.load(acc_ptr + (row_head * SPLIT + s)[:, None] * D + d[None, :], mask=here[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], axis=0) / total
     tl.store(out_ptr + row_head * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def chunk_attention_kernel(q_ptr, keys_ptr, open_ptr, sinks_ptr, out_ptr, scaling, C, T,
+                           q_sb, q_sh, q_sc, k_sb, k_st, open_sb, open_sc, o_sb, o_sh, o_sc,
+                           H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
+                           TOKENS: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                           T_INTERPRETED: tl.constexpr):
+    """Row program_id(2); queries of tokens program_id(1) * TOKENS ... and heads program_id(0) * BH ..., token
+    major (TOKENS * BH of them): each attends to the keys of its row (``keys`` [b, T, D]) its token opens
+    (``open`` [b, C, T]), key block by key block; a block no query of the program opens is not read. The sink
+    opens the running max and adds to the denominator only, as in ``decode_attention_kernel``. C and T are
+    not constexpr: a prefill's chunks come in many widths, and each constexpr value would compile anew (Triton's
+    interpreter cannot loop to a runtime bound: there T_INTERPRETED is T)."""
+    r = tl.program_id(2).to(tl.int64)
+    i = tl.arange(0, TOKENS * BH)
+    tok = tl.program_id(1) * TOKENS + i // BH
+    head = tl.program_id(0) * BH + i % BH
+    live = (tok < C) & (head < H)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + r * q_sb + head[:, None] * q_sh + tok[:, None] * q_sc + d[None, :], mask=live[:, None],
+                other=0.0)
+    sink = tl.load(sinks_ptr + head, mask=live, other=0.0).to(tl.float32)
+    m = sink
+    den = tl.where(sink > float("-inf"), 1.0, 0.0)
+    acc = tl.zeros([TOKENS * BH, D], dtype=tl.float32)
+    if T_INTERPRETED:
+        for t0 in range(0, T_INTERPRETED, BT):
+            m, den, acc = _chunk_block(q, keys_ptr + r * k_sb, open_ptr + r * open_sb, t0, T, tok, live, d, k_st,
+                                       open_sc, m, den, acc, scaling, BT, UPCAST, PRECISION)
+    else:
+        for t0 in range(0, T, BT):
+            m, den, acc = _chunk_block(q, keys_ptr + r * k_sb, open_ptr + r * open_sb, t0, T, tok, live, d, k_st,
+                                       open_sc, m, den, acc, scaling, BT, UPCAST, PRECISION)
+    out = acc / den[:, None]
+    tl.store(out_ptr + r * o_sb + head[:, None] * o_sh + tok[:, None] * o_sc + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
+def _chunk_block(q, keys_ptr, open_ptr, t0, T, tok, live, d, k_st, open_sc, m, den, acc, scaling, BT: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Key block t0 of one row's keys into its queries' online softmax, each query's own keys open; a block
+    none of them opens is not read."""
+    t = t0 + tl.arange(0, BT)
+    opened = tl.load(open_ptr + tok[:, None] * open_sc + t[None, :], mask=live[:, None] & (t < T)[None, :],
+                     other=0) != 0
+    if tl.sum(tl.sum(opened.to(tl.int32), axis=1), axis=0) > 0:
+        keys = tl.load(keys_ptr + t[:, None] * k_st + d[None, :], mask=(t < T)[:, None], other=0.0)
+        m, den, acc = _block_open(q, keys, opened, m, den, acc, scaling, UPCAST, PRECISION)
+    return m, den, acc
+
+
+@triton.jit
+def _block_open(q, keys, opened, m, den, acc, scaling, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys [BT, D] into the online softmax of queries q [rows, D], key j shut for query i where
+    not opened[i, j] (opened broadcasts: [1, BT] shuts a key for every query)."""
+    if UPCAST:  # Triton's interpreter: its BF16 dot is wrong; FP32 products of BF16 values are exact
+        s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee") * scaling
+    else:
+        s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scaling
+    s = tl.where(opened, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp(m - m_use)
+    p = tl.exp(s - m_use[:, None])
+    den = den * alpha + tl.sum(p, axis=1)
+    if UPCAST:
+        pv = tl.dot(p.to(keys.dtype).to(tl.float32), keys.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(keys.dtype), keys, input_precision=PRECISION)
+    return m_new, den, acc * alpha[:, None] + pv

@@ -56,3 +56,25 @@ def hyper_mix_kernel(post_ptr, comb_ptr, output_ptr, streams_ptr, out_ptr, D: tl
     x = tl.load(output_ptr + t * D + d, mask=ok, other=0.0).to(tl.float32)
     out = _cast(_cast(post[:, None] * x[None, :], BF16) + mixed, BF16)
     tl.store(out_ptr + (t * HC + j[:, None]) * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=ok[None, :])
+
+
+@triton.jit
+def hyper_mixes_kernel(streams_ptr, fn_ptr, out_ptr, n_rows, eps, K: tl.constexpr, N: tl.constexpr,
+                       NP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """out[t] = fn @ (x / rms(x)) for x = the token's flattened streams [K] (any float dtype, read as FP32)
+    and fn [N, K] FP32: transformers' UnweightedRMSNorm then F.linear in FP32, the norm's per-token factor
+    applied once to the product's sums instead of to each of the K inputs (one read of the streams)."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    ok = rows < n_rows
+    n = tl.arange(0, NP)
+    acc = tl.zeros([BM, NP], dtype=tl.float32)
+    squares = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        x = tl.load(streams_ptr + rows[:, None].to(tl.int64) * K + k[None, :], mask=ok[:, None] & (k < K)[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + n[:, None] * K + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        squares += tl.sum(x * x, axis=1)
+    factor = 1.0 / tl.sqrt_rn(squares / K + eps)
+    tl.store(out_ptr + rows[:, None] * N + n[None, :], acc * factor[:, None], mask=ok[:, None] & (n < N)[None, :])

@@ -233,13 +233,20 @@ def hyper_connection_forward(self, hidden_streams):
     import torch.nn.functional as F
 
     batch_size, seq_len = hidden_streams.shape[:2]
-    flattened = self.input_norm(hidden_streams.view(batch_size, seq_len, -1).float())
-    mixes = F.linear(flattened, self.fn.float())
+    if batch_size * seq_len >= MIXES_ROWS:  # a prefill: one kernel, one read of the streams
+        mixes = hyper_mixes(hidden_streams, self.fn, self.input_norm.eps)
+    else:
+        flattened = self.input_norm(hidden_streams.view(batch_size, seq_len, -1).float())
+        mixes = F.linear(flattened, self.fn.float())
     pre, post, comb = hyper_weights(mixes, self.base, self.scale, self.hc_mult, self.hc_sinkhorn_iters, self.hc_eps)
     return post, comb, hyper_collapse(pre, hidden_streams)
 
 
 MIX_BLOCK = 1024  # hidden positions per program (stream collapse and mixing)
+# ``hyper_mixes`` from this many tokens a call (a prefill's): fewer leave its row blocks too few programs to
+# fill the GPU, and a decoding step keeps transformers' three kernels (and their bits)
+MIXES_ROWS = 512
+MIXES = {"rows": 32, "k": 128, "warps": 4}  # rows and inputs per tile
 _MIX_FAILED: list[str] = []  # why the mixing kernels could not run here, once they failed
 
 
@@ -260,6 +267,24 @@ def _mix_failed(exc: Exception) -> None:
 
     _MIX_FAILED.append(str(exc))
     warnings.warn(f"hyper-connection mixing on PyTorch's operations: its Triton kernel failed ({exc})", stacklevel=3)
+
+
+def hyper_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.linear(UnweightedRMSNorm(streams.flatten(-2).float()), fn.float())`` as one kernel
+    (``hyper_mixes_kernel``): streams [b, s, hc, D], fn [N, hc * D] -> [b, s, N] FP32."""
+    from evalgate.model_adapters.fast.triton_hyper_kernel import hyper_mixes_kernel
+
+    b, s = streams.shape[:2]
+    flat = streams.reshape(b * s, -1).contiguous()
+    n, k = fn.shape
+    if flat.shape[1] != k:
+        raise ValueError(f"hyper_mixes: streams of {flat.shape[1]} per token against fn [{n}, {k}]")
+    out = torch.empty(b * s, n, dtype=torch.float32, device=streams.device)
+    with _on_device(flat):
+        hyper_mixes_kernel[(-(-flat.shape[0] // MIXES["rows"]),)](
+            flat, fn.float().contiguous(), out, flat.shape[0], eps, K=k, N=n, NP=max(16, 1 << max(0, n - 1).bit_length()),
+            BM=MIXES["rows"], BK=MIXES["k"], num_warps=MIXES["warps"])
+    return out.view(b, s, n)
 
 
 def hyper_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
