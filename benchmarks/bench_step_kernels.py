@@ -209,14 +209,15 @@ def bench_prefill(args, shape: dict) -> list[tuple]:
     reference = eager()
     rows.append(("hyper mixes", "eager: norm, FP32 linear", time_call(eager, dev, args.reps, 1), 0.0))
     default = dict(layers.MIXES)
-    for rows_, k, warps in ((32, 128, 4), (64, 64, 4), (16, 256, 4), (32, 256, 8)):
-        layers.MIXES.update(rows=rows_, k=k, warps=warps)
+    for rows_, k, warps, precision in ((32, 128, 4, "ieee"), (32, 128, 4, "tf32x3"), (64, 64, 4, "tf32x3"),
+                                       (64, 128, 4, "tf32x3"), (16, 128, 4, "tf32x3"), (32, 64, 2, "tf32x3")):
+        layers.MIXES.update(rows=rows_, k=k, warps=warps, precision=precision)
         try:
             out = layers.hyper_mixes(streams, fn, 1e-6)
             us = time_call(lambda: layers.hyper_mixes(streams, fn, 1e-6), dev, args.reps, 1)
         finally:
             layers.MIXES.update(default)
-        rows.append(("hyper mixes", f"rows {rows_}, k {k}, {warps} warps", us,
+        rows.append(("hyper mixes", f"rows {rows_}, k {k}, {warps} warps, {precision}", us,
                      (out - reference).abs().max().item()))
     return rows
 
@@ -272,9 +273,9 @@ def main(argv: list[str] | None = None) -> None:
     if "prefill" not in skip:
         print(f"\nprefill chunk: {args.prefill_rows} rows of {args.prefill_chunk} tokens, BF16 (entries "
               f"{shape['entries']}, about half open); hyper mixes of hc 4 x {shape['hidden']}")
-        print(f"{'part':12} {'setting':28} {'us/call':>10} {'max|diff| vs first':>19}")
+        print(f"{'part':12} {'setting':36} {'us/call':>10} {'max|diff| vs first':>19}")
         for part, setting, us, diff in bench_prefill(args, shape):
-            print(f"{part:12} {setting:28} {us:10.1f} {diff if isinstance(diff, str) else f'{diff:.3g}':>19}")
+            print(f"{part:12} {setting:36} {us:10.1f} {diff if isinstance(diff, str) else f'{diff:.3g}':>19}")
 
 
 if __name__ == "__main__":

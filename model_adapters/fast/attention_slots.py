@@ -57,6 +57,14 @@ def transformers_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sig
     return apply_rotary_pos_emb(x, cos, sin if sign > 0 else -sin)
 
 
+def rope_tail_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+    """``transformers_rope`` in place: only the trailing rope channels are rotated (transformers' arithmetic on
+    that slice, so the same bits) and written back; the rest of ``x`` is not copied. Returns ``x``."""
+    rope = x[..., -2 * cos.shape[-1]:]
+    rope.copy_(transformers_rope(rope, cos, sin, sign))
+    return x
+
+
 def _triton_or(failed: list[str], what: str, kernel, fallback):
     """``kernel()``; where Triton fails to build or launch it (a first step, before any CUDA graph holds it),
     ``fallback()`` from then on: ``failed`` remembers why, and a warning says ``what`` runs instead."""
@@ -456,8 +464,8 @@ def _chunk_attention(self, hidden_states, position_embeddings, position_ids, cac
     hidden_shape = (b, width, -1, self.head_dim)
     cos, sin = position_embeddings[self.rope_layer_type]
     q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
-    q = self.q_b_norm(self.q_b_proj(q_residual).view(*hidden_shape).transpose(1, 2))
-    q = transformers_rope(q, cos, sin)
+    # normed per (token, head) before the transpose, and rotated in place: no copy of the [b, C, H, D] queries
+    q = rope_tail_(self.q_b_norm(self.q_b_proj(q_residual).view(*hidden_shape)).transpose(1, 2), cos, sin)
     kv = self.kv_norm(self.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2)
     kv = transformers_rope(kv, cos, sin)[:, 0]  # [b, C, D]
     window = state.window
@@ -478,9 +486,8 @@ def _chunk_attention(self, hidden_states, position_embeddings, position_ids, cac
     where = write.nonzero(as_tuple=True)
     state.keys[rows[where[0]], position_ids[where] % window] = kv[where].to(state.keys.dtype)
     open_ = torch.cat(open_, dim=-1)
-    out = _attend_chunk(self, cache, q, torch.cat(keys, dim=1), open_)  # [b, H, C, D]
-    out = transformers_rope(out, cos, sin, -1.0)
-    grouped = out.transpose(1, 2).reshape(b, width, self.config.o_groups, -1)
+    out = _attend_chunk(self, cache, q, torch.cat(keys, dim=1), open_)  # [b, H, C, D], its own tensor
+    grouped = rope_tail_(out, cos, sin, -1.0).transpose(1, 2).reshape(b, width, self.config.o_groups, -1)
     return self.o_b_proj(self.o_a_proj(grouped).flatten(2)), None
 
 

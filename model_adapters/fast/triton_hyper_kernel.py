@@ -60,10 +60,12 @@ def hyper_mix_kernel(post_ptr, comb_ptr, output_ptr, streams_ptr, out_ptr, D: tl
 
 @triton.jit
 def hyper_mixes_kernel(streams_ptr, fn_ptr, out_ptr, n_rows, eps, K: tl.constexpr, N: tl.constexpr,
-                       NP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                       NP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
     """out[t] = fn @ (x / rms(x)) for x = the token's flattened streams [K] (any float dtype, read as FP32)
     and fn [N, K] FP32: transformers' UnweightedRMSNorm then F.linear in FP32, the norm's per-token factor
-    applied once to the product's sums instead of to each of the K inputs (one read of the streams)."""
+    applied once to the product's sums instead of to each of the K inputs (one read of the streams). The
+    streams' BF16 values are exact in TF32; PRECISION tf32x3 splits fn into two TF32 parts, so the products
+    run on tensor cores within FP32's rounding (ieee: FP32 multiply-adds, about 8x slower)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     ok = rows < n_rows
     n = tl.arange(0, NP)
@@ -74,7 +76,7 @@ def hyper_mixes_kernel(streams_ptr, fn_ptr, out_ptr, n_rows, eps, K: tl.constexp
         x = tl.load(streams_ptr + rows[:, None].to(tl.int64) * K + k[None, :], mask=ok[:, None] & (k < K)[None, :],
                     other=0.0).to(tl.float32)
         w = tl.load(fn_ptr + n[:, None] * K + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         squares += tl.sum(x * x, axis=1)
     factor = 1.0 / tl.sqrt_rn(squares / K + eps)
     tl.store(out_ptr + rows[:, None] * N + n[None, :], acc * factor[:, None], mask=ok[:, None] & (n < N)[None, :])

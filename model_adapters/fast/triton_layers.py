@@ -246,7 +246,7 @@ MIX_BLOCK = 1024  # hidden positions per program (stream collapse and mixing)
 # ``hyper_mixes`` from this many tokens a call (a prefill's): fewer leave its row blocks too few programs to
 # fill the GPU, and a decoding step keeps transformers' three kernels (and their bits)
 MIXES_ROWS = 512
-MIXES = {"rows": 32, "k": 128, "warps": 4}  # rows and inputs per tile
+MIXES = {"rows": 32, "k": 128, "warps": 4, "precision": "tf32x3"}  # rows and inputs per tile, the products
 _MIX_FAILED: list[str] = []  # why the mixing kernels could not run here, once they failed
 
 
@@ -283,7 +283,7 @@ def hyper_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Te
     with _on_device(flat):
         hyper_mixes_kernel[(-(-flat.shape[0] // MIXES["rows"]),)](
             flat, fn.float().contiguous(), out, flat.shape[0], eps, K=k, N=n, NP=max(16, 1 << max(0, n - 1).bit_length()),
-            BM=MIXES["rows"], BK=MIXES["k"], num_warps=MIXES["warps"])
+            BM=MIXES["rows"], BK=MIXES["k"], PRECISION=MIXES["precision"], num_warps=MIXES["warps"])
     return out.view(b, s, n)
 
 
