@@ -8,6 +8,9 @@ One step's attention in one of two forms, by the SPLIT the host picks from stati
   ``decode_attention_split_kernel``, grid (ceil(H / BH), rows, SPLIT), each program over a share of the key
   blocks into FP32 partials (running max, denominator, unnormalised weighted sum), then
   ``merge_splits_kernel``, grid (H, rows), which joins a head's partials and the sink into the output.
+
+A prefill chunk's attention: ``chunk_attention_kernel``, grid (ceil(H / BH), ceil(C / TOKENS), rows), each
+program TOKENS tokens x BH heads of one row over the row's key blocks, a key open or shut per token.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ so at batch 1 and at batch 256 alike a step costs far more than its arithmetic:
 - ``apply_rotary_pos_emb`` (about a dozen kernels: the half-size cos / sin repeated, the rope slice cut,
   rotated, cast and joined back) runs six times a layer in a decoding step from slots. ``rope_step`` is one;
   ``attention_slots`` calls it where ``install`` marked the model.
+- a prefill's hyper-connection mixes (the streams flattened to FP32, normed, an FP32 linear: three passes
+  over [tokens, hc x hidden] FP32, 1.7 ms a call at 8,192 tokens on an H100) are one kernel reading the BF16
+  streams once, ``hyper_mixes``; a decoding step (fewer than ``MIXES_ROWS`` tokens) keeps transformers' own.
 - the streams' collapse (``pre``-weighted sum) and the layer's mixing (``post * output + comb^T @ streams``,
   twice a layer): four and five kernels, the matmul a generic batched GEMM (55 µs a call at 256 tokens on
   an H200). ``hyper_collapse`` and ``hyper_mix`` (``triton_hyper_kernel``) are one each; the decoder
@@ -246,7 +249,10 @@ MIX_BLOCK = 1024  # hidden positions per program (stream collapse and mixing)
 # ``hyper_mixes`` from this many tokens a call (a prefill's): fewer leave its row blocks too few programs to
 # fill the GPU, and a decoding step keeps transformers' three kernels (and their bits)
 MIXES_ROWS = 512
-MIXES = {"rows": 32, "k": 128, "warps": 4, "precision": "tf32x3"}  # rows and inputs per tile, the products
+# rows and inputs per tile, warps, the products' precision: `benchmarks/bench_step_kernels.py --device cuda`
+# on an H100 at 8,192 tokens of 4 x 4096: 0.30 ms a call (transformers' norm and FP32 linear 1.70 ms; 32 x 128
+# with 4 warps 0.61 ms; FP32 multiply-adds instead of TF32x3 1.30 ms)
+MIXES = {"rows": 32, "k": 64, "warps": 2, "precision": "tf32x3"}
 _MIX_FAILED: list[str] = []  # why the mixing kernels could not run here, once they failed
 
 
