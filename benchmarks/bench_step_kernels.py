@@ -185,7 +185,7 @@ def bench_prefill(args, shape: dict) -> list[tuple]:
     sinks = torch.randn(h, generator=g).to(dev)
     scaling = d ** -0.5
     attn = types.SimpleNamespace(sinks=sinks, scaling=scaling)
-    mask = torch.zeros(opened.shape, dtype=dt, device=dev).masked_fill_(~opened, torch.finfo(dt).min)
+    mask = attention_slots.additive_mask(opened, dt)
 
     def masked():
         return attention_slots.native_attend(attn, q, keys.unsqueeze(1), mask.unsqueeze(1))

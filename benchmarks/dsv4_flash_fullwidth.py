@@ -570,37 +570,33 @@ def measure_prompt_cache(cache, distinct: dict, first: str, take: int, alone_s: 
     prompts = list(distinct)
     enc = [list(p) for p in prompts]
     stores = range(cache.slots + 1, cache.slots + 2 + PROMPT_STORES)
-    passes = []
-    for _ in range(2):
+    prompt_tokens = sum(map(len, enc))
+
+    def one_pass():  # every prompt into its first slot, a take at a time: (the cache, seconds, computed, calls)
         cached = PromptCache(cache, enc, stores)
         computed, calls = cache.prefill_tokens, cache.prefill_calls
         t = _Timer(first)
         for k in range(0, len(prompts), take):
             part = list(range(k, min(k + take, len(prompts))))
             cached.admit([distinct[prompts[i]][0] for i in part], part)
-        passes.append((t.seconds(), cache.prefill_tokens - computed, cache.prefill_calls - calls))
-    (first_s, _, _), (seconds, computed, calls) = passes
+        return cached, t.seconds(), cache.prefill_tokens - computed, cache.prefill_calls - calls
+
+    (_, first_s, _, _), (cached, seconds, computed, calls) = one_pass(), one_pass()  # the first compiles
     for chunk, budget in shapes:  # the same prefill in other call shapes (a row's tokens, a call's tokens)
         kept = attention_slots.PREFILL_CHUNK, attention_slots.PREFILL_BUDGET
         attention_slots.PREFILL_CHUNK, attention_slots.PREFILL_BUDGET = chunk, budget
         try:
-            for _pass in range(2):  # the first compiles the new shapes
-                cached = PromptCache(cache, enc, stores)
-                done, t = cache.prefill_calls, _Timer(first)
-                for k in range(0, len(prompts), take):
-                    part = list(range(k, min(k + take, len(prompts))))
-                    cached.admit([distinct[prompts[i]][0] for i in part], part)
-                took = t.seconds()
+            one_pass()  # compiles the new shapes
+            _, took, _, shape_calls = one_pass()
             print(f"prefill with the prompt cache, chunks of {chunk} tokens, {budget} a call: {took:.2f} s "
-                  f"({sum(map(len, enc)) / took:.0f} prompt tokens/s, {cache.prefill_calls - done} calls)", flush=True)
+                  f"({prompt_tokens / took:.0f} prompt tokens/s, {shape_calls} calls)", flush=True)
         finally:
             attention_slots.PREFILL_CHUNK, attention_slots.PREFILL_BUDGET = kept
     if profile is not None:
-        cached = PromptCache(cache, enc, stores)
+        taken = PromptCache(cache, enc, stores)
         part = list(range(min(take, len(prompts))))
-        profile_step(cache.model, lambda: cached.admit([distinct[prompts[i]][0] for i in part], part),
+        profile_step(cache.model, lambda: taken.admit([distinct[prompts[i]][0] for i in part], part),
                      profile / "prefill_take.txt", f"eager prefill take of {len(part)} prompts (prompt cache)")
-    prompt_tokens = sum(map(len, enc))
     own = cached.prefix + sum(len(e) - cached.prefix for e in enc)  # the prefix once, every prompt's own tokens
     print(f"prefill with the prompt cache: {len(enc)} prompts, {prompt_tokens} prompt tokens, a shared prefix of "
           f"{cached.prefix} computed once, {own} tokens computed (+{computed - own} pads) in {seconds:.2f} s "

@@ -94,7 +94,7 @@ def test_a_prefill_chunk_attends_as_the_masked_form(dtype):
         q = (torch.randn(b, c, h, d, device=DEVICE) * 0.5).to(dt).transpose(1, 2)  # [b, H, C, D], a view
         scaling = d ** -0.5
         attn = types.SimpleNamespace(sinks=sinks, scaling=scaling)
-        mask = torch.zeros(opened.shape, dtype=dt, device=DEVICE).masked_fill_(~opened, torch.finfo(dt).min)
+        mask = attention_slots.additive_mask(opened, dt)
         ref = attention_slots.native_attend(attn, q, keys.unsqueeze(1), mask.unsqueeze(1))
         tol = 1e-5 if dt == torch.float32 else 2e-2
         for tokens in (1, 2, 4):

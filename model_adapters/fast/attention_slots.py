@@ -491,6 +491,11 @@ def _chunk_attention(self, hidden_states, position_embeddings, position_ids, cac
     return self.o_b_proj(self.o_a_proj(grouped).flatten(2)), None
 
 
+def additive_mask(opened: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """eager's additive mask of a bool one: 0 where open, the dtype's lowest value where shut."""
+    return torch.zeros(opened.shape, dtype=dtype, device=opened.device).masked_fill_(~opened, torch.finfo(dtype).min)
+
+
 def _attend_chunk(self, cache: SlotCache, q, keys, opened):
     """A chunk's attention, [b, H, C, D]: query q [b, H, C, D] to keys [b, T, D] where opened [b, C, T]. One
     Triton kernel (``triton_attention.chunk_attention``: the scores never leave registers) where the cache
@@ -499,9 +504,7 @@ def _attend_chunk(self, cache: SlotCache, q, keys, opened):
     from evalgate.model_adapters.fast import triton_attention
 
     def masked():
-        mask = torch.zeros(opened.shape, dtype=q.dtype, device=q.device).masked_fill_(~opened,
-                                                                                        torch.finfo(q.dtype).min)
-        return cache.attend(self, q, keys.unsqueeze(1), mask.unsqueeze(1))
+        return cache.attend(self, q, keys.unsqueeze(1), additive_mask(opened, q.dtype).unsqueeze(1))
 
     if not cache.fused_attention or not triton_attention.supported(self.head_dim) or q.dtype != keys.dtype:
         return masked()
@@ -566,8 +569,7 @@ def _attend_gathered(self, cache: SlotCache, q, state: _LayerSlots, rows, positi
     if chosen is not None:
         keys = torch.cat([keys, state.compressor.entries[rows].to(keys.dtype)], dim=1)
         open_ = torch.cat([open_, chosen], dim=1)
-    mask = torch.zeros(open_.shape, dtype=q.dtype, device=q.device).masked_fill_(~open_, torch.finfo(q.dtype).min)
-    return cache.attend(self, q, keys.unsqueeze(1), mask.view(b, 1, 1, -1))
+    return cache.attend(self, q, keys.unsqueeze(1), additive_mask(open_, q.dtype).view(b, 1, 1, -1))
 
 
 def _compressed_step(self, cache: SlotCache, state: _LayerSlots, rows, positions, hidden_states, q_residual,
