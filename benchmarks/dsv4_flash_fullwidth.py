@@ -41,8 +41,10 @@ import time
 from pathlib import Path
 
 import torch
+from compile_clock import CompileClock
 
 GiB = 1 << 30
+CLOCK = CompileClock()  # entered by ``main``: Triton's compilation in this process
 H200_BYTES = 139 * GiB  # what one H200 offers torch (about 139 GiB of its 141 GB)
 GSM8K_ITEMS = 1319
 
@@ -57,6 +59,11 @@ def compress_ratios(layers: int) -> list[int]:
 
 
 LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+def layer_kinds(config) -> set[tuple[str, str]]:
+    """The (attention, MoE) kinds of a config's layers: layers of one kind run the same kernel variants."""
+    return set(zip(config.layer_types, config.mlp_layer_types))
 
 
 def flash_config(layers: int | None = None, experts: int | None = None, scale: float = 1.0, vocab: int | None = None):
@@ -214,6 +221,25 @@ def copy_bandwidth(device: str, nbytes: int | None = None, repeat: int = 10) -> 
     return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
+class _Workspace:
+    """The most memory a device held above what it held when this was made (a GPU's peak; 0 on a CPU): the
+    transient workspace of what ran between."""
+
+    def __init__(self, device: str):
+        self.device = device if device.startswith("cuda") else None
+        if self.device:
+            torch.cuda.synchronize(self.device)
+            _PEAKS[self.device] = _peak(self.device)  # the run's peak so far, kept for its rows
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+
+    def gib(self) -> float:
+        if not self.device:
+            return 0.0
+        torch.cuda.synchronize(self.device)
+        return (torch.cuda.max_memory_allocated(self.device) - self.base) / GiB
+
+
 class _Timer:
     """Wall time of device work: CUDA events on a GPU, the host clock on a CPU."""
 
@@ -287,12 +313,21 @@ def _device_allocations(device: str) -> int:
     return torch.cuda.memory_stats(device).get("num_device_alloc", 0) if device.startswith("cuda") else 0
 
 
+_PEAKS: dict[str, int] = {}  # a device's peak before a ``_Workspace`` reset its statistics
+
+
+def _peak(device: str) -> int:
+    """The most memory ``device`` has held since ``_reset_peaks``."""
+    return max(torch.cuda.max_memory_allocated(device), _PEAKS.get(device, 0))
+
+
 def _reset_peaks(devices: list[str]) -> None:
     for d in devices:
         if d.startswith("cuda"):
             torch.cuda.synchronize(d)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(d)
+            _PEAKS.pop(d, None)
 
 
 def _median_step(step, steps: int, device: str, warmup: int = 1) -> float:
@@ -314,7 +349,7 @@ def _row(model, step, cache: str, batch: int, prompt_tokens: int, prefill_s: flo
         step()
     floor_bytes = dense_step_bytes(model, batch) + routed.bytes()
     floor_s = floor_bytes / bandwidth
-    peaks = {d: torch.cuda.max_memory_allocated(d) for d in devices if d.startswith("cuda")}
+    peaks = {d: _peak(d) for d in devices if d.startswith("cuda")}
     return {"cache": cache, "batch": batch, "prompt_tokens": prompt_tokens, "prefill_s": round(prefill_s, 3),
             "prefill_tokens_per_s": round(prompt_tokens / prefill_s, 1), "step_ms": round(step_s * 1e3, 2),
             "tokens_per_s": round(batch / step_s, 1), "floor_gib": round(floor_bytes / GiB, 2),
@@ -463,7 +498,7 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
     prefill(next(iter(distinct)))
     warmup_s = t.seconds()
     moves, firsts = [], []
-    allocs = _device_allocations(first)
+    allocs, compiled = _device_allocations(first), CLOCK.seconds
     for prompt, slots_of in distinct.items():
         t = _Timer(first)  # what a gate pays per item: its prefill and one move into a slot
         out = prefill(prompt)
@@ -476,7 +511,7 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
             moves.append(t.seconds())
         for slot in slots_of:
             last[slot] = token
-    prefill_s, allocs = sum(firsts), _device_allocations(first) - allocs
+    prefill_s, allocs, compiled = sum(firsts), _device_allocations(first) - allocs, CLOCK.since(compiled)
     prefilled = sum(map(len, distinct))
     # every prompt again, timed as above (into the same slot: the same state after): a prompt's first prefill in
     # a process can pay one-time costs (a Triton kernel compiled for a new class of shapes, the allocator
@@ -498,10 +533,12 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
           f"prompt, {allocs} device allocations){alone}; before them one untimed prefill, compiling: "
           f"{warmup_s:.2f} s; every prompt again: {again_s:.2f} s ({prefilled / again_s:.0f} tokens/s; "
           f"median {statistics.median(seconds) * 1e3:.0f} ms a prompt; {slow} first prefills took over "
-          f"{SLOW_FIRST}x their second, {prefill_s - again_s:.2f} s more in all)", flush=True)
+          f"{SLOW_FIRST}x their second, {prefill_s - again_s:.2f} s more in all, {compiled:.2f} s of it compiling)",
+          flush=True)
     figures = {"prefill_first_ms": round(statistics.median(firsts) * 1e3, 1), "prefill_device_allocations": allocs,
                "prefill_again_tokens_per_s": round(prefilled / again_s, 1), "prefill_slow_firsts": slow,
-               "prefill_once_s": round(max(0.0, prefill_s - again_s), 2),
+               "prefill_once_s": round(max(0.0, prefill_s - again_s - compiled), 2),
+               "prefill_once_compile_s": round(compiled, 2),
                "prefill_again_ms": round(statistics.median(seconds) * 1e3, 1)}
     if prompt_cache:
         figures.update(measure_prompt_cache(cache, distinct, first, max(1, max(batches) // REFILL_FRACTION), again_s,
@@ -530,17 +567,19 @@ def measure_slots(model, tokenizer, prompts: list[str], batches: list[int], step
                 if mode == "slots":
                     step_s = _median_step(step, steps, first)
                 else:  # a bucket's first step runs eagerly (compiling), its second captures: once a run, timed apart
-                    t = _Timer(first)
+                    t, compiled = _Timer(first), CLOCK.seconds
                     graphed()
                     graphed()
-                    capture_s = t.seconds()
+                    capture_s, compiled = t.seconds(), CLOCK.since(compiled)
                     step_s = _median_step(graphed, steps, first, warmup=0)
                 row = _row(model, step, mode, batch, prefilled, prefill_s, step_s, devices, bandwidth)
                 row["cache"] += "" if choice == "triton" else f"/{choice}"
                 row["warmup_s"] = round(warmup_s, 2)
                 row.update(figures)
                 if mode == "graphs":  # the step is idempotent until the rows advance: graph and eager, same inputs
-                    row["capture_s"] = round(max(0.0, capture_s - 2 * step_s), 3)  # beyond two plain steps
+                    # beyond two plain steps and the compilation (once a process, whatever the layers)
+                    row["capture_s"] = round(max(0.0, capture_s - 2 * step_s - compiled), 3)
+                    row["capture_compile_s"] = round(compiled, 3)
                     got = graphs.logits(tokens[:batch], listed)
                     row["graph_bits_equal"] = bool(torch.equal(got, cache.forward(tokens[:batch], slots)))
                     row["reruns"] = graphs.stats["reruns"]
@@ -581,17 +620,26 @@ def measure_prompt_cache(cache, distinct: dict, first: str, take: int, alone_s: 
             cached.admit([distinct[prompts[i]][0] for i in part], part)
         return cached, t.seconds(), cache.prefill_tokens - computed, cache.prefill_calls - calls
 
-    (_, first_s, _, _), (cached, seconds, computed, calls) = one_pass(), one_pass()  # the first compiles
+    compiled = CLOCK.seconds
+    _, first_s, _, _ = one_pass()  # the first compiles
+    compiled = CLOCK.since(compiled)
+    workspace = _Workspace(first)
+    cached, seconds, computed, calls = one_pass()
+    workspace_gib = workspace.gib()
+    sweep = CLOCK.seconds
     for chunk, budget in shapes:  # the same prefill in other call shapes (a row's tokens, a call's tokens)
         kept = attention_slots.PREFILL_CHUNK, attention_slots.PREFILL_BUDGET
         attention_slots.PREFILL_CHUNK, attention_slots.PREFILL_BUDGET = chunk, budget
         try:
             one_pass()  # compiles the new shapes
+            shape_workspace = _Workspace(first)
             _, took, _, shape_calls = one_pass()
             print(f"prefill with the prompt cache, chunks of {chunk} tokens, {budget} a call: {took:.2f} s "
-                  f"({prompt_tokens / took:.0f} prompt tokens/s, {shape_calls} calls)", flush=True)
+                  f"({prompt_tokens / took:.0f} prompt tokens/s, {shape_calls} calls; workspace "
+                  f"{shape_workspace.gib():.2f} GiB)", flush=True)
         finally:
             attention_slots.PREFILL_CHUNK, attention_slots.PREFILL_BUDGET = kept
+    CLOCK.exclude(CLOCK.since(sweep))  # the other call shapes' compilation: not a gate's
     if profile is not None:
         taken = PromptCache(cache, enc, stores)
         part = list(range(min(take, len(prompts))))
@@ -602,9 +650,11 @@ def measure_prompt_cache(cache, distinct: dict, first: str, take: int, alone_s: 
           f"{cached.prefix} computed once, {own} tokens computed (+{computed - own} pads) in {seconds:.2f} s "
           f"({prompt_tokens / seconds:.0f} prompt tokens/s, {own / seconds:.0f} computed tokens/s; {calls} calls, "
           f"{take} prompts a take, chunks of {attention_slots.PREFILL_CHUNK} tokens, {attention_slots.PREFILL_BUDGET} "
-          f"a call); first pass, compiling: {first_s:.2f} s; {alone_s / seconds:.1f}x the prompts one at a time "
-          f"({alone_s:.2f} s)", flush=True)
+          f"a call; workspace {workspace_gib:.2f} GiB); first pass: {first_s:.2f} s, {compiled:.2f} s of it "
+          f"compiling; {alone_s / seconds:.1f}x the prompts one at a time ({alone_s:.2f} s)", flush=True)
     return {"prompt_cache_s": round(seconds, 3), "prompt_cache_first_s": round(first_s, 3),
+            "prompt_cache_once_s": round(max(0.0, first_s - seconds - compiled), 3),
+            "prompt_cache_compile_s": round(compiled, 3), "prompt_cache_workspace_gib": round(workspace_gib, 2),
             "prompt_cache_prompt_tokens": prompt_tokens, "prompt_cache_computed_tokens": own,
             "prompt_cache_pad_tokens": computed - own, "prompt_cache_prefix_tokens": cached.prefix,
             "prompt_cache_tokens_per_s": round(prompt_tokens / seconds, 1),
@@ -634,12 +684,10 @@ def project_rows(rows: list[dict], figures: dict, tokenizer, args, layers: int, 
     for line in gp.describe_inputs(tasks, rounds):
         print("projection: " + line, flush=True)
     best = max(rows, key=lambda r: r["tokens_per_s"], default=None)
-    # the first graphed batch's capture also compiles the step's kernels for the process: the fastest capture is
-    # a bucket's own, the rest of the first once a run (with one graphed batch, all of it counts per bucket)
-    captures = [r["capture_s"] for r in rows if "capture_s" in r]
-    capture = (min(captures), max(captures) - min(captures)) if captures else (0.0, 0.0)
-    out["capture_s"] = {"per_bucket": capture[0], "compile": round(capture[1], 3)}
     for row in rows:
+        capture = capture_parts(rows, row["batch"])
+        if row is best:
+            out["capture_s"] = {"per_bucket": capture[0], "compile": round(capture[1], 3)}
         m = measured_for(row, figures, layers, check_s, capture)
         cached = m.cached_prefill_tokens_per_s is not None
         for gpus in (2, 4):
@@ -659,43 +707,80 @@ def project_rows(rows: list[dict], figures: dict, tokenizer, args, layers: int, 
     return out
 
 
+def capture_parts(rows: list[dict], batch: int) -> tuple[float, float]:
+    """(a bucket's graph capture, these layers; compilation once a run beyond the run's ``compile_s``) for a gate
+    whose batch shrinks from ``batch`` through every power-of-two bucket, from the graphed rows. Where the rows
+    timed their compilation apart (``capture_compile_s``, in the run's ``compile_s``), the slowest capture
+    beyond it is a bucket's, and each bucket no row measured compiles as the measured ones after the first
+    did; else the fastest capture is a bucket's own and the rest of the first the compilation (with one
+    graphed batch, all of it counts per bucket)."""
+    from evalgate.model_adapters.fast.step_graphs import bucket_of
+
+    graphed = [r for r in rows if "capture_s" in r]
+    if not graphed:
+        return 0.0, 0.0
+    if all("capture_compile_s" in r for r in graphed):
+        later = [r["capture_compile_s"] for r in graphed[1:]] or [graphed[0]["capture_compile_s"]]
+        missing = len(_buckets(batch) - {bucket_of(r["batch"], batch) for r in graphed})
+        return max(r["capture_s"] for r in graphed), missing * statistics.mean(later)
+    captures = [r["capture_s"] for r in graphed]
+    return min(captures), max(captures) - min(captures)
+
+
+def _buckets(batch: int) -> set[int]:
+    """step_graphs' buckets a batch shrinking from ``batch`` goes through: 1, 2, 4, ... and ``batch`` (its slots)."""
+    from evalgate.model_adapters.fast.step_graphs import bucket_of
+
+    return {bucket_of(rows, batch) for rows in range(1, batch + 1)}
+
+
 def measured_for(row: dict, figures: dict, layers: int, check_s: float, capture: tuple[float, float] = (0.0, 0.0)):
     """A row's figures as the projection takes them: prefill at the second pass's rate where the prompts were
     prefilled twice (the first pass's extra paid once), the prefix cache's rate where measured
-    (``prefix_cache_tokens_per_s``: tokens computed per second with the cache), ``capture``: (a bucket's graph
-    capture, these layers; the first capture's compilation, once a run) with one capture per batch bucket up to
-    the row's batch."""
+    (``prefix_cache_tokens_per_s``: tokens computed per second with the cache) and its first pass's extra,
+    ``capture``: (a bucket's graph capture, these layers; the first capture's compilation, once a run) with one
+    capture per batch bucket up to the row's batch. The run's Triton compilation (``compile_s``, timed apart
+    from the rest) is priced once; without it, the first prefill's and the first capture's time stand for it."""
     import gate_projection as gp
 
-    buckets = int(math.log2(row["batch"])) + 1  # step_graphs' power-of-two buckets a shrinking batch goes through
+    buckets = len(_buckets(row["batch"]))
+    compile_s = figures.get("compile_s")
+    compile_s = row.get("warmup_s", 0.0) + capture[1] if compile_s is None else compile_s + capture[1]
     return gp.Measured(layers=layers, batch=row["batch"], step_s=row["step_ms"] / 1e3,
                        prefill_tokens_per_s=row.get("prefill_again_tokens_per_s", row["prefill_tokens_per_s"]),
                        cached_prefill_tokens_per_s=row.get("prefix_cache_tokens_per_s"),
-                       load_s=figures.get("load_s", 0.0), compile_s=row.get("warmup_s", 0.0) + capture[1],
-                       prefill_once_s=row.get("prefill_once_s", 0.0), capture_s=capture[0] * buckets,
+                       load_s=figures.get("load_s", 0.0), compile_s=compile_s,
+                       prefill_once_s=row.get("prefill_once_s", 0.0),
+                       cached_prefill_once_s=row.get("prompt_cache_once_s"), capture_s=capture[0] * buckets,
                        conformance_s=figures.get("conformance_s") or 0.0, check_s=check_s)
 
 
-def conformance_seconds(model, tokenizer, kernel: str, prompts: list[str], device: str) -> float | None:
+def conformance_seconds(model, tokenizer, kernel: str, prompts: list[str], device: str) -> dict | None:
     """Seconds of what a run does before generating (``HFAdapter.conformance``): the kernel's conformance on the
-    first prompts' hidden states and the execution witness. None (and why, printed) where it cannot run here."""
+    first prompts' hidden states and the execution witness, each, and the compilation within them. None (and
+    why, printed) where it cannot run here."""
     from evalgate.kernels import get_kernel
     from evalgate.kernels.checkpoint import experts_modules
     from evalgate.kernels.conformance import model_conformance
     from evalgate.kernels.witness import watch
     from evalgate.model_adapters.hf.adapter import greedy_decoder
 
-    t = _Timer(device)
+    t, compiled = _Timer(device), CLOCK.seconds
     try:
         ids = [tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts]
         model_conformance(model, kernel, ids)
+        conformance_s = t.seconds()
         if experts_modules(model):
             watch(model, get_kernel(kernel), prompts, device, greedy_decoder(model, tokenizer, device))
     except Exception as exc:  # noqa: BLE001  (priced as nothing, and said so)
         print(f"conformance + witness: not measured ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
               flush=True)
         return None
-    return t.seconds()
+    seconds, compiled = t.seconds(), CLOCK.since(compiled)
+    print(f"conformance + witness: {seconds:.2f} s (conformance {conformance_s:.2f} s, witness "
+          f"{seconds - conformance_s:.2f} s), {compiled:.2f} s of it compiling", flush=True)
+    return {"conformance_s": round(max(0.0, seconds - compiled), 2), "conformance_compile_s": round(compiled, 2),
+            "conformance_only_s": round(conformance_s, 2), "witness_s": round(seconds - conformance_s, 2)}
 
 
 def use_fused(model, choice: str) -> None:
@@ -948,7 +1033,12 @@ def main(argv: list[str] | None = None) -> dict:
     for choice in fused:
         if choice not in ("triton", "torch"):
             p.error(f"--fused {choice!r}: expected triton or torch")
+    with CLOCK:  # Triton's compilation, timed apart from what it ran in
+        return measure(args, fused)
 
+
+def measure(args, fused: tuple[str, ...]) -> dict:
+    """What ``main`` was asked to measure, with its parsed arguments."""
     import evalgate.kernels.catalogs  # noqa: F401  (registers the kernels)
     from evalgate.model_adapters.fast import attention
     from evalgate.model_adapters.hf.adapter import load_model
@@ -1066,8 +1156,13 @@ def main(argv: list[str] | None = None) -> dict:
                 torch.cuda.empty_cache()
         rows = measured
         if args.conformance:
-            c = conformance_seconds(model, tokenizer, args.kernel, prompts[:2], first)
-            figures["conformance_s"] = None if c is None else round(c, 2)
+            figures.update(conformance_seconds(model, tokenizer, args.kernel, prompts[:2], first)
+                           or {"conformance_s": None})
+        figures.update(compile_s=round(CLOCK.counted(), 2), compiled_kernels=dict(CLOCK.kernels))
+        if not layer_kinds(full) <= layer_kinds(config):  # a kind the measured layers lack compiles its own kernels
+            figures["compile_s"] = round(figures["compile_s"] * full.num_hidden_layers / layers, 2)
+        print(f"Triton compilation in this run: {figures['compile_s']:.2f} s priced once a gate, "
+              f"{sum(CLOCK.kernels.values())} kernel variants ({len(CLOCK.kernels)} kernels)", flush=True)
         figures["gate_projection"] = project_rows(rows, figures, tokenizer, args, layers, full.num_hidden_layers)
         figures.update(copy_bandwidth_gb_s=round(bandwidth / 1e9, 1), gsm8k_prompt_tokens=round(gsm8k_prompt, 1),
                        batches=rows)

@@ -74,10 +74,11 @@ class Measured:
     prefill_tokens_per_s: float
     cached_prefill_tokens_per_s: float | None = None
     load_s: float = 0.0
-    compile_s: float = 0.0  # the first prefill's kernel compilation: once a process, whatever the layers
-    prefill_once_s: float = 0.0  # first prefills' extra cost (new shapes, the allocator growing), these layers
-    capture_s: float = 0.0  # CUDA graph capture, these layers
-    conformance_s: float = 0.0  # kernel conformance + execution witness, these layers
+    compile_s: float = 0.0  # Triton's kernel compilation: once a process, whatever the layers
+    prefill_once_s: float = 0.0  # first prefills' extra beyond compiling (the allocator growing), these layers
+    capture_s: float = 0.0  # CUDA graph capture beyond compiling, these layers
+    conformance_s: float = 0.0  # kernel conformance + execution witness beyond compiling, these layers
+    cached_prefill_once_s: float | None = None  # as prefill_once_s, the prefix cache's first pass (None: as that)
     check_s: float = 0.0  # one early-stop check (CPU)
 
 
@@ -168,6 +169,13 @@ def run_pass(tasks: list[TaskLoad], samples: dict[str, float], m: Measured, scal
     return out
 
 
+def first_prefills_s(m: Measured, prefix_cache: bool) -> float:
+    """The first prefills' extra (these layers) on the path a gate with or without a prefix cache prefills by."""
+    if prefix_cache and m.cached_prefill_once_s is not None:
+        return m.cached_prefill_once_s
+    return m.prefill_once_s
+
+
 def project(tasks: list[TaskLoad], rounds: Rounds, m: Measured, total_layers: int, per_replica: int, gpus: int,
             lengths: str = "expected", prefix_cache: bool = False) -> Projection:
     """The whole gate on ``gpus`` GPUs, ``per_replica`` of them holding one copy of the model."""
@@ -183,7 +191,7 @@ def project(tasks: list[TaskLoad], rounds: Rounds, m: Measured, total_layers: in
     base = at(rounds.baseline, rounds.runs)
     decisions = (1 + rounds.looks) * rounds.decide_s + m.check_s
     load = m.load_s * scale  # the copies load side by side
-    once = load + m.compile_s + (m.prefill_once_s + m.capture_s + m.conformance_s) * scale
+    once = load + m.compile_s + (first_prefills_s(m, prefix_cache) + m.capture_s + m.conformance_s) * scale
     # calibrate: the baseline's A/A (two greedy passes) and two sampled passes at each round's k, on every task
     calibration = load + m.compile_s + 2 * at(every).seconds + sum(
         2 * at({t.name: float(k) for t in tasks}).seconds for k in rounds.round_ks)
@@ -336,10 +344,14 @@ def describe_inputs(tasks: list[TaskLoad], rounds: Rounds) -> list[str]:
 def describe_once(m: Measured, total_layers: int) -> str:
     """The one-time costs as measured (these layers) and as priced for the whole model."""
     scale = total_layers / m.layers
-    parts = {"load": m.load_s * scale, "compilation": m.compile_s, "first prefills' extra": m.prefill_once_s * scale,
-             "graph capture": m.capture_s * scale, "conformance + witness": m.conformance_s * scale}
-    return (f"once a gate, for {total_layers} layers (measured on {m.layers} x {scale:.2f}; compilation as measured): "
-            + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()) + f"; early stop's last check {m.check_s:.1f} s")
+    parts = {"load": m.load_s * scale, "compilation": m.compile_s,
+             "first prefills' extra": m.prefill_once_s * scale}
+    if m.cached_prefill_once_s is not None:
+        parts["(with the prefix cache)"] = m.cached_prefill_once_s * scale
+    parts.update({"graph capture": m.capture_s * scale, "conformance + witness": m.conformance_s * scale})
+    return (f"once a gate, for {total_layers} layers (measured on {m.layers} x {scale:.2f}; compilation as measured, "
+            "once a process): " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items())
+            + f"; early stop's last check {m.check_s:.1f} s")
 
 
 def table(tasks: list[TaskLoad], rounds: Rounds, m: Measured, total_layers: int, per_replica: int,
@@ -386,11 +398,13 @@ def main(argv: list[str] | None = None) -> dict:
                    "each prompt from scratch, these layers")
     p.add_argument("--prefix-cache-tokens-per-s", type=float, default=None, help="prompt tokens computed a second "
                    "with a prefix cache (the tokens it leaves), these layers")
-    for name, what in (("load", "loading these layers"), ("compile", "the first prefill's compilation"),
-                       ("prefill-once", "the first prefills' extra (these layers)"),
-                       ("capture", "CUDA graph capture, every bucket (these layers)"),
-                       ("conformance", "kernel conformance + execution witness (these layers)")):
+    for name, what in (("load", "loading these layers"), ("compile", "Triton's compilation (once a process)"),
+                       ("prefill-once", "the first prefills' extra beyond compiling (these layers)"),
+                       ("capture", "CUDA graph capture beyond compiling, every bucket (these layers)"),
+                       ("conformance", "kernel conformance + execution witness beyond compiling (these layers)")):
         p.add_argument(f"--{name}-s", type=float, default=0.0, help=f"seconds of {what}")
+    p.add_argument("--cached-prefill-once-s", type=float, default=None, help="seconds of the prefix cache's first "
+                   "pass beyond its second and compiling (these layers) [default: --prefill-once-s]")
     p.add_argument("--psi", type=float, default=0.06, help="a healthy kernel's flip rate, for the rounds")
     p.add_argument("--reps", type=int, default=16, help="simulated gates for the rounds (0: the greedy pass only)")
     p.add_argument("--moves", default="independent", choices=("independent", "persistent"))
@@ -414,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = gate_rounds(args.psi, args.reps, workers=args.workers, moves=args.moves)
     m = Measured(args.layers, args.batch, args.step_ms / 1e3, args.prefill_tokens_per_s,
                  args.prefix_cache_tokens_per_s, args.load_s, args.compile_s, args.prefill_once_s, args.capture_s,
-                 args.conformance_s, early_stop_check_s())
+                 args.conformance_s, args.cached_prefill_once_s, early_stop_check_s())
     lines, rows = table(tasks, rounds, m, args.total_layers, args.per_replica,
                         (False, True) if args.prefix_cache_tokens_per_s else (False,))
     for line in [*describe_inputs(tasks, rounds), describe_once(m, args.total_layers), *lines]:

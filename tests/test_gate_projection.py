@@ -135,3 +135,51 @@ def test_the_benchmark_rows_feed_the_projection():
     assert (m.load_s, m.prefill_once_s, m.conformance_s, m.check_s) == (60.0, 3.0, 1.5, 1.1)
     cached = script.measured_for(dict(row, prefix_cache_tokens_per_s=9000.0), {}, 12, 0.0)
     assert cached.cached_prefill_tokens_per_s == 9000.0 and cached.load_s == 0.0
+    assert cached.cached_prefill_once_s is None
+
+
+def test_compilation_is_priced_once_and_the_rest_by_the_layers():
+    import dsv4_flash_fullwidth as script
+
+    rows = [{"batch": 256, "step_ms": 29.0, "prefill_tokens_per_s": 2900.0, "prefill_once_s": 3.0,
+             "prefix_cache_tokens_per_s": 9000.0, "prompt_cache_once_s": 0.5,
+             "capture_s": 0.7, "capture_compile_s": 9.0},
+            {"batch": 1, "step_ms": 5.0, "prefill_tokens_per_s": 2900.0, "capture_s": 0.4, "capture_compile_s": 3.0}]
+    # buckets 256 and 1 measured (in the run's compile_s); 128, 64, ..., 2 compile as the second one did
+    capture = script.capture_parts(rows, 256)
+    assert capture == (0.7, pytest.approx(7 * 3.0))
+    assert script.capture_parts(rows, 1) == (0.7, 0.0)
+    m = script.measured_for(rows[0], {"compile_s": 40.0, "conformance_s": 2.0}, 12, 0.0, capture)
+    assert (m.compile_s, m.capture_s, m.cached_prefill_once_s) == (pytest.approx(61.0), pytest.approx(0.7 * 9), 0.5)
+    scale = 43 / 12
+    for cache, first in ((False, 3.0), (True, 0.5)):  # each path's own first prefills
+        p = gp.project(TASKS, ROUNDS, m, 43, 2, 2, "expected", cache)
+        assert p.once_s == pytest.approx(61.0 + (first + 0.7 * 9 + 2.0) * scale)
+    # rows without the compilation timed apart: the fastest capture a bucket's, the rest of the first compiling
+    old = [{k: v for k, v in r.items() if k != "capture_compile_s"} for r in rows]
+    assert script.capture_parts(old, 256) == (0.4, pytest.approx(0.3))
+    assert script.capture_parts([{"batch": 1}], 1) == (0.0, 0.0)
+    assert script._buckets(256) == {1, 2, 4, 8, 16, 32, 64, 128, 256} and script._buckets(3) == {1, 2, 3}
+
+
+def test_the_compile_clock_times_each_compilation(monkeypatch):
+    import time
+
+    from compile_clock import CompileClock
+    from triton.runtime.jit import JITFunction
+
+    def slow_compile(fn, *args, **kwargs):
+        time.sleep(0.05)
+        return "binary"
+
+    monkeypatch.setattr(JITFunction, "_do_compile", slow_compile)
+    kernel = type("K", (), {"__name__": "my_kernel"})()
+    with CompileClock() as clock:
+        assert JITFunction._do_compile(kernel, "key") == "binary"
+        mark = clock.seconds
+        JITFunction._do_compile(kernel, "key2")
+        assert clock.since(mark) >= 0.05
+        clock.exclude(clock.since(mark))
+    assert JITFunction._do_compile is slow_compile  # restored
+    assert clock.seconds >= 0.1 and clock.kernels == {"my_kernel": 2}
+    assert clock.counted() == pytest.approx(mark)
