@@ -125,7 +125,10 @@ TILINGS = [{"bk": 128, "warps": 4, "stages": 3}, {"bk": 128, "warps": 4, "stages
            {"bn": 256, "bn2": 128}, {"bn": 256, "bn2": 256, "warps": 8}, {"bn": 64, "bn2": 64, "bk": 256, "stages": 2},
            # split K (programs per SM; 0: never): decoding's small grids (--tokens 1,16,256)
            {"split_k": 0}, {"split_k": 2}, {"split_k": 4}, {"split_k": 8}, {"split_k": 16}, {"split_k": 32},
-           {"split_k": 8, "bn": 64, "bn2": 64}, {"split_k": 16, "bk": 64, "stages": 4}]
+           {"split_k": 8, "bn": 64, "bn2": 64}, {"split_k": 16, "bk": 64, "stages": 4},
+           # more bytes in flight for decoding's few rows a tile (--tokens 256)
+           {"stages": 5}, {"bn2": 256}, {"bn2": 256, "bk2": 256, "stages": 2}, {"warps": 2, "stages": 4},
+           {"bk": 256, "stages": 3}, {"bk": 256, "bk2": 256, "stages": 4}]
 
 
 def sweep(module, name, x, idx, w, repeat, base, keys=()) -> None:
