@@ -18,8 +18,9 @@ decoding steps (median) from each cache of ``--cache`` (transformers'; per-row s
 CUDA graph of the whole step; the slots' steps once per ``--fused`` choice of hyper-connection, RMSNorm, RoPE,
 compressor and attention forwards), and hold each step against its weight-read floor (``step_floor``), with
 the copy bandwidth of the device measured in this run; then
-project the whole gate (GSM8K + HumanEval, the rounds at ``--psi``, one-time costs) of the whole model on 2
-and 4 H200s (``project_rows``, ``gate_projection.py``); (8) ``--fp8-cost``:
+project the whole gate (GSM8K + HumanEval, the rounds at ``--psi``, one-time costs: Triton's compilation timed
+apart by ``compile_clock.CompileClock`` and priced once a process, the rest scaled with the layers) of the
+whole model on 2 and 4 H200s (``project_rows``, ``gate_projection.py``); (8) ``--fp8-cost``:
 each dense FP8 linear of a CSA layer timed at 1 and 256 rows in canonical numerics, in PyTorch's (dequantized
 when read, then a BF16 matmul) and through transformers' own FP8 path where it can run (``fp8_linear_cost``);
 (9) ``--aa N``: the model loaded again with canonical numerics decodes N canary GSM8K items at batch 1 and at
