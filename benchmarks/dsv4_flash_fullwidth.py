@@ -745,8 +745,7 @@ def measured_for(row: dict, figures: dict, layers: int, check_s: float, capture:
     import gate_projection as gp
 
     buckets = len(_buckets(row["batch"]))
-    compile_s = figures.get("compile_s")
-    compile_s = row.get("warmup_s", 0.0) + capture[1] if compile_s is None else compile_s + capture[1]
+    compile_s = figures.get("compile_s", row.get("warmup_s", 0.0)) + capture[1]
     return gp.Measured(layers=layers, batch=row["batch"], step_s=row["step_ms"] / 1e3,
                        prefill_tokens_per_s=row.get("prefill_again_tokens_per_s", row["prefill_tokens_per_s"]),
                        cached_prefill_tokens_per_s=row.get("prefix_cache_tokens_per_s"),
