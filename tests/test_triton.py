@@ -85,6 +85,57 @@ def test_quantizer_gives_the_codes_and_bytes_of_formats_quantize(fmt, rule):
         assert (zero[0, 0, :32] != even[0, 0, :32]).nonzero().flatten().tolist() == [0, 1, 2, 12, 17]
 
 
+# --- the weight decoder's PTX, read by a model of its instructions ---------------------------------------
+
+_U32 = 0xFFFFFFFF
+
+
+def _prmt(a: int, b: int, c: int) -> int:
+    """PTX prmt.b32 (default mode): byte i of the result is byte c[4i+2:4i] of {b, a}, or that byte's sign
+    replicated where c[4i+3] is set."""
+    pool = [(a >> 8 * i) & 255 for i in range(4)] + [(b >> 8 * i) & 255 for i in range(4)]
+    out = 0
+    for i in range(4):
+        sel = (c >> 4 * i) & 15
+        byte = pool[sel & 7]
+        out |= ((255 if byte & 128 else 0) if sel & 8 else byte) << 8 * i
+    return out
+
+
+def _run_ptx(asm: str, operands: dict) -> dict:
+    """Run the straight-line b32/u32 PTX of an inline-asm block on Python ints (the instructions
+    _WORDS_ASM uses); operands: "$k" -> value. Returns every register written."""
+    regs = dict(operands)
+    ops = {"mov": lambda a: a, "xor": lambda a, b: a ^ b, "or": lambda a, b: a | b, "and": lambda a, b: a & b,
+           "sub": lambda a, b: (a - b) & _U32, "shl": lambda a, b: (a << b) & _U32, "shr": lambda a, b: a >> b,
+           "prmt": _prmt}
+    for line in asm.strip().strip("{}").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        value = lambda t: int(t, 0) if t[0].isdigit() else regs[t]  # noqa: E731
+        regs[dst] = ops[op.split(".")[0]](*map(value, src)) & _U32
+    return regs
+
+
+def test_the_weight_decoders_ptx_gives_the_table_of_shifted_twice_values():
+    """Every code pair of a packed byte in every position of a 32-bit word, at every shift: the PTX the fast
+    GEMMs decode weights with (fast._WORDS_ASM) gives the int8 twice-values, shifted, of the table the
+    interpreter reads (fast.shifted_twice_table), K 8q .. 8q+3 in $0 and 8q+4 .. 8q+7 in $1."""
+    table = fast.shifted_twice_table("cpu").view(4, 16).tolist()
+    asm = fast._WORDS_ASM.value
+    words = [b * 0x01010101 for b in range(256)] + [b << 8 * i for b in range(256) for i in range(4)]
+    g = torch.Generator().manual_seed(3)
+    words += torch.randint(0, 1 << 32, (4000,), generator=g, dtype=torch.int64).tolist()
+    for shift in range(4):
+        for word in words:
+            regs = _run_ptx(asm, {"$2": word, "$3": shift, "$4": shift, "$5": shift, "$6": shift})
+            got = [(regs[out] >> 8 * i) & 255 for out in ("$0", "$1") for i in range(4)]
+            assert got == [table[shift][(word >> 4 * i) & 15] & 255 for i in range(8)], (hex(word), shift)
+
+
 # --- the whole forward, every recipe ----------------------------------------------------------------
 
 

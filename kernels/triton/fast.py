@@ -95,36 +95,35 @@ def bf16_rne(x):
     return r.to(tl.float32, bitcast=True)
 
 
-# One 32-bit word of packed codes (bytes b0..b3: K 8q .. 8q+7, low nibble first) and a word of 4 equal
-# shift bytes -> two words of 4 int8 weights: $0 = K 8q .. 8q+3, $1 = K 8q+4 .. 8q+7. Per half: the 4
-# nibbles' magnitudes pick their twice-values from a byte table (prmt), shifted left by s (<= 96: no
-# carry between bytes), their negations per byte ((0x80 - m) ^ 0x80: no borrow), and a second prmt picks
-# each byte from the magnitude or the negation by the nibble's sign bit.
+# One 32-bit word of packed codes (bytes b0..b3: K 8q .. 8q+7, low nibble first) and its shift s (0..3) -> two
+# words of 4 int8 weights: $0 = K 8q .. 8q+3, $1 = K 8q+4 .. 8q+7. Per half, two byte permutes (prmt) of the
+# table of twice-values pick each nibble's magnitude: one by the nibbles as they are, where a set sign bit
+# makes prmt replicate the table byte's own (clear) sign bit, so the negative codes give 0 (p); one by the
+# nibbles with their sign bits flipped, so the positive codes give 0 (n). Both shift left by s (<= 96: no carry
+# between bytes); n is negated per byte ((0x80 - n) ^ 0x80: no borrow) and or-ed into p. The shift comes as
+# 32 bits (four copies of one value: $3 .. $6, of which $3 is read), so no byte of it is packed.
 _WORDS_ASM = tl.constexpr("""{
-.reg .b32 wt, wm, wn, wsh, wta, wtb, wc, wy;
-mov.b32 wta, 0x03020100;
-mov.b32 wtb, 0x0C080604;
-mov.b32 wc, 0x80808080;
-and.b32 wsh, $3, 3;
-and.b32 wt, $2, 0x7777;
-prmt.b32 wm, wta, wtb, wt;
-shl.b32 wm, wm, wsh;
-sub.u32 wn, wc, wm;
-xor.b32 wn, wn, wc;
-shr.u32 wt, $2, 1;
-and.b32 wt, wt, 0x4444;
-or.b32 wt, wt, 0x3210;
-prmt.b32 $0, wm, wn, wt;
-shr.u32 wy, $2, 16;
-and.b32 wt, wy, 0x7777;
-prmt.b32 wm, wta, wtb, wt;
-shl.b32 wm, wm, wsh;
-sub.u32 wn, wc, wm;
-xor.b32 wn, wn, wc;
-shr.u32 wt, wy, 1;
-and.b32 wt, wt, 0x4444;
-or.b32 wt, wt, 0x3210;
-prmt.b32 $1, wm, wn, wt;
+.reg .b32 ta, tb, c, x, h, p, n;
+mov.b32 ta, 0x03020100;
+mov.b32 tb, 0x0C080604;
+mov.b32 c, 0x80808080;
+xor.b32 x, $2, 0x88888888;
+prmt.b32 p, ta, tb, $2;
+shl.b32 p, p, $3;
+prmt.b32 n, ta, tb, x;
+shl.b32 n, n, $3;
+sub.u32 n, c, n;
+xor.b32 n, n, c;
+or.b32 $0, n, p;
+shr.u32 h, $2, 16;
+prmt.b32 p, ta, tb, h;
+shl.b32 p, p, $3;
+shr.u32 h, x, 16;
+prmt.b32 n, ta, tb, h;
+shl.b32 n, n, $3;
+sub.u32 n, c, n;
+xor.b32 n, n, c;
+or.b32 $1, n, p;
 }""")
 
 
@@ -134,7 +133,7 @@ def _decode_words(W, SW, WLO, LUT, e, wcols, h0, NW: tl.constexpr, K: tl.constex
     """Weights of rows `wcols` of expert e, packed bytes h0..h0+BH (K positions 2 h0 .. 2 (h0 + BH)): twice-
     values shifted left by (byte - the column's lo), in two int8 [BN, BH] tiles: of each 32-bit word q (K
     8q..8q+7), its first 4 K to the first tile and its last 4 to the second, in place of the word's 4
-    bytes. ASM: byte permutes on 4 codes at a time (`_WORDS_ASM`); else the 4 x 16 table LUT (shift,
+    bytes. ASM: byte permutes on 8 codes at a time (`_WORDS_ASM`); else the 4 x 16 table LUT (shift,
     nibble) -> value (the interpreter)."""
     KB: tl.constexpr = K // 32
     G: tl.constexpr = BH // 16
@@ -149,8 +148,8 @@ def _decode_words(W, SW, WLO, LUT, e, wcols, h0, NW: tl.constexpr, K: tl.constex
     row = W + base[:, None, None] * (K // 2) + g[None, :, None] * 16  # [BN, G, 1]
     if ASM:
         packed = tl.load(row + j[None, None, :])  # [BN, G, 16]
-        s8 = shift.to(tl.int8)[:, :, None] + tl.zeros([BN, G, 16], dtype=tl.int8)
-        w0, w1 = tl.inline_asm_elementwise(_WORDS_ASM, "=r,=r,r,r", [packed, s8], dtype=(tl.int8, tl.int8),
+        s32 = tl.broadcast_to(shift[:, :, None], [BN, G, 16])
+        w0, w1 = tl.inline_asm_elementwise(_WORDS_ASM, "=r,=r,r,r,r,r,r", [packed, s32], dtype=(tl.int8, tl.int8),
                                            is_pure=True, pack=4)
     else:
         src = (j // 4) * 4 + (j % 4) // 2  # byte of the first 4 K of each word; +2 for the last 4
