@@ -1,0 +1,30 @@
+"""benchmarks/gemm_sass.py: the fast MoE GEMMs compiled for sm_90 on a machine without a GPU, their K loop
+counted (a fresh process: Triton's interpreter, which the kernel tests turn on, would change the tilings)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_decoding_tiles_k_loop_is_counted_without_a_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gemm_sass.py"), "--rows", "16", "--limbs", "1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("L1 ", "L2 "))]
+    assert [r[0] for r in rows] == ["L1", "L2"]
+    for _, tile_rows, limbs, half, *_tiling, loop, per_word, spills in (r[:11] for r in rows):
+        assert (tile_rows, limbs, half) == ("16", "1", "0")
+        assert int(loop) > 0 and float(per_word) > 0
+        assert spills == "0"  # a decoding tile's accumulators and decoded weights fit the registers
+    for r in rows:
+        assert "PRMT" in r[11:]  # the loop counted is the one that decodes the weights (their byte permutes)
