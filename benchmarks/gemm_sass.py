@@ -2,6 +2,7 @@
 
     python benchmarks/gemm_sass.py                                # L1 and L2 at decoding's and prefill's tiles
     python benchmarks/gemm_sass.py --rows 16 --limbs 1 --dump /tmp/sass   # also write each SASS listing
+    python benchmarks/gemm_sass.py --rows 16 --split 4                    # decoding's split-K launch (batch 1)
 
 Compiles `fast._l1_kernel` and `fast._l2_kernel` with the tiling a launch of that many rows a tile would take
 (`fast.FAST`, `_tiling`, `_stages`) through Triton and its bundled ptxas for sm_90, with the pointers' 16-byte
@@ -38,15 +39,16 @@ ARG_TYPES = {
 _INSTRUCTION = re.compile(r"^\S+\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
-def constants(l1: bool, rows: int, limbs: int, half: int) -> tuple[dict, int, int]:
-    """(constexprs, warps, stages) of a launch with tiles of `rows` rows on `limbs` limbs (unsplit K)."""
+def constants(l1: bool, rows: int, limbs: int, half: int, split: int = 1) -> tuple[dict, int, int]:
+    """(constexprs, warps, stages) of a launch with tiles of `rows` rows on `limbs` limbs, K over `split`
+    programs (split: one launch of the most limbs, each tile running its own, as `fast._launch_limbs`)."""
     n, k = (INTERMEDIATE, HIDDEN) if l1 else (HIDDEN, INTERMEDIATE)
     bn, bk, warps, stages = fast._tiling(n, k, l1, rows)
     if not l1:
         bn = min(fast.FAST.get("bn2") or bn, n)
         bk = min(fast.FAST.get("bk2") or bk, k)
     stages, bk = fast._stages(fast.FAST["stages"], limbs, rows, 2 * bn if l1 else bn, bk)
-    shared = dict(K=k, BM=rows, BN=bn, BK=bk, LIMBS=limbs, SCALE_FAULT=False, ASM=True, SPLIT=1, DYN=False)
+    shared = dict(K=k, BM=rows, BN=bn, BK=bk, LIMBS=limbs, SCALE_FAULT=False, ASM=True, SPLIT=split, DYN=split > 1)
     if l1:
         return dict(shared, I=n, HAS_LIMIT=True, LIMIT=10.0, SILU_LIMIT=fast.silu_of(10.0), E4M3=False, DIV=False,
                     F=6.0, INV_F=1 / 6.0, CLAMP_LO=0, CLAMP_HI=255, FLOOR=0.0), warps, stages
@@ -86,16 +88,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="16,128", help="rows a tile (16: decoding, 128: a prompt-cache call)")
     p.add_argument("--limbs", default="1,2", help="activation limbs the tile's rows need")
+    p.add_argument("--split", type=int, default=1, help="K over this many programs (decoding's small grids: 4), "
+                   "one launch of the most limbs")
     p.add_argument("--dump", default=None, help="a folder: write each kernel's SASS there")
     args = p.parse_args(argv)
     print(f"Triton {triton.__version__}, sm_90, FAST {fast.FAST}")
     print(f"{'kernel':6s} {'rows':>4s} {'limbs':>5s} {'half':>4s} {'BN':>4s} {'BK':>4s} {'st':>3s} {'warps':>5s} "
           f"{'loop':>5s} {'/word':>6s} {'spills':>6s}  busiest opcodes")
     for rows in (int(v) for v in args.rows.split(",")):
-        for limbs in (int(v) for v in args.limbs.split(",")):
-            halves = [1, 2] if fast.halves("e2m1", rows) and limbs > 1 else [0]
+        counts = [fast.limb_counts("e2m1")[-1]] if args.split > 1 else [int(v) for v in args.limbs.split(",")]
+        for limbs in counts:
+            halves = [1, 2] if fast.halves("e2m1", rows) and limbs > 1 and args.split == 1 else [0]
             for name, l1, half in [("L1", True, 0)] + [("L2", False, h) for h in halves]:
-                const, warps, stages = constants(l1, rows, limbs, half)
+                const, warps, stages = constants(l1, rows, limbs, half, args.split)
                 compiled = compile_sm90(fast._l1_kernel if l1 else fast._l2_kernel, const, warps, stages)
                 sass = compiled.asm["sass"]
                 ops, spills = loop_counts(sass)

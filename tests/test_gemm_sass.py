@@ -15,15 +15,18 @@ if importlib.util.find_spec("triton") is None:
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_the_decoding_tiles_k_loop_is_counted_without_a_gpu():
+@pytest.mark.parametrize("split, limbs", [(1, "1"), (4, "3")])
+def test_the_decoding_tiles_k_loop_is_counted_without_a_gpu(split, limbs):
+    """Decoding's tiles of 16 rows: unsplit on 1 limb (batch 256), and split K in one launch of the most
+    limbs (batch 1): both GEMMs counted, their loop the one that decodes weights, no register spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gemm_sass.py"), "--rows", "16", "--limbs", "1"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gemm_sass.py"), "--rows", "16", "--limbs", "1",
+                           "--split", str(split)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("L1 ", "L2 "))]
     assert [r[0] for r in rows] == ["L1", "L2"]
-    for _, tile_rows, limbs, half, *_tiling, loop, per_word, spills in (r[:11] for r in rows):
-        assert (tile_rows, limbs, half) == ("16", "1", "0")
+    for _, tile_rows, tile_limbs, half, *_tiling, loop, per_word, spills in (r[:11] for r in rows):
+        assert (tile_rows, tile_limbs, half) == ("16", limbs, "0")
         assert int(loop) > 0 and float(per_word) > 0
         assert spills == "0"  # a decoding tile's accumulators and decoded weights fit the registers
     for r in rows:
