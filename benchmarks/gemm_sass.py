@@ -44,9 +44,6 @@ def constants(l1: bool, rows: int, limbs: int, half: int, split: int = 1) -> tup
     programs (split: one launch of the most limbs, each tile running its own, as `fast._launch_limbs`)."""
     n, k = (INTERMEDIATE, HIDDEN) if l1 else (HIDDEN, INTERMEDIATE)
     bn, bk, warps, stages = fast._tiling(n, k, l1, rows)
-    if not l1:
-        bn = min(fast.FAST.get("bn2") or bn, n)
-        bk = min(fast.FAST.get("bk2") or bk, k)
     stages, bk = fast._stages(fast.FAST["stages"], limbs, rows, 2 * bn if l1 else bn, bk)
     shared = dict(K=k, BM=rows, BN=bn, BK=bk, LIMBS=limbs, SCALE_FAULT=False, ASM=True, SPLIT=split, DYN=split > 1)
     if l1:

@@ -644,7 +644,8 @@ def silu_of(value: float) -> float:
 
 
 def _tiling(n: int, k: int, l1: bool, bm: int):
-    """(BN, BK, warps, stages) for an N of n columns (L1: per half), K of k and tiles of bm rows."""
+    """(BN, BK, warps, stages) for an N of n columns (L1: per half), K of k and tiles of bm rows; L2 on a GPU
+    takes FAST["bn2"] / FAST["bk2"] where set."""
     if interpreted():
         bn, bk, warps, stages = min(triton.next_power_of_2(n), 256), min(k, 512), 4, 1
     else:
@@ -657,6 +658,9 @@ def _tiling(n: int, k: int, l1: bool, bm: int):
         bk //= 2
     if bn < 32 or bk < 64:
         raise ValueError(f"fast GEMM: N={n}, K={k} need multiples of 32 and 64")
+    if not l1 and not interpreted():
+        bn = min(FAST.get("bn2") or bn, n)
+        bk = min(FAST.get("bk2") or bk, k)
     return bn, bk, warps, stages
 
 
@@ -766,10 +770,6 @@ def l2_gemm(a_limbs, p, need, slot, fp4, bases: ColumnBases, tiles, bm: int, sca
     _, s, k = a_limbs.shape
     n = fp4.w2.shape[1]
     bn, bk, warps, stages = _tiling(n, k, False, bm)
-    if not interpreted() and FAST.get("bn2"):
-        bn = min(FAST["bn2"], n)
-    if not interpreted() and FAST.get("bk2"):
-        bk = min(FAST["bk2"], k)
     dev = out_bits.device
     split = 1
     if not halves:
