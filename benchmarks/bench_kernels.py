@@ -128,7 +128,9 @@ TILINGS = [{"bk": 128, "warps": 4, "stages": 3}, {"bk": 128, "warps": 4, "stages
            {"split_k": 8, "bn": 64, "bn2": 64}, {"split_k": 16, "bk": 64, "stages": 4},
            # more bytes in flight for decoding's few rows a tile (--tokens 256)
            {"stages": 5}, {"bn2": 256}, {"bn2": 256, "bk2": 256, "stages": 2}, {"warps": 2, "stages": 4},
-           {"bk": 256, "stages": 3}, {"bk": 256, "bk2": 256, "stages": 4}]
+           {"bk": 256, "stages": 3}, {"bk": 256, "bk2": 256, "stages": 4},
+           # a register cap: more programs an SM, at the cost of the spills gemm_sass.py counts
+           {"maxnreg": 80}, {"maxnreg": 96}, {"maxnreg": 104}, {"maxnreg": 112}]
 
 
 def sweep(module, name, x, idx, w, repeat, base, keys=()) -> None:

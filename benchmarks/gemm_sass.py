@@ -61,7 +61,8 @@ def compile_sm90(kernel, const: dict, warps: int, stages: int):
     aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a not in const}
     source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
                        constexprs={(names.index(a),): v for a, v in const.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    options = dict(num_warps=warps, num_stages=stages, **fast._regs())
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def loop_counts(sass: str) -> tuple[collections.Counter, int]:
@@ -81,17 +82,25 @@ def loop_counts(sass: str) -> tuple[collections.Counter, int]:
     return ops, spills
 
 
+def registers(sass: str) -> int:
+    """Registers a thread uses: one past the highest numbered in the listing (RZ aside)."""
+    return 1 + max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=-1)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="16,128", help="rows a tile (16: decoding, 128: a prompt-cache call)")
     p.add_argument("--limbs", default="1,2", help="activation limbs the tile's rows need")
     p.add_argument("--split", type=int, default=1, help="K over this many programs (decoding's small grids: 4), "
                    "one launch of the most limbs")
+    p.add_argument("--maxnreg", type=int, default=None, help="compile under this register cap (FAST['maxnreg'])")
     p.add_argument("--dump", default=None, help="a folder: write each kernel's SASS there")
     args = p.parse_args(argv)
+    if args.maxnreg is not None:
+        fast.FAST["maxnreg"] = args.maxnreg
     print(f"Triton {triton.__version__}, sm_90, FAST {fast.FAST}")
     print(f"{'kernel':6s} {'rows':>4s} {'limbs':>5s} {'half':>4s} {'BN':>4s} {'BK':>4s} {'st':>3s} {'warps':>5s} "
-          f"{'loop':>5s} {'/word':>6s} {'spills':>6s}  busiest opcodes")
+          f"{'regs':>4s} {'loop':>5s} {'/word':>6s} {'spills':>6s}  busiest opcodes")
     for rows in (int(v) for v in args.rows.split(",")):
         counts = [fast.limb_counts("e2m1")[-1]] if args.split > 1 else [int(v) for v in args.limbs.split(",")]
         for limbs in counts:
@@ -106,7 +115,7 @@ def main(argv=None) -> int:
                 words = cols * const["BK"] // 8 // (32 * warps)  # packed 32-bit words a thread decodes a K step
                 busiest = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
                 print(f"{name:6s} {rows:4d} {limbs:5d} {half:4d} {const['BN']:4d} {const['BK']:4d} {stages:3d} "
-                      f"{warps:5d} {loop:5d} {loop / words:6.1f} {spills:6d}  {busiest}", flush=True)
+                      f"{warps:5d} {registers(sass):4d} {loop:5d} {loop / words:6.1f} {spills:6d}  {busiest}", flush=True)
                 if args.dump:
                     out = Path(args.dump)
                     out.mkdir(parents=True, exist_ok=True)

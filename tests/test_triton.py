@@ -107,7 +107,7 @@ def _run_ptx(asm: str, operands: dict) -> dict:
     _WORDS_ASM uses); operands: "$k" -> value. Returns every register written."""
     regs = dict(operands)
     ops = {"mov": lambda a: a, "xor": lambda a, b: a ^ b, "or": lambda a, b: a | b, "and": lambda a, b: a & b,
-           "sub": lambda a, b: (a - b) & _U32, "shl": lambda a, b: (a << b) & _U32, "shr": lambda a, b: a >> b,
+           "sub": lambda a, b: (a - b) & _U32, "shl": lambda a, b: (a << min(b, 32)) & _U32, "shr": lambda a, b: a >> min(b, 32),
            "prmt": _prmt}
     for line in asm.strip().strip("{}").split(";"):
         line = line.strip()
@@ -134,6 +134,12 @@ def test_the_weight_decoders_ptx_gives_the_table_of_shifted_twice_values():
             regs = _run_ptx(asm, {"$2": word, "$3": shift, "$4": shift, "$5": shift, "$6": shift})
             got = [(regs[out] >> 8 * i) & 255 for out in ("$0", "$1") for i in range(4)]
             assert got == [table[shift][(word >> 4 * i) & 15] & 255 for i in range(8)], (hex(word), shift)
+    # a group of zero codes (+0 and -0) takes its byte - the column's lo unclamped: below 0 or above 3
+    zeros = [sum(((m >> i) & 1) << (4 * i + 3) for i in range(8)) for m in range(256)]
+    for shift in [*range(-255, 0), *range(4, 256)]:
+        for word in zeros[::17] + [zeros[(shift * 7) % 256]]:
+            regs = _run_ptx(asm, {f"${i}": shift & _U32 for i in range(3, 7)} | {"$2": word})
+            assert regs["$0"] == regs["$1"] == 0, (hex(word), shift)
 
 
 # --- the whole forward, every recipe ----------------------------------------------------------------

@@ -68,7 +68,9 @@ from .quantize import group_codes, pow2_f32
 # 4 warps and a K step of 128 for every tile size: one DSV4-Flash layer at 4096 tokens (tiles of 128 rows)
 # took 5.6-5.7 ms on the H200 where 8 warps and a K step of 256 took 7.4-7.7 ms (both replaying a CUDA graph)
 FAST = {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 128, "bk2": 0, "warps": 4, "stages": 3,
-        "half2": 128, "split_k": 8}
+        "half2": 128, "split_k": 8, "maxnreg": 0}
+# maxnreg: the registers a thread of the GEMMs may hold (0: as the compiler chooses); fewer registers, more
+# programs an SM (benchmarks/gemm_sass.py counts the spills a cap costs)
 # split_k: a GEMM whose grid of (tile, column block) programs is small splits each program's K loop over SPLIT
 # programs (a power of two), keeping the grid within split_k programs per SM (0: never split; `_split_k`):
 # few rows per expert (decoding) leave a few dozen tiles x N / BN programs, each a long serial K loop; the
@@ -95,32 +97,32 @@ def bf16_rne(x):
     return r.to(tl.float32, bitcast=True)
 
 
-# One 32-bit word of packed codes (bytes b0..b3: K 8q .. 8q+7, low nibble first) and its shift s (0..3) -> two
-# words of 4 int8 weights: $0 = K 8q .. 8q+3, $1 = K 8q+4 .. 8q+7. Per half, two byte permutes (prmt) of the
-# table of twice-values pick each nibble's magnitude: one by the nibbles as they are, where a set sign bit
-# makes prmt replicate the table byte's own (clear) sign bit, so the negative codes give 0 (p); one by the
-# nibbles with their sign bits flipped, so the positive codes give 0 (n). Both shift left by s (<= 96: no carry
-# between bytes); n is negated per byte ((0x80 - n) ^ 0x80: no borrow) and or-ed into p. The shift comes as
-# 32 bits (four copies of one value: $3 .. $6, of which $3 is read), so no byte of it is packed.
+# One 32-bit word of packed codes (bytes b0..b3: K 8q .. 8q+7, low nibble first) and its shift s -> two words of
+# 4 int8 weights: $0 = K 8q .. 8q+3, $1 = K 8q+4 .. 8q+7. The table of twice-values (bytes 0 1 2 3 4 6 8 12) is
+# shifted left by s first (<= 96: no carry between bytes). Per half, two byte permutes (prmt) of it pick each
+# nibble's magnitude: one by the nibbles as they are, where a set sign bit makes prmt replicate the table byte's
+# own (clear) sign bit, so the negative codes give 0 (p); one by the nibbles with their sign bits flipped, so
+# the positive codes give 0 (n); n is negated per byte ((0x80 - n) ^ 0x80: no borrow) and or-ed into p.
+# s = the group's byte - the column's lo, as 32 bits ($3; $4 .. $6 are copies): 0..3 wherever a code is not
+# zero (the fast path's experts); a group of zero codes may have any s, as table byte 0 is 0 under any shift
+# (shl.b32 clamps the amount, read unsigned, to 32), so no clamp is spent on it.
 _WORDS_ASM = tl.constexpr("""{
 .reg .b32 ta, tb, c, x, h, p, n;
 mov.b32 ta, 0x03020100;
 mov.b32 tb, 0x0C080604;
+shl.b32 ta, ta, $3;
+shl.b32 tb, tb, $3;
 mov.b32 c, 0x80808080;
 xor.b32 x, $2, 0x88888888;
 prmt.b32 p, ta, tb, $2;
-shl.b32 p, p, $3;
 prmt.b32 n, ta, tb, x;
-shl.b32 n, n, $3;
 sub.u32 n, c, n;
 xor.b32 n, n, c;
 or.b32 $0, n, p;
 shr.u32 h, $2, 16;
 prmt.b32 p, ta, tb, h;
-shl.b32 p, p, $3;
 shr.u32 h, x, 16;
 prmt.b32 n, ta, tb, h;
-shl.b32 n, n, $3;
 sub.u32 n, c, n;
 xor.b32 n, n, c;
 or.b32 $1, n, p;
@@ -144,14 +146,14 @@ def _decode_words(W, SW, WLO, LUT, e, wcols, h0, NW: tl.constexpr, K: tl.constex
     if SCALE_FAULT:
         sw = tl.where(wcols[:, None] % KB == g[None, :], tl.minimum(sw + 1, 254), sw)
     lo = tl.load(WLO + base).to(tl.int32)
-    shift = tl.minimum(tl.maximum(sw - lo[:, None], 0), 3)
     row = W + base[:, None, None] * (K // 2) + g[None, :, None] * 16  # [BN, G, 1]
     if ASM:
         packed = tl.load(row + j[None, None, :])  # [BN, G, 16]
-        s32 = tl.broadcast_to(shift[:, :, None], [BN, G, 16])
+        s32 = tl.broadcast_to((sw - lo[:, None])[:, :, None], [BN, G, 16])  # unclamped: see _WORDS_ASM
         w0, w1 = tl.inline_asm_elementwise(_WORDS_ASM, "=r,=r,r,r,r,r,r", [packed, s32], dtype=(tl.int8, tl.int8),
                                            is_pure=True, pack=4)
     else:
+        shift = tl.minimum(tl.maximum(sw - lo[:, None], 0), 3)
         src = (j // 4) * 4 + (j % 4) // 2  # byte of the first 4 K of each word; +2 for the last 4
         nib = (j % 2) * 4
         lut = LUT + shift[:, :, None] * 16
@@ -725,6 +727,11 @@ def _asm() -> bool:
     return not interpreted()
 
 
+def _regs() -> dict:
+    """The GEMM launches' register cap (FAST["maxnreg"]), a compiler option the interpreter has not."""
+    return {"maxnreg": FAST["maxnreg"]} if FAST["maxnreg"] and not interpreted() else {}
+
+
 def l1_gemm(a_limbs, a_row, p, need, router_w, fp4, bases: ColumnBases, tiles, bm: int, scale_fault, fmt_in: str,
             fmt_out: str, limit, q, q_bytes, hi, lo):
     """Fast rows (need > 0) of the L1 GEMM with the steps 4-6 epilogue, written into q [QLIMBS, S, I] (int8
@@ -754,7 +761,7 @@ def l1_gemm(a_limbs, a_row, p, need, router_w, fp4, bases: ColumnBases, tiles, b
             a_limbs, a_row, t * k, p, need, router_w, fp4.w1, fp4.w1_scale, bases.lo, shifted_twice_table(dev),
             silu_table(dev), *tiles, q, s * i, q_bytes, hi, lo, acc, s * 2 * i,
             K=k, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, ASM=_asm(), SPLIT=split, **epilogue,
-            DYN=split > 1, num_warps=warps, num_stages=stages)
+            DYN=split > 1, num_warps=warps, num_stages=stages, **_regs())
     if split > 1:
         _l1_split_epilogue[(tiles[0].numel(), i // bn)](
             acc, s * 2 * i, p, need, router_w, bases.lo, silu_table(dev), *tiles, q, s * i, q_bytes, hi, lo,
@@ -785,7 +792,7 @@ def l2_gemm(a_limbs, p, need, slot, fp4, bases: ColumnBases, tiles, bm: int, sca
                 *tiles, out_bits, slot if a_row is None else a_row, acc, s * n, N=n, K=k,
                 BM=bm, BN=bn, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, ASM=_asm(),
                 GATHER=a_row is not None, HALF=half, SPLIT=split, DYN=split > 1, num_warps=warps,
-                num_stages=stages)
+                num_stages=stages, **_regs())
     if split > 1:
         _l2_split_epilogue[(tiles[0].numel(), n // bn)](acc, s * n, p, need, slot, bases.lo, *tiles, out_bits, N=n,
                                                         BM=bm, BN=bn, num_warps=4)
