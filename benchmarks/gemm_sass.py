@@ -61,7 +61,7 @@ def compile_sm90(kernel, const: dict, warps: int, stages: int):
     aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a not in const}
     source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
                        constexprs={(names.index(a),): v for a, v in const.items()})
-    options = dict(num_warps=warps, num_stages=stages, **fast._regs())
+    options = dict(num_warps=warps, num_stages=stages, **fast._regs(const["BM"]))
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 

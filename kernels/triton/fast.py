@@ -69,8 +69,9 @@ from .quantize import group_codes, pow2_f32
 # took 5.6-5.7 ms on the H200 where 8 warps and a K step of 256 took 7.4-7.7 ms (both replaying a CUDA graph)
 FAST = {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 128, "bk2": 0, "warps": 4, "stages": 3,
         "half2": 128, "split_k": 8, "maxnreg": 0}
-# maxnreg: the registers a thread of the GEMMs may hold (0: as the compiler chooses); fewer registers, more
-# programs an SM (benchmarks/gemm_sass.py counts the spills a cap costs)
+# maxnreg: the registers a thread may hold in the GEMMs' tiles of at most REGS_CAP_ROWS rows (decoding's;
+# 0: as the compiler chooses): fewer registers, more programs an SM (benchmarks/gemm_sass.py counts the
+# spills a cap costs; a prompt-cache tile of 128 rows holds 128 int32 sums a thread per limb and is never capped)
 # split_k: a GEMM whose grid of (tile, column block) programs is small splits each program's K loop over SPLIT
 # programs (a power of two), keeping the grid within split_k programs per SM (0: never split; `_split_k`):
 # few rows per expert (decoding) leave a few dozen tiles x N / BN programs, each a long serial K loop; the
@@ -79,6 +80,7 @@ FAST = {"bm": 0, "bm_max": 128, "bn": 128, "bn2": 128, "bk": 128, "bk2": 0, "war
 # half2: L2 tiles of at least this many rows (0: none) take each expert's rows widest first, and a tile
 # whose second half needs one limb runs the upper limbs on its first half only (`halves`)
 MAX_W_SHIFT = 3  # 12 * 2^3 = 96 fits an int8
+REGS_CAP_ROWS = 32
 CODE_BITS = {"e2m1": 4, "e4m3": 18}  # |code| < 2^bits
 MAX_LIMBS = 3
 _COLS_ATTR = "_evalgate_triton_column_ranges"
@@ -727,9 +729,10 @@ def _asm() -> bool:
     return not interpreted()
 
 
-def _regs() -> dict:
-    """The GEMM launches' register cap (FAST["maxnreg"]), a compiler option the interpreter has not."""
-    return {"maxnreg": FAST["maxnreg"]} if FAST["maxnreg"] and not interpreted() else {}
+def _regs(bm: int) -> dict:
+    """A GEMM launch's register cap for tiles of bm rows (FAST["maxnreg"]), a compiler option the interpreter
+    has not."""
+    return {"maxnreg": FAST["maxnreg"]} if FAST["maxnreg"] and bm <= REGS_CAP_ROWS and not interpreted() else {}
 
 
 def l1_gemm(a_limbs, a_row, p, need, router_w, fp4, bases: ColumnBases, tiles, bm: int, scale_fault, fmt_in: str,
@@ -761,7 +764,7 @@ def l1_gemm(a_limbs, a_row, p, need, router_w, fp4, bases: ColumnBases, tiles, b
             a_limbs, a_row, t * k, p, need, router_w, fp4.w1, fp4.w1_scale, bases.lo, shifted_twice_table(dev),
             silu_table(dev), *tiles, q, s * i, q_bytes, hi, lo, acc, s * 2 * i,
             K=k, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, ASM=_asm(), SPLIT=split, **epilogue,
-            DYN=split > 1, num_warps=warps, num_stages=stages, **_regs())
+            DYN=split > 1, num_warps=warps, num_stages=stages, **_regs(bm))
     if split > 1:
         _l1_split_epilogue[(tiles[0].numel(), i // bn)](
             acc, s * 2 * i, p, need, router_w, bases.lo, silu_table(dev), *tiles, q, s * i, q_bytes, hi, lo,
@@ -792,7 +795,7 @@ def l2_gemm(a_limbs, p, need, slot, fp4, bases: ColumnBases, tiles, bm: int, sca
                 *tiles, out_bits, slot if a_row is None else a_row, acc, s * n, N=n, K=k,
                 BM=bm, BN=bn, BK=bk, LIMBS=limbs, SCALE_FAULT=scale_fault, ASM=_asm(),
                 GATHER=a_row is not None, HALF=half, SPLIT=split, DYN=split > 1, num_warps=warps,
-                num_stages=stages, **_regs())
+                num_stages=stages, **_regs(bm))
     if split > 1:
         _l2_split_epilogue[(tiles[0].numel(), n // bn)](acc, s * n, p, need, slot, bases.lo, *tiles, out_bits, N=n,
                                                         BM=bm, BN=bn, num_warps=4)
