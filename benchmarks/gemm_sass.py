@@ -8,8 +8,9 @@ Compiles `fast._l1_kernel` and `fast._l2_kernel` with the tiling a launch of tha
 (`fast.FAST`, `_tiling`, `_stages`) through Triton and its bundled ptxas for sm_90, with the pointers' 16-byte
 alignment a real launch specializes on, and counts the SASS of the main K loop (the first backward branch):
 instructions per K step and per 32-bit word of packed weights a thread decodes, the busiest opcodes, and
-register spills (local loads and stores). Prints numbers; not a test. A change to the weight decoder or the
-dot shows here before it is timed on a GPU (bench_kernels.py).
+register spills (local loads and stores), with the registers and the shared memory a program takes. Prints
+numbers; not a test. A change to the weight decoder or the dot shows here before it is timed on a GPU
+(bench_kernels.py).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
         fast.FAST["maxnreg"] = args.maxnreg
     print(f"Triton {triton.__version__}, sm_90, FAST {fast.FAST}")
     print(f"{'kernel':6s} {'rows':>4s} {'limbs':>5s} {'half':>4s} {'BN':>4s} {'BK':>4s} {'st':>3s} {'warps':>5s} "
-          f"{'regs':>4s} {'loop':>5s} {'/word':>6s} {'spills':>6s}  busiest opcodes")
+          f"{'regs':>4s} {'smemKB':>6s} {'loop':>5s} {'/word':>6s} {'spills':>6s}  busiest opcodes")
     for rows in (int(v) for v in args.rows.split(",")):
         counts = [fast.limb_counts("e2m1")[-1]] if args.split > 1 else [int(v) for v in args.limbs.split(",")]
         for limbs in counts:
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
                 words = cols * const["BK"] // 8 // (32 * warps)  # packed 32-bit words a thread decodes a K step
                 busiest = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
                 print(f"{name:6s} {rows:4d} {limbs:5d} {half:4d} {const['BN']:4d} {const['BK']:4d} {stages:3d} "
-                      f"{warps:5d} {registers(sass):4d} {loop:5d} {loop / words:6.1f} {spills:6d}  {busiest}", flush=True)
+                      f"{warps:5d} {registers(sass):4d} {compiled.metadata.shared / 1024:6.1f} {loop:5d} {loop / words:6.1f} {spills:6d}  {busiest}", flush=True)
                 if args.dump:
                     out = Path(args.dump)
                     out.mkdir(parents=True, exist_ok=True)

@@ -29,20 +29,21 @@ def test_the_decoding_tiles_k_loop_is_counted_without_a_gpu(split, limbs):
     limbs (batch 1): both GEMMs counted, their loop the one that decodes weights, no register spills."""
     rows = _counted("--rows", "16", "--limbs", "1", "--split", str(split))
     assert [r[0] for r in rows] == ["L1", "L2"]
-    for _, tile_rows, tile_limbs, half, *_tiling, regs, loop, per_word, spills in (r[:12] for r in rows):
+    for _, tile_rows, tile_limbs, half, *_tiling, regs, smem, loop, per_word, spills in (r[:13] for r in rows):
         assert (tile_rows, tile_limbs, half) == ("16", limbs, "0")
-        assert int(regs) > 0 and int(loop) > 0 and float(per_word) > 0
+        assert int(regs) > 0 and float(smem) > 0 and int(loop) > 0 and float(per_word) > 0
         assert spills == "0"  # a decoding tile's accumulators and decoded weights fit the registers
     for r in rows:
-        assert "PRMT" in r[12:]  # the loop counted is the one that decodes the weights (their byte permutes)
+        assert "PRMT" in r[13:]  # the loop counted is the one that decodes the weights (their byte permutes)
 
 
 def test_a_register_cap_is_compiled_in():
     """--maxnreg (FAST["maxnreg"], a launch's cap) reaches the compiler: 2 limbs on 16 rows take more than 80
     registers a thread uncapped, 80 at most under the cap, and pay for it in spills."""
     free, capped = (_counted("--rows", "16", "--limbs", "2", *cap) for cap in ((), ("--maxnreg", "80")))
-    for (name, *_, regs, _loop, _per_word, spills), (name_c, *_c, regs_c, _loop_c, _pw_c, spills_c) in zip(
-            (r[:12] for r in free), (r[:12] for r in capped)):
+    for (name, *_, regs, _smem, _loop, _per_word, spills), (name_c, *_c, regs_c, _smem_c, _loop_c, _pw_c,
+                                                             spills_c) in zip((r[:13] for r in free),
+                                                                              (r[:13] for r in capped)):
         assert name == name_c
         assert int(regs) > 80 >= int(regs_c)
         assert int(spills_c) > int(spills)
