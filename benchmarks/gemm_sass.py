@@ -115,8 +115,10 @@ def main(argv=None) -> int:
                 cols = 2 * const["BN"] if l1 else const["BN"]
                 words = cols * const["BK"] // 8 // (32 * warps)  # packed 32-bit words a thread decodes a K step
                 busiest = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
+                smem_kb = compiled.metadata.shared / 1024
                 print(f"{name:6s} {rows:4d} {limbs:5d} {half:4d} {const['BN']:4d} {const['BK']:4d} {stages:3d} "
-                      f"{warps:5d} {registers(sass):4d} {compiled.metadata.shared / 1024:6.1f} {loop:5d} {loop / words:6.1f} {spills:6d}  {busiest}", flush=True)
+                      f"{warps:5d} {registers(sass):4d} {smem_kb:6.1f} {loop:5d} {loop / words:6.1f} {spills:6d}  "
+                      f"{busiest}", flush=True)
                 if args.dump:
                     out = Path(args.dump)
                     out.mkdir(parents=True, exist_ok=True)

@@ -107,8 +107,9 @@ def _run_ptx(asm: str, operands: dict) -> dict:
     _WORDS_ASM uses); operands: "$k" -> value. Returns every register written."""
     regs = dict(operands)
     ops = {"mov": lambda a: a, "xor": lambda a, b: a ^ b, "or": lambda a, b: a | b, "and": lambda a, b: a & b,
-           "sub": lambda a, b: (a - b) & _U32, "shl": lambda a, b: (a << min(b, 32)) & _U32, "shr": lambda a, b: a >> min(b, 32),
-           "prmt": _prmt}
+           "sub": lambda a, b: (a - b) & _U32, "prmt": _prmt,
+           # PTX clamps a shift amount, read unsigned, to 32
+           "shl": lambda a, b: (a << min(b, 32)) & _U32, "shr": lambda a, b: a >> min(b, 32)}
     for line in asm.strip().strip("{}").split(";"):
         line = line.strip()
         if not line or line.startswith(".reg"):
