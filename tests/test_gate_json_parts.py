@@ -10,6 +10,7 @@ per task): ``write_pair(root, n_gsm8k=60, n_humaneval=20)`` from ``tests/synthet
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from evalgate import records
@@ -32,6 +33,17 @@ def _today(tmp_path: Path) -> Path:
     return tmp_path / "gate.json"
 
 
+def _same(a, b) -> bool:
+    """Equal, floats to 12 significant digits."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+    return type(a) is type(b) and a == b
+
+
 def test_a_flat_gate_json_reads_in_parts_with_the_verdict_and_numbers_of_today(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no ./thresholds.yaml: the packaged policy, as when the fixture was written
     flat = json.loads(FLAT.read_text())
@@ -44,8 +56,9 @@ def test_a_flat_gate_json_reads_in_parts_with_the_verdict_and_numbers_of_today(t
     assert set(old.decision.tasks) == set(new.decision.tasks) == {"gsm8k", "humaneval"}
     for task in new.decision.tasks:
         then, now = old.decision.tasks[task], new.decision.tasks[task]
-        # every part the same, value for value: the flat form's numbers are today's, in today's places
-        assert then.model_dump() == now.model_dump(), task
+        # every part the same, value for value: the flat form's numbers are today's, in today's places (a
+        # p-value may differ in its last bits between scipy builds)
+        assert _same(then.model_dump(), now.model_dump()), task
         assert then.outcome.verdict == now.outcome.verdict and then.rule.margin == now.rule.margin
         assert then.resolution.aa_psi0 == AA["tasks"][task]["psi0"] and then.statistics.n_samples == 1
     assert old.as_read == flat  # the file itself is read as it is, never rewritten

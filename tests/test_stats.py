@@ -659,15 +659,19 @@ def test_flag_noise_alone_fails_a_healthy_task_at_most_the_checks_share():
 
     n, r = 164, 0.06
     fail = limit = 0.0
+    left_out = 1.0  # the mass of the (new, gone) not decided, counted as FAILs: an upper bound of the FAIL rate
     for new in range(0, 31):
         for gone in range(0, 31 - new):
             mass = multinomial.pmf([new, gone, n - new - gone], n, [r / 2, r / 2, 1 - r])
+            if mass < 1e-7:
+                continue
+            left_out -= mass
             dec = decide("humaneval", counts=Counts(140, 0, 0, 24, n), margin=0.05, base_invalid=flags(n, range(gone)),
                          cand_invalid=flags(n, range(gone, gone + new)), base_truncated=flags(n, []),
                          cand_truncated=flags(n, []))
             fail += mass * (dec.outcome.verdict == "FAIL")
             limit += mass * dec.checks.invalid.over_limit
-    assert fail <= 0.005 and limit > 0.07
+    assert fail + left_out <= 0.005 and limit > 0.07
 
 
 def test_a_rise_within_the_limit_fails_at_most_its_alpha():

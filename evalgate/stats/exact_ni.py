@@ -104,34 +104,66 @@ def _first_c_above(n: int, margin: float, z0: float, strict: bool) -> np.ndarray
     return lo
 
 
-def _tail_mass(n: int, margin: float, first_c: np.ndarray, upper: bool, p_gained: float) -> float:
-    """P(c ≥ first_c(b)) (upper) or P(c < first_c(b)) at the nuisance value p_gained, summed exactly over the
-    trinomial as b ~ Bin(n, p_gained + M), c | b ~ Bin(n − b, p_gained / (1 − p_gained − M))."""
-    b = np.arange(n + 1)
-    p_lost = min(p_gained + margin, 1.0)
-    log_pmf = (gammaln(n + 1) - gammaln(b + 1) - gammaln(n - b + 1) + xlogy(b, p_lost) + xlogy(n - b, 1 - p_lost))
-    live = log_pmf > np.log(TAIL) - 20  # b's beyond carry < 1e-20 of the mass
-    b, pmf, k = b[live], np.exp(log_pmf[live]), first_c[live]
-    given = min(p_gained / (1.0 - p_lost), 1.0) if p_lost < 1 else 0.0
-    m = n - b
-    # P(c ≥ k | b): 1 when k ≤ 0, 0 when k > m; bdtrc(k − 1, m, q) = P(c > k − 1) between
-    inside = np.clip(k - 1, 0, np.maximum(m - 1, 0))
-    sf = np.where(k <= 0, 1.0, np.where(k > m, 0.0, bdtrc(inside, m, given)))
-    return float(np.dot(pmf, sf if upper else 1.0 - sf))
+class _Tail:
+    """One tail of a test, P(c ≥ first_c(b)) (upper) or P(c < first_c(b)), as a function of the nuisance
+    value, summed exactly over the trinomial as b ~ Bin(n, p_gained + M), c | b ~ Bin(n − b, p_gained /
+    (1 − p_gained − M)). What does not depend on the nuisance value is computed once."""
+
+    def __init__(self, n: int, margin: float, first_c: np.ndarray, upper: bool):
+        self.n, self.margin, self.upper = n, margin, upper
+        self.b = np.arange(n + 1)
+        self.log_choose = gammaln(n + 1) - gammaln(self.b + 1) - gammaln(n - self.b + 1)
+        m = n - self.b
+        # P(c ≥ k | b): 1 when k ≤ 0, 0 when k > m; bdtrc(k − 1, m, q) = P(c > k − 1) between
+        self.inside = np.clip(first_c - 1, 0, np.maximum(m - 1, 0))
+        self.m = m
+        self.sure = np.where(first_c <= 0, 1.0, np.where(first_c > m, 0.0, np.nan))  # nan: bdtrc decides
+
+    def _log_pmf(self, p_lost):
+        return self.log_choose + xlogy(self.b, p_lost) + xlogy(self.n - self.b, 1 - p_lost)
+
+    def mass(self, p_gained: float) -> float:
+        p_lost = min(p_gained + self.margin, 1.0)
+        log_pmf = self._log_pmf(p_lost)
+        live = np.flatnonzero(log_pmf > np.log(TAIL) - 20)  # b's beyond carry < 1e-20 of the mass
+        pmf = np.exp(log_pmf[live])
+        given = min(p_gained / (1.0 - p_lost), 1.0) if p_lost < 1 else 0.0
+        sure = self.sure[live]
+        sf = np.where(np.isnan(sure), bdtrc(self.inside[live], self.m[live], given), sure)
+        return float(np.dot(pmf, sf if self.upper else 1.0 - sf))
+
+    def masses(self, grid: np.ndarray) -> np.ndarray:
+        """``mass`` at every nuisance value of ``grid``, the same floats: the live (nuisance value, b) terms
+        of the whole grid at once, then one dot product per nuisance value over its own terms."""
+        p_lost = np.minimum(grid + self.margin, 1.0)
+        log_pmf = self._log_pmf(p_lost[:, None])
+        live = log_pmf > np.log(TAIL) - 20
+        row, col = np.nonzero(live)  # row-major: each nuisance value's live b's ascending, as in ``mass``
+        pmf = np.exp(log_pmf[row, col])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            given = np.where(p_lost < 1, np.minimum(grid / (1.0 - p_lost), 1.0), 0.0)
+        sure = self.sure[col]
+        sf = np.where(np.isnan(sure), bdtrc(self.inside[col], self.m[col], given[row]), sure)
+        tail = sf if self.upper else 1.0 - sf
+        ends = np.cumsum(live.sum(axis=1))
+        starts = ends - live.sum(axis=1)
+        # copies: fresh arrays, as in ``mass``, so the BLAS dot product sums them the same way
+        return np.array([float(np.dot(pmf[s:e].copy(), tail[s:e].copy())) for s, e in zip(starts, ends)])
 
 
 def _supremum(n: int, margin: float, first_c: np.ndarray, upper: bool) -> tuple[float, float]:
     """(sup over p_c of a tail's mass, the p_c reaching it): the grid, then a bounded Brent search in the
     neighbourhood of every local maximum of the grid's values and of its TOP_SEARCHED highest points."""
+    tail = _Tail(n, margin, first_c, upper)
     grid = nuisance_grid(margin)
-    values = np.array([_tail_mass(n, margin, first_c, upper, p) for p in grid])
+    values = tail.masses(grid)
     inner = np.flatnonzero((values[1:-1] >= values[:-2]) & (values[1:-1] >= values[2:])) + 1
     seeds = set(inner.tolist()) | set(np.argsort(values)[-TOP_SEARCHED:].tolist())
     best, where = float(values.max()), float(grid[int(values.argmax())])
     for i in sorted(seeds):
         left, right = grid[max(i - 1, 0)], grid[min(i + 1, grid.size - 1)]
-        found = minimize_scalar(lambda p: -_tail_mass(n, margin, first_c, upper, p), bounds=(left, right),
-                                method="bounded", options={"xatol": 1e-4 * (right - left)})
+        found = minimize_scalar(lambda p: -tail.mass(p), bounds=(left, right), method="bounded",
+                                options={"xatol": 1e-4 * (right - left)})
         if -float(found.fun) > best:
             best, where = -float(found.fun), float(found.x)
     return min(best, 1.0), where
