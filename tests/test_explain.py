@@ -32,13 +32,18 @@ def _run(model, kernel: str, out, tasks=("gsm8k",), limit: int = 6, max_new_toke
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(tiny_model, tmp_path_factory):
-    """Two runs of the tiny random model, W4A8 and packed W4A4, on 6 GSM8K items of 12 tokens."""
+def tiny_runs(tiny_model, tmp_path_factory) -> dict:
+    """Two runs of the tiny random model, W4A8 and packed W4A4, on 6 GSM8K items of 12 tokens: their folders,
+    read (never written) by the fixtures below."""
+    root = tmp_path_factory.mktemp("explain")
+    return {k: _run(tiny_model, k, root / k.replace("/", "-")) for k in KERNELS}
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_runs):
     import evalgate
 
-    root = tmp_path_factory.mktemp("explain")
-    base, cand = (_run(tiny_model, k, root / k.replace("/", "-")) for k in KERNELS)
-    return evalgate.compare(base, cand)
+    return evalgate.compare(*(tiny_runs[k] for k in KERNELS))
 
 
 def _greedy_tokens(model, tokenizer, request) -> list[int]:
@@ -237,7 +242,7 @@ def test_the_report_tags_each_explained_flip_and_shows_the_summary_line(tmp_path
 
 
 @pytest.fixture(scope="module")
-def gate_pair(tiny_model, tmp_path_factory):
+def gate_pair(tiny_runs, tmp_path_factory):
     """Stored runs of the tiny model (W4A8 and packed W4A4, 6 GSM8K items of 12 tokens) rescored so that every
     item whose two texts differ is lost: flips the gate decides on, whose generations really part (the
     replay explains the texts; the scores only make them flips)."""
@@ -246,7 +251,7 @@ def gate_pair(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("gate-explain")
     from evalgate.run.store import load_run
 
-    runs = {k: load_run(_run(tiny_model, k, root / "src" / k)) for k in KERNELS}
+    runs = {k: load_run(tiny_runs[k]) for k in KERNELS}
     texts = {k: {r["doc_id"]: r["resps"] for r in runs[k].records["gsm8k"]} for k in KERNELS}
     differ = [texts["w4a8"][d] != texts["w4a4_packed"][d] for d in sorted(texts["w4a8"])]
     assert any(differ), "the two kernels generated the same text for every item: nothing to explain"
