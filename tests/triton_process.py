@@ -41,8 +41,11 @@ def _server() -> multiprocessing.context.ForkServerContext:
     return _context
 
 
-def _check(code: str, conn) -> None:
-    """In the forked child: run ``code`` as a script, its stdout captured; send (ok, stdout, traceback)."""
+def _check(code: str, environ: dict, conn) -> None:
+    """In the forked child: run ``code`` as a script in the caller's environment as it is now, its stdout
+    captured; send (ok, stdout, traceback)."""
+    os.environ.clear()
+    os.environ.update(environ)
     sys.path.insert(0, TESTS)  # the tests' modules, as PYTHONPATH gave a fresh Python
     out = io.StringIO()
     try:
@@ -58,7 +61,7 @@ def run(setup: str, body: str) -> str:
     the test fails with the check's traceback."""
     ctx = _server()
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_check, args=(setup + textwrap.dedent(body), send))
+    child = ctx.Process(target=_check, args=(setup + textwrap.dedent(body), dict(os.environ), send))
     child.start()
     send.close()
     try:
