@@ -75,27 +75,27 @@ def null_law(n: int, margin: float) -> tuple[tuple[np.ndarray, np.ndarray], ...]
 
 
 @functools.lru_cache(maxsize=256)
-def _stacked_law(n: int, margin: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _stacked_law(n: int, margin: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``null_law`` end to end: (every law's Z values, their CDFs each with a 0 before it, where each law's Z
-    values begin, where each law's CDF begins), for ``_tails`` to take all laws at once."""
+    values begin, where each law's CDF begins, each law's total mass), for ``_tails`` to take all laws at
+    once."""
     laws = null_law(n, margin)
     z = np.concatenate([law[0] for law in laws])
     cdf0 = np.concatenate([np.concatenate([[0.0], law[1]]) for law in laws])
     sizes = np.array([law[0].size for law in laws])
     z_starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    return z, cdf0, z_starts, z_starts + np.arange(sizes.size)
+    return z, cdf0, z_starts, z_starts + np.arange(sizes.size), np.array([law[1][-1] for law in laws])
 
 
 def _tails(n: int, margin: float, z_obs) -> tuple[np.ndarray, np.ndarray]:
     """The grid's suprema: (max over the grid of P(Z ≥ z), max over the grid of P(Z ≤ z)) per z."""
     z_obs = np.atleast_1d(np.asarray(z_obs, dtype=float))
-    z, cdf0, z_starts, cdf_starts = _stacked_law(n, margin)
+    z, cdf0, z_starts, cdf_starts, totals = _stacked_law(n, margin)
     if z_obs.size * z.size > 4_000_000:  # a whole table of Z values: one law at a time
         return _tails_by_law(n, margin, z_obs)
     # per law and z: the cells with Z < z_obs (below) and with Z ≤ z_obs (at or below), counted
     below = np.add.reduceat(z[None, :] < (z_obs - TIE)[:, None], z_starts, axis=1)
     at_or_below = np.add.reduceat(z[None, :] <= (z_obs + TIE)[:, None], z_starts, axis=1)
-    totals = cdf0[np.concatenate([cdf_starts[1:], [cdf0.size]]) - 1]  # each law's P(every cell)
     upper = (totals[None, :] - cdf0[cdf_starts[None, :] + below]).max(axis=1)  # sup P(Z ≥ z)
     lower = cdf0[cdf_starts[None, :] + at_or_below].max(axis=1)  # sup P(Z ≤ z)
     return np.minimum(np.maximum(upper, 0.0), 1.0), np.minimum(np.maximum(lower, 0.0), 1.0)
@@ -146,7 +146,7 @@ class _Tail:
         self.sure = np.where(first_c <= 0, 1.0, np.where(first_c > m, 0.0, np.nan))  # nan: bdtrc decides
 
     def _log_pmf(self, p_lost):
-        return self.log_choose + xlogy(self.b, p_lost) + xlogy(self.n - self.b, 1 - p_lost)
+        return self.log_choose + xlogy(self.b, p_lost) + xlogy(self.m, 1 - p_lost)
 
     def mass(self, p_gained: float) -> float:
         p_lost = min(p_gained + self.margin, 1.0)
@@ -171,8 +171,9 @@ class _Tail:
         sure = self.sure[col]
         sf = np.where(np.isnan(sure), bdtrc(self.inside[col], self.m[col], given[row]), sure)
         tail = sf if self.upper else 1.0 - sf
-        ends = np.cumsum(live.sum(axis=1))
-        starts = ends - live.sum(axis=1)
+        counts = live.sum(axis=1)
+        ends = np.cumsum(counts)
+        starts = ends - counts
         # copies: fresh arrays, as in ``mass``, so the BLAS dot product sums them the same way
         return np.array([float(np.dot(pmf[s:e].copy(), tail[s:e].copy())) for s, e in zip(starts, ends)])
 
