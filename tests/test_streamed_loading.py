@@ -235,7 +235,8 @@ def test_fullwidth_script_tiny(tmp_path, monkeypatch):
         # a step of 3 rows reads at least the experts of 1 row: its floor is at least batch 1's
         assert three["floor_gib"] >= one["floor_gib"] > 0 and one["x_floor"] > 0
         # 4 H200s hold 4 copies of a model that needs 1, 2 hold 2: the items take half as long, the once-costs not
-        assert three["gate_min_2_h200"] / 2 < three["gate_min_4_h200"] < three["gate_min_2_h200"]
+        # (minutes rounded to 0.1: once-costs of seconds vanish beside the hours a CPU's items take)
+        assert three["gate_min_2_h200"] / 2 <= three["gate_min_4_h200"] < three["gate_min_2_h200"]
     projection = figures["gate_projection"]  # the whole gate, priced (tests/test_gate_projection.py: its arithmetic)
     assert [t["name"] for t in projection["tasks"]] == ["gsm8k", "humaneval"] and projection["rounds"]["round_ks"]
     assert {(r["lengths"], r["gpus"]) for r in projection["table"]} == {(x, g) for x in ("expected", "limit") for g in (2, 4)}
