@@ -7,14 +7,13 @@ import json
 import os
 import re
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from evalgate.canary import CANARY_DIR, canary_path
+import cli_process
 
 pytestmark = pytest.mark.slow  # end to end: each test takes more than a few seconds
 
@@ -75,7 +74,7 @@ def test_cached_decoding_matches_a_full_forward(canary):
 
 def _gate(args, tmp_path, data_dir):
     env = {**os.environ, "EVALGATE_DATA_DIR": str(data_dir)}
-    return subprocess.run([sys.executable, "-m", "evalgate", "gate", *args], cwd=REPO, env=env,
+    return cli_process.run(["gate", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1200)
 
 
@@ -140,7 +139,7 @@ def test_w4a4_and_w4a4_packed_answer_identically(tmp_path, data_dir):
     outs = {}
     for kernel in ("w4a4", "w4a4_packed"):
         outs[kernel] = tmp_path / kernel
-        proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--tasks", "gsm8k", "--limit", "16",
+        proc = cli_process.run(["run", "--tasks", "gsm8k", "--limit", "16",
                                "--kernel", kernel, "--batch-size", "16", "--out", str(outs[kernel])],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr

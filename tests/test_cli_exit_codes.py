@@ -12,6 +12,7 @@ import pytest
 from evalgate.cli.main import _run_main, main
 from evalgate.cli.options import note_resumable
 from evalgate.errors import EnvironmentFailure, Interrupted
+import cli_process
 
 KEPT = "; finished items in 'runs/x' are kept: run the same command with --out runs/x to resume"
 ENDINGS = [
@@ -72,13 +73,12 @@ def test_a_failure_before_the_run_stored_anything_offers_no_resume(monkeypatch, 
 
 @pytest.mark.parametrize("command", [["gate"], ["run", "--out", "{tmp}/run"], ["calibrate"]])
 def test_a_server_failing_at_start_is_the_environment_and_names_no_resume(command, cli_env, tmp_path):
-    import subprocess
 
     from fake_server import FakeServer
 
     with FakeServer(models_status=500) as server:
         args = [a.format(tmp=tmp_path) for a in command]
-        proc = subprocess.run([sys.executable, "-m", "evalgate", *args, "--server", server.url, "--retries", "1"],
+        proc = cli_process.run([*args, "--server", server.url, "--retries", "1"],
                               env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     (line,) = proc.stderr.strip().splitlines()
     assert proc.returncode == 4, proc.stderr

@@ -12,20 +12,19 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from gate_helpers import policy
+import cli_process
 
-EVALGATE = [sys.executable, "-m", "evalgate"]
 COMMON = ["--tasks", "gsm8k", "--limit", "8", "--max-new-tokens", "40", "--batch-size", "2"]
 
 
 def _run(args, env, cwd, check=True):
-    proc = subprocess.run(EVALGATE + args, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    proc = cli_process.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"evalgate {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
@@ -47,12 +46,12 @@ def gate_setup(tiny_model, tmp_path_factory):
     return ws, env, gate
 
 
-def _start(args, env, cwd) -> subprocess.Popen:
-    return subprocess.Popen(EVALGATE + args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def _start(args, env, cwd) -> cli_process.Process:
+    return cli_process.start(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
 
-def _wait_for_records(proc: subprocess.Popen, jsonl: Path, lines: int = 1) -> None:
+def _wait_for_records(proc: cli_process.Process, jsonl: Path, lines: int = 1) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if jsonl.exists() and jsonl.read_bytes().count(b"\n") >= lines:

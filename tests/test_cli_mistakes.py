@@ -23,6 +23,7 @@ import pytest
 
 from gate_helpers import policy
 from synthetic_runs import write_pair
+import cli_process
 
 # The console script with a probe: at exit (entry() runs the atexit handlers) it says whether torch was loaded.
 PROBE = ("import atexit, os, sys; atexit.register(lambda: open(os.environ['EG_PROBE'], 'w').write("
@@ -174,7 +175,7 @@ def workspace(tmp_path_factory):
     (ws / "runs" / "nomani" / "gsm8k.jsonl").write_bytes((cand / "gsm8k.jsonl").read_bytes())
     (ws / "runs" / "badjson").mkdir()
     (ws / "runs" / "badjson" / "manifest.json").write_text('{"status": "complete",')
-    subprocess.run([sys.executable, "-m", "evalgate", "baseline", "record", str(base), "--baselines-root",
+    cli_process.run(["baseline", "record", str(base), "--baselines-root",
                     str(ws / "recorded")], check=True, capture_output=True)
     mounts = {}
     if os.geteuid() == 0 and _mount_tmpfs(ws / "ro", "ro,size=64k") and _mount_tmpfs(ws / "full", "size=64k"):

@@ -11,6 +11,7 @@ import pytest
 
 from gate_helpers import policy
 from synthetic_runs import write_pair
+import cli_process
 
 # the console script whose report writer meets a read-only file system, as after a remount mid-run
 READ_ONLY_REPORTS = ("import errno, sys, evalgate.report.outputs as outputs\n"
@@ -37,7 +38,7 @@ def test_unwritable_reports_keep_the_verdict_and_the_named_command_writes_them(t
     command = shlex.split(line.split("write them elsewhere with: ", 1)[1])
     assert command[:2] == ["evalgate", "gate"] and command[-1] == "DIR"
     out = tmp_path / "elsewhere"
-    rerun = subprocess.run([sys.executable, "-m", "evalgate", *command[1:-1], str(out)], env=cli_env, cwd=tmp_path,
+    rerun = cli_process.run([*command[1:-1], str(out)], env=cli_env, cwd=tmp_path,
                            capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 1, rerun.stderr
     (tmp_path / "plain").write_text("")

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,13 +13,13 @@ import pytest
 
 from evalgate.cli.preflight import run_lock
 from evalgate.run.store import load_run
+import cli_process
 
-EVALGATE = [sys.executable, "-m", "evalgate"]
 VOLATILE = {"latency_s"}
 
 
 def evalgate(args, env, cwd, check=True, **kw):
-    proc = subprocess.run(EVALGATE + args, env=env, cwd=cwd, capture_output=True, text=True, timeout=600, **kw)
+    proc = cli_process.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=600, **kw)
     if check and proc.returncode != 0:
         raise AssertionError(f"evalgate {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
@@ -63,7 +62,7 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tiny_model, cli_env, t
     evalgate(args + ["--out", str(full)], cli_env, tmp_path)
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(EVALGATE + args + ["--out", str(killed)], env=cli_env, cwd=tmp_path,
+    proc = cli_process.start(args + ["--out", str(killed)], env=cli_env, cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     jsonl = killed / "gsm8k.jsonl"
     deadline = time.monotonic() + 300

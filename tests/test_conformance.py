@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from evalgate.run.store import load_run
 from evalgate.gate.policy import load_thresholds
 from evalgate.kernels import get_kernel, kernel_names
 from synthetic_runs import write_pair
+import cli_process
 
 FAULTY = sorted(n for n in kernel_names() if get_kernel(n).faulty)
 
@@ -142,7 +141,7 @@ def test_a_conforming_kernel_is_decided_on_accuracy_and_an_unchecked_one_says_so
 def test_a_run_records_its_kernels_conformance(tiny_model, tmp_path, cli_env):
     """`evalgate run` with a faulty kernel writes the failed check into the manifest, readable by the store."""
     out = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "evalgate", "run", "--model", str(tiny_model), "--kernel",
+    cli_process.run(["run", "--model", str(tiny_model), "--kernel",
                     "faulty/w4a4_packed-weight-after-requant", "--tasks", "gsm8k", "--limit", "2",
                     "--max-new-tokens", "4", "--out", str(out)], check=True, env=cli_env, capture_output=True)
     from evalgate.run.store import load_run

@@ -9,8 +9,6 @@ import fnmatch
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,9 +19,9 @@ from evalgate.tasks import data
 from evalgate.tasks.data import DATA_DIR_ENV, packaged_data_dir, parse_jsonl, read_verified, resolve_data_dir, sha256_file
 from evalgate.tasks.gsm8k import FILES as GSM8K_FILES
 from evalgate.tasks.humaneval.problems import PUBLISHED as HUMANEVAL_FILE
+import cli_process
 
 REPO = Path(__file__).resolve().parents[1]
-EVALGATE = [sys.executable, "-m", "evalgate"]
 HUMANEVAL = "humaneval/HumanEval.jsonl.gz"
 PACKAGED = [f for f in (*GSM8K_FILES.values(), HUMANEVAL_FILE) if f.packaged]  # the files evalgate ships
 # Profile ids from before GSM8K was packaged (read from a data dir then); stored baselines are keyed by them.
@@ -170,7 +168,7 @@ def test_a_broken_install_is_one_line(monkeypatch, tmp_path):
 
 def test_run_without_a_data_dir_works_offline(tiny_model, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run(EVALGATE + ["run", "--tasks", "gsm8k", "--limit", "2", "--max-new-tokens", "4",
+    proc = cli_process.run(["run", "--tasks", "gsm8k", "--limit", "2", "--max-new-tokens", "4",
                                       "--model", str(tiny_model), "--out", str(out)],
                           env=_offline_env(), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -192,7 +190,7 @@ def test_a_bad_data_dir_is_one_line_exit_2_within_seconds(case, expected, tiny_m
     # no HF_HUB_OFFLINE here: were the hub tried, its retries against the closed port would take ~25 s
     env = {k: v for k, v in _offline_env().items() if not k.endswith("_OFFLINE")}
     started = time.monotonic()
-    proc = subprocess.run(EVALGATE + ["run", "--tasks", "gsm8k", "--limit", "2", "--max-new-tokens", "4",
+    proc = cli_process.run(["run", "--tasks", "gsm8k", "--limit", "2", "--max-new-tokens", "4",
                                       "--model", str(tiny_model), "--data-dir", str(folder), "--out", str(tmp_path / "out")],
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - started

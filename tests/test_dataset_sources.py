@@ -24,10 +24,10 @@ from evalgate.tasks.data import DATA_DIR_ENV, packaged_data_dir, parse_jsonl, re
 from evalgate.tasks.gsm8k import FILES as GSM8K_FILES
 from evalgate.tasks.humaneval.problems import PUBLISHED as HUMANEVAL_FILE
 from evalgate.tasks.source import items_sha256, parse_dataset_options
+import cli_process
 
 datasets = pytest.importorskip("datasets")
 
-EVALGATE = [sys.executable, "-m", "evalgate"]
 CANARY = {"gsm8k": "gsm8k-canary-v1", "humaneval": "humaneval-canary-v1"}
 # the ids of the canary's packaged W4A8 baselines (evalgate/canary/baselines/...)
 CANARY_IDS = {"gsm8k": "479b86ce74d8e53f20d9cdf72a12294912590381f05b426cd155da0b8e8ab6aa",
@@ -266,7 +266,7 @@ def test_the_cli_refuses_a_hub_id_offline_in_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != DATA_DIR_ENV}
     env.update(HF_HUB_OFFLINE="1")
     started = time.monotonic()
-    proc = subprocess.run(EVALGATE + ["gate", "--dataset", "gsm8k=openai/gsm8k"], cwd=tmp_path, env=env,
+    proc = cli_process.run(["gate", "--dataset", "gsm8k=openai/gsm8k"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - started
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -305,7 +305,7 @@ def test_the_canary_gate_on_a_parquet_copy_passes_against_the_packaged_baseline(
     env = {k: v for k, v in os.environ.items() if k != DATA_DIR_ENV}
     env.update(HF_HUB_OFFLINE="1")
     # GSM8K alone keeps the suite short; HumanEval's copies have the packaged ids (above), so the same baseline
-    proc = subprocess.run(EVALGATE + ["gate", "--tasks", "gsm8k", "--dataset", f"gsm8k={root / 'gsm8k-parquet'}",
+    proc = cli_process.run(["gate", "--tasks", "gsm8k", "--dataset", f"gsm8k={root / 'gsm8k-parquet'}",
                                       "--out", "run"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -321,7 +321,7 @@ def test_the_canary_gate_on_a_parquet_copy_passes_against_the_packaged_baseline(
 def test_the_canary_gate_refuses_a_copy_with_one_row_changed(copies, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != DATA_DIR_ENV}
     env.update(HF_HUB_OFFLINE="1")
-    proc = subprocess.run(EVALGATE + ["gate", "--tasks", "gsm8k", "--dataset",
+    proc = cli_process.run(["gate", "--tasks", "gsm8k", "--dataset",
                                       f"gsm8k={copies['root'] / 'train-changed.parquet'}", "--out", "run"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]

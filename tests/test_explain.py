@@ -10,13 +10,12 @@ from __future__ import annotations
 import io
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from evalgate.run.progress import Progress
+import cli_process
 
 KERNELS = ("w4a8", "w4a4_packed")
 
@@ -193,18 +192,18 @@ def test_a_faulty_kernels_flips_are_divergences_a_healthy_kernels_near_ties(cana
 def test_the_explain_command_on_a_run_folder(canary_runs, tmp_path, cli_env):
     path = canary_runs["faulty/w4a4_packed-drop-slot"]
     out = tmp_path / "x.json"
-    done = subprocess.run([sys.executable, "-m", "evalgate", "explain", str(path), "--json", str(out)],
+    done = cli_process.run(["explain", str(path), "--json", str(out)],
                           capture_output=True, text=True, env=cli_env, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "0 of " in done.stdout and "flips are near-ties" in done.stdout
     written = json.loads(out.read_text())
     assert written and all(x["kind"] == "divergence" for x in written)
-    one = subprocess.run([sys.executable, "-m", "evalgate", "explain", str(path), written[0]["doc_id"]],
+    one = cli_process.run(["explain", str(path), written[0]["doc_id"]],
                          capture_output=True, text=True, env=cli_env, timeout=600)
     assert one.returncode == 0, one.stderr
     assert one.stdout.startswith(f"humaneval {written[0]['doc_id']} (lost): divergence at token ")
     assert "local_rel_diff" in one.stdout and "logprob" in one.stdout  # the per-layer and top-2 tables
-    bad = subprocess.run([sys.executable, "-m", "evalgate", "explain", str(path), "HumanEval/999"],
+    bad = cli_process.run(["explain", str(path), "HumanEval/999"],
                          capture_output=True, text=True, env=cli_env, timeout=600)
     assert bad.returncode == 2 and bad.stderr.startswith("evalgate: error:") and "Traceback" not in bad.stderr
 

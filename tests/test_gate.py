@@ -20,6 +20,7 @@ from evalgate.run.baselines import load_baseline
 from evalgate.run.store import load_run
 from evalgate.gate.policy import load_thresholds
 from gate_helpers import derive_run, policy
+import cli_process
 
 REPO = Path(__file__).resolve().parents[1]
 N = 40
@@ -41,7 +42,7 @@ def tiny_run(tiny_model, tmp_path_factory, data_dir):
 
 def evalgate_cli(args, cwd, env=None):
     env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "evalgate", *args], cwd=cwd, env=env, capture_output=True,
+    return cli_process.run([*args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 
 

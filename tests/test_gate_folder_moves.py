@@ -4,12 +4,11 @@ found again from another directory, and in a copy of the run (a CI artifact) aft
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import evalgate
 from gate_helpers import policy
 from synthetic_runs import write_pair
+import cli_process
 
 
 def test_a_gate_folder_is_read_from_another_directory_and_from_a_copy_of_its_run(cli_env, tmp_path, monkeypatch):
@@ -19,7 +18,7 @@ def test_a_gate_folder_is_read_from_another_directory_and_from_a_copy_of_its_run
     for args in (["baseline", "record", "runs/base", "--baselines-root", str(baselines)],
                  ["gate", "--candidate", "runs/cand", "--baselines-root", str(baselines), "--allow-uncalibrated",
                   "--thresholds", str(pol)]):  # relative paths, as a user types them
-        proc = subprocess.run([sys.executable, "-m", "evalgate", *args], cwd=work, env=cli_env, capture_output=True,
+        proc = cli_process.run([*args], cwd=work, env=cli_env, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode in (0, 1, 3), proc.stderr
     elsewhere = tmp_path / "elsewhere"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import builtins
 import io
 import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -18,6 +17,7 @@ from serve_helpers import running_server
 
 from evalgate.cli.main import main as evalgate_cli
 from evalgate.tasks import get_task
+import cli_process
 
 
 class Reads:
@@ -101,7 +101,7 @@ def test_a_gate_through_evalgate_serve_reads_each_input_once(tiny_model, data_di
             str(port), "--batch-size", "4"]
     common = ["--tasks", "gsm8k", "--limit", "4", "--max-new-tokens", "24", "--data-dir", str(data_dir)]
     with running_server(argv, port, tmp_path / "serve.log", env, "evalgate serve") as url:
-        proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--server", url, "--kernel", "w4a8", *common,
+        proc = cli_process.run(["run", "--server", url, "--kernel", "w4a8", *common,
                                "--out", str(tmp_path / "base")], env=env, cwd=tmp_path, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr

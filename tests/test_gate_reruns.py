@@ -10,13 +10,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from evalgate.stats.exact_ni import exact_pvalues
 from synthetic_runs import write_run
+import cli_process
 
 N, MARGIN_PP = 164, 5.0
 POLICY = """alpha: 0.05
@@ -44,7 +44,7 @@ def _candidate(root: Path, name: str, lost: int, gained: int, offset: int) -> Pa
 def _gate(cwd: Path, candidate: Path, base: Path, policy: Path) -> subprocess.Popen:
     cwd.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("EVALGATE_")}
-    return subprocess.Popen([sys.executable, "-m", "evalgate", "gate", "--candidate", str(candidate), "--baseline",
+    return cli_process.start(["gate", "--candidate", str(candidate), "--baseline",
                              str(base), "--thresholds", str(policy), "--allow-uncalibrated", "--report-dir",
                              str(cwd / "report")], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from evalgate.model_adapters.server.engines import TABLE, Stack, preflight
 from evalgate.model_adapters.server.launcher import served_adapter
 from evalgate.model_adapters.server.openai_client import OpenAIAdapter
 from fake_server import FakeServer
+import cli_process
 
 HERE = Path(__file__).resolve().parent
 FAKE = f"{sys.executable} {HERE / 'fake_server.py'}"
@@ -333,7 +333,6 @@ def test_runs_served_with_and_without_the_fused_shared_expert_are_not_comparable
 
 
 def test_the_command_line_compares_across_serving_only_when_asked(tmp_path, cli_env):
-    import sys
 
     from gate_helpers import policy
     from synthetic_runs import write_pair
@@ -343,11 +342,11 @@ def test_the_command_line_compares_across_serving_only_when_asked(tmp_path, cli_
         manifest = json.loads((path / "manifest.json").read_text())
         manifest["model"]["serving_identity"] = {"shared_expert_fusion": fusion, "routed_scaling": "before the kernel"}
         (path / "manifest.json").write_text(json.dumps(manifest))
-    gate = [sys.executable, "-m", "evalgate", "gate", "--candidate", str(cand), "--baseline", str(base),
+    gate = ["gate", "--candidate", str(cand), "--baseline", str(base),
             "--allow-uncalibrated", "--thresholds", str(policy(tmp_path))]
-    refused = subprocess.run(gate, env=cli_env, capture_output=True, text=True, timeout=300)
+    refused = cli_process.run(gate, env=cli_env, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "pass --across-serving" in refused.stderr, refused.stderr
-    asked = subprocess.run([*gate, "--across-serving"], env=cli_env, capture_output=True, text=True, timeout=300)
+    asked = cli_process.run([*gate, "--across-serving"], env=cli_env, capture_output=True, text=True, timeout=300)
     assert asked.returncode in (0, 1, 3), asked.stderr
     assert "compared across a serving difference" in (cand / "gate" / "report.md").read_text()
 

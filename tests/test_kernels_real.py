@@ -3,8 +3,6 @@ sgl-deep-gemm's API, and what selecting a real kernel does where its library is 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -18,6 +16,7 @@ from evalgate.kernels.real.contiguous import pad_by_expert, scatter_rows
 from evalgate.kernels.real.faults import FAULTS
 from evalgate.kernels.registry import KERNELS, register_kernel
 from evalgate.kernels.weights import Fp4ExpertWeights
+import cli_process
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +134,7 @@ def test_a_real_kernel_names_its_library_and_recipe():
 def test_selecting_a_real_kernel_without_its_library_is_one_line_exit_2(tiny_model, cli_env, tmp_path):
     if get_kernel("deepgemm/fp8_block128").library.missing() is None:
         pytest.skip("DeepGEMM runs here")
-    p = subprocess.run([sys.executable, "-m", "evalgate", "run", "--model", str(tiny_model), "--kernel",
+    p = cli_process.run(["run", "--model", str(tiny_model), "--kernel",
                         "deepgemm/fp8_block128", "--tasks", "gsm8k", "--limit", "1", "--out", str(tmp_path / "r")],
                        env=cli_env, capture_output=True, text=True)
     lines = [line for line in p.stderr.splitlines() if line.strip() and "Warning" not in line and "torchao" not in line

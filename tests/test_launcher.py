@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from evalgate.kernels import get_kernel
 from evalgate.model_adapters.server.engines import Stack
 from evalgate.model_adapters.server.launcher import ServerProcess, check_environment, free_port, plan_launch
 from engine_sites import site
+import cli_process
 
 HERE = Path(__file__).resolve().parent
 FAKE = f"{sys.executable} {HERE / 'fake_server.py'}"
@@ -233,12 +233,12 @@ def test_ctrl_c_stops_the_launched_server_and_keeps_finished_items(cli_env, tmp_
     out = tmp_path / "run"
     env = {**cli_env, "EVALGATE_SGLANG_COMMAND": FAKE,
            "PYTHONPATH": str(site(tmp_path / "site", sglang="0.5.14", deep_gemm="0.1.3", packed=True))}
-    args = [sys.executable, "-m", "evalgate", "run", "--launch", "sglang", "--model", "/models/fake-model",
+    args = ["run", "--launch", "sglang", "--model", "/models/fake-model",
             "--kernel", "w4a4_packed", "--limit", "12", "--batch-size", "1", "--concurrency", "1", "--out", str(out)]
     server_args = ["--", *MEGA, "--pid-file", str(tmp_path / "pid")]
     # 1 s per answer: Ctrl-C lands with most items still to do, even on a loaded machine
-    proc = subprocess.Popen(args + server_args + ["--delay", "1.0"], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = cli_process.start(args + server_args + ["--delay", "1.0"], env=env, cwd=tmp_path,
+                             stdout=cli_process.PIPE, stderr=cli_process.PIPE, text=True)
     jsonl = out / "gsm8k.jsonl"
     deadline = time.monotonic() + 120
     while not (jsonl.exists() and jsonl.read_bytes().count(b"\n") >= 2):
@@ -260,7 +260,7 @@ def test_ctrl_c_stops_the_launched_server_and_keeps_finished_items(cli_env, tmp_
     assert manifest["model"]["kernel_verified"] is False and (out / "server.log").is_file()
     assert manifest["model"]["kernel_check"]["status"] == "unverified"  # 0.5.14 does not report DG_* variables
 
-    done = subprocess.run(args + ["--resume"] + server_args, env=env, cwd=tmp_path, capture_output=True,
+    done = cli_process.run(args + ["--resume"] + server_args, env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     resumed = [json.loads(l) for l in jsonl.read_text().splitlines()]
@@ -274,7 +274,7 @@ def test_a_launched_vllm_gets_batch_invariance_and_no_deterministic_is_recorded(
     env = {**cli_env, "EVALGATE_VLLM_COMMAND": FAKE, "PYTHONPATH": str(site(tmp_path / "site", vllm="0.34.0"))}
     for name, extra in (("default", []), ("opt-out", ["--no-deterministic"])):
         out = tmp_path / name
-        proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--launch", "vllm", "--model", "/models/fake-model",
+        proc = cli_process.run(["run", "--launch", "vllm", "--model", "/models/fake-model",
                                "--kernel", "w4a8", "--limit", "2", "--out", str(out), *extra, "--",
                                "--env-file", str(tmp_path / f"{name}.json")], env=env, cwd=tmp_path,
                               capture_output=True, text=True, timeout=300)

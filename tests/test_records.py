@@ -25,6 +25,7 @@ from evalgate.tasks import record_model
 from evalgate.tasks.gsm8k import Gsm8kRecord
 from evalgate.tasks.humaneval.task import HumanEvalRecord
 from evalgate.types import AdapterBase
+import cli_process
 
 # The canary baselines as an evalgate before schema versions recorded them (version 1, kept byte for byte):
 # what the migration must go on reading. The packaged canary baselines are version 2.
@@ -442,7 +443,7 @@ def test_a_union_mismatch_names_the_field_once():
 
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DG_")}
-    return subprocess.run([sys.executable, "-m", "evalgate", *args], cwd=cwd, env=env, capture_output=True,
+    return cli_process.run([*args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300, check=False)
 
 

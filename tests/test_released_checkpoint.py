@@ -14,6 +14,7 @@ import torch
 
 import evalgate.kernels.catalogs  # noqa: F401  (registers the kernels)
 from evalgate.errors import UserError
+import cli_process
 
 pytest.importorskip("accelerate")
 
@@ -335,9 +336,8 @@ def test_held_dequantizations_give_the_same_bits_and_keep_the_reserve_free(relea
 
 
 def _evalgate(args, env, cwd):
-    import subprocess
 
-    return subprocess.run([sys.executable, "-m", "evalgate", *args], env=env, cwd=cwd, capture_output=True,
+    return cli_process.run([*args], env=env, cwd=cwd, capture_output=True,
                           text=True, timeout=900)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 
 import fake_server
 from evalgate.tasks.humaneval.problems import build_program, load_problems
+import cli_process
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0,
                                 reason="the full sandbox needs Linux and root")
@@ -76,8 +76,8 @@ def run_dir(tmp_path_factory, cli_env_module):
     patch.setattr(fake_server, "reply_for", reply)
     try:
         with fake_server.FakeServer() as server:
-            done = subprocess.run(
-                [sys.executable, "-m", "evalgate", "run", "--server", server.url, "--tasks", "humaneval",
+            done = cli_process.run(
+                ["run", "--server", server.url, "--tasks", "humaneval",
                  "--samples", str(SAMPLES), "--temperature", "0.7", "--dataset", f"humaneval={dataset}",
                  "--out", str(out)], capture_output=True, text=True, env=cli_env_module, timeout=600)
     finally:

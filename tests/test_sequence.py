@@ -17,6 +17,7 @@ from evalgate.gate.sequence import MAX_LOOKS
 from evalgate.stats.exact_ni import critical_value
 from evalgate.stats.paired import tango_z
 from synthetic_runs import write_run
+import cli_process
 
 POLICY = """alpha: 0.05
 tasks:
@@ -317,8 +318,6 @@ def test_the_canarys_look_records_go_under_the_baselines_root_given(tmp_path):
     """The packaged canary baselines are read-only: their look records live under the user's baselines root,
     the one --baselines-root names (not ./results/baselines, nor $EVALGATE_BASELINES)."""
     import os
-    import subprocess
-    import sys
 
     from evalgate.canary import BASELINES
     from evalgate.gate.sequence import looks_home
@@ -333,7 +332,7 @@ def test_the_canarys_look_records_go_under_the_baselines_root_given(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("EVALGATE_")},
            "EVALGATE_BASELINES": str(elsewhere)}
     other = next(Path(BASELINES).glob("*/humaneval-*/w4a8"))  # the A/A run holds both tasks
-    proc = subprocess.run([sys.executable, "-m", "evalgate", "gate", "--candidate", str(base / "aa"), "--baseline",
+    proc = cli_process.run(["gate", "--candidate", str(base / "aa"), "--baseline",
                            str(base), "--baseline", str(other), "--baselines-root", str(root), "--report-dir",
                            str(tmp_path / "report")],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)

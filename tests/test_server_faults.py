@@ -25,6 +25,7 @@ from evalgate.run.spec import RunSpec
 from evalgate.run.store import load_run
 from evalgate.types import Request
 from fake_server import FakeServer
+import cli_process
 
 HERE = Path(__file__).resolve().parent
 VOLATILE = {"latency_s"}
@@ -278,7 +279,7 @@ def test_a_server_killed_mid_run_loses_nothing_and_resume_after_restart_complete
 def test_cli_server_fault_is_one_line_and_exit_4(data_dir, cli_env, tmp_path):
     out = tmp_path / "run"
     with FakeServer(plan=lambda n, body: "500" if n >= 2 else None) as server:
-        proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--server", server.url, "--kernel", "w4a8",
+        proc = cli_process.run(["run", "--server", server.url, "--kernel", "w4a8",
                                "--limit", "4", "--batch-size", "4", "--concurrency", "1", "--retries", "1",
                                "--out", str(out)], env=cli_env, cwd=tmp_path, capture_output=True, text=True,
                               timeout=300)
@@ -316,7 +317,7 @@ def test_cli_gate_runs_the_candidate_on_the_server(data_dir, cli_env, tmp_path):
 
     with FakeServer() as server:
         base = run(server.url, tmp_path / "base", data_dir)
-        proc = subprocess.run([sys.executable, "-m", "evalgate", "gate", "--server", server.url, "--model-id", "fake-model",
+        proc = cli_process.run(["gate", "--server", server.url, "--model-id", "fake-model",
                                "--kernel", "w4a4_packed", "--tasks", "gsm8k", "--limit", str(LIMIT), "--batch-size", "4",
                                "--baseline", str(base), "--thresholds", str(policy(tmp_path)), "--allow-uncalibrated",
                                "--out", str(tmp_path / "cand")], env=cli_env, cwd=tmp_path, capture_output=True,
@@ -332,7 +333,7 @@ def test_cli_calibrate_runs_the_a_a_pair_on_the_server(data_dir, cli_env, tmp_pa
 
     info = {"model_path": "/models/fake-model", "enable_deterministic_inference": True}
     with FakeServer(server_info=info) as server:
-        proc = subprocess.run([sys.executable, "-m", "evalgate", "calibrate", "--server", server.url, "--kernel", "w4a8",
+        proc = cli_process.run(["calibrate", "--server", server.url, "--kernel", "w4a8",
                                "--tasks", "gsm8k", "--limit", str(LIMIT), "--concurrency", "1",
                                "--baselines-root", str(tmp_path / "baselines"), "--runs-dir", str(tmp_path / "runs"),
                                "--thresholds", str(policy(tmp_path))], env=cli_env, cwd=tmp_path, capture_output=True,

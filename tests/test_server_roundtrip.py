@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -17,6 +16,7 @@ from serve_helpers import running_server
 from evalgate.errors import UserError
 from evalgate.model_adapters.server.launcher import free_port
 from evalgate.run.store import load_run
+import cli_process
 
 KERNEL = "w4a8"
 LIMIT, MAX_NEW = 4, 24
@@ -60,7 +60,7 @@ def test_a_server_run_equals_the_in_process_run(served, tiny_model, data_dir, cl
     local = execute(spec, tmp_path / "local", in_process_adapter(spec),
                     progress=Progress(enabled=False, stream=open(os.devnull, "w")))
     out = tmp_path / "served"
-    proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--server", served, "--model-id", "model",
+    proc = cli_process.run(["run", "--server", served, "--model-id", "model",
                            "--kernel", KERNEL, "--limit", str(LIMIT), "--max-new-tokens", str(MAX_NEW),
                            "--batch-size", "4", "--concurrency", "4", "--out", str(out)],
                           env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -10,7 +10,6 @@ Skipped, with the reason, when the serving extra (fastapi, uvicorn, openai) is n
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,6 +21,7 @@ for _module in ("fastapi", "uvicorn", "openai"):
 
 from evalgate.model_adapters.server.launcher import free_port  # noqa: E402
 from evalgate.run.store import load_run  # noqa: E402
+import cli_process
 
 LIMIT, MAX_NEW = 4, 24
 ITEM_FIELDS = ("resps", "finish_reason", "stop_hit", "n_tokens", "n_prompt_tokens", "extracted", "filtered_resps",
@@ -64,7 +64,7 @@ def test_a_run_against_transformers_serve_equals_the_in_process_bf16_run(transfo
                              progress=Progress(enabled=False, stream=open(os.devnull, "w"))))
     out = tmp_path / "served"
     # transformers serve pins the model to the path it was given and refuses any other name
-    proc = subprocess.run([sys.executable, "-m", "evalgate", "run", "--server", transformers_serve,
+    proc = cli_process.run(["run", "--server", transformers_serve,
                            "--model-id", str(tiny_model), "--kernel", "bf16", "--limit", str(LIMIT),
                            "--max-new-tokens", str(MAX_NEW), "--concurrency", "4", "--out", str(out)],
                           env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=600)

@@ -9,12 +9,12 @@ import subprocess
 import sys
 
 import pytest
+import cli_process
 
-EVALGATE = [sys.executable, "-m", "evalgate"]
 
 
 def _cli(args, env, cwd):
-    return subprocess.run(EVALGATE + args, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    return cli_process.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 def _one_line_exit_2(proc) -> str:
