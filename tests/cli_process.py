@@ -26,6 +26,7 @@ import pickle
 import random
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -33,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 EVALGATE = [sys.executable, "-m", "evalgate"]
@@ -95,8 +95,8 @@ def _server_for(env: dict[str, str]) -> _Server | None:
     return _servers[key]
 
 
-def _stream(spec: Any, default_fd: int, files: list) -> tuple[int, Path | None]:
-    """The fd the child gets for one of its standard streams, and the file a PIPE collects into."""
+def _stream(spec: Any, default_fd: int, files: list, text: bool = False) -> tuple[int, Any]:
+    """The fd the child gets for one of its standard streams, and where a PIPE is read from."""
     if spec is None:
         return default_fd, None
     if spec == DEVNULL:
@@ -105,11 +105,14 @@ def _stream(spec: Any, default_fd: int, files: list) -> tuple[int, Path | None]:
         return f.fileno(), None
     if spec == PIPE:
         # a file, not a pipe: the child never blocks on a reader, and what it wrote can be read at any time
+        # (the writer appends, the reader keeps its own offset; the name is gone once both are open)
         fd, name = tempfile.mkstemp(prefix="evalgate-cli-out-")
         os.close(fd)
         f = open(name, "ab")
+        reader = open(name, "r" if text else "rb")
+        os.unlink(name)
         files.append(f)
-        return f.fileno(), Path(name)
+        return f.fileno(), reader
     if isinstance(spec, int):
         return spec, None
     return spec.fileno(), None
@@ -123,7 +126,6 @@ class Process:
                  input_bytes: bytes | None = None):
         self.args = [*EVALGATE, *args]
         self.returncode: int | None = None
-        self._paths: list[Path | None] = [None, None]
         files: list = []
         try:
             if input_bytes is not None:
@@ -132,12 +134,14 @@ class Process:
                 tmp.seek(0)
                 files.append(tmp)
                 in_fd = tmp.fileno()
-            else:  # not this process's stdin: a fresh interpreter under pytest reads nothing from it either
+            else:  # stdin not given: /dev/null (pytest gives a test nothing to read either)
                 in_fd, _ = _stream(stdin if stdin is not None else DEVNULL, 0, files)
-            out_fd, self._paths[0] = _stream(stdout, 1, files)
-            err_fd = out_fd if stderr == subprocess.STDOUT else None
-            if err_fd is None:
-                err_fd, self._paths[1] = _stream(stderr, 2, files)
+            out_fd, self.stdout = _stream(stdout, 1, files, text)
+            self.stderr = None
+            if stderr == subprocess.STDOUT:
+                err_fd = out_fd
+            else:
+                err_fd, self.stderr = _stream(stderr, 2, files, text)
             payload = {"args": args, "env": env, "cwd": os.path.abspath(cwd or os.getcwd()),
                        "new_session": start_new_session}
             self._conn = server.request(payload, [in_fd, out_fd, err_fd])
@@ -145,8 +149,6 @@ class Process:
             for f in files:
                 f.close()
         self.pid = struct.unpack("!q", _recv_exactly(self._conn, 8))[0]
-        mode = "r" if text else "rb"
-        self.stdout, self.stderr = (open(p, mode) if p else None for p in self._paths)
 
     def poll(self) -> int | None:
         if self.returncode is None and _readable(self._conn, 0):
@@ -193,9 +195,6 @@ class Process:
         for stream in (self.stdout, self.stderr):
             if stream is not None:
                 stream.close()
-        for path in self._paths:
-            if path is not None:
-                path.unlink(missing_ok=True)
 
 
 def _readable(conn: socket.socket, timeout: float | None) -> bool:
@@ -329,5 +328,7 @@ def _child(request: dict) -> None:
 if __name__ == "__main__":
     sys.path.pop(0)  # this folder: the child's first path is its working directory
     child_request = _serve(sys.argv[1])
-    if child_request is not None:
+    if child_request is None:  # the tests' process ended: its folder (socket, log) goes too
+        shutil.rmtree(os.path.dirname(sys.argv[1]), ignore_errors=True)
+    else:
         _child(child_request)
