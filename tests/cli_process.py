@@ -13,7 +13,8 @@ the hub's cache and offline switches, PYTHONPATH) is the server's, so a server s
 the keys the preloaded modules never read (``LATE_KEYS``). The first call in an environment runs as a fresh
 interpreter; the second starts that environment's server, up to ``MAX_SERVERS`` a test process (beyond them,
 fresh interpreters). What the preloaded imports print (torchao's notices) went to the server's log, not to
-the child's stderr: tests/test_quiet_imports.py checks that a fresh interpreter stays quiet.
+the child's stderr: tests/test_quiet_imports.py holds a fresh interpreter's import of evalgate quiet, and each
+environment's first CLI call here is a fresh interpreter.
 
 ``run`` mirrors ``subprocess.run``; ``start`` mirrors ``subprocess.Popen`` for what the tests use (pid,
 poll, wait, communicate, kill, send_signal; stdout and stderr as PIPE, DEVNULL, a file or inherited).
